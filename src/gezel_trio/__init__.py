@@ -1,0 +1,55 @@
+"""gezel-trio: an OpenAI-compatible MLX inference sidecar on Trio.
+
+The public API for Trio programs (no HTTP involved)::
+
+    async with open_engine(EngineConfig(model=path)) as engine:
+        prompt = await engine.render_chat([{"role": "user", "content": "hi"}])
+        with engine.submit_nowait(GenerationRequest(tuple(prompt), max_tokens=32)) as handle:
+            async for event in handle:
+                match event:
+                    case Delta(text=text): print(text, end="")
+                    case Finished(reason=reason): ...
+
+Cancelling the scope around the ``with`` block withdraws the request.
+"""
+
+from .backend import ModelInfo
+from .config import EngineConfig
+from .engine import Engine, EngineState, RequestHandle, open_engine, run_engine
+from .errors import (
+    EngineClosed,
+    EngineFailure,
+    GezelError,
+    InvalidRequest,
+    ModelLoadError,
+    QueueFull,
+    SlowConsumer,
+)
+from .events import Delta, Event, Failed, Finished, Progress, Usage
+from .request import GenerationRequest, Priority, SamplingParams
+
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "EngineFailure",
+    "EngineState",
+    "Event",
+    "Failed",
+    "Finished",
+    "GenerationRequest",
+    "GezelError",
+    "InvalidRequest",
+    "ModelInfo",
+    "ModelLoadError",
+    "Priority",
+    "Progress",
+    "QueueFull",
+    "RequestHandle",
+    "SamplingParams",
+    "SlowConsumer",
+    "Usage",
+    "open_engine",
+    "run_engine",
+]

@@ -1,0 +1,85 @@
+"""The ``gezel-trio`` command: ``serve`` and ``demo-model``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .config import EngineConfig
+from .http.app import HttpSettings
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gezel-trio", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    s.add_argument("--model", type=Path, default=None,
+                   help="local model directory (default: the bundled tiny dense demo model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    s.add_argument("--max-concurrency", type=int, default=4,
+                   help="sequences decoded together in one batch")
+    s.add_argument("--prefill-step-size", type=int, default=512,
+                   help="prompt tokens processed per engine step")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; beyond it: 429")
+    s.add_argument("--max-tokens-default", type=int, default=4096,
+                   help="max_tokens when a request names none")
+    s.add_argument("--static-waves", action="store_true",
+                   help="admit only into an empty batch (no continuous batching)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--max-body-mb", type=float, default=8.0)
+    s.add_argument("--graceful-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM")
+    s.add_argument("--log-level", default="INFO")
+
+    d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
+    d.add_argument("--kind", choices=["dense", "hybrid"], default="dense")
+    d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "demo-model":
+        # No Trio loop here: the builder runs on this, the only, thread.
+        from .demo_model import ensure_demo_model
+
+        print(ensure_demo_model(args.kind, args.size))
+        return 0
+
+    from .server import ServerConfig, main_serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        engine = EngineConfig(
+            model=args.model,
+            max_concurrency=args.max_concurrency,
+            prefill_step_size=args.prefill_step_size,
+            max_queue=args.max_queue,
+            default_max_tokens=args.max_tokens_default,
+            continuous_batching=not args.static_waves,
+        )
+    except ValueError as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
+    config = ServerConfig(
+        engine=engine,
+        http=HttpSettings(
+            host=args.host,
+            api_key=args.api_key,
+            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        ),
+        port=args.port,
+        graceful_timeout=args.graceful_timeout,
+    )
+    return main_serve(config)

@@ -1,0 +1,32 @@
+"""Engine configuration, a frozen value built by the CLI or an embedder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+__all__ = ["EngineConfig"]
+
+
+def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attr.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """``model`` is a local model directory; ``None`` means the bundled tiny
+    dense demo model, built on first use (no download, ever).
+
+    ``max_queue`` bounds the requests waiting for a slot: beyond it
+    ``submit_nowait`` raises ``QueueFull`` (HTTP 429).
+    """
+
+    model: Path | None = None
+    max_concurrency: int = attrs.field(default=4, validator=_positive)
+    prefill_step_size: int = attrs.field(default=512, validator=_positive)
+    max_queue: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    # Upper bound for ``max_tokens`` when a request names none.
+    default_max_tokens: int = attrs.field(default=4096, validator=_positive)
+    continuous_batching: bool = True

@@ -1,0 +1,425 @@
+"""Small random-weight demo models, built locally with no download.
+
+``ensure_demo_model(kind, size)`` materialises a model directory that
+``mlx_lm.load(path)`` accepts:
+
+* ``dense``: a llama-style (``model_type: "llama"``) full-attention model, so
+  every layer gets a plain, trimmable ``KVCache``.
+* ``hybrid``: a dense Qwen 3.5-style (``model_type: "qwen3_5"``) model whose
+  layers are gated-delta linear attention (``ArraysCache``, not trimmable)
+  except every ``full_attention_interval``-th one, which is full attention
+  (``KVCache``).
+
+Sizes: ``tiny`` (hidden 64, 4 layers, float32, about 2 MB) for tests and
+``bench`` (hidden 512, 8 layers, bfloat16, 42-47 MB) so that prefill and
+decode cost something measurable.
+
+Both kinds share one tokenizer: a byte-level BPE trained at build time,
+deterministically, on the English text in ``demo_data/corpus.txt``, with the
+same normalizer, pre-tokenizer and decoder as Qwen's (transformers rebuilds
+qwen3_5 tokenizers that way whatever tokenizer.json says, so only that
+pipeline behaves the same for both kinds). Its alphabet is the byte symbols
+of printable ASCII plus newline, so every id decodes on its own to valid
+text; other characters encode to ``<unk>`` for the dense kind, while the
+hybrid kind's Qwen3_5Tokenizer (whose BPE has no unk) drops them. mlx-lm
+streams it with its ``BPEStreamingDetokenizer``, which, like decode, gives
+back the text exactly, except that it drops the first character of the
+output when that is a space. The first ten ids are fixed (see
+``SPECIAL_TOKENS`` and ``CONTROL_TOKENS``).
+
+The weights are random, drawn from explicit PRNG keys rather than the global
+MLX random state, so a build is reproducible whatever else the process does. Generated text is
+nonsense made of corpus word pieces. Two adjustments make that useful to
+tests:
+
+* The ``lm_head`` rows of the added tokens (eos, ``<think>``,
+  ``<tool_call>``, ...) are zero, so their logit is always exactly 0 while
+  ordinary tokens spread around it. Greedy decoding practically never picks
+  them and generations run to ``max_tokens``; with sampling they stay possible
+  but rare.
+* The other ``lm_head`` rows are scaled by ``_LOGIT_SCALE`` so the logits
+  have a standard deviation of about 2.3: sampling at temperature 1 is then
+  peaked enough that each added token is unlikely (an eos, of two ids, comes
+  about once in 14,000 steps) and not every step is a near-uniform draw.
+
+Each directory name carries ``BUILDER_VERSION``: change it whenever the output
+changes so that stale directories are not reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal, cast, get_args
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+DemoKind = Literal["dense", "hybrid"]
+DemoSize = Literal["tiny", "bench"]
+
+BUILDER_VERSION: Final = "v1"
+
+# Added tokens with special=True: skipped by decode(skip_special_tokens=True).
+SPECIAL_TOKENS: Final = ("<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Added tokens with special=False, so they survive decoding like Qwen's.
+CONTROL_TOKENS: Final = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+# The trainer puts its special tokens first, so these ids are fixed; unk takes
+# id 0 so that no eos id is 0 (a falsy id invites bugs in callers).
+UNK_ID: Final = 0
+ENDOFTEXT_ID: Final = 1
+IM_START_ID: Final = 2
+IM_END_ID: Final = 3
+
+_SEED: Final = 1234
+_LOGIT_SCALE: Final = 4.0
+_TARGET_VOCAB: Final = 4096  # an upper bound: min_frequency=2 stops earlier
+_MAX_POSITIONS: Final = 32768
+# Qwen2/Qwen3.5's pre-tokenizer split (transformers' PRETOKENIZE_REGEX).
+_QWEN_SPLIT: Final = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DATA_DIR: Final = Path(__file__).resolve().parent / "demo_data"
+_MANIFEST: Final = "demo_model.json"  # written last: marks a complete build
+
+
+@dataclass(frozen=True)
+class _Dims:
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    # Gated delta (linear attention) layers of the hybrid kind.
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    dtype: Literal["float32", "bfloat16"]
+
+
+def _dims(size: DemoSize) -> _Dims:
+    if size == "tiny":
+        return _Dims(
+            hidden=64,
+            layers=4,
+            intermediate=128,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            linear_k_heads=2,
+            linear_v_heads=4,
+            linear_k_dim=32,
+            linear_v_dim=16,
+            # Exact on every backend; the size does not matter at this scale.
+            dtype="float32",
+        )
+    return _Dims(
+        hidden=512,
+        layers=8,
+        intermediate=1024,
+        heads=8,
+        kv_heads=4,
+        head_dim=64,
+        linear_k_heads=4,
+        linear_v_heads=8,
+        linear_k_dim=64,
+        linear_v_dim=64,
+        # Halves the file, and is faster than float32 on MLX's CPU backend too.
+        dtype="bfloat16",
+    )
+
+
+def _check(kind: str, size: str) -> None:
+    if kind not in get_args(DemoKind):
+        raise ValueError(f"unknown demo model kind {kind!r}")
+    if size not in get_args(DemoSize):
+        raise ValueError(f"unknown demo model size {size!r}")
+
+
+def default_root() -> Path:
+    """``$GEZEL_TRIO_HOME/demo-models``, else ``~/.cache/gezel-trio/demo-models``."""
+    home = os.environ.get("GEZEL_TRIO_HOME")
+    if home:
+        return Path(home) / "demo-models"
+    return Path.home() / ".cache" / "gezel-trio" / "demo-models"
+
+
+def demo_model_path(
+    kind: DemoKind = "dense", size: DemoSize = "tiny", root: Path | None = None
+) -> Path:
+    """Where the demo model lives (no I/O; it may not be built yet)."""
+    _check(kind, size)
+    return (root if root is not None else default_root()) / (f"{kind}-{size}-{BUILDER_VERSION}")
+
+
+def ensure_demo_model(
+    kind: DemoKind = "dense", size: DemoSize = "tiny", root: Path | None = None
+) -> Path:
+    """Build the demo model if it is missing and return its directory.
+
+    Idempotent and safe against concurrent builders: the model is written to a
+    temporary directory beside the target and renamed into place, and a
+    builder that loses the race discards its copy.
+    """
+    target = demo_model_path(kind, size, root)
+    if (target / _MANIFEST).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from others
+        _build(kind, size, tmp)
+        if target.exists() and not (target / _MANIFEST).is_file():
+            # Not ours to trust (an interrupted copy, say): move it aside
+            # first, as renaming over a non-empty directory fails.
+            _discard(target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / _MANIFEST).is_file():
+                raise
+            # Another process finished first; its build is identical.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _discard(path: Path) -> None:
+    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+    with contextlib.suppress(FileNotFoundError):  # somebody else removed it
+        os.replace(path, trash / "x")
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
+    dims = _dims(size)
+    vocab_size = _write_tokenizer(dest)
+    config = _model_config(kind, dims, vocab_size)
+    _write_json(dest / "config.json", config)
+    _write_json(
+        dest / "generation_config.json",
+        {
+            "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+            "pad_token_id": ENDOFTEXT_ID,
+        },
+    )
+    _write_weights(kind, dims, config, dest / "model.safetensors")
+    _write_json(
+        dest / _MANIFEST,
+        {
+            "kind": kind,
+            "size": size,
+            "builder_version": BUILDER_VERSION,
+            "seed": _SEED,
+            "vocab_size": vocab_size,
+        },
+    )
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", "utf-8")
+
+
+def _write_tokenizer(dest: Path) -> int:
+    """Train the BPE tokenizer and write its files; return the vocab size."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+
+    # The pipeline is exactly the one transformers' Qwen3_5Tokenizer rebuilds
+    # from tokenizer.json's vocab and merges (it ignores the rest of the file)
+    # for model_type qwen3_5, so the dense and hybrid kinds tokenize alike.
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # Byte-level symbols of printable ASCII and newline only: every token is
+    # then whole ASCII text, never a fragment of a multi-byte character.
+    alphabet = [_byte_symbol(b) for b in [0x0A, *range(0x20, 0x7F)]]
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TARGET_VOCAB,
+        min_frequency=2,
+        special_tokens=[*SPECIAL_TOKENS, *CONTROL_TOKENS],
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
+    # One piece, so that merges across lines ("\n\n") are learnt too.
+    corpus = (_DATA_DIR / "corpus.txt").read_text("utf-8")
+    tok.train_from_iterator([corpus], trainer=trainer)
+
+    # The trainer registers all of its special tokens as special; the control
+    # tokens must not be, or decode(skip_special_tokens=True) drops them.
+    spec = json.loads(tok.to_str())
+    for added in spec["added_tokens"]:
+        added["special"] = added["content"] not in CONTROL_TOKENS
+        added["normalized"] = False
+    tok = Tokenizer.from_str(json.dumps(spec))
+    expected = [*SPECIAL_TOKENS, *CONTROL_TOKENS]
+    if [tok.id_to_token(i) for i in range(len(expected))] != expected:
+        raise RuntimeError("demo tokenizer: added tokens did not get ids 0..9")
+    tok.save(str(dest / "tokenizer.json"))
+
+    template = (_DATA_DIR / "chat_template.jinja").read_text("utf-8")
+    _write_json(
+        dest / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": "<unk>",
+            "model_max_length": _MAX_POSITIONS,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": template.rstrip("\n"),
+        },
+    )
+    return int(tok.get_vocab_size(with_added_tokens=True))
+
+
+def _byte_symbol(b: int) -> str:
+    """The character GPT-2's byte-level mapping uses for byte ``b``."""
+    # Printable ASCII maps to itself; the control bytes 0x00-0x20 come first
+    # in the run of stand-ins that starts at U+0100 ("\n" -> "Ċ", " " -> "Ġ").
+    return chr(b) if 0x21 <= b <= 0x7E else chr(0x100 + b)
+
+
+def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any]:
+    common: dict[str, Any] = {
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.intermediate,
+        "num_hidden_layers": dims.layers,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": None,
+        "eos_token_id": IM_END_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+        "torch_dtype": dims.dtype,
+    }
+    if kind == "dense":
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            **common,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "mlp_bias": False,
+        }
+    return {
+        # Flat (no text_config): mlx-lm's qwen3_5 ModelArgs accepts both.
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        **common,
+        "rms_norm_eps": 1e-6,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": dims.linear_k_heads,
+        "linear_num_value_heads": dims.linear_v_heads,
+        "linear_key_head_dim": dims.linear_k_dim,
+        "linear_value_head_dim": dims.linear_v_dim,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 0,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    }
+
+
+def _write_weights(kind: DemoKind, dims: _Dims, config: dict[str, Any], path: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama, qwen3_5
+
+    arch = llama if kind == "dense" else qwen3_5
+    # Instantiated only for the exact parameter names and shapes that load()
+    # expects; its own (global-RNG) initial values are replaced below.
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    params = sorted(cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
+    keys = mx.random.split(mx.random.key(_SEED), len(params))
+    dtype = mx.bfloat16 if dims.dtype == "bfloat16" else mx.float32
+    weights: dict[str, mx.array] = {}
+    for i, (name, value) in enumerate(params):
+        w = _init_param(name, tuple(value.shape), keys[i])
+        # A_log stays float32 as in real checkpoints (see cast_predicate).
+        weights[name] = w if name.endswith("A_log") else w.astype(dtype)
+    mx.eval(weights)
+    # MLX-native names and layouts: qwen3_5's sanitize then changes nothing
+    # (conv1d weights are already (C, K, 1), so no +1 shift of the norms).
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+
+
+def _init_param(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
+    import mlx.core as mx
+
+    if name.endswith("norm.weight") or name.endswith("dt_bias"):
+        return mx.ones(shape)
+    if name.endswith(".bias"):
+        return mx.zeros(shape)
+    if name.endswith("A_log"):
+        # Decay rates as in the reference init, kept away from log(0).
+        return mx.log(mx.random.uniform(1.0, 16.0, shape, key=key))
+    if name.endswith("embed_tokens.weight"):
+        # Unit scale: the input token stays prominent in the residual stream
+        # (every layer is pre-normed, so nothing downstream needs it smaller).
+        return mx.random.normal(shape, key=key)
+    fan_in = 1
+    for d in shape[1:]:
+        fan_in *= d
+    bound = fan_in**-0.5
+    w = mx.random.uniform(-bound, bound, shape, key=key)
+    if name.endswith("lm_head.weight"):
+        # See the module docstring: zero rows for the added tokens, sharper
+        # logits for the rest.
+        n_added = len(SPECIAL_TOKENS) + len(CONTROL_TOKENS)
+        row = mx.arange(shape[0])[:, None]
+        w = mx.where(row < n_added, 0.0, w * _LOGIT_SCALE)
+    return w
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build one demo model (default: dense tiny) and print its directory."""
+    parser = argparse.ArgumentParser(description="Build a random-weight demo model.")
+    parser.add_argument("--kind", choices=get_args(DemoKind), default="dense")
+    parser.add_argument("--size", choices=get_args(DemoSize), default="tiny")
+    parser.add_argument("--root", type=Path, default=None)
+    args = parser.parse_args(argv)
+    print(ensure_demo_model(args.kind, args.size, args.root))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

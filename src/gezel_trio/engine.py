@@ -1,0 +1,419 @@
+"""The engine: a nursery-scoped task that owns the model and its host thread.
+
+Ownership::
+
+    run_engine (task in the caller's nursery)
+      └─ trio.to_thread.run_sync(run_host)   one thread for the engine's life;
+                                             all MLX work happens there
+    Engine (Trio side, this module)
+      ├─ Scheduler                           pure admission decisions
+      └─ per request: a memory channel       engine writes with send_nowait,
+                                             the caller reads and closes it
+
+A caller submits with ``submit_nowait`` and reads events from the returned
+``RequestHandle`` inside ``with handle:``. Leaving that block - normally, by
+an exception, or because the caller's cancel scope was cancelled - withdraws
+the request: a queued request is never admitted, a running one leaves the
+batch before the next engine step. Withdrawal is synchronous, so it is safe
+in ``finally`` and on the cancellation path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any
+
+import attrs
+import trio
+
+from .backend import Admission, Backend, ModelInfo, PromptRenderer
+from .config import EngineConfig
+from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, SlowConsumer
+from .events import Event, Failed, Finished, Progress
+from .host_thread import Orders, StepReport, run_host
+from .request import GenerationRequest
+from .scheduler import Scheduler
+
+__all__ = ["Engine", "EngineState", "RequestHandle", "open_engine", "run_engine"]
+
+# Events per request beyond one per generated token: prefill progress and the
+# final event. A reader that falls further behind than this is dropped rather
+# than allowed to stall the engine (docs/architecture.md, "Backpressure").
+_EVENT_SLACK = 256
+
+
+@attrs.frozen
+class Removal:
+    """A withdrawn running sequence and the engine steps around its removal."""
+
+    rid: int
+    withdrawn_at_step: int
+    removed_at_step: int
+
+
+@attrs.frozen
+class EngineState:
+    """A consistent view of the engine between two steps."""
+
+    step: int
+    queued: tuple[int, ...]
+    running: tuple[int, ...]
+    live: int
+    closing: bool
+    recent_removals: tuple[Removal, ...]
+
+
+@attrs.define
+class _Ticket:
+    """Shared by the engine and a handle: why a request ended when its channel
+    could not carry the reason (the reader had fallen behind)."""
+
+    error: GezelError | None = None
+
+
+@attrs.define
+class _Live:
+    request: GenerationRequest
+    send: trio.MemorySendChannel[Event]
+    ticket: _Ticket
+
+
+class RequestHandle:
+    """A submitted request: iterate it for events, leave its ``with`` block to
+    withdraw it. Iteration yields ``Progress`` and ``Delta`` values and ends
+    after exactly one ``Finished`` or ``Failed``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rid: int,
+        events: trio.MemoryReceiveChannel[Event],
+        ticket: _Ticket,
+    ) -> None:
+        self._engine = engine
+        self._ticket = ticket
+        self._done = False
+        self.rid = rid
+        self.events = events
+
+    def __enter__(self) -> RequestHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.events.close()
+        self._engine._withdraw(self.rid)
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> Event:
+        """Next event; cancellation leaves the request queued or running
+        until the ``with`` block is left."""
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            event = await self.events.receive()
+        except trio.EndOfChannel:
+            self._done = True
+            return Failed(self._ticket.error or EngineClosed("the engine stopped"))
+        if isinstance(event, Finished | Failed):
+            self._done = True
+        return event
+
+
+class Engine:
+    """The Trio face of the engine. Create it with ``open_engine`` or
+    ``run_engine``; every method runs in the Trio thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._info: ModelInfo | None = None
+        self._renderer: PromptRenderer | None = None
+        self._scheduler = Scheduler(
+            max_running=config.max_concurrency,
+            max_queue=config.max_queue,
+            continuous=config.continuous_batching,
+        )
+        self._live: dict[int, _Live] = {}
+        # Running sequences whose caller left, with the step at which it left.
+        self._withdrawn: dict[int, int] = {}
+        self._removals: deque[Removal] = deque(maxlen=64)
+        self._next_rid = 0
+        self._step = 0
+        self._closing = False
+        self._wake = trio.Event()
+        self._changed = trio.Event()
+        self._task_status: trio.TaskStatus[Engine] | None = None
+
+    # --- public API --------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        assert self._info is not None, "the engine is not ready yet"
+        return self._info
+
+    @property
+    def renderer(self) -> PromptRenderer:
+        assert self._renderer is not None, "the engine is not ready yet"
+        return self._renderer
+
+    async def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        template_override: str | None = None,
+    ) -> list[int]:
+        """Render a conversation to prompt tokens on a worker thread (never
+        the MLX thread: tokenizers are plain Python). Raises
+        ``InvalidRequest`` when the template rejects the conversation. If
+        cancelled, the render finishes in its thread and is discarded."""
+        renderer = self.renderer
+        kwargs = dict(template_kwargs or {})
+        return await trio.to_thread.run_sync(
+            lambda: renderer.render(
+                messages, tools=tools, template_kwargs=kwargs, template_override=template_override
+            )
+        )
+
+    def check_admission(self) -> None:
+        """Raise ``EngineClosed`` or ``QueueFull`` if a request would be refused now."""
+        if self._closing:
+            raise EngineClosed("the server is shutting down")
+        self._scheduler.check_room()
+
+    def bound_max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """The ``max_tokens`` a request may have: at most what the context
+        window leaves. Raises ``InvalidRequest`` when it cannot fit."""
+        window = self.info.context_length
+        room = window - prompt_len
+        if room < 1:
+            raise InvalidRequest(
+                f"the prompt has {prompt_len} tokens; the model's context window is {window}",
+                param="messages",
+            )
+        if requested is None:
+            return min(room, self.config.default_max_tokens)
+        if requested > room:
+            raise InvalidRequest(
+                f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds "
+                f"the context window of {window}",
+                param="max_tokens",
+            )
+        return requested
+
+    def submit_nowait(self, request: GenerationRequest) -> RequestHandle:
+        """Queue a request and return its handle; never blocks.
+
+        Raises ``EngineClosed`` (shutting down), ``QueueFull`` (the queue is at
+        its bound) or ``InvalidRequest``. Use the handle in a ``with`` block:
+        leaving it, by any path including cancellation, withdraws the request.
+        """
+        self.check_admission()
+        if not request.prompt:
+            raise InvalidRequest("the prompt is empty", param="messages")
+        if request.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
+        self.bound_max_tokens(len(request.prompt), request.max_tokens)
+        rid = self._next_rid
+        self._next_rid += 1
+        send, receive = trio.open_memory_channel[Event](request.max_tokens + _EVENT_SLACK)
+        self._scheduler.enqueue(rid, request.priority)
+        ticket = _Ticket()
+        self._live[rid] = _Live(request, send, ticket)
+        self._wake.set()
+        self._notify()
+        return RequestHandle(self, rid, receive, ticket)
+
+    def state(self) -> EngineState:
+        return EngineState(
+            step=self._step,
+            queued=self._scheduler.queued,
+            running=self._scheduler.running,
+            live=len(self._live),
+            closing=self._closing,
+            recent_removals=tuple(self._removals),
+        )
+
+    async def wait_until(self, predicate: Callable[[EngineState], bool]) -> EngineState:
+        """Wait until ``predicate(state)`` holds, re-checking whenever the
+        engine's state changes (each step, submit, withdrawal). Meant for tests
+        and observability; cancel it with an ordinary scope."""
+        while True:
+            state = self.state()
+            if predicate(state):
+                return state
+            await self._changed.wait()
+
+    def close_nowait(self) -> None:
+        """Stop admitting; fail every queued and running request with
+        ``EngineClosed``. The host thread stops at its next exchange."""
+        if self._closing:
+            return
+        self._closing = True
+        queued, running = self._scheduler.withdraw_all()
+        for rid in running:
+            self._withdrawn.setdefault(rid, self._step)
+        for rid in (*queued, *running):
+            self._end(rid, Failed(EngineClosed("the engine shut down")))
+        self._wake.set()
+        self._notify()
+
+    # --- the host thread's side (called through trio.from_thread) ----------
+
+    def ready(self, info: ModelInfo, renderer: PromptRenderer) -> None:
+        self._info = info
+        self._renderer = renderer
+        assert self._task_status is not None
+        self._task_status.started(self)
+        self._task_status = None
+
+    def exchange(self, report: StepReport) -> Orders:
+        for rid, event in report.events:
+            self._deliver(rid, event)
+        for rid in report.ended:
+            self._scheduler.finished(rid)
+            self._end(rid, None)
+        if report.events or report.ended:
+            self._step += 1
+        # Anything submitted after this point wakes an idle host thread.
+        self._wake = trio.Event()
+        cancelled = trio.current_effective_deadline() == -math.inf
+        if cancelled:
+            self.close_nowait()
+        plan = self._scheduler.plan()
+        for rid in plan.remove:
+            left_at = self._withdrawn.pop(rid, self._step)
+            self._removals.append(Removal(rid, left_at, self._step))
+        admit = tuple(Admission(rid, self._live[rid].request) for rid in plan.admit)
+        stop = cancelled or (self._closing and self._scheduler.idle)
+        self._notify()
+        return Orders(stop=stop, remove=plan.remove, admit=admit)
+
+    async def wait_for_work(self) -> None:
+        await self._wake.wait()
+
+    # --- internals ---------------------------------------------------------
+
+    def _deliver(self, rid: int, event: Event) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return
+        try:
+            live.send.send_nowait(event)
+        except trio.WouldBlock:
+            if isinstance(event, Progress):
+                return  # progress is advisory; a busy reader may miss some
+            # The reader stopped draining: drop it rather than stall the engine.
+            live.ticket.error = SlowConsumer("the client stopped reading; request dropped")
+            self._withdraw(rid)
+        except trio.BrokenResourceError:
+            self._withdraw(rid)  # the reader closed its end: the client left
+
+    def _withdraw(self, rid: int) -> None:
+        where = self._scheduler.withdraw(rid)
+        if where == "running":
+            self._withdrawn.setdefault(rid, self._step)
+        live = self._live.pop(rid, None)
+        if live is not None:
+            live.send.close()
+        self._wake.set()
+        self._notify()
+
+    def _end(self, rid: int, final: Event | None) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        if final is not None:
+            try:
+                live.send.send_nowait(final)
+            except trio.WouldBlock:
+                if isinstance(final, Failed):
+                    live.ticket.error = final.error
+            except trio.BrokenResourceError:
+                pass  # nobody is listening any more
+        live.send.close()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+
+def _default_backend(config: EngineConfig) -> Backend:
+    # Imported here: the MLX backend is only ever built on the host thread.
+    from .mlx_backend import MlxBackend
+
+    return MlxBackend(config)
+
+
+async def run_engine(
+    config: EngineConfig,
+    *,
+    backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run an engine until cancelled; use with ``nursery.start``.
+
+    ``task_status.started(engine)`` is called only after the backend has loaded
+    the model on the host thread, so "ready" is real. Cancelling this task
+    fails every live request with ``EngineClosed``; the host thread finishes
+    its current step, closes the backend and returns.
+    """
+    make = backend_factory or _default_backend
+    engine = Engine(config)
+    engine._task_status = task_status
+    try:
+        await trio.to_thread.run_sync(
+            run_host, engine, lambda: make(config), thread_name="gezel-mlx-host"
+        )
+    except GezelError:
+        raise
+    except Exception as exc:
+        if engine._info is None:
+            raise ModelLoadError(f"could not load the model: {type(exc).__name__}: {exc}") from exc
+        raise
+    finally:
+        engine.close_nowait()
+
+
+@asynccontextmanager
+async def open_engine(
+    config: EngineConfig,
+    *,
+    backend_factory: Callable[[EngineConfig], Backend] | None = None,
+) -> AsyncIterator[Engine]:
+    """``async with open_engine(config) as engine:`` - an engine scoped to the
+    block. Leaving the block closes it: queued and running requests fail with
+    ``EngineClosed`` and the host thread stops after its current step.
+    Exceptions from the block or the engine come out unwrapped."""
+    try:
+        async with trio.open_nursery() as nursery:
+            engine: Engine = await nursery.start(
+                lambda task_status: run_engine(
+                    config, backend_factory=backend_factory, task_status=task_status
+                )
+            )
+            try:
+                yield engine
+            finally:
+                engine.close_nowait()
+    except BaseExceptionGroup as group:
+        raise _sole(group) from None
+
+
+def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception behind nested single-member groups, or the group."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

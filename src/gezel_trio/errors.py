@@ -1,0 +1,82 @@
+"""The error hierarchy: every failure a caller can see is a ``GezelError``.
+
+MLX, tokenizer and template errors are mapped to these classes where they are
+raised; the HTTP edge turns them into OpenAI-shaped JSON using ``status``,
+``error_type`` and ``code``. ``BaseException`` (``Cancelled``,
+``KeyboardInterrupt``) is never mapped.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineClosed",
+    "EngineFailure",
+    "GezelError",
+    "InvalidRequest",
+    "ModelLoadError",
+    "QueueFull",
+    "SlowConsumer",
+]
+
+
+class GezelError(Exception):
+    """Base class. ``status`` is the HTTP status the edge answers with."""
+
+    status: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(GezelError, ValueError):
+    """The request cannot be served as written; ``param`` names the field."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class QueueFull(GezelError):
+    """The admission queue is at its bound; retry after ``retry_after`` s."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "queue_full"
+    retry_after = 1
+
+
+class EngineClosed(GezelError):
+    """The engine is shutting down or has stopped; nothing new is admitted."""
+
+    status = 503
+    error_type = "server_error"
+    code = "shutting_down"
+    retry_after = 5
+
+
+class SlowConsumer(GezelError):
+    """The reader stopped draining its events; the sequence was dropped."""
+
+    status = 500
+    error_type = "server_error"
+    code = "slow_consumer"
+
+
+class EngineFailure(GezelError):
+    """MLX raised while stepping; the affected sequences were failed."""
+
+    status = 500
+    error_type = "server_error"
+    code = "engine_failure"
+
+
+class ModelLoadError(GezelError):
+    """The model directory could not be loaded."""
+
+    status = 500
+    error_type = "server_error"
+    code = "model_load_failed"

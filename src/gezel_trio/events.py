@@ -1,0 +1,63 @@
+"""Engine-to-request events: what arrives on a request's channel.
+
+A request's channel carries zero or more ``Progress`` and ``Delta`` values and
+then exactly one ``Finished`` or ``Failed``, after which the engine closes it.
+Consumers ``match`` on these classes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from .errors import GezelError
+
+__all__ = ["Delta", "Event", "Failed", "Finished", "FinishReason", "Progress", "Usage"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@attrs.frozen
+class Progress:
+    """Prompt processing advanced: ``done`` of ``total`` prompt tokens."""
+
+    done: int
+    total: int
+
+
+@attrs.frozen
+class Usage:
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    prompt_tps: float
+    generation_tps: float
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@attrs.frozen
+class Delta:
+    """Newly generated text, the token ids behind it, and the usage so far.
+    ``text`` may be empty while a possible stop string is held back."""
+
+    text: str
+    tokens: tuple[int, ...]
+    usage: Usage
+
+
+@attrs.frozen
+class Finished:
+    reason: FinishReason
+    usage: Usage
+
+
+@attrs.frozen
+class Failed:
+    error: GezelError
+
+
+Event = Progress | Delta | Finished | Failed

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP edge (quart-trio on hypercorn). Imports no MLX."""

@@ -1,0 +1,290 @@
+"""The quart-trio application: routes, validation at the edge, error mapping.
+
+The app holds a reference to the engine it was created for; it owns no tasks.
+A streaming response's generator submits the request as its first act and
+withdraws it in ``with handle:`` on every exit path - when the client goes
+away, quart-trio cancels the generator (about 1 ms after the close) and the
+sequence leaves the batch at the next engine step.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from ..engine import Engine
+from ..errors import EngineClosed, GezelError, InvalidRequest, QueueFull
+from ..events import Delta, Failed, Finished, Progress, Usage
+from ..request import GenerationRequest, SamplingParams
+from .sse import DONE, chunk, comment, completion, error_body, frame
+from .wire import ChatCompletionRequest, parse_chat_request
+
+__all__ = ["HttpSettings", "create_app"]
+
+log = logging.getLogger("gezel_trio.http")
+
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+@attrs.frozen
+class HttpSettings:
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    allowed_origins: tuple[str, ...] = ()
+
+
+class _Unauthorized(GezelError):
+    status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class _UnsupportedMedia(GezelError):
+    status = 415
+    error_type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class _Forbidden(GezelError):
+    status = 403
+    error_type = "invalid_request_error"
+    code = "forbidden_host"
+
+
+class _NotFound(GezelError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+def _error_response(err: GezelError) -> Response:
+    resp = Response(json.dumps(error_body(err)), status=err.status, mimetype="application/json")
+    if isinstance(err, QueueFull | EngineClosed):
+        resp.headers["Retry-After"] = str(err.retry_after)
+    return resp
+
+
+def _sampling(req: ChatCompletionRequest) -> SamplingParams:
+    bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        repetition_penalty=req.repetition_penalty,
+        repetition_context_size=req.repetition_context_size or 20,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=bias,
+    )
+
+
+def _refuse_unsupported(req: ChatCompletionRequest) -> None:
+    """Fields the wire contract names but this build does not serve yet are
+    refused loudly rather than ignored."""
+    if req.logprobs:
+        raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequest(
+            "response_format json_object/json_schema is not supported yet",
+            param="response_format",
+        )
+    if req.tool_choice not in (None, "auto", "none"):
+        raise InvalidRequest(
+            "only tool_choice 'auto' and 'none' are supported yet", param="tool_choice"
+        )
+    for i, m in enumerate(req.messages):
+        if m.has_images():
+            raise InvalidRequest(
+                "this server has no vision model loaded", param=f"messages[{i}].content"
+            )
+
+
+def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
+    app = QuartTrio(__name__)
+    # Quart's default 60 s response timeout silently cuts long streams.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    loopback_bound = settings.host in _LOOPBACK_HOSTS
+
+    @app.before_request
+    async def guard() -> Response | None:
+        try:
+            if loopback_bound:
+                # DNS rebinding: a page on evil.example resolving to 127.0.0.1
+                # must not reach a loopback-bound server.
+                host = (request.host or "").rsplit(":", 1)[0].lower()
+                if host.startswith("[") and host.endswith("]"):
+                    host = host  # IPv6 literal keeps its brackets
+                if host not in _LOOPBACK_HOSTS:
+                    raise _Forbidden(f"host {request.host!r} is not allowed")
+            if settings.api_key is not None and request.path != "/health":
+                given = request.headers.get("Authorization", "")
+                expected = f"Bearer {settings.api_key}"
+                if not hmac.compare_digest(given.encode(), expected.encode()):
+                    raise _Unauthorized("missing or wrong API key")
+        except GezelError as err:
+            return _error_response(err)
+        return None
+
+    @app.errorhandler(GezelError)
+    async def on_gezel_error(err: GezelError) -> Response:
+        return _error_response(err)
+
+    @app.errorhandler(404)
+    async def on_404(_: Any) -> Response:
+        return _error_response(_NotFound(f"no route {request.method} {request.path}"))
+
+    @app.errorhandler(405)
+    async def on_405(_: Any) -> Response:
+        err = _NotFound(f"method {request.method} is not allowed on {request.path}")
+        err.status = 405
+        return _error_response(err)
+
+    @app.errorhandler(413)
+    async def on_413(_: Any) -> Response:
+        err = InvalidRequest(f"the request body exceeds {settings.max_body_bytes} bytes")
+        err.status = 413
+        return _error_response(err)
+
+    @app.route("/health")
+    async def health() -> dict[str, Any]:
+        state = engine.state()
+        return {
+            "status": "shutting_down" if state.closing else "ok",
+            "model": engine.info.model_id,
+            "queued": len(state.queued),
+            "running": len(state.running),
+            "step": state.step,
+        }
+
+    @app.route("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.info.model_id,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "gezel-trio",
+                    "context_length": engine.info.context_length,
+                }
+            ],
+        }
+
+    @app.route("/v1/chat/completions", methods=["POST"])
+    @app.route("/chat/completions", methods=["POST"])
+    async def chat_completions() -> Response:
+        body = await _json_body()
+        req = parse_chat_request(body)
+        _refuse_unsupported(req)
+        engine.check_admission()
+        messages = [m.to_template() for m in req.messages]
+        prompt = await engine.render_chat(
+            messages,
+            tools=req.tools,
+            template_kwargs=req.chat_template_kwargs,
+            template_override=req.chat_template_override,
+        )
+        max_tokens = engine.bound_max_tokens(len(prompt), req.max_output_tokens)
+        gen = GenerationRequest(
+            prompt=tuple(prompt),
+            max_tokens=max_tokens,
+            sampling=_sampling(req),
+            stop=req.stop_list,
+            ignore_eos=req.ignore_eos,
+            min_tokens=min(req.min_tokens, max_tokens),
+            priority=req.priority,
+            label=req.cache_id or "",
+        )
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        model = req.model or engine.info.model_id
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            resp = Response(
+                _stream(engine, gen, cid, model, include_usage),
+                mimetype="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+            resp.timeout = None
+            return resp
+        return await _complete(engine, gen, cid, model)
+
+    return app
+
+
+async def _json_body() -> Any:
+    ctype = (request.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+    if ctype != "application/json":
+        # A web page's text/plain form post must not run a completion (O5).
+        raise _UnsupportedMedia("requests must be sent as application/json")
+    raw = await request.get_data(as_text=False)
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+
+
+async def _complete(engine: Engine, gen: GenerationRequest, cid: str, model: str) -> Response:
+    parts: list[str] = []
+    with engine.submit_nowait(gen) as handle:
+        async for event in handle:
+            match event:
+                case Delta(text=text):
+                    parts.append(text)
+                case Finished(reason=reason, usage=usage):
+                    body = completion(cid, model, "".join(parts), reason, usage)
+                    return Response(json.dumps(body), mimetype="application/json")
+                case Failed(error=error):
+                    raise error
+    raise GezelError("the request ended without a result")  # pragma: no cover
+
+
+async def _stream(
+    engine: Engine, gen: GenerationRequest, cid: str, model: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The SSE body. Errors after the first byte become an error frame and
+    ``[DONE]``; cancellation (the client left) propagates untouched."""
+    created = int(time.time())
+    try:
+        handle = engine.submit_nowait(gen)
+    except GezelError as err:
+        yield frame(error_body(err))
+        yield DONE
+        return
+    with handle:
+        yield frame(chunk(cid, model, created, {"role": "assistant", "content": ""}, None, None))
+        async for event in handle:
+            match event:
+                case Progress(done=done, total=total):
+                    yield comment(f"prefill {done}/{total}")
+                case Delta(text=text, usage=usage) if text:
+                    yield frame(chunk(cid, model, created, {"content": text}, None, usage))
+                case Finished(reason=reason, usage=usage):
+                    yield frame(chunk(cid, model, created, {}, reason, usage))
+                    if include_usage:
+                        yield frame(_usage_only(cid, model, created, usage))
+                case Failed(error=error):
+                    log.warning("stream %s failed: %s", cid, error.message)
+                    yield frame(error_body(error))
+    yield DONE
+
+
+def _usage_only(cid: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
+    body = chunk(cid, model, created, {}, None, usage)
+    body["choices"] = []
+    return body

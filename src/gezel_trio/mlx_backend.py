@@ -1,0 +1,251 @@
+"""The MLX backend: mlx-lm's ``BatchGenerator`` behind ``backend.Backend``.
+
+Everything here runs on the engine's host thread: the model is loaded there,
+the generation stream is created there (MLX streams are thread-local), and
+each ``step`` is one ``BatchGenerator.next()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_frequency_penalty,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
+from mlx_lm.utils import load
+
+from .backend import Admission, Detokenizer, ModelInfo, PrefillOut, StepOutput, TokenOut
+from .config import EngineConfig
+from .errors import ModelLoadError
+from .prompt import ChatTemplateRenderer
+from .request import SamplingParams
+from .text import COMMON_FRAMING_MARKERS
+
+__all__ = ["MlxBackend", "resolve_model_dir"]
+
+Sampler = Any  # Callable[[mx.array], mx.array]
+LogitsProcessor = Any  # Callable[[mx.array, mx.array], mx.array]
+
+# Added tokens that are content, not framing: later layers parse them.
+_CONTENT_MARKERS = ("tool_call", "tool_response", "think")
+
+
+def resolve_model_dir(config: EngineConfig) -> Path:
+    """The local directory to load; builds the demo model when none is given."""
+    if config.model is None:
+        from .demo_model import ensure_demo_model
+
+        return ensure_demo_model("dense", "tiny")
+    path = Path(config.model).expanduser()
+    if not (path / "config.json").is_file():
+        # mlx-lm would treat a missing path as a hub id and try to download it.
+        raise ModelLoadError(f"{path} is not a local model directory (no config.json)")
+    return path
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with path.open() as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int)}
+    return set()
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def _make_sampler(p: SamplingParams) -> Sampler:
+    if p.temperature == 0:
+        # One shared function object: BatchGenerator batches the sampling of
+        # sequences whose sampler is the same object.
+        return _greedy
+    key = [mx.random.key(p.seed)] if p.seed is not None else None
+    inv_temp = 1.0 / p.temperature
+
+    def sample(logprobs: mx.array) -> mx.array:
+        if p.top_k > 0:
+            logprobs = apply_top_k(logprobs, p.top_k)
+        if 0 < p.top_p < 1:
+            logprobs = apply_top_p(logprobs, p.top_p)
+        if p.min_p > 0:
+            logprobs = apply_min_p(logprobs, p.min_p)
+        if key is None:
+            return mx.random.categorical(logprobs * inv_temp)
+        # A private key stream per sequence: the same seed gives the same
+        # tokens whatever else is in the batch.
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sample
+
+
+def _make_processors(
+    p: SamplingParams, min_tokens: int, eos_ids: Sequence[int]
+) -> list[LogitsProcessor]:
+    procs: list[LogitsProcessor] = []
+    if p.logit_bias:
+        idx = mx.array([i for i, _ in p.logit_bias])
+        vals = mx.array([b for _, b in p.logit_bias])
+
+        def bias(_tokens: mx.array, logits: mx.array) -> mx.array:
+            logits[:, idx] = logits[:, idx] + vals
+            return logits
+
+        procs.append(bias)
+    if p.repetition_penalty is not None and p.repetition_penalty != 1.0:
+        procs.append(make_repetition_penalty(p.repetition_penalty, p.repetition_context_size))
+    if p.presence_penalty:
+        procs.append(make_presence_penalty(p.presence_penalty, p.repetition_context_size))
+    if p.frequency_penalty:
+        procs.append(make_frequency_penalty(p.frequency_penalty, p.repetition_context_size))
+    if min_tokens > 0 and eos_ids:
+        eos = mx.array(list(eos_ids))
+        seen = [0]
+
+        def hold_eos(_tokens: mx.array, logits: mx.array) -> mx.array:
+            if seen[0] < min_tokens:
+                logits[:, eos] = -mx.inf
+            seen[0] += 1
+            return logits
+
+        procs.append(hold_eos)
+    return procs
+
+
+class MlxBackend:
+    """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        model_dir = resolve_model_dir(config)
+        try:
+            model, tokenizer = load(str(model_dir))
+        except Exception as exc:
+            raise ModelLoadError(f"could not load {model_dir}: {type(exc).__name__}: {exc}") from exc
+        self._model = model
+        self._tokenizer = tokenizer
+        self._config = config
+        self._stream = mx.new_stream(mx.default_device())
+        model_cfg = _read_json(model_dir / "config.json")
+        gen_cfg = _read_json(model_dir / "generation_config.json")
+        eos = set(tokenizer.eos_token_ids) | _ids(gen_cfg.get("eos_token_id"))
+        eos |= _ids(model_cfg.get("eos_token_id"))
+        text_cfg = model_cfg.get("text_config") or model_cfg
+        context = int(
+            text_cfg.get("max_position_embeddings") or model_cfg.get("max_position_embeddings") or 4096
+        )
+        special = [
+            t
+            for t in getattr(tokenizer, "all_special_tokens", [])
+            if not any(m in t for m in _CONTENT_MARKERS)
+        ]
+        trimmable = all(c.is_trimmable() for c in make_prompt_cache(model))
+        self._info = ModelInfo(
+            model_id=model_dir.name,
+            context_length=context,
+            eos_ids=frozenset(eos),
+            framing_markers=tuple(dict.fromkeys((*special, *COMMON_FRAMING_MARKERS))),
+            trimmable=trimmable,
+        )
+        self._renderer = ChatTemplateRenderer(tokenizer)
+        self._eos_stops = StopSequences([[e] for e in sorted(eos)])
+        self._no_stops = StopSequences()
+        self._gen = self._new_generator()
+        self._uid_of: dict[int, int] = {}
+        self._rid_of: dict[int, int] = {}
+
+    def _new_generator(self) -> BatchGenerator:
+        n = self._config.max_concurrency
+        return BatchGenerator(
+            self._model,
+            completion_batch_size=n,
+            prefill_batch_size=n,
+            prefill_step_size=self._config.prefill_step_size,
+            stream=self._stream,
+        )
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def renderer(self) -> ChatTemplateRenderer:
+        return self._renderer
+
+    def detokenizer(self) -> Detokenizer:
+        detok: Detokenizer = self._tokenizer.detokenizer
+        return detok
+
+    def insert(self, admissions: Sequence[Admission]) -> None:
+        eos = sorted(self._info.eos_ids)
+        reqs = [a.request for a in admissions]
+        uids = self._gen.insert(
+            [list(r.prompt) for r in reqs],
+            max_tokens=[r.max_tokens for r in reqs],
+            samplers=[_make_sampler(r.sampling) for r in reqs],
+            logits_processors=[_make_processors(r.sampling, r.min_tokens, eos) for r in reqs],
+            stop_sequences=[self._no_stops if r.ignore_eos else self._eos_stops for r in reqs],
+        )
+        for adm, uid in zip(admissions, uids, strict=True):
+            self._uid_of[adm.rid] = uid
+            self._rid_of[uid] = adm.rid
+
+    def remove(self, rids: Sequence[int]) -> None:
+        uids = [self._uid_of.pop(r) for r in rids if r in self._uid_of]
+        for uid in uids:
+            del self._rid_of[uid]
+        if uids:
+            self._gen.remove(uids)
+
+    def step(self) -> StepOutput:
+        with mx.stream(self._stream):
+            prompt_responses, gen_responses = self._gen.next()
+        prefill = tuple(
+            PrefillOut(self._rid_of[r.uid], int(r.progress[0]), int(r.progress[1]))
+            for r in prompt_responses
+            if r.uid in self._rid_of and not r.end_of_prompt
+        )
+        tokens = []
+        for r in gen_responses:
+            rid = self._rid_of.get(r.uid)
+            if rid is None:
+                continue
+            finish: Literal["stop", "length"] | None = r.finish_reason
+            tokens.append(TokenOut(rid, int(r.token), finish))
+            if finish is not None:
+                del self._rid_of[r.uid]
+                del self._uid_of[rid]
+        return StepOutput(prefill, tuple(tokens))
+
+    def reset(self) -> None:
+        self._gen.close()
+        self._gen = self._new_generator()
+        self._uid_of.clear()
+        self._rid_of.clear()
+        mx.clear_cache()
+
+    def close(self) -> None:
+        self._gen.close()
+        mx.clear_cache()

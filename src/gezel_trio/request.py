@@ -1,0 +1,56 @@
+"""What a caller asks the engine for, as frozen values.
+
+These are the engine-level request types shared by the HTTP layer, the
+embedding API and the backends. They carry token ids, not chat messages:
+rendering a conversation into tokens is ``prompt``'s job.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+__all__ = ["GenerationRequest", "Priority", "SamplingParams"]
+
+Priority = Literal["interactive", "background"]
+
+
+@attrs.frozen
+class SamplingParams:
+    """How the next token is chosen. ``temperature == 0`` is greedy.
+
+    ``seed`` gives the sequence its own random stream, so the same seed
+    yields the same text whatever else shares the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class GenerationRequest:
+    """One sequence to generate.
+
+    ``max_tokens`` is already bounded by the context window (the HTTP layer
+    and ``Engine.submit_nowait`` both check it). ``stop`` strings end the
+    turn and are not emitted. ``ignore_eos`` and ``min_tokens`` make
+    fixed-length generations for benchmarking, as vLLM offers.
+    """
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: Priority = "interactive"
+    label: str = ""

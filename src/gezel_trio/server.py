@@ -1,0 +1,103 @@
+"""The sidecar process: one nursery owning the engine and the HTTP server.
+
+::
+
+    serve()  ── nursery
+                ├─ run_engine          started first; ready = model loaded on
+                │   └─ host thread     its thread, so the socket binds only then
+                ├─ hypercorn serve     the quart-trio app, bound after the engine
+                └─ signal watcher      SIGINT/SIGTERM -> graceful drain
+
+Shutdown: a signal stops hypercorn from accepting and lets in-flight requests
+finish for up to ``graceful_timeout`` seconds; then the nursery is cancelled,
+which closes the engine (remaining requests fail with ``EngineClosed``) and
+the host thread stops after its current step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import attrs
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from .config import EngineConfig
+from .engine import run_engine
+from .errors import GezelError
+from .http.app import HttpSettings, create_app
+
+__all__ = ["ServerConfig", "serve"]
+
+log = logging.getLogger("gezel_trio.server")
+
+
+@attrs.frozen
+class ServerConfig:
+    engine: EngineConfig = EngineConfig()
+    http: HttpSettings = HttpSettings()
+    port: int = 8080
+    graceful_timeout: float = 10.0
+
+
+async def _watch_signals(shutdown: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("received %s: draining", signal.Signals(signum).name)
+            shutdown.set()
+            return
+
+
+async def _serve_http(
+    app: object,
+    hc: HypercornConfig,
+    shutdown: trio.Event,
+    owner: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        await hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait, task_status=task_status)  # type: ignore[arg-type]
+    finally:
+        # The HTTP server has drained (or failed): the engine goes with it.
+        owner.cancel()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def serve(config: ServerConfig) -> None:
+    """Run the server until SIGINT/SIGTERM drains it (or until cancelled)."""
+    hc = HypercornConfig()
+    hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
+    hc.graceful_timeout = config.graceful_timeout
+    hc.read_timeout = None  # a long stream must not be cut by an idle read timer
+    hc.keep_alive_timeout = 75
+    hc.accesslog = None
+    async with trio.open_nursery() as nursery:
+        engine = await nursery.start(run_engine, config.engine)
+        log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
+        shutdown = trio.Event()
+        nursery.start_soon(_watch_signals, shutdown)
+        app = create_app(engine, config.http)
+        binds = await nursery.start(_serve_http, app, hc, shutdown, nursery.cancel_scope)
+        for bind in binds:
+            # Tests and supervisors read this line to learn the port.
+            print(f"gezel-trio listening on {bind}", flush=True)
+
+
+def main_serve(config: ServerConfig) -> int:
+    """Run ``serve`` in a fresh Trio loop; a load failure is one clean line."""
+    try:
+        trio.run(serve, config)
+    except* GezelError as group:
+        for err in group.exceptions:
+            print(f"gezel-trio: {err}", file=sys.stderr)
+        return 1
+    except* KeyboardInterrupt:  # a second Ctrl-C while draining
+        return 130
+    return 0

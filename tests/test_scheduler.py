@@ -1,0 +1,151 @@
+"""The pure scheduling core, alone: no MLX, no Trio, no clock."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gezel_trio.errors import QueueFull
+from gezel_trio.scheduler import Plan, Scheduler
+
+
+def test_admits_up_to_max_running_in_arrival_order() -> None:
+    s = Scheduler(max_running=2, max_queue=8)
+    for rid in range(4):
+        s.enqueue(rid, "interactive")
+    assert s.plan() == Plan(admit=(0, 1))
+    assert s.running == (0, 1)
+    assert s.queued == (2, 3)
+    assert s.plan() == Plan()
+
+
+def test_continuous_admission_fills_a_freed_slot() -> None:
+    s = Scheduler(max_running=2, max_queue=8)
+    for rid in range(3):
+        s.enqueue(rid, "interactive")
+    s.plan()
+    s.finished(0)
+    assert s.plan().admit == (2,)
+
+
+def test_static_waves_wait_for_the_batch_to_drain() -> None:
+    s = Scheduler(max_running=2, max_queue=8, continuous=False)
+    for rid in range(3):
+        s.enqueue(rid, "interactive")
+    assert s.plan().admit == (0, 1)
+    s.finished(0)
+    assert s.plan().admit == ()
+    s.finished(1)
+    assert s.plan().admit == (2,)
+
+
+def test_queue_bound_raises_queue_full() -> None:
+    s = Scheduler(max_running=1, max_queue=2)
+    s.enqueue(0, "interactive")
+    s.plan()  # 0 runs; the queue is empty and has room for 2
+    s.enqueue(1, "interactive")
+    s.enqueue(2, "interactive")
+    with pytest.raises(QueueFull):
+        s.enqueue(3, "interactive")
+    assert s.queued == (1, 2)
+
+
+def test_free_slots_count_as_room() -> None:
+    s = Scheduler(max_running=2, max_queue=0)
+    s.enqueue(0, "interactive")
+    s.enqueue(1, "interactive")
+    with pytest.raises(QueueFull):
+        s.enqueue(2, "interactive")
+
+
+def test_withdrawn_queued_request_is_never_admitted() -> None:
+    s = Scheduler(max_running=1, max_queue=4)
+    s.enqueue(0, "interactive")
+    s.enqueue(1, "interactive")
+    s.plan()
+    assert s.withdraw(1) == "queued"
+    s.finished(0)
+    assert s.plan() == Plan()
+    assert s.idle
+
+
+def test_withdrawn_running_request_is_removed_at_the_next_plan() -> None:
+    s = Scheduler(max_running=1, max_queue=4)
+    s.enqueue(0, "interactive")
+    s.enqueue(1, "interactive")
+    s.plan()
+    assert s.withdraw(0) == "running"
+    assert s.withdraw(0) == "running"  # idempotent: removed once
+    assert s.plan() == Plan(admit=(1,), remove=(0,))
+    assert s.withdraw(0) == "unknown"
+
+
+def test_finishing_a_withdrawn_sequence_cancels_its_removal() -> None:
+    s = Scheduler(max_running=1, max_queue=4)
+    s.enqueue(0, "interactive")
+    s.plan()
+    s.withdraw(0)
+    s.finished(0)  # the backend ended it in the same step
+    assert s.plan() == Plan()
+
+
+def test_interactive_first_and_classes_never_share_a_batch() -> None:
+    s = Scheduler(max_running=4, max_queue=8)
+    s.enqueue(0, "background")
+    s.enqueue(1, "interactive")
+    s.enqueue(2, "background")
+    assert s.plan().admit == (1,)
+    # Background waits while an interactive sequence holds the batch.
+    assert s.plan().admit == ()
+    s.finished(1)
+    assert s.plan().admit == (0, 2)
+    s.enqueue(3, "interactive")
+    assert s.plan().admit == ()  # no preemption yet: it waits for the wave
+
+
+def test_withdraw_all_empties_everything() -> None:
+    s = Scheduler(max_running=1, max_queue=4)
+    for rid in range(3):
+        s.enqueue(rid, "interactive")
+    s.plan()
+    queued, running = s.withdraw_all()
+    assert queued == (1, 2)
+    assert running == (0,)
+    assert s.plan() == Plan(remove=(0,))
+    assert s.idle
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["enqueue", "withdraw", "finish", "plan"]), st.integers(0, 9)),
+        max_size=60,
+    ),
+    st.integers(1, 4),
+)
+def test_invariants_hold_under_any_event_sequence(
+    ops: list[tuple[str, int]], max_running: int
+) -> None:
+    s = Scheduler(max_running=max_running, max_queue=5)
+    seen: set[int] = set()
+    admitted: set[int] = set()
+    for op, rid in ops:
+        if op == "enqueue" and rid not in seen:
+            seen.add(rid)
+            try:
+                s.enqueue(rid, "interactive" if rid % 2 else "background")
+            except QueueFull:
+                seen.discard(rid)
+        elif op == "withdraw":
+            s.withdraw(rid)
+        elif op == "finish" and rid in s.running:
+            s.finished(rid)
+        elif op == "plan":
+            plan = s.plan()
+            assert not set(plan.admit) & admitted, "a request is admitted at most once"
+            admitted |= set(plan.admit)
+        assert len(s.running) <= max_running
+        assert not set(s.running) & set(s.queued)
+        classes = {("interactive" if r % 2 else "background") for r in s.running}
+        assert len(classes) <= 1, "interactive and background never share a batch"
