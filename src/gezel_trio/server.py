@@ -78,6 +78,8 @@ async def serve(config: ServerConfig) -> None:
     hc.read_timeout = None  # a long stream must not be cut by an idle read timer
     hc.keep_alive_timeout = 75
     hc.accesslog = None
+    # Route hypercorn through our logging config (its default adds a second handler).
+    hc.errorlog = logging.getLogger("hypercorn.error")
     async with trio.open_nursery() as nursery:
         engine = await nursery.start(run_engine, config.engine)
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
@@ -92,12 +94,13 @@ async def serve(config: ServerConfig) -> None:
 
 def main_serve(config: ServerConfig) -> int:
     """Run ``serve`` in a fresh Trio loop; a load failure is one clean line."""
+    status = 0
     try:
         trio.run(serve, config)
     except* GezelError as group:
         for err in group.exceptions:
             print(f"gezel-trio: {err}", file=sys.stderr)
-        return 1
+        status = 1
     except* KeyboardInterrupt:  # a second Ctrl-C while draining
-        return 130
-    return 0
+        status = 130
+    return status

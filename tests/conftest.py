@@ -1,0 +1,55 @@
+"""Shared fixtures: demo models built once per session, in a private home.
+
+The models are built through the real CLI (``python -m gezel_trio
+demo-model``), so the command a user runs is exercised too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def gezel_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = Path(os.environ.get("GEZEL_TEST_HOME") or tmp_path_factory.mktemp("gezel-home"))
+    old = os.environ.get("GEZEL_TRIO_HOME")
+    os.environ["GEZEL_TRIO_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("GEZEL_TRIO_HOME", None)
+    else:
+        os.environ["GEZEL_TRIO_HOME"] = old
+
+
+def _build(kind: str, size: str = "tiny") -> Path:
+    out = subprocess.run(
+        [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", size],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert (path / "config.json").is_file()
+    return path
+
+
+@pytest.fixture(scope="session")
+def dense_model(gezel_home: Path) -> Path:
+    return _build("dense")
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(gezel_home: Path) -> Path:
+    return _build("hybrid")
+
+
+@pytest.fixture(scope="session", params=["dense", "hybrid"])
+def any_model(request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path) -> Path:
+    return dense_model if request.param == "dense" else hybrid_model
