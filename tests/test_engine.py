@@ -52,7 +52,10 @@ async def collect(engine: Engine, req: GenerationRequest) -> tuple[str, Finished
 
 def greedy(prompt: Sequence[int], n: int, **kw: object) -> GenerationRequest:
     return GenerationRequest(
-        tuple(prompt), max_tokens=n, sampling=SamplingParams(temperature=0.0), **kw  # type: ignore[arg-type]
+        tuple(prompt),
+        max_tokens=n,
+        sampling=SamplingParams(temperature=0.0),
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -151,9 +154,7 @@ async def test_withdrawn_sequence_leaves_within_one_step(any_model: Path) -> Non
                         if seen == 3:
                             break
             rid = handle.rid
-            state = await engine.wait_until(
-                lambda s: any(r.rid == rid for r in s.recent_removals)
-            )
+            state = await engine.wait_until(lambda s: any(r.rid == rid for r in s.recent_removals))
             removal = next(r for r in state.recent_removals if r.rid == rid)
             assert removal.removed_at_step - removal.withdrawn_at_step <= 1
             assert rid not in state.running
@@ -165,12 +166,12 @@ async def test_cancelled_caller_scope_withdraws_the_request(dense_model: Path) -
         async with open_engine(EngineConfig(model=dense_model)) as engine:
             prompt = await prompt_for(engine)
             rid = -1
-            with trio.CancelScope() as scope:
-                with engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True)) as handle:
-                    rid = handle.rid
-                    async for event in handle:
-                        if isinstance(event, Delta):
-                            scope.cancel()
+            request = greedy(prompt, 10_000, ignore_eos=True)
+            with trio.CancelScope() as scope, engine.submit_nowait(request) as handle:
+                rid = handle.rid
+                async for event in handle:
+                    if isinstance(event, Delta):
+                        scope.cancel()
             assert scope.cancelled_caught
             await engine.wait_until(lambda s: any(r.rid == rid for r in s.recent_removals))
             # The slot is free again: a new request runs to completion.
@@ -224,7 +225,9 @@ async def test_min_tokens_holds_back_eos(dense_model: Path) -> None:
 
 
 async def test_bad_requests_are_refused_at_submit(dense_model: Path) -> None:
-    async with open_engine(EngineConfig(model=dense_model, max_queue=0, max_concurrency=1)) as engine:
+    async with open_engine(
+        EngineConfig(model=dense_model, max_queue=0, max_concurrency=1)
+    ) as engine:
         window = engine.info.context_length
         with pytest.raises(InvalidRequest):
             engine.submit_nowait(greedy((), 5))

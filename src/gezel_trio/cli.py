@@ -18,24 +18,42 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    s.add_argument("--model", type=Path, default=None,
-                   help="local model directory (default: the bundled tiny dense demo model)")
+    s.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local model directory (default: the bundled tiny dense demo model)",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    s.add_argument("--max-concurrency", type=int, default=4,
-                   help="sequences decoded together in one batch")
-    s.add_argument("--prefill-step-size", type=int, default=512,
-                   help="prompt tokens processed per engine step")
-    s.add_argument("--max-queue", type=int, default=64,
-                   help="requests that may wait for a slot; beyond it: 429")
-    s.add_argument("--max-tokens-default", type=int, default=4096,
-                   help="max_tokens when a request names none")
-    s.add_argument("--static-waves", action="store_true",
-                   help="admit only into an empty batch (no continuous batching)")
+    s.add_argument(
+        "--max-concurrency", type=int, default=4, help="sequences decoded together in one batch"
+    )
+    s.add_argument(
+        "--prefill-step-size", type=int, default=512, help="prompt tokens processed per engine step"
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for a slot; beyond it: 429",
+    )
+    s.add_argument(
+        "--max-tokens-default", type=int, default=4096, help="max_tokens when a request names none"
+    )
+    s.add_argument(
+        "--static-waves",
+        action="store_true",
+        help="admit only into an empty batch (no continuous batching)",
+    )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--max-body-mb", type=float, default=8.0)
-    s.add_argument("--graceful-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests get to finish on SIGTERM")
+    s.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
     s.add_argument("--log-level", default="INFO")
 
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")

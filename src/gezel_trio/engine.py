@@ -356,7 +356,7 @@ def _default_backend(config: EngineConfig) -> Backend:
     return MlxBackend(config)
 
 
-async def run_engine(
+async def run_engine(  # noqa: ASYNC128 - Engine.ready() calls started() from the host thread
     config: EngineConfig,
     *,
     backend_factory: Callable[[EngineConfig], Backend] | None = None,

@@ -13,7 +13,7 @@ import attrs
 
 from .errors import GezelError
 
-__all__ = ["Delta", "Event", "Failed", "Finished", "FinishReason", "Progress", "Usage"]
+__all__ = ["Delta", "Event", "Failed", "FinishReason", "Finished", "Progress", "Usage"]
 
 FinishReason = Literal["stop", "length"]
 

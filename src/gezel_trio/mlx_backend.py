@@ -143,7 +143,9 @@ class MlxBackend:
         try:
             model, tokenizer = load(str(model_dir))
         except Exception as exc:
-            raise ModelLoadError(f"could not load {model_dir}: {type(exc).__name__}: {exc}") from exc
+            raise ModelLoadError(
+                f"could not load {model_dir}: {type(exc).__name__}: {exc}"
+            ) from exc
         self._model = model
         self._tokenizer = tokenizer
         self._config = config
@@ -154,7 +156,9 @@ class MlxBackend:
         eos |= _ids(model_cfg.get("eos_token_id"))
         text_cfg = model_cfg.get("text_config") or model_cfg
         context = int(
-            text_cfg.get("max_position_embeddings") or model_cfg.get("max_position_embeddings") or 4096
+            text_cfg.get("max_position_embeddings")
+            or model_cfg.get("max_position_embeddings")
+            or 4096
         )
         special = [
             t

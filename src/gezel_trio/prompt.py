@@ -6,6 +6,7 @@ thread beside the event loop, never on the engine's host thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -26,10 +27,8 @@ def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
         fn = dict(call.get("function") or {})
         args = fn.get("arguments")
         if isinstance(args, str):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 fn["arguments"] = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                pass
         prepared.append({**call, "function": fn})
     return {**message, "tool_calls": prepared}
 

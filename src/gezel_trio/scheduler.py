@@ -90,9 +90,7 @@ class Scheduler:
     def check_room(self) -> None:
         """Raise ``QueueFull`` if a new request would be refused."""
         if len(self.queued) >= self.max_queue + self._free_slots():
-            raise QueueFull(
-                f"the admission queue is full ({self.max_queue} waiting); retry later"
-            )
+            raise QueueFull(f"the admission queue is full ({self.max_queue} waiting); retry later")
 
     def enqueue(self, rid: int, priority: Priority) -> None:
         self.check_room()

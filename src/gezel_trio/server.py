@@ -37,8 +37,8 @@ log = logging.getLogger("gezel_trio.server")
 
 @attrs.frozen
 class ServerConfig:
-    engine: EngineConfig = EngineConfig()
-    http: HttpSettings = HttpSettings()
+    engine: EngineConfig = attrs.field(factory=EngineConfig)
+    http: HttpSettings = attrs.field(factory=HttpSettings)
     port: int = 8080
     graceful_timeout: float = 10.0
 
@@ -51,7 +51,7 @@ async def _watch_signals(shutdown: trio.Event) -> None:
             return
 
 
-async def _serve_http(
+async def _serve_http(  # noqa: ASYNC128 - hypercorn.serve calls started()
     app: object,
     hc: HypercornConfig,
     shutdown: trio.Event,

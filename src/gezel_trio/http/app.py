@@ -14,16 +14,17 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import deque
 from typing import Any
 
 import attrs
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from ..engine import Engine
+from ..engine import Engine, RequestHandle
 from ..errors import EngineClosed, GezelError, InvalidRequest, QueueFull
-from ..events import Delta, Failed, Finished, Progress, Usage
+from ..events import Delta, Event, Failed, Finished, Progress, Usage
 from ..request import GenerationRequest, SamplingParams
 from .sse import DONE, chunk, comment, completion, error_body, frame
 from .wire import ChatCompletionRequest, parse_chat_request
@@ -216,7 +217,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             resp = Response(
-                _stream(engine, gen, cid, model, include_usage),
+                _SseBody(engine, gen, cid, model, include_usage),
                 mimetype="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -254,37 +255,92 @@ async def _complete(engine: Engine, gen: GenerationRequest, cid: str, model: str
     raise GezelError("the request ended without a result")  # pragma: no cover
 
 
-async def _stream(
-    engine: Engine, gen: GenerationRequest, cid: str, model: str, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """The SSE body. Errors after the first byte become an error frame and
-    ``[DONE]``; cancellation (the client left) propagates untouched."""
-    created = int(time.time())
-    try:
-        handle = engine.submit_nowait(gen)
-    except GezelError as err:
-        yield frame(error_body(err))
-        yield DONE
-        return
-    with handle:
-        yield frame(chunk(cid, model, created, {"role": "assistant", "content": ""}, None, None))
-        async for event in handle:
-            match event:
-                case Progress(done=done, total=total):
-                    yield comment(f"prefill {done}/{total}")
-                case Delta(text=text, usage=usage) if text:
-                    yield frame(chunk(cid, model, created, {"content": text}, None, usage))
-                case Finished(reason=reason, usage=usage):
-                    yield frame(chunk(cid, model, created, {}, reason, usage))
-                    if include_usage:
-                        yield frame(_usage_only(cid, model, created, usage))
-                case Failed(error=error):
-                    log.warning("stream %s failed: %s", cid, error.message)
-                    yield frame(error_body(error))
-    yield DONE
+class _SseBody:
+    """The SSE body as an explicit async iterator, not a generator, so its
+    cleanup never depends on when a suspended generator is finalized.
 
+    It submits the request on the first ``__anext__`` and withdraws it when
+    the stream ends, when ``__anext__`` is cancelled (quart-trio cancels it
+    about 1 ms after the client closes) and in ``aclose`` (Quart calls it when
+    the response ends by any path). Errors after the first byte become an
+    error frame and ``[DONE]``; ``Cancelled`` propagates untouched.
+    """
 
-def _usage_only(cid: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
-    body = chunk(cid, model, created, {}, None, usage)
-    body["choices"] = []
-    return body
+    def __init__(
+        self, engine: Engine, gen: GenerationRequest, cid: str, model: str, include_usage: bool
+    ) -> None:
+        self._engine = engine
+        self._gen = gen
+        self._cid = cid
+        self._model = model
+        self._include_usage = include_usage
+        self._created = int(time.time())
+        self._handle: RequestHandle | None = None
+        self._pending: deque[bytes] = deque()
+        self._started = False
+        self._ended = False
+
+    def __aiter__(self) -> _SseBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._pending:
+            if self._ended:
+                raise StopAsyncIteration
+            if not self._started:
+                self._start()
+                continue
+            assert self._handle is not None
+            try:
+                event = await self._handle.__anext__()
+            except BaseException:
+                self._close()
+                raise
+            self._render(event)
+        return self._pending.popleft()
+
+    async def aclose(self) -> None:
+        self._close()
+        await trio.lowlevel.checkpoint()
+
+    def _start(self) -> None:
+        self._started = True
+        try:
+            self._handle = self._engine.submit_nowait(self._gen)
+        except GezelError as err:
+            self._pending += (frame(error_body(err)), DONE)
+            self._ended = True
+            return
+        self._pending.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+
+    def _render(self, event: Event) -> None:
+        match event:
+            case Progress(done=done, total=total):
+                self._pending.append(comment(f"prefill {done}/{total}"))
+            case Delta(text=text, usage=usage) if text:
+                self._pending.append(self._chunk({"content": text}, None, usage))
+            case Finished(reason=reason, usage=usage):
+                self._pending.append(self._chunk({}, reason, usage))
+                if self._include_usage:
+                    body = chunk(self._cid, self._model, self._created, {}, None, usage)
+                    body["choices"] = []
+                    self._pending.append(frame(body))
+                self._finish()
+            case Failed(error=error):
+                log.warning("stream %s failed: %s", self._cid, error.message)
+                self._pending.append(frame(error_body(error)))
+                self._finish()
+
+    def _chunk(self, delta: dict[str, Any], reason: str | None, usage: Usage | None) -> bytes:
+        return frame(chunk(self._cid, self._model, self._created, delta, reason, usage))
+
+    def _finish(self) -> None:
+        self._pending.append(DONE)
+        self._ended = True
+        self._close()
+
+    def _close(self) -> None:
+        self._ended = True
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle = None

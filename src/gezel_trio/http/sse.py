@@ -64,16 +64,12 @@ def chunk(
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [
-            {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-        ],
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
         "usage": usage_body(usage) if usage is not None else None,
     }
 
 
-def completion(
-    cid: str, model: str, text: str, finish_reason: str, usage: Usage
-) -> dict[str, Any]:
+def completion(cid: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion",

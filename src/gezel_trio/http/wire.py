@@ -263,8 +263,11 @@ def _make_converter() -> cattrs.Converter:
 
         return hook
 
-    conv.register_structure_hook_factory(lambda t: get_origin(t) is Literal, literal)
-    conv.register_structure_hook_factory(lambda t: get_origin(t) is list, strict_list)
+    def origin_is(kind: Any) -> Callable[[Any], bool]:
+        return lambda t: bool(get_origin(t) is kind)
+
+    conv.register_structure_hook_factory(origin_is(Literal), literal)
+    conv.register_structure_hook_factory(origin_is(list), strict_list)
     conv.register_structure_hook_factory(attrs.has, strict_object)
 
     def union(tp: Any, hook: Callable[[Any, Any], Any]) -> None:
