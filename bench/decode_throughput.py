@@ -93,6 +93,7 @@ class StreamTiming:
     last: float
     tokens: int
     server_tps: float | None = None  # gezel's own usage.generation_tps
+    tokens_at_first: int | None = None  # usage.output_tokens on the first chunk (gezel)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Measurement:
     spread_s: float
     per_stream_tokens: list[int]
     server_tps: list[float] = field(default_factory=list)
+    tokens_at_first: list[int] = field(default_factory=list)
 
     @property
     def short(self) -> bool:
@@ -127,6 +129,7 @@ def aggregate(system: str, max_tokens: int, timings: Sequence[StreamTiming]) -> 
         spread_s=max(t.first for t in timings) - start,
         per_stream_tokens=[t.tokens for t in timings],
         server_tps=[t.server_tps for t in timings if t.server_tps is not None],
+        tokens_at_first=[t.tokens_at_first for t in timings if t.tokens_at_first is not None],
     )
 
 
@@ -180,7 +183,9 @@ def _raw_worker(model_dir: str, streams: list[int], max_tokens: int, repeats: in
             print(json.dumps(asdict(m)), flush=True)
 
 
-def run_raw(model_dir: Path, streams: list[int], max_tokens: int, repeats: int) -> list[Measurement]:
+def run_raw(
+    model_dir: Path, streams: list[int], max_tokens: int, repeats: int
+) -> list[Measurement]:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -277,6 +282,16 @@ def gezel_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterato
         _stop(proc)
 
 
+def _mlx_flags(max_concurrency: int) -> list[str]:
+    return [
+        "--decode-concurrency",
+        str(max_concurrency),
+        "--prompt-concurrency",
+        str(max_concurrency),
+        *_MLX_SERVER_FLAGS,
+    ]
+
+
 @contextlib.contextmanager
 def mlx_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterator[str]:
     """Start ``mlx_lm server`` on a free port; yield its base URL once
@@ -288,9 +303,7 @@ def mlx_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterator[
         "--model", str(model_dir),
         "--host", HOST,
         "--port", str(port),
-        "--decode-concurrency", str(max_concurrency),
-        "--prompt-concurrency", str(max_concurrency),
-        *_MLX_SERVER_FLAGS,
+        *_mlx_flags(max_concurrency),
     ]  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -331,6 +344,7 @@ def _one_stream(url: str, body: dict[str, Any], barrier: threading.Barrier) -> S
     last: float | None = None
     tokens: int | None = None
     server_tps: float | None = None
+    tokens_at_first: int | None = None
     with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
         barrier.wait()
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -355,12 +369,14 @@ def _one_stream(url: str, body: dict[str, Any], barrier: threading.Barrier) -> S
                     if text or choice.get("finish_reason"):
                         last = now
                 usage = obj.get("usage")
+                if usage and first == now and tokens_at_first is None:
+                    tokens_at_first = usage.get("output_tokens")
                 if usage:
                     tokens = int(usage["completion_tokens"])
                     server_tps = usage.get("generation_tps", server_tps)
     if first is None or last is None or tokens is None:
         raise RuntimeError(f"incomplete stream: first={first} last={last} tokens={tokens}")
-    return StreamTiming(first, last, tokens, server_tps)
+    return StreamTiming(first, last, tokens, server_tps, tokens_at_first)
 
 
 def http_round(url: str, system: str, n: int, max_tokens: int) -> list[StreamTiming]:
@@ -498,11 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "streams": streams,
             "metric": "sum(n_i - 1) / (max_i last_i - min_i first_i)",
-            "mlx_lm_server_flags": [
-                "--decode-concurrency", str(width),
-                "--prompt-concurrency", str(width),
-                *_MLX_SERVER_FLAGS,
-            ],  # fmt: skip
+            "mlx_lm_server_flags": _mlx_flags(width),
             "median_tok_s": {
                 s: {str(n): median_by(results, s, n) for n in streams} for s in args.systems
             },

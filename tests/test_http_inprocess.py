@@ -1,0 +1,124 @@
+"""The HTTP app on a real hypercorn socket, in this Trio run, so a test can
+watch the engine's state while a client misbehaves."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import httpx
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from gezel_trio import Engine, EngineConfig, open_engine
+from gezel_trio.http.app import HttpSettings, create_app
+
+HANG = 60
+
+
+@asynccontextmanager
+async def served(model: Path, **engine_kw: object) -> AsyncIterator[tuple[Engine, str]]:
+    async with open_engine(EngineConfig(model=model, **engine_kw)) as engine:  # type: ignore[arg-type]
+        config = Config()
+        config.bind = ["127.0.0.1:0"]
+        config.accesslog = None
+        shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(
+                partial(
+                    serve,
+                    create_app(engine, HttpSettings()),
+                    config,
+                    shutdown_trigger=shutdown.wait,
+                )
+            )
+            try:
+                yield engine, binds[0]
+            finally:
+                shutdown.set()
+
+
+@asynccontextmanager
+async def raw_stream(url: str, body: dict[str, object]) -> AsyncIterator[trio.SocketStream]:
+    """POST ``body`` on a bare TCP stream: leaving the block is an abrupt
+    client disconnect, with no client library in between."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    payload = json.dumps(body).encode()
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        yield stream
+
+
+async def read_content_frames(stream: trio.SocketStream, count: int) -> int:
+    """Read until ``count`` SSE frames with content have arrived."""
+    seen, buf = 0, b""
+    while seen < count:
+        data = await stream.receive_some()
+        assert data, "the server closed the stream early"
+        buf += data
+        seen = buf.count(b'"content":"') - buf.count(b'"content":""')
+    return seen
+
+
+BODY = {
+    "messages": [{"role": "user", "content": "Tell me everything."}],
+    "stream": True,
+    "max_tokens": 20_000,
+    "ignore_eos": True,
+    "temperature": 0,
+}
+
+
+async def test_client_disconnect_mid_stream_frees_the_slot_within_one_step(
+    any_model: Path,
+) -> None:
+    with trio.fail_after(HANG):
+        async with served(any_model) as (engine, url), httpx.AsyncClient(base_url=url) as client:
+            async with raw_stream(url, BODY) as stream:
+                await read_content_frames(stream, 3)
+                rid = engine.state().running[0]
+            # Leaving the block closed the connection mid-stream.
+            state = await engine.wait_until(lambda s: any(r.rid == rid for r in s.recent_removals))
+            removal = next(r for r in state.recent_removals if r.rid == rid)
+            assert removal.removed_at_step - removal.withdrawn_at_step <= 1
+            await engine.wait_until(lambda s: s.running == () and s.live == 0)
+            # The server keeps serving.
+            r = await client.post(
+                "/v1/chat/completions", json={**BODY, "stream": False, "max_tokens": 3}
+            )
+            assert r.status_code == 200
+            assert r.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_health_answers_while_a_stream_runs(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as client:
+            async with raw_stream(url, BODY) as stream:
+                await read_content_frames(stream, 1)
+                health = (await client.get("/health")).json()
+                assert health["status"] == "ok"
+                assert health["running"] == 1
+
+
+async def test_queue_overflow_is_429_with_retry_after(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with (
+            served(dense_model, max_concurrency=1, max_queue=0) as (_engine, url),
+            httpx.AsyncClient(base_url=url) as client,
+        ):
+            async with raw_stream(url, BODY) as stream:
+                await read_content_frames(stream, 1)
+                r = await client.post("/v1/chat/completions", json=BODY)
+                assert r.status_code == 429
+                assert r.headers["Retry-After"] == "1"
+                assert r.json()["error"]["code"] == "queue_full"
