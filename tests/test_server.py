@@ -1,0 +1,268 @@
+"""The real server process on each demo model, driven by the official
+``openai`` SDK - what a user of the sidecar actually runs.
+
+The server prints ``gezel-trio listening on URL`` once the model is loaded
+and the socket is bound; the fixture reads that line (no sleeps). Teardown
+sends SIGTERM and asserts a clean exit: graceful drain is tested every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen[str]) -> None:
+        self.url = url
+        self.proc = proc
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+    def post(self, body: bytes, content_type: str = "application/json") -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/v1/chat/completions",
+            content=body,
+            headers={"Content-Type": content_type},
+            timeout=60,
+        )
+
+
+def start_server(model: Path, *args: str) -> Server:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gezel_trio",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--log-level",
+            "WARNING",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # ends if the process dies: then the assert below fails
+        if line.startswith("gezel-trio listening on "):
+            return Server(line.split()[-1], proc)
+    proc.kill()
+    proc.stdout.close()
+    raise AssertionError(f"server exited with {proc.wait()} before listening")
+
+
+def stop_server(server: Server) -> int:
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        return server.proc.wait(timeout=30)
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+        if server.proc.stdout is not None:
+            server.proc.stdout.close()
+
+
+@pytest.fixture(scope="module", params=["dense", "hybrid"])
+def server(
+    request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path
+) -> Iterator[Server]:
+    model = dense_model if request.param == "dense" else hybrid_model
+    srv = start_server(model, "--max-concurrency", "4")
+    yield srv
+    assert stop_server(srv) == 0, "SIGTERM must drain and exit cleanly"
+
+
+MSG: list[Any] = [{"role": "user", "content": "Write a few words."}]
+FIXED = {"ignore_eos": True}  # fixed-length generations, as vLLM offers
+
+
+def test_non_streaming_completion(server: Server) -> None:
+    r = server.client.chat.completions.create(
+        model="demo", messages=MSG, max_tokens=8, temperature=0, extra_body=FIXED
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.message.content
+    assert r.usage is not None
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens > 0
+    raw = r.usage.model_dump()
+    for key in ("input_tokens", "output_tokens", "cached_tokens", "prompt_tps", "generation_tps"):
+        assert key in raw
+
+
+def test_streaming_matches_non_streaming_and_carries_usage(server: Server) -> None:
+    kw: dict[str, Any] = dict(model="demo", messages=MSG, max_tokens=10, temperature=0)
+    whole = server.client.chat.completions.create(**kw, extra_body=FIXED)
+    chunks = list(
+        server.client.chat.completions.create(
+            **kw, stream=True, stream_options={"include_usage": True}, extra_body=FIXED
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+    assert all(f is None for f in finishes[:-1])
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content_chunks
+    assert all(c.usage is not None for c in content_chunks)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_string_is_not_emitted(server: Server) -> None:
+    kw: dict[str, Any] = dict(model="demo", messages=MSG, max_tokens=24, temperature=0)
+    full = server.client.chat.completions.create(**kw, extra_body=FIXED).choices[0].message.content
+    assert full is not None
+    words = full.split()
+    stop = words[len(words) // 2]
+    r = server.client.chat.completions.create(**kw, stop=[stop], extra_body=FIXED)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_same_seed_same_text(server: Server) -> None:
+    kw: dict[str, Any] = dict(
+        model="demo", messages=MSG, max_tokens=12, temperature=0.9, extra_body=FIXED
+    )
+    a = server.client.chat.completions.create(**kw, seed=1234).choices[0].message.content
+    b = server.client.chat.completions.create(**kw, seed=1234).choices[0].message.content
+    c = server.client.chat.completions.create(**kw, seed=99).choices[0].message.content
+    assert a == b
+    assert a != c
+
+
+def test_concurrent_streams_all_complete(server: Server) -> None:
+    lengths = [5, 17, 9, 23, 12, 7]
+
+    def run(n: int) -> tuple[int, str | None]:
+        stream = server.client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": f"Stream number {n}."}],
+            max_tokens=n,
+            temperature=0.7,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=FIXED,
+        )
+        chunks = list(stream)
+        usage = chunks[-1].usage
+        assert usage is not None
+        finish = next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices)
+        return usage.completion_tokens, finish
+
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        results = list(pool.map(run, lengths))
+    assert results == [(n, "length") for n in lengths]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b'{"messages": "hello"}', "messages"),
+        (b'{"messages": []}', "messages"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
+        (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "cacheid": "typo"}', "cacheid"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000000000000}',
+            "max_tokens",
+        ),
+        (b"[1, 2, 3]", None),
+    ],
+)
+def test_malformed_requests_get_400_and_the_server_keeps_serving(
+    server: Server, body: bytes, param: str | None
+) -> None:
+    r = server.post(body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"]
+    assert err["param"] == param
+    ok = server.client.chat.completions.create(model="demo", messages=MSG, max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+def test_non_json_content_type_is_refused(server: Server) -> None:
+    body = json.dumps({"messages": MSG}).encode()
+    assert server.post(body, content_type="text/plain").status_code == 415
+
+
+def test_models_and_health(server: Server) -> None:
+    models = server.client.models.list()
+    assert len(models.data) == 1
+    health = httpx.get(f"{server.url}/health", timeout=10).json()
+    assert health["status"] == "ok"
+    assert health["model"] == models.data[0].id
+
+
+def test_tools_and_thinking_switch_render(server: Server) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    messages: list[Any] = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "rainy"},
+    ]
+    usages = []
+    for thinking in (True, False):
+        r = server.client.chat.completions.create(
+            model="demo",
+            messages=messages,
+            tools=tools,
+            max_tokens=2,
+            extra_body={"chat_template_kwargs": {"enable_thinking": thinking}},
+        )
+        assert r.usage is not None
+        usages.append(r.usage.prompt_tokens)
+    bare = server.client.chat.completions.create(model="demo", messages=messages[:1], max_tokens=2)
+    assert bare.usage is not None
+    # The tool roster and the tool turn are in the prompt; the empty think
+    # block is added only when thinking is off.
+    assert usages[0] > bare.usage.prompt_tokens + 20
+    assert usages[1] > usages[0]
