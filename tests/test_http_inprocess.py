@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
-import httpx
+import httpx2 as httpx
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
