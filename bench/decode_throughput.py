@@ -239,6 +239,17 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 @contextlib.contextmanager
+def _log_on_error(name: str, log: Path) -> Iterator[None]:
+    """On an error while a server is up, show its log tail (the log is deleted
+    with the run's temporary directory)."""
+    try:
+        yield
+    except Exception:
+        print(f"--- {name} log tail ({log.name}) ---\n{_tail(log)}", file=sys.stderr)
+        raise
+
+
+@contextlib.contextmanager
 def gezel_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterator[str]:
     """Start gezel-trio on a free port; yield its base URL once it says it is
     listening (the line it prints on stdout); always stop it."""
@@ -276,8 +287,9 @@ def gezel_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterato
             if line is None:
                 raise RuntimeError(f"gezel-trio exited early:\n{_tail(log)}")
             if marker in line:
-                yield line.split(marker, 1)[1].strip()
-                return
+                break
+        with _log_on_error("gezel-trio", log):
+            yield line.split(marker, 1)[1].strip()
     finally:
         _stop(proc)
 
@@ -315,12 +327,16 @@ def mlx_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterator[
                 if proc.poll() is not None:
                     raise RuntimeError(f"mlx_lm.server exited early:\n{_tail(log)}")
                 with contextlib.suppress(httpx.TransportError):
-                    if client.get(f"{url}/health").status_code == 200:
+                    status = client.get(f"{url}/health").status_code
+                    if status == 200:
                         break
+                    # 503: its generation thread (which loads the model) died.
+                    raise RuntimeError(f"mlx_lm.server unhealthy ({status}):\n{_tail(log)}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"mlx_lm.server not ready after {_STARTUP_TIMEOUT_S}s")
                 time.sleep(0.2)  # polling interval, not a readiness guess
-        yield url
+        with _log_on_error("mlx_lm.server", log):
+            yield url
     finally:
         _stop(proc)
 

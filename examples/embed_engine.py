@@ -27,12 +27,14 @@ from gezel_trio import (
 
 async def main(model: Path | None) -> None:
     async with open_engine(EngineConfig(model=model)) as engine:
-        prompt = await engine.render_chat(
-            [{"role": "user", "content": "Say something."}],
-            template_kwargs={"enable_thinking": False},
-        )
+        prompt = (
+            await engine.render_chat(
+                [{"role": "user", "content": "Say something."}],
+                template_kwargs={"enable_thinking": False},
+            )
+        ).tokens
         request = GenerationRequest(
-            tuple(prompt), max_tokens=24, sampling=SamplingParams(temperature=0.7, seed=1)
+            prompt, max_tokens=24, sampling=SamplingParams(temperature=0.7, seed=1)
         )
         with engine.submit_nowait(request) as handle:
             async for event in handle:
@@ -46,7 +48,7 @@ async def main(model: Path | None) -> None:
 
         # Cancelling the caller's scope withdraws the request: its sequence
         # leaves the batch at the next engine step.
-        endless = GenerationRequest(tuple(prompt), max_tokens=10_000, ignore_eos=True)
+        endless = GenerationRequest(prompt, max_tokens=10_000, ignore_eos=True)
         with trio.CancelScope() as scope, engine.submit_nowait(endless) as handle:
             tokens = 0
             async for event in handle:

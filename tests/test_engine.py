@@ -30,10 +30,10 @@ HANG = 60  # seconds; a bound on a hang, never a wait
 
 
 async def prompt_for(engine: Engine, text: str = "Tell me a story.") -> tuple[int, ...]:
-    ids = await engine.render_chat(
+    rendered = await engine.render_chat(
         [{"role": "user", "content": text}], template_kwargs={"enable_thinking": False}
     )
-    return tuple(ids)
+    return rendered.tokens
 
 
 async def collect(engine: Engine, req: GenerationRequest) -> tuple[str, Finished]:

@@ -3,8 +3,8 @@
 The public API for Trio programs (no HTTP involved)::
 
     async with open_engine(EngineConfig(model=path)) as engine:
-        prompt = await engine.render_chat([{"role": "user", "content": "hi"}])
-        with engine.submit_nowait(GenerationRequest(tuple(prompt), max_tokens=32)) as handle:
+        prompt = (await engine.render_chat([{"role": "user", "content": "hi"}])).tokens
+        with engine.submit_nowait(GenerationRequest(prompt, max_tokens=32)) as handle:
             async for event in handle:
                 match event:
                     case Delta(text=text): print(text, end="")

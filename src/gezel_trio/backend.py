@@ -9,15 +9,18 @@ keep thread-bound state (MLX streams) without locks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import attrs
 
+from .prompt import RenderedPrompt
 from .request import GenerationRequest
 
 __all__ = [
     "Admission",
     "Backend",
+    "Captured",
     "Detokenizer",
     "ModelInfo",
     "PrefillOut",
@@ -47,7 +50,8 @@ class PromptRenderer(Protocol):
         tools: Sequence[dict[str, Any]] | None,
         template_kwargs: dict[str, Any],
         template_override: str | None,
-    ) -> list[int]: ...
+        band_chars: int | None = None,
+    ) -> RenderedPrompt: ...
 
 
 @attrs.frozen
@@ -56,33 +60,60 @@ class ModelInfo:
     context_length: int
     eos_ids: frozenset[int]
     framing_markers: tuple[str, ...]
-    # False when some cache layer cannot rewind (linear attention, rotating KV).
+    # False when some cache layer may be unable to rewind (linear attention,
+    # sliding windows): the engine then plants prompt snapshots.
     trimmable: bool
+    # Identifies the model for on-disk cache files (persist.fingerprint_model_dir).
+    fingerprint: str = ""
     # Whether sequences may join a batch that is already decoding.
     continuous_batching: bool = True
 
 
 @attrs.frozen
 class Admission:
+    """A sequence to start: ``segments`` are the prompt tokens still to
+    prefill (split where snapshots are wanted), on top of ``seed_state``,
+    an opaque cache state holding exactly ``seed_tokens`` (``None``: fresh)."""
+
     rid: int
     request: GenerationRequest
+    segments: tuple[tuple[int, ...], ...]
+    seed_state: Any = None
+    seed_tokens: tuple[int, ...] = ()
 
 
 @attrs.frozen
 class PrefillOut:
+    """Prefill progress: ``done`` of ``total`` tokens still to prefill at
+    admission. ``segment_end`` marks the end of an admitted segment, where the
+    sequence's state may be captured."""
+
     rid: int
     done: int
     total: int
+    segment_end: bool = False
 
 
 @attrs.frozen
 class TokenOut:
     """One generated token. ``finish`` is set on a sequence's last token; for
-    ``"stop"`` that token is the end-of-sequence token itself."""
+    ``"stop"`` that token is the end-of-sequence token itself. A finishing
+    token carries the sequence's final cache ``state`` and the ``state_tokens``
+    it holds."""
 
     rid: int
     token: int
     finish: Literal["stop", "length"] | None
+    state: Any = None
+    state_tokens: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class Captured:
+    """A sequence's cache state and exactly the tokens it holds."""
+
+    state: Any
+    tokens: tuple[int, ...]
 
 
 @attrs.frozen
@@ -106,9 +137,33 @@ class Backend(Protocol):
         """Queue sequences into the batch; they prefill on later steps."""
         ...
 
-    def remove(self, rids: Sequence[int]) -> None:
-        """Drop sequences wherever they are (waiting, prefilling, decoding)."""
+    def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
+        """Drop sequences wherever they are (waiting, prefilling, decoding);
+        returns each one's state at that moment, for cancellation saves."""
         ...
+
+    def capture(self, rid: int) -> Captured | None:
+        """The sequence's current state, copied (valid between steps)."""
+        ...
+
+    # --- opaque cache states -------------------------------------------------
+
+    def state_nbytes(self, state: Any) -> int: ...
+
+    def state_offsets(self, state: Any) -> list[int | None]:
+        """Each layer's token position, ``None`` for layers that keep none."""
+        ...
+
+    def can_trim(self, state: Any) -> bool: ...
+
+    def trimmed(self, state: Any, n: int) -> Any:
+        """A copy of ``state`` without its last ``n`` tokens; the original is
+        left untouched (it may be a stored entry)."""
+        ...
+
+    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...
+
+    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]: ...
 
     def step(self) -> StepOutput:
         """Advance every sequence by one prefill chunk or one token."""

@@ -90,9 +90,7 @@ def plan_seed(cached: Sequence[int] | None, prompt: Sequence[int], trimmable: bo
     return SeedPlan("trim", reuse=usable, trim=n - usable, cached_len=n, lcp=lcp)
 
 
-def split_segments(
-    prompt: Sequence[int], reuse: int, cuts: Iterable[int]
-) -> list[list[int]]:
+def split_segments(prompt: Sequence[int], reuse: int, cuts: Iterable[int]) -> list[list[int]]:
     """``prompt[reuse:]`` split at the absolute token indices in ``cuts``
     (those strictly inside it); the engine stops at each segment end, which is
     where snapshots are taken."""

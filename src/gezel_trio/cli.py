@@ -46,6 +46,29 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="admit only into an empty batch (no continuous batching)",
     )
+    s.add_argument(
+        "--persist-dir",
+        type=Path,
+        default=None,
+        help="keep prompt-cache entries on disk across restarts",
+    )
+    s.add_argument(
+        "--model-fingerprint",
+        default=None,
+        help="override the model id that segments on-disk cache entries",
+    )
+    s.add_argument(
+        "--cache-budget-mb",
+        type=float,
+        default=2048.0,
+        help="in-memory prompt-cache budget (LRU by real bytes)",
+    )
+    s.add_argument(
+        "--disk-cache-budget-mb",
+        type=float,
+        default=8192.0,
+        help="on-disk prompt-cache budget; 0 = unbounded",
+    )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
@@ -86,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             max_queue=args.max_queue,
             default_max_tokens=args.max_tokens_default,
             continuous_batching=not args.static_waves,
+            persist_dir=args.persist_dir,
+            model_fingerprint=args.model_fingerprint,
+            cache_budget_mb=args.cache_budget_mb,
+            disk_cache_budget_mb=args.disk_cache_budget_mb,
         )
     except ValueError as exc:
         print(f"gezel-trio: {exc}", file=sys.stderr)

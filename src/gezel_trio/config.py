@@ -30,3 +30,9 @@ class EngineConfig:
     # Upper bound for ``max_tokens`` when a request names none.
     default_max_tokens: int = attrs.field(default=4096, validator=_positive)
     continuous_batching: bool = True
+    # Prompt cache (SPEC C1-C9): in-memory budget, optional disk persistence.
+    cache_budget_mb: float = attrs.field(default=2048.0, validator=attrs.validators.gt(0))
+    persist_dir: Path | None = None
+    disk_cache_budget_mb: float = attrs.field(default=8192.0, validator=attrs.validators.ge(0))
+    # Overrides the fingerprint computed from the model directory.
+    model_fingerprint: str | None = None

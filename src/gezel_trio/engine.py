@@ -30,11 +30,13 @@ from typing import Any
 import attrs
 import trio
 
-from .backend import Admission, Backend, ModelInfo, PromptRenderer
+from .backend import Backend, ModelInfo, PromptRenderer
 from .config import EngineConfig
 from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, SlowConsumer
 from .events import Event, Failed, Finished, Progress
-from .host_thread import Orders, StepReport, run_host
+from .host_thread import HostCommand, Orders, StepReport, run_host
+from .prompt import RenderedPrompt
+from .prompt_cache import CacheView
 from .request import GenerationRequest
 from .scheduler import Scheduler
 
@@ -65,6 +67,15 @@ class EngineState:
     live: int
     closing: bool
     recent_removals: tuple[Removal, ...]
+
+
+_NO_RESULT: Any = object()
+
+
+@attrs.define
+class _Call:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: Any = _NO_RESULT
 
 
 @attrs.define
@@ -153,6 +164,10 @@ class Engine:
         self._wake = trio.Event()
         self._changed = trio.Event()
         self._task_status: trio.TaskStatus[Engine] | None = None
+        self._commands: list[tuple[int, HostCommand]] = []
+        self._calls: dict[int, _Call] = {}
+        self._next_call = 0
+        self._cache_view: tuple[CacheView, ...] = ()
 
     # --- public API --------------------------------------------------------
 
@@ -173,7 +188,8 @@ class Engine:
         tools: Sequence[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
         template_override: str | None = None,
-    ) -> list[int]:
+        band_chars: int | None = None,
+    ) -> RenderedPrompt:
         """Render a conversation to prompt tokens on a worker thread (never
         the MLX thread: tokenizers are plain Python). Raises
         ``InvalidRequest`` when the template rejects the conversation. If
@@ -182,7 +198,11 @@ class Engine:
         kwargs = dict(template_kwargs or {})
         return await trio.to_thread.run_sync(
             lambda: renderer.render(
-                messages, tools=tools, template_kwargs=kwargs, template_override=template_override
+                messages,
+                tools=tools,
+                template_kwargs=kwargs,
+                template_override=template_override,
+                band_chars=band_chars,
             )
         )
 
@@ -255,6 +275,45 @@ class Engine:
                 return state
             await self._changed.wait()
 
+    @property
+    def cache_view(self) -> tuple[CacheView, ...]:
+        """The prompt cache's entries as of the last engine step."""
+        return self._cache_view
+
+    def cache_ids_in_use(self) -> set[str]:
+        """Cache ids named by requests that are queued or running."""
+        ids: set[str] = set()
+        for live in self._live.values():
+            cr = live.request.cache
+            if cr is not None:
+                ids.update(k for k in (cr.cache_id, *cr.prefix_ids) if k)
+        return ids
+
+    async def host_call(self, command: HostCommand) -> Any:
+        """Run a cache command on the host thread, between two steps, and
+        return its result. Raises ``EngineClosed`` if the engine stops first.
+        Cancelling the wait leaves the command to run; its result is dropped."""
+        if self._closing:
+            raise EngineClosed("the engine is shutting down")
+        cid = self._next_call
+        self._next_call += 1
+        call = _Call()
+        self._calls[cid] = call
+        self._commands.append((cid, command))
+        self._wake.set()
+        try:
+            await call.done.wait()
+        finally:
+            self._calls.pop(cid, None)
+        if call.result is _NO_RESULT:
+            raise EngineClosed("the engine stopped before the command ran")
+        return call.result
+
+    async def settle(self) -> None:
+        """Wait until every withdrawn sequence has left the batch, so its
+        cancellation snapshot is filed. Bound it with a cancel scope."""
+        await self.wait_until(lambda _: not self._withdrawn)
+
     def close_nowait(self) -> None:
         """Stop admitting; fail every queued and running request with
         ``EngineClosed``. The host thread stops at its next exchange."""
@@ -266,6 +325,8 @@ class Engine:
             self._withdrawn.setdefault(rid, self._step)
         for rid in (*queued, *running):
             self._end(rid, Failed(EngineClosed("the engine shut down")))
+        for call in self._calls.values():
+            call.done.set()  # result stays _NO_RESULT: the caller gets EngineClosed
         self._wake.set()
         self._notify()
 
@@ -279,6 +340,13 @@ class Engine:
         self._task_status = None
 
     def exchange(self, report: StepReport) -> Orders:
+        if report.cache_view is not None:
+            self._cache_view = report.cache_view
+        for cid, result in report.replies:
+            call = self._calls.pop(cid, None)
+            if call is not None:
+                call.result = result
+                call.done.set()
         for rid, event in report.events:
             self._deliver(rid, event)
         for rid in report.ended:
@@ -295,10 +363,11 @@ class Engine:
         for rid in plan.remove:
             left_at = self._withdrawn.pop(rid, self._step)
             self._removals.append(Removal(rid, left_at, self._step))
-        admit = tuple(Admission(rid, self._live[rid].request) for rid in plan.admit)
+        admit = tuple((rid, self._live[rid].request) for rid in plan.admit)
         stop = cancelled or (self._closing and self._scheduler.idle)
+        commands, self._commands = tuple(self._commands), []
         self._notify()
-        return Orders(stop=stop, remove=plan.remove, admit=admit)
+        return Orders(stop=stop, remove=plan.remove, admit=admit, commands=commands)
 
     async def wait_for_work(self) -> None:
         await self._wake.wait()
@@ -374,7 +443,7 @@ async def run_engine(  # noqa: ASYNC128 - Engine.ready() calls started() from th
     engine._task_status = task_status
     try:
         await trio.to_thread.run_sync(
-            run_host, engine, lambda: make(config), thread_name="gezel-mlx-host"
+            run_host, engine, lambda: make(config), config, thread_name="gezel-mlx-host"
         )
     except GezelError:
         raise

@@ -8,43 +8,89 @@ turn its tokens into text events. When nothing is running it blocks in
 ``trio.from_thread.run(link.wait_for_work)``, so an idle engine costs nothing
 and needs no polling.
 
+The prompt cache (``PromptCache``) lives here too, beside the states it keeps:
+admission seeds each sequence from it, segment ends capture snapshots, and
+every ending - finished, stopped by text, withdrawn, failed - goes through it
+exactly once, which is what releases its pins.
+
 Cancellation: the thread cannot be interrupted mid-step. The Trio side answers
-the next exchange with ``stop`` once the engine task is cancelled or closing,
-and an idle wait raises ``trio.Cancelled`` in this thread, which propagates
-out after the backend is closed.
+the next exchange with ``stop`` once the engine task is cancelled or closing;
+the thread then applies the final removals (filing cancellation snapshots),
+flushes dirty cache entries to disk and returns. An idle wait raises
+``trio.Cancelled`` in this thread, which propagates out after the same flush.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
 
-from .backend import Admission, Backend, Detokenizer, ModelInfo, PromptRenderer, TokenOut
+from .backend import Backend, Captured, Detokenizer, ModelInfo, PromptRenderer, TokenOut
+from .config import EngineConfig
 from .errors import EngineFailure
 from .events import Delta, Event, Failed, Finished, FinishReason, Progress, Usage
+from .persist import DiskCache
+from .prompt_cache import CacheView, PromptCache
+from .request import GenerationRequest
 from .text import TextFilter
 
-__all__ = ["EngineLink", "Orders", "StepReport", "run_host"]
+__all__ = [
+    "CacheEvict",
+    "CacheFlush",
+    "CacheInspect",
+    "EngineLink",
+    "HostCommand",
+    "Orders",
+    "StepReport",
+    "run_host",
+]
+
+log = logging.getLogger("gezel_trio.host")
+
+
+@attrs.frozen
+class CacheEvict:
+    cache_id: str
+
+
+@attrs.frozen
+class CacheFlush:
+    pass
+
+
+@attrs.frozen
+class CacheInspect:
+    cache_id: str
+
+
+HostCommand = CacheEvict | CacheFlush | CacheInspect
 
 
 @attrs.frozen
 class StepReport:
     """What one step produced, per request id; ``ended`` lists sequences that
-    left the backend by themselves (their last event is in ``events``)."""
+    left the backend by themselves (their last event is in ``events``).
+    ``cache_view`` is set when the prompt cache changed; ``replies`` answer
+    the previous orders' commands."""
 
     events: tuple[tuple[int, Event], ...] = ()
     ended: tuple[int, ...] = ()
+    replies: tuple[tuple[int, Any], ...] = ()
+    cache_view: tuple[CacheView, ...] | None = None
+    pinned: frozenset[str] | None = None
 
 
 @attrs.frozen
 class Orders:
     stop: bool = False
     remove: tuple[int, ...] = ()
-    admit: tuple[Admission, ...] = ()
+    admit: tuple[tuple[int, GenerationRequest], ...] = ()
+    commands: tuple[tuple[int, HostCommand], ...] = ()
 
 
 class EngineLink(Protocol):
@@ -60,6 +106,7 @@ class EngineLink(Protocol):
 @attrs.define
 class _Sequence:
     prompt_len: int
+    cached: int
     detok: Detokenizer
     text: TextFilter
     admitted_at: float
@@ -71,52 +118,103 @@ class _Sequence:
         first, last = self.first_token_at, self.last_token_at
         prompt_tps = 0.0
         if first is not None and first > self.admitted_at:
-            prompt_tps = self.prompt_len / (first - self.admitted_at)
+            prompt_tps = (self.prompt_len - self.cached) / (first - self.admitted_at)
         gen_tps = 0.0
         if first is not None and last is not None and last > first:
             gen_tps = (self.generated - 1) / (last - first)
         return Usage(
             input_tokens=self.prompt_len,
             output_tokens=self.generated,
-            cached_tokens=0,
+            cached_tokens=self.cached,
             prompt_tps=round(prompt_tps, 2),
             generation_tps=round(gen_tps, 2),
         )
 
 
-class _Host:
-    """Per-sequence text state around a backend; lives on the host thread."""
+def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
+    disk = None
+    if config.persist_dir is not None:
+        disk = DiskCache(config.persist_dir, backend.info.fingerprint, backend)
+    return PromptCache(
+        backend,
+        model_trimmable=backend.info.trimmable,
+        budget_bytes=int(config.cache_budget_mb * 1024 * 1024),
+        disk=disk,
+        disk_budget_bytes=int(config.disk_cache_budget_mb * 1024 * 1024),
+        decode=getattr(backend, "decode", None),
+    )
 
-    def __init__(self, backend: Backend) -> None:
+
+class _Host:
+    """Per-sequence text and cache state around a backend, on the host thread."""
+
+    def __init__(self, backend: Backend, cache: PromptCache) -> None:
         self.backend = backend
+        self.cache = cache
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
         self._eos = backend.info.eos_ids
+        self._reported_version = -1
+        self._replies: list[tuple[int, Any]] = []
 
     def apply(self, orders: Orders) -> None:
         if orders.remove:
             gone = [rid for rid in orders.remove if self.seqs.pop(rid, None) is not None]
             if gone:
-                self.backend.remove(gone)
+                states = self.backend.remove(gone)
+                for rid in gone:
+                    self.cache.cancelled(rid, states.get(rid))
+        for cid, command in orders.commands:
+            self._replies.append((cid, self._run(command)))
         if orders.admit:
             now = time.perf_counter()
-            for adm in orders.admit:
-                self.seqs[adm.rid] = _Sequence(
-                    prompt_len=len(adm.request.prompt),
+            admissions = []
+            for rid, request in orders.admit:
+                admission, seed = self.cache.admit(rid, request)
+                admissions.append(admission)
+                self.seqs[rid] = _Sequence(
+                    prompt_len=len(request.prompt),
+                    cached=seed.reuse,
                     detok=self.backend.detokenizer(),
-                    text=TextFilter(adm.request.stop, self._markers),
+                    text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
                 )
-            self.backend.insert(orders.admit)
+            self.backend.insert(admissions)
+
+    def _run(self, command: HostCommand) -> Any:
+        match command:
+            case CacheEvict(cache_id=cache_id):
+                return self.cache.evict(cache_id)
+            case CacheFlush():
+                return self.cache.flush()
+            case CacheInspect(cache_id=cache_id):
+                return (self.cache.inspect(cache_id), self.cache.pinned(cache_id))
+
+    def report(
+        self, events: tuple[tuple[int, Event], ...] = (), ended: tuple[int, ...] = ()
+    ) -> StepReport:
+        view = None
+        pinned = None
+        if self.cache.version != self._reported_version:
+            self._reported_version = self.cache.version
+            view = self.cache.view()
+        replies, self._replies = tuple(self._replies), []
+        return StepReport(events, ended, replies, view, pinned)
 
     def step(self) -> StepReport:
         try:
             out = self.backend.step()
         except Exception as exc:  # mapped: every sequence in the batch fails
             return self._fail_all(exc)
-        events: list[tuple[int, Event]] = [
-            (p.rid, Progress(p.done, p.total)) for p in out.prefill if p.rid in self.seqs
-        ]
+        events: list[tuple[int, Event]] = []
+        for p in out.prefill:
+            if p.rid not in self.seqs:
+                continue
+            events.append((p.rid, Progress(p.done, p.total)))
+            if p.segment_end and self.cache.wants_capture(p.rid, p.done):
+                cap = self.backend.capture(p.rid)
+                if cap is not None:
+                    self.cache.captured(p.rid, p.done, cap)
         ended: list[int] = []
         stopped_by_text: list[int] = []
         now = time.perf_counter()
@@ -125,15 +223,21 @@ class _Host:
             if seq is None:
                 continue
             reason = self._advance(seq, tok, now, events)
-            if reason is not None:
-                events.append((tok.rid, Finished(reason, seq.usage())))
-                ended.append(tok.rid)
-                del self.seqs[tok.rid]
-                if tok.finish is None:
-                    stopped_by_text.append(tok.rid)
+            if reason is None:
+                continue
+            events.append((tok.rid, Finished(reason, seq.usage())))
+            ended.append(tok.rid)
+            del self.seqs[tok.rid]
+            if tok.finish is None:
+                stopped_by_text.append(tok.rid)
+            else:
+                cap = Captured(tok.state, tok.state_tokens) if tok.state is not None else None
+                self.cache.finished(tok.rid, cap)
         if stopped_by_text:
-            self.backend.remove(stopped_by_text)
-        return StepReport(tuple(events), tuple(ended))
+            states = self.backend.remove(stopped_by_text)
+            for rid in stopped_by_text:
+                self.cache.finished(rid, states.get(rid))
+        return self.report(tuple(events), tuple(ended))
 
     def _advance(
         self, seq: _Sequence, tok: TokenOut, now: float, events: list[tuple[int, Event]]
@@ -154,29 +258,49 @@ class _Host:
         return reason
 
     def _fail_all(self, exc: Exception) -> StepReport:
+        log.exception("backend step failed; failing %d sequences", len(self.seqs))
         err = EngineFailure(f"the model step failed: {type(exc).__name__}: {exc}")
         rids = tuple(self.seqs)
         self.seqs.clear()
         self.backend.reset()
-        return StepReport(tuple((rid, Failed(err)) for rid in rids), rids)
+        for rid in rids:
+            self.cache.cancelled(rid, None)
+        return self.report(tuple((rid, Failed(err)) for rid in rids), rids)
+
+    def shutdown(self) -> None:
+        """Last act on the thread: file what is still running, flush to disk."""
+        if self.seqs:
+            rids = list(self.seqs)
+            self.seqs.clear()
+            states = self.backend.remove(rids)
+            for rid in rids:
+                self.cache.cancelled(rid, states.get(rid))
+        self.cache.flush()
 
 
-def run_host(link: EngineLink, make_backend: Callable[[], Backend]) -> None:
+def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
     """Body of the host thread; returns when the engine orders ``stop``."""
     backend = make_backend()
+    host: _Host | None = None
     try:
+        host = _Host(backend, make_prompt_cache(backend, config))
         trio.from_thread.run_sync(link.ready, backend.info, backend.renderer)
-        host = _Host(backend)
-        report = StepReport()
+        report = host.report()
         while True:
             orders = trio.from_thread.run_sync(link.exchange, report)
+            host.apply(orders)
             if orders.stop:
                 return
-            host.apply(orders)
             if host.seqs:
                 report = host.step()
+            elif orders.commands or host.cache.version != host._reported_version:
+                report = host.report()
             else:
-                report = StepReport()
+                report = host.report()
                 trio.from_thread.run(link.wait_for_work)
     finally:
-        backend.close()
+        try:
+            if host is not None:
+                host.shutdown()
+        finally:
+            backend.close()

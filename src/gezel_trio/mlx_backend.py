@@ -7,6 +7,8 @@ each ``step`` is one ``BatchGenerator.next()``.
 
 from __future__ import annotations
 
+import copy
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -14,8 +16,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
+from mlx.utils import tree_unflatten
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -26,9 +38,18 @@ from mlx_lm.sample_utils import (
 )
 from mlx_lm.utils import load
 
-from .backend import Admission, Detokenizer, ModelInfo, PrefillOut, StepOutput, TokenOut
+from .backend import (
+    Admission,
+    Captured,
+    Detokenizer,
+    ModelInfo,
+    PrefillOut,
+    StepOutput,
+    TokenOut,
+)
 from .config import EngineConfig
 from .errors import ModelLoadError
+from .persist import fingerprint_model_dir
 from .prompt import ChatTemplateRenderer
 from .request import SamplingParams
 from .text import COMMON_FRAMING_MARKERS
@@ -37,6 +58,19 @@ __all__ = ["MlxBackend", "resolve_model_dir"]
 
 Sampler = Any  # Callable[[mx.array], mx.array]
 LogitsProcessor = Any  # Callable[[mx.array, mx.array], mx.array]
+
+_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+_CACHE_CLASSES: dict[str, Any] = {
+    c.__name__: c
+    for c in (
+        KVCache,
+        QuantizedKVCache,
+        ConcatenateKVCache,
+        ArraysCache,
+        RotatingKVCache,
+        ChunkedKVCache,
+    )
+}
 
 # Added tokens that are content, not framing: later layers parse them.
 _CONTENT_MARKERS = ("tool_call", "tool_response", "think")
@@ -165,13 +199,16 @@ class MlxBackend:
             for t in getattr(tokenizer, "all_special_tokens", [])
             if not any(m in t for m in _CONTENT_MARKERS)
         ]
-        trimmable = all(c.is_trimmable() for c in make_prompt_cache(model))
+        # Only plain KV layers can always rewind; a sliding window can while it
+        # has not wrapped, linear attention never can.
+        trimmable = all(type(c) in _ALWAYS_TRIMMABLE for c in make_prompt_cache(model))
         self._info = ModelInfo(
             model_id=model_dir.name,
             context_length=context,
             eos_ids=frozenset(eos),
             framing_markers=tuple(dict.fromkeys((*special, *COMMON_FRAMING_MARKERS))),
             trimmable=trimmable,
+            fingerprint=config.model_fingerprint or fingerprint_model_dir(model_dir),
         )
         self._renderer = ChatTemplateRenderer(tokenizer)
         self._eos_stops = StopSequences([[e] for e in sorted(eos)])
@@ -205,9 +242,11 @@ class MlxBackend:
     def insert(self, admissions: Sequence[Admission]) -> None:
         eos = sorted(self._info.eos_ids)
         reqs = [a.request for a in admissions]
-        uids = self._gen.insert(
-            [list(r.prompt) for r in reqs],
+        uids = self._gen.insert_segments(
+            [[list(seg) for seg in a.segments] for a in admissions],
             max_tokens=[r.max_tokens for r in reqs],
+            caches=[a.seed_state for a in admissions],
+            all_tokens=[list(a.seed_tokens) for a in admissions],
             samplers=[_make_sampler(r.sampling) for r in reqs],
             logits_processors=[_make_processors(r.sampling, r.min_tokens, eos) for r in reqs],
             stop_sequences=[self._no_stops if r.ignore_eos else self._eos_stops for r in reqs],
@@ -216,18 +255,89 @@ class MlxBackend:
             self._uid_of[adm.rid] = uid
             self._rid_of[uid] = adm.rid
 
-    def remove(self, rids: Sequence[int]) -> None:
+    def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
         uids = [self._uid_of.pop(r) for r in rids if r in self._uid_of]
+        if not uids:
+            return {}
+        with mx.stream(self._stream):
+            got = self._gen.remove(uids, return_prompt_caches=True)
+        out = {}
         for uid in uids:
-            del self._rid_of[uid]
-        if uids:
-            self._gen.remove(uids)
+            rid = self._rid_of.pop(uid)
+            if uid in got:
+                state, tokens = got[uid]
+                out[rid] = Captured(list(state), tuple(tokens))
+        return out
+
+    def capture(self, rid: int) -> Captured | None:
+        uid = self._uid_of.get(rid)
+        if uid is None:
+            return None
+        with mx.stream(self._stream):
+            got = self._gen.extract_cache([uid]).get(uid)
+        if got is None:
+            return None
+        return Captured(list(got[0]), tuple(got[1]))
+
+    def state_nbytes(self, state: Any) -> int:
+        return int(sum(c.nbytes for c in state))
+
+    def state_offsets(self, state: Any) -> list[int | None]:
+        return [getattr(c, "offset", None) if type(c) in _ALWAYS_TRIMMABLE else None for c in state]
+
+    def can_trim(self, state: Any) -> bool:
+        return all(c.is_trimmable() for c in state)
+
+    def trimmed(self, state: Any, n: int) -> Any:
+        # A shallow copy with a smaller offset: the arrays are shared, and they
+        # are never written in place because BatchGenerator merges seeds into
+        # fresh batch arrays.
+        out = []
+        for layer in state:
+            c = copy.copy(layer)
+            c.trim(n)
+            out.append(c)
+        return out
+
+    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
+        with mx.stream(self._stream):
+            save_prompt_cache(str(path), state, metadata)
+
+    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+        with mx.stream(self._stream):
+            loaded: Any = mx.load(io.BytesIO(payload), format="safetensors", return_metadata=True)
+        arrays: dict[str, Any] = loaded[0]
+        flat_meta: dict[str, str] = loaded[1]
+        meta_tree = tree_unflatten(list(flat_meta.items()))
+        metadata, classes, scalars = meta_tree
+        unknown = set(classes) - set(_CACHE_CLASSES)
+        if unknown:
+            # Never instantiate a class named by a file beyond the known ones.
+            raise ValueError(f"unknown cache classes {sorted(unknown)}")
+        for pos, kind in scalars[1:]:
+            array = arrays[pos]
+            if kind == "scalar":
+                arrays[pos] = array.item()
+            elif kind == "string":
+                arrays[pos] = "".join(chr(i) for i in array.tolist())
+            elif kind == "none":
+                arrays[pos] = None
+            else:
+                raise ValueError(f"unknown scalar kind {kind!r}")
+        states = tree_unflatten(list(arrays.items()))
+        layers = [_CACHE_CLASSES[c].from_state(st) for c, st in zip(classes, states, strict=True)]
+        ref = make_prompt_cache(self._model)
+        if [type(c) for c in layers] != [type(c) for c in ref]:
+            raise ValueError("cache layers do not match this model's layout")
+        return layers, dict(metadata)
 
     def step(self) -> StepOutput:
         with mx.stream(self._stream):
             prompt_responses, gen_responses = self._gen.next()
         prefill = tuple(
-            PrefillOut(self._rid_of[r.uid], int(r.progress[0]), int(r.progress[1]))
+            PrefillOut(
+                self._rid_of[r.uid], int(r.progress[0]), int(r.progress[1]), bool(r.end_of_segment)
+            )
             for r in prompt_responses
             if r.uid in self._rid_of and not r.end_of_prompt
         )
@@ -237,7 +347,11 @@ class MlxBackend:
             if rid is None:
                 continue
             finish: Literal["stop", "length"] | None = r.finish_reason
-            tokens.append(TokenOut(rid, int(r.token), finish))
+            if finish is None:
+                tokens.append(TokenOut(rid, int(r.token), None))
+                continue
+            state = list(r.prompt_cache) if r.prompt_cache is not None else None
+            tokens.append(TokenOut(rid, int(r.token), finish, state, tuple(r.all_tokens or ())))
             if finish is not None:
                 del self._rid_of[r.uid]
                 del self._uid_of[rid]

@@ -11,9 +11,20 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from .errors import InvalidRequest
 
-__all__ = ["ChatTemplateRenderer"]
+__all__ = ["ChatTemplateRenderer", "RenderedPrompt"]
+
+
+@attrs.frozen
+class RenderedPrompt:
+    """Prompt tokens, and where the shared band ends in them (the first
+    ``band_chars`` characters of the system message), when asked for."""
+
+    tokens: tuple[int, ...]
+    band_end: int | None = None
 
 
 def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -46,7 +57,8 @@ class ChatTemplateRenderer:
         tools: Sequence[dict[str, Any]] | None,
         template_kwargs: dict[str, Any],
         template_override: str | None,
-    ) -> list[int]:
+        band_chars: int | None = None,
+    ) -> RenderedPrompt:
         kwargs: dict[str, Any] = {"enable_thinking": True, **template_kwargs}
         if template_override is not None:
             kwargs["chat_template"] = template_override
@@ -70,5 +82,27 @@ class ChatTemplateRenderer:
             ) from exc
         if not isinstance(text, str):
             raise InvalidRequest("the chat template did not produce text", param="messages")
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
-        return ids
+        if not band_chars:
+            ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+            return RenderedPrompt(tuple(ids))
+        return self._with_band(text, messages, band_chars)
+
+    def _with_band(
+        self, text: str, messages: Sequence[dict[str, Any]], band_chars: int
+    ) -> RenderedPrompt:
+        """Locate the band's end as a token index: the number of tokens that
+        end at or before the band's last character in the rendered text."""
+        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = tuple(enc["input_ids"])
+        system = next((m for m in messages if m.get("role") in ("system", "developer")), None)
+        content = system.get("content") if system else None
+        if not isinstance(content, str) or not content:
+            return RenderedPrompt(ids)
+        band = content[:band_chars]
+        start = text.find(band)
+        if start < 0:
+            return RenderedPrompt(ids)
+        end_char = start + len(band)
+        band_end = sum(1 for _, stop in enc["offset_mapping"] if stop <= end_char)
+        return RenderedPrompt(ids, band_end)

@@ -11,7 +11,7 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["GenerationRequest", "Priority", "SamplingParams"]
+__all__ = ["CacheRequest", "GenerationRequest", "Priority", "SamplingParams"]
 
 Priority = Literal["interactive", "background"]
 
@@ -37,6 +37,28 @@ class SamplingParams:
 
 
 @attrs.frozen
+class CacheRequest:
+    """How a request uses the prompt cache (SPEC C1-C9).
+
+    ``cache_id`` names the session entry to reuse and save; ``prefix_ids``
+    (most specific first) are shared entries to fall back on and to seed.
+    Without any of this a request still reuses the longest cached prefix of
+    any entry (C9). ``band_end`` is the token index where the shared band
+    (``stable_prefix_chars``) ends; ``snapshot_at`` overrides the session's
+    snapshot cut (cache warming); ``persist`` writes the saved entry to disk
+    at once; ``roster`` fingerprints the tool list the prompt was rendered
+    with.
+    """
+
+    cache_id: str | None = None
+    prefix_ids: tuple[str, ...] = ()
+    band_end: int | None = None
+    snapshot_at: int | None = None
+    persist: bool = False
+    roster: str = ""
+
+
+@attrs.frozen
 class GenerationRequest:
     """One sequence to generate.
 
@@ -53,4 +75,4 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: Priority = "interactive"
-    label: str = ""
+    cache: CacheRequest | None = None

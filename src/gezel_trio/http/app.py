@@ -23,9 +23,11 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from ..engine import Engine, RequestHandle
-from ..errors import EngineClosed, GezelError, InvalidRequest, QueueFull
+from ..errors import GezelError, InvalidRequest
 from ..events import Delta, Event, Failed, Finished, Progress, Usage
-from ..request import GenerationRequest, SamplingParams
+from ..request import CacheRequest, GenerationRequest, SamplingParams
+from .cache_api import add_cache_routes, roster_fingerprint
+from .edge import Forbidden, NotFound, Unauthorized, error_response, json_body
 from .sse import DONE, chunk, comment, completion, error_body, frame
 from .wire import ChatCompletionRequest, parse_chat_request
 
@@ -42,37 +44,6 @@ class HttpSettings:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
-
-
-class _Unauthorized(GezelError):
-    status = 401
-    error_type = "invalid_request_error"
-    code = "invalid_api_key"
-
-
-class _UnsupportedMedia(GezelError):
-    status = 415
-    error_type = "invalid_request_error"
-    code = "unsupported_media_type"
-
-
-class _Forbidden(GezelError):
-    status = 403
-    error_type = "invalid_request_error"
-    code = "forbidden_host"
-
-
-class _NotFound(GezelError):
-    status = 404
-    error_type = "invalid_request_error"
-    code = "not_found"
-
-
-def _error_response(err: GezelError) -> Response:
-    resp = Response(json.dumps(error_body(err)), status=err.status, mimetype="application/json")
-    if isinstance(err, QueueFull | EngineClosed):
-        resp.headers["Retry-After"] = str(err.retry_after)
-    return resp
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
@@ -131,35 +102,37 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
                 if host.startswith("[") and host.endswith("]"):
                     host = host  # IPv6 literal keeps its brackets
                 if host not in _LOOPBACK_HOSTS:
-                    raise _Forbidden(f"host {request.host!r} is not allowed")
+                    raise Forbidden(f"host {request.host!r} is not allowed")
             if settings.api_key is not None and request.path != "/health":
                 given = request.headers.get("Authorization", "")
                 expected = f"Bearer {settings.api_key}"
                 if not hmac.compare_digest(given.encode(), expected.encode()):
-                    raise _Unauthorized("missing or wrong API key")
+                    raise Unauthorized("missing or wrong API key")
         except GezelError as err:
-            return _error_response(err)
+            return error_response(err)
         return None
 
     @app.errorhandler(GezelError)
     async def on_gezel_error(err: GezelError) -> Response:
-        return _error_response(err)
+        return error_response(err)
 
     @app.errorhandler(404)
     async def on_404(_: Any) -> Response:
-        return _error_response(_NotFound(f"no route {request.method} {request.path}"))
+        return error_response(NotFound(f"no route {request.method} {request.path}"))
 
     @app.errorhandler(405)
     async def on_405(_: Any) -> Response:
-        err = _NotFound(f"method {request.method} is not allowed on {request.path}")
+        err = NotFound(f"method {request.method} is not allowed on {request.path}")
         err.status = 405
-        return _error_response(err)
+        return error_response(err)
 
     @app.errorhandler(413)
     async def on_413(_: Any) -> Response:
         err = InvalidRequest(f"the request body exceeds {settings.max_body_bytes} bytes")
         err.status = 413
-        return _error_response(err)
+        return error_response(err)
+
+    add_cache_routes(app, engine)
 
     @app.route("/health")
     async def health() -> dict[str, Any]:
@@ -190,27 +163,34 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
     @app.route("/v1/chat/completions", methods=["POST"])
     @app.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
-        body = await _json_body()
+        body = await json_body()
         req = parse_chat_request(body)
         _refuse_unsupported(req)
         engine.check_admission()
         messages = [m.to_template() for m in req.messages]
-        prompt = await engine.render_chat(
+        rendered = await engine.render_chat(
             messages,
             tools=req.tools,
             template_kwargs=req.chat_template_kwargs,
             template_override=req.chat_template_override,
+            band_chars=req.stable_prefix_chars,
         )
+        prompt = rendered.tokens
         max_tokens = engine.bound_max_tokens(len(prompt), req.max_output_tokens)
         gen = GenerationRequest(
-            prompt=tuple(prompt),
+            prompt=prompt,
             max_tokens=max_tokens,
             sampling=_sampling(req),
             stop=req.stop_list,
             ignore_eos=req.ignore_eos,
             min_tokens=min(req.min_tokens, max_tokens),
             priority=req.priority,
-            label=req.cache_id or "",
+            cache=CacheRequest(
+                cache_id=req.cache_id,
+                prefix_ids=req.prefix_ids,
+                band_end=rendered.band_end,
+                roster=roster_fingerprint(req.tools),
+            ),
         )
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
@@ -226,18 +206,6 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         return await _complete(engine, gen, cid, model)
 
     return app
-
-
-async def _json_body() -> Any:
-    ctype = (request.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-    if ctype != "application/json":
-        # A web page's text/plain form post must not run a completion (O5).
-        raise _UnsupportedMedia("requests must be sent as application/json")
-    raw = await request.get_data(as_text=False)
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
 
 
 async def _complete(engine: Engine, gen: GenerationRequest, cid: str, model: str) -> Response:

@@ -31,7 +31,10 @@ __all__ = [
     "Message",
     "StreamOptions",
     "ToolCall",
+    "WarmRequest",
+    "check_cache_id",
     "parse_chat_request",
+    "structure",
 ]
 
 T = TypeVar("T")
@@ -40,6 +43,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
+MAX_CACHE_ID_CHARS = 4096
+MAX_PREFIX_IDS = 16
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -136,6 +141,23 @@ class Message:
 
 
 @attrs.frozen
+class WarmRequest:
+    """``POST /v1/cache/warm`` (SPEC C8)."""
+
+    cache_id: str
+    messages: list[Message] = attrs.field()
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_override: str | None = None
+    persist: bool = False
+
+    @messages.validator
+    def _check_messages(self, _: attrs.Attribute[Any], value: list[Message]) -> None:
+        if not value:
+            raise _FieldInvalid("messages", "messages must not be empty")
+
+
+@attrs.frozen
 class StreamOptions:
     include_usage: bool = False
 
@@ -199,6 +221,13 @@ class ChatCompletionRequest:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def prefix_ids(self) -> tuple[str, ...]:
+        """Most specific first; ``prefix_cache_ids`` wins over the singular."""
+        if self.prefix_cache_ids:
+            return tuple(p for p in self.prefix_cache_ids if p)
+        return (self.prefix_cache_id,) if self.prefix_cache_id else ()
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -370,6 +399,13 @@ def _check_limits(req: ChatCompletionRequest) -> None:
                 f"messages[{i}].content is required for role {m.role!r}",
                 param=f"messages[{i}].content",
             )
+    for name, value in (("cache_id", req.cache_id), ("prefix_cache_id", req.prefix_cache_id)):
+        check_cache_id(value, name)
+    if req.prefix_cache_ids is not None:
+        if len(req.prefix_cache_ids) > MAX_PREFIX_IDS:
+            raise InvalidRequest(f"at most {MAX_PREFIX_IDS} prefix ids", param="prefix_cache_ids")
+        for i, pid in enumerate(req.prefix_cache_ids):
+            check_cache_id(pid, f"prefix_cache_ids[{i}]")
     if req.chat_template_kwargs is not None:
         try:
             size = len(json.dumps(req.chat_template_kwargs))
@@ -379,17 +415,33 @@ def _check_limits(req: ChatCompletionRequest) -> None:
             raise InvalidRequest("chat_template_kwargs is too large", param="chat_template_kwargs")
 
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a decoded JSON body; raises ``InvalidRequest`` naming the field."""
+def check_cache_id(value: str | None, param: str) -> None:
+    """Any string is a valid id (ids are hashed, never used as paths), but
+    an empty or unbounded one is a client bug worth naming."""
+    if value is None:
+        return
+    if not value:
+        raise InvalidRequest(f"{param} must not be empty", param=param)
+    if len(value) > MAX_CACHE_ID_CHARS:
+        raise InvalidRequest(f"{param} is longer than {MAX_CACHE_ID_CHARS} characters", param=param)
+
+
+def structure(body: Any, cls: type[T]) -> T:
+    """Validate a decoded JSON body into ``cls``; ``InvalidRequest`` names the field."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:
-        req = _CONVERTER.structure(body, ChatCompletionRequest)
+        return _CONVERTER.structure(body, cls)
     except (ClassValidationError, ForbiddenExtraKeysError, IterableValidationError) as exc:
         msg, path = _describe(exc)
         where = f" at {path}" if path else ""
         raise InvalidRequest(f"invalid request{where}: {msg}", param=path) from None
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a decoded JSON body; raises ``InvalidRequest`` naming the field."""
+    req = structure(body, ChatCompletionRequest)
     _check_limits(req)
     return req

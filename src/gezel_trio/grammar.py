@@ -1,0 +1,488 @@
+"""Compile a request's structure constraints into one llguidance grammar.
+
+This is the pure front half of constrained decoding (SPEC T3): it turns
+``response_format``, ``tools`` / ``tool_choice`` and the gezel ``tool_grammar``
+extension into a frozen ``Constraint`` holding a serialized llguidance grammar,
+and compiles that grammar once so a bad schema is a 400 before any stream
+starts. It imports llguidance but never MLX; the engine side
+(``mlx_constraints``) turns a ``Constraint`` into a per-sequence logits
+processor.
+
+How each kind is expressed:
+
+* ``json_object`` / ``json_schema``: llguidance's JSON-schema grammar
+  (``{"type": "object"}`` for ``json_object``).
+* ``tool_call`` (``tool_choice`` ``"required"`` or a named function): a Lark
+  grammar forcing exactly one Hermes call,
+  ``<tool_call>\\n{"name": "f", "arguments": ARGS}\\n</tool_call>``, one
+  alternative per allowed tool, each with its parameters schema inlined as
+  ``%json {...}``. Parallel calls are not generated: one call, then EOS.
+* ``tool_name`` (``tool_grammar: {"mode": "name-only"}``): free text in which
+  the ``<tool_call>`` special token opens a call whose name must be one of
+  the tools (arguments: any JSON object); after ``</tool_call>`` free text
+  resumes, so several calls may appear. The free text is a terminal that
+  cannot contain the characters ``<tool_call>``, so a call spelled out in
+  plain text (which the tool-call parser would also pick up) is impossible:
+  every call goes through the constrained branch.
+* ``json_or_tool_call``: ``response_format`` JSON together with tools under
+  ``tool_choice`` ``"auto"``: either the JSON answer or one constrained call,
+  which is what the OpenAI API allows in that case.
+
+The tool tags are the tokenizer's ``<tool_call>`` / ``</tool_call>`` special
+tokens (``Constraint.special_tokens`` lists them), not the same characters
+spelled with ordinary tokens: that is what Hermes-format models emit, and it
+keeps generated ids identical to what the chat template renders for the
+history, so the prompt cache can be reused on the next turn.
+
+JSON is generated compactly in ``json.dumps`` style (``", "`` and ``": "``,
+no other whitespace): flexible whitespace lets a weak model loop on newlines
+forever, and the compact form is the one chat templates render.
+
+Hostile input is bounded three ways: each schema is at most
+``MAX_SCHEMA_BYTES`` serialized and ``MAX_SCHEMA_DEPTH`` deep (checked
+before anything recurses), the whole grammar at most ``MAX_GRAMMAR_BYTES``,
+and ``parser_limits()`` caps llguidance's lexer fuel, Earley items and lexer
+states, so a schema that would stall mask computation is refused here or, at
+worst, ends its own sequence on the engine side. Compiling takes
+milliseconds for ordinary schemas and under a second for the largest
+allowed ones; the GIL is released meanwhile, but callers on an event loop
+should still run ``build_constraint`` in a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Literal
+
+import attrs
+import llguidance
+
+from .errors import InvalidRequest
+
+__all__ = [
+    "MAX_GRAMMAR_BYTES",
+    "MAX_SCHEMA_BYTES",
+    "MAX_SCHEMA_DEPTH",
+    "Constraint",
+    "ConstraintKind",
+    "build_constraint",
+    "parser_limits",
+]
+
+ConstraintKind = Literal[
+    "json_object", "json_schema", "tool_call", "tool_name", "json_or_tool_call"
+]
+
+# 64 KiB is far above real tool or response schemas (a few KiB) and keeps a
+# worst-case compile near 20 ms; a 1.4 MB, 100k-entry enum takes 0.5 s.
+MAX_SCHEMA_BYTES: Final = 64 * 1024
+# Many tools may each be near the per-schema bound; the grammar as a whole is
+# what the engine compiles per sequence.
+MAX_GRAMMAR_BYTES: Final = 256 * 1024
+# JSON nesting levels (each schema level is two: "properties" then the name).
+# Checked before json.dumps, which would hit Python's recursion limit near 1000.
+MAX_SCHEMA_DEPTH: Final = 64
+
+TOOL_CALL_OPEN: Final = "<tool_call>"
+TOOL_CALL_CLOSE: Final = "</tool_call>"
+
+# OpenAI's own rule for function names; it also keeps names safe to splice
+# into Lark string literals.
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+# Compact json.dumps-style output (see the module docstring). coerce_one_of:
+# pydantic emits oneOf for unions; treat it as anyOf rather than refuse it.
+_JSON_OPTIONS: Final[Mapping[str, Any]] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "coerce_one_of": True,
+}
+
+# A function with no "parameters" takes none (OpenAI semantics): only {}.
+_NO_PARAMETERS: Final[Mapping[str, Any]] = {"type": "object", "additionalProperties": False}
+
+
+def parser_limits() -> Any:
+    """The ``llguidance.LLParserLimits`` used for validation and matching.
+
+    A fresh object per call (no shared mutable state). Figures from the
+    llguidance docs: lexer fuel runs at about 14k units/ms per step and 50k/ms
+    at build time, Earley items at about 20k/ms; a lexer state costs 1-2 kB.
+    """
+    return llguidance.LLParserLimits(
+        # ~20 ms to build a grammar's regexes; more is refused with a 400.
+        initial_lexer_fuel=1_000_000,
+        # ~15 ms and ~2.5 ms of mask work per step at most: the engine thread
+        # computes masks for every constrained sequence in the batch.
+        step_lexer_fuel=200_000,
+        step_max_items=50_000,
+        # At most ~100 MB of lexer states per sequence (default 250k, ~500 MB).
+        max_lexer_states=50_000,
+        max_grammar_size=200_000,
+        max_items_in_row=2_000,
+        # Errors go back to the client; the full grammar dump is noise there.
+        verbose_errors=False,
+    )
+
+
+@attrs.frozen
+class Constraint:
+    """A compiled, validated structure constraint for one request.
+
+    ``grammar`` is a serialized llguidance grammar (``LLMatcher`` input).
+    ``tool_names`` lists the functions a call may name (empty for plain
+    JSON). ``special_tokens`` are the tokenizer tokens the grammar refers to;
+    a model whose tokenizer lacks them cannot serve it.
+    """
+
+    kind: ConstraintKind
+    grammar: str = attrs.field(repr=False)
+    tool_names: tuple[str, ...] = ()
+    special_tokens: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class _Tool:
+    name: str
+    parameters: Mapping[str, Any]
+
+
+def build_constraint(
+    *,
+    response_format: Mapping[str, Any] | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    tool_grammar: Mapping[str, Any] | None,
+    tool_format: Literal["hermes"] = "hermes",
+    llg_tokenizer: Any = None,
+) -> Constraint | None:
+    """The constraint a chat request asks for, compiled, or ``None``.
+
+    Raises ``InvalidRequest`` (``param`` names the field) for an invalid or
+    too large schema, an unknown or missing tool, or requests that cannot be
+    combined (JSON output and a forced tool call). ``llg_tokenizer`` (an
+    ``llguidance.LLTokenizer``), when given, makes the check complete:
+    special tokens and lexer limits are then checked against the real
+    vocabulary; without it the engine repeats that check when it builds the
+    matcher. CPU-bound, no I/O; see the module docstring for timings.
+    """
+    if tool_format != "hermes":
+        raise InvalidRequest(f"unsupported tool format {tool_format!r}", param="tool_format")
+    response = _response_schema(response_format)
+    choice = _tool_choice(tool_choice)
+    name_only = _name_only(tool_grammar)
+
+    if isinstance(choice, _Forced) or choice == "required":
+        if response is not None:
+            raise InvalidRequest(
+                "response_format JSON cannot be combined with a forced tool call; "
+                "the tool's parameters schema already constrains the output",
+                param="response_format",
+            )
+        all_tools = _tools(tools, param="tools")
+        if isinstance(choice, _Forced):
+            chosen = [t for t in all_tools if t.name == choice.name]
+            if not chosen:
+                raise InvalidRequest(
+                    f"tool_choice names {choice.name!r}, which is not in tools",
+                    param="tool_choice",
+                )
+        else:
+            chosen = all_tools
+        lark = _forced_call_lark(chosen)
+        return _compile_lark("tool_call", lark, chosen, param="tool_choice", tok=llg_tokenizer)
+
+    tools_active = bool(tools) and choice != "none"
+    if response is not None:
+        kind, schema = response
+        if tools_active:
+            all_tools = _tools(tools, param="tools")
+            lark = _json_or_call_lark(schema, all_tools)
+            return _compile_lark(
+                "json_or_tool_call", lark, all_tools, param="response_format", tok=llg_tokenizer
+            )
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            _dump(schema, param="response_format")
+        )
+        _validate(grammar, param="response_format", tok=llg_tokenizer)
+        return Constraint(kind, grammar)
+
+    if name_only:
+        if not tools:
+            raise InvalidRequest(
+                'tool_grammar {"mode": "name-only"} needs tools to constrain names to',
+                param="tool_grammar",
+            )
+        if not tools_active:
+            return None  # tool_choice "none": the model is not to call tools at all
+        all_tools = _tools(tools, param="tools")
+        return _compile_lark(
+            "tool_name",
+            _name_only_lark(all_tools),
+            all_tools,
+            param="tool_grammar",
+            tok=llg_tokenizer,
+        )
+    return None
+
+
+# --- request fields -------------------------------------------------------
+
+
+@attrs.frozen
+class _Forced:
+    name: str
+
+
+def _response_schema(
+    response_format: Mapping[str, Any] | None,
+) -> tuple[ConstraintKind, dict[str, Any]] | None:
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidRequest("response_format must be an object", param="response_format")
+    rtype = response_format.get("type")
+    if rtype in (None, "text"):
+        return None
+    if rtype == "json_object":
+        return "json_object", _prepared_schema(
+            {"type": "object"}, where="response_format", param="response_format", lenient=True
+        )
+    if rtype != "json_schema":
+        raise InvalidRequest(
+            f"response_format.type must be text, json_object or json_schema, not {rtype!r}",
+            param="response_format",
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise InvalidRequest(
+            "response_format.json_schema must be an object with a schema",
+            param="response_format",
+        )
+    schema = spec.get("schema")
+    if not isinstance(schema, Mapping):
+        raise InvalidRequest(
+            "response_format.json_schema.schema must be a JSON schema object",
+            param="response_format",
+        )
+    # OpenAI's strict mode refuses keywords it cannot enforce; otherwise an
+    # unsupported keyword (say "format") is skipped rather than a 400.
+    lenient = spec.get("strict") is not True
+    return "json_schema", _prepared_schema(
+        schema,
+        where="response_format.json_schema.schema",
+        param="response_format",
+        lenient=lenient,
+    )
+
+
+def _tool_choice(tool_choice: str | Mapping[str, Any] | None) -> str | _Forced | None:
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        return tool_choice
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        if tool_choice.get("type") == "function" and isinstance(name, str):
+            return _Forced(name)
+    raise InvalidRequest(
+        'tool_choice must be "auto", "none", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _name_only(tool_grammar: Mapping[str, Any] | None) -> bool:
+    if tool_grammar is None:
+        return False
+    mode = tool_grammar.get("mode") if isinstance(tool_grammar, Mapping) else None
+    if mode == "name-only":
+        return True
+    raise InvalidRequest(
+        f'tool_grammar.mode must be "name-only", not {mode!r}', param="tool_grammar"
+    )
+
+
+def _tools(tools: Sequence[Mapping[str, Any]] | None, *, param: str) -> list[_Tool]:
+    if not tools:
+        raise InvalidRequest("this tool_choice needs a non-empty tools list", param=param)
+    out: list[_Tool] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if (
+            not isinstance(tool, Mapping)
+            or tool.get("type", "function") != "function"
+            or (not isinstance(fn, Mapping))
+        ):
+            raise InvalidRequest(
+                f'{where} must be {{"type": "function", "function": {{...}}}}', param="tools"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}", param="tools"
+            )
+        if name in seen:
+            raise InvalidRequest(f"{where}.function.name {name!r} is repeated", param="tools")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is None:
+            params = _NO_PARAMETERS
+        if not isinstance(params, Mapping):
+            raise InvalidRequest(
+                f"{where}.function.parameters must be a JSON schema object", param="tools"
+            )
+        schema = _prepared_schema(
+            params,
+            where=f"{where}.function.parameters",
+            param="tools",
+            lenient=fn.get("strict") is not True,
+        )
+        # Compile each schema on its own first so an error names its tool.
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_dump(schema, param="tools"))
+        _validate(grammar, param="tools", where=f"{where}.function.parameters")
+        out.append(_Tool(name, schema))
+    return out
+
+
+# --- schemas --------------------------------------------------------------
+
+
+def _prepared_schema(
+    schema: Mapping[str, Any], *, where: str, param: str, lenient: bool
+) -> dict[str, Any]:
+    depth = _json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequest(
+            f"{where} is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
+            param=param,
+        )
+    # The client's own "x-guidance" options (whitespace patterns and the like)
+    # are replaced: output shape and compile cost are the server's to decide.
+    prepared = {k: v for k, v in schema.items() if k != "x-guidance"}
+    prepared["x-guidance"] = {**_JSON_OPTIONS, "lenient": lenient}
+    size = len(_dump(prepared, param=param).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise InvalidRequest(
+            f"{where} is {size} bytes serialized; at most {MAX_SCHEMA_BYTES} are allowed",
+            param=param,
+        )
+    return prepared
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion (hostile input)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:
+            return depth  # enough to refuse; do not walk the rest
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
+
+
+def _dump(value: Any, *, param: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # NaN or a non-JSON value from a Python caller
+        raise InvalidRequest(f"schema is not valid JSON: {exc}", param=param) from exc
+
+
+# --- Lark grammars --------------------------------------------------------
+
+
+def _lit(text: str) -> str:
+    # A JSON string literal is a valid llguidance Lark string literal.
+    return json.dumps(text)
+
+
+def _call_head(name: str) -> str:
+    return _lit(f'{{"name": "{name}", "arguments": ')
+
+
+def _call_rules(tools: Sequence[_Tool]) -> list[str]:
+    """``call`` = one alternative per tool, each with its own schema."""
+    alts = " | ".join(f"call_{i}" for i in range(len(tools)))
+    rules = [f"call: {alts}"]
+    rules += [
+        f'call_{i}: {_call_head(t.name)} %json {_dump(t.parameters, param="tools")} "}}"'
+        for i, t in enumerate(tools)
+    ]
+    return rules
+
+
+def _tagged(body: str) -> str:
+    return f'{TOOL_CALL_OPEN} "\\n" {body} "\\n" {TOOL_CALL_CLOSE}'
+
+
+def _forced_call_lark(tools: Sequence[_Tool]) -> str:
+    return "\n".join([f"start: {_tagged('call')}", *_call_rules(tools)])
+
+
+def _json_or_call_lark(schema: Mapping[str, Any], tools: Sequence[_Tool]) -> str:
+    return "\n".join(
+        [
+            f"start: answer | {_tagged('call')}",
+            f"answer: %json {_dump(schema, param='response_format')}",
+            *_call_rules(tools),
+        ]
+    )
+
+
+def _name_only_lark(tools: Sequence[_Tool]) -> str:
+    heads = " | ".join(_call_head(t.name) for t in tools)
+    args = _dump(
+        {"type": "object", "x-guidance": {**_JSON_OPTIONS, "lenient": True}}, param="tools"
+    )
+    # TEXT is any text that does not spell the open tag (the and/not regex
+    # operators are llguidance extensions); the special token is the only way in.
+    return "\n".join(
+        [
+            "start: segment* TEXT",
+            f"segment: TEXT {_tagged('call')}",
+            f'call: CALL_HEAD %json {args} "}}"',
+            f"CALL_HEAD: {heads}",
+            f"TEXT: /(?s:.*)/ & ~/(?s:.*){TOOL_CALL_OPEN}(?s:.*)/",
+        ]
+    )
+
+
+def _compile_lark(
+    kind: ConstraintKind, lark: str, tools: Sequence[_Tool], *, param: str, tok: Any
+) -> Constraint:
+    if len(lark) > MAX_GRAMMAR_BYTES:
+        raise InvalidRequest(
+            f"the tool grammar is {len(lark)} bytes; at most {MAX_GRAMMAR_BYTES} are allowed "
+            "(fewer or smaller tools)",
+            param="tools",
+        )
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    _validate(grammar, param=param, tok=tok)
+    return Constraint(
+        kind,
+        grammar,
+        tool_names=tuple(t.name for t in tools),
+        special_tokens=(TOOL_CALL_OPEN, TOOL_CALL_CLOSE),
+    )
+
+
+def _validate(grammar: str, *, param: str, where: str | None = None, tok: Any = None) -> None:
+    """Compile ``grammar`` under ``parser_limits()``; a failure is a 400."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, tok, limits=parser_limits()
+    )
+    if is_error:
+        detail = messages[0] if messages else "invalid grammar"
+        raise InvalidRequest(f"{where or param}: {detail}", param=param)

@@ -1,0 +1,150 @@
+"""Prompt-cache endpoints (SPEC W5, C8, O2): stats, delete, warm, flush.
+
+Cache state lives on the engine's host thread; these handlers read the view
+the engine publishes after each step, or run a command there between two
+steps with ``Engine.host_call``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import trio
+from quart import request
+from quart_trio import QuartTrio
+
+from ..cache_plan import common_prefix
+from ..engine import Engine
+from ..errors import InvalidRequest
+from ..events import Failed, Finished
+from ..host_thread import CacheEvict, CacheFlush, CacheInspect
+from ..request import CacheRequest, GenerationRequest, SamplingParams
+from .edge import NotFound, json_body
+from .wire import WarmRequest, check_cache_id, structure
+
+__all__ = ["add_cache_routes", "roster_fingerprint"]
+
+# Two different synthetic user turns: where their renders diverge is a cut
+# that any real next turn shares too (C8).
+_SYNTHETIC_USERS = ("Hello.", "What can you help me with today?")
+MAX_SETTLE_MS = 60_000
+
+
+def roster_fingerprint(tools: list[dict[str, Any]] | None) -> str:
+    """A short id of the exact tool list a prompt was rendered with."""
+    if not tools:
+        return "none"
+    canon = json.dumps(tools, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
+    @app.route("/v1/cache/stats")
+    async def cache_stats() -> dict[str, Any]:
+        entries = engine.cache_view
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "cache_id": e.cache_id,
+                    "tokens": e.tokens,
+                    "bytes": e.bytes,
+                    "kind": e.kind,
+                    "last_used": e.last_used,
+                    "dirty": e.dirty,
+                    "pinned": e.pinned,
+                }
+                for e in entries
+            ],
+            "total_bytes": sum(e.bytes for e in entries),
+        }
+
+    @app.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
+    async def cache_delete(cache_id: str) -> dict[str, Any]:
+        check_cache_id(cache_id, "cache_id")
+        memory, disk = await engine.host_call(CacheEvict(cache_id))
+        if not (memory or disk):
+            raise NotFound(f"no cache entry {cache_id[:80]!r}")
+        return {"cache_id": cache_id, "deleted": True, "memory": memory, "disk": disk}
+
+    @app.route("/admin/flush", methods=["POST"])
+    async def admin_flush() -> dict[str, Any]:
+        raw = request.args.get("settle_ms", "0")
+        try:
+            settle_ms = int(raw)
+        except ValueError:
+            raise InvalidRequest("settle_ms must be an integer", param="settle_ms") from None
+        if not 0 <= settle_ms <= MAX_SETTLE_MS:
+            raise InvalidRequest(f"settle_ms must be in [0, {MAX_SETTLE_MS}]", param="settle_ms")
+        settled = True
+        if settle_ms:
+            settled = False
+            with trio.move_on_after(settle_ms / 1000):
+                await engine.settle()
+                settled = True
+        written = await engine.host_call(CacheFlush())
+        return {"flushed": written, "settled": settled}
+
+    @app.route("/v1/cache/warm", methods=["POST"])
+    async def cache_warm() -> dict[str, Any]:
+        warm = structure(await json_body(), WarmRequest)
+        check_cache_id(warm.cache_id, "cache_id")
+        return await _warm(engine, warm)
+
+
+async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
+    """Build a cache entry through the engine: one decode step at background
+    priority, snapshotted where two different synthetic user turns diverge."""
+    roster = roster_fingerprint(warm.tools)
+    if warm.cache_id in engine.cache_ids_in_use():
+        return {
+            "status": "skipped",
+            "cache_id": warm.cache_id,
+            "reason": "in use by a live request",
+        }
+    found, pinned = await engine.host_call(CacheInspect(warm.cache_id))
+    if pinned:
+        return {
+            "status": "skipped",
+            "cache_id": warm.cache_id,
+            "reason": "in use by a live request",
+        }
+    if found is not None and found[1] != roster:
+        return {
+            "status": "skipped",
+            "cache_id": warm.cache_id,
+            "reason": "the saved entry was built with a different tool roster",
+        }
+    base = [m.to_template() for m in warm.messages]
+    renders = [
+        await engine.render_chat(
+            [*base, {"role": "user", "content": text}],
+            tools=warm.tools,
+            template_kwargs=warm.chat_template_kwargs,
+            template_override=warm.chat_template_override,
+        )
+        for text in _SYNTHETIC_USERS
+    ]
+    prompt = renders[0].tokens
+    cut = common_prefix(prompt, renders[1].tokens)
+    if cut < 1:
+        raise InvalidRequest("nothing in these messages is shared by a next turn", param="messages")
+    gen = GenerationRequest(
+        prompt=prompt,
+        max_tokens=1,
+        sampling=SamplingParams(temperature=0.0),
+        priority="background",
+        cache=CacheRequest(
+            cache_id=warm.cache_id, snapshot_at=cut, persist=warm.persist, roster=roster
+        ),
+    )
+    with engine.submit_nowait(gen) as handle:
+        async for event in handle:
+            match event:
+                case Finished():
+                    return {"status": "warmed", "cache_id": warm.cache_id, "tokens": cut}
+                case Failed(error=error):
+                    raise error
+    raise InvalidRequest("the warm request ended without a result")  # pragma: no cover

@@ -1,0 +1,271 @@
+"""Prompt-cache files on disk (SPEC C5).
+
+Layout: ``<persist_dir>/<model fingerprint>-v<FORMAT_VERSION>/<sha256(cache id)>.gzc``.
+A cache id is never used as a path: it is hashed, so ``../../etc/passwd``,
+NUL bytes or 10 kB ids all become the same 64 hex characters. Entries are
+segmented by the model fingerprint, so another model can never load foreign
+KV, and by format version, so an old layout is simply never read.
+
+A file is the backend's serialized state followed by a trailer:
+``MAGIC | format version (4 bytes, big endian) | sha256 of everything before``.
+Writes are atomic: temp file in the same directory, fsync, rename, fsync of
+the directory. A truncated, bit-flipped, foreign or mismatched file is a clean
+miss (logged, and the bad file removed); a temp file left by a process killed
+mid-write is swept when the directory is opened.
+
+Runs on the engine's host thread (the state codec is the backend's, which
+for MLX must run on that thread). Every I/O failure is logged and reported
+as a miss or a failed save, never raised into a request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+__all__ = [
+    "FORMAT_VERSION",
+    "DiskCache",
+    "Loaded",
+    "StateCodec",
+    "fingerprint_model_dir",
+    "safe_fingerprint",
+]
+
+log = logging.getLogger("gezel_trio.persist")
+
+FORMAT_VERSION = 1
+MAGIC = b"GZTC"
+_TRAILER = len(MAGIC) + 4 + 32
+_SUFFIX = ".gzc"
+_TMP_SUFFIX = ".tmp.safetensors"
+_SAFE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class StateCodec(Protocol):
+    """The backend's (de)serializer for one opaque cache state."""
+
+    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...
+    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]: ...
+
+
+@attrs.frozen
+class Loaded:
+    state: Any
+    tokens: tuple[int, ...]
+    kind: str
+    roster: str
+
+
+def fingerprint_model_dir(model_dir: Path) -> str:
+    """A short, stable id for a model: its config, tokenizer and the names and
+    sizes of its weight files (hashing gigabytes of weights at every start
+    would cost more than it protects)."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        p = model_dir / name
+        if p.is_file():
+            h.update(name.encode())
+            h.update(p.read_bytes())
+    for p in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def safe_fingerprint(value: str) -> str:
+    """An operator-given fingerprint, made safe as a directory name."""
+    if _SAFE.match(value) and value not in (".", ".."):
+        return value
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def _file_key(cache_id: str) -> str:
+    return hashlib.sha256(cache_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class DiskCache:
+    def __init__(self, root: Path, fingerprint: str, codec: StateCodec) -> None:
+        self.fingerprint = safe_fingerprint(fingerprint)
+        self.dir = Path(root) / f"{self.fingerprint}-v{FORMAT_VERSION}"
+        self._codec = codec
+        self.writable = True
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._sweep_temp_files()
+        except OSError as exc:
+            self.writable = False
+            log.warning("persist dir %s unusable (%s): disk cache disabled", self.dir, exc)
+
+    def path_for(self, cache_id: str) -> Path:
+        return self.dir / (_file_key(cache_id) + _SUFFIX)
+
+    # --- write -------------------------------------------------------------
+
+    def save(
+        self, cache_id: str, tokens: Iterable[int], state: Any, *, kind: str, roster: str
+    ) -> bool:
+        """Write atomically; ``False`` (logged) on any failure."""
+        if not self.writable:
+            return False
+        final = self.path_for(cache_id)
+        tmp = self.dir / f".{final.stem}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        meta = {
+            "gezel.cache_id": cache_id,
+            "gezel.tokens": json.dumps(list(tokens)),
+            "gezel.fingerprint": self.fingerprint,
+            "gezel.format": str(FORMAT_VERSION),
+            "gezel.kind": kind,
+            "gezel.roster": roster,
+        }
+        try:
+            self._codec.dump_state(state, meta, tmp)
+            digest = hashlib.sha256()
+            with tmp.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            with tmp.open("ab") as f:
+                f.write(MAGIC + FORMAT_VERSION.to_bytes(4, "big") + digest.digest())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            self._fsync_dir()
+        except Exception as exc:  # OSError, or the codec's own errors
+            log.warning("cache save failed cache_id=%r: %s", _short(cache_id), exc)
+            tmp.unlink(missing_ok=True)
+            return False
+        return True
+
+    # --- read --------------------------------------------------------------
+
+    def load(self, cache_id: str) -> Loaded | None:
+        path = self.path_for(cache_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cache read failed %s: %s", path.name, exc)
+            return None
+        reason = self._check(data)
+        if reason is None:
+            try:
+                state, meta = self._codec.load_state(data[:-_TRAILER])
+                loaded = self._accept(cache_id, state, meta)
+            except Exception as exc:  # a malformed payload is a miss, whatever raised
+                reason = f"unreadable payload: {type(exc).__name__}: {exc}"
+            else:
+                if isinstance(loaded, str):
+                    reason = loaded
+                else:
+                    return loaded
+        log.warning("cache file %s rejected (%s): treated as a miss", path.name, reason)
+        path.unlink(missing_ok=True)
+        return None
+
+    def delete(self, cache_id: str) -> bool:
+        try:
+            self.path_for(cache_id).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            log.warning("cache delete failed: %s", exc)
+            return False
+        return True
+
+    def exists(self, cache_id: str) -> bool:
+        return self.path_for(cache_id).is_file()
+
+    def files(self) -> list[tuple[str, int, float]]:
+        """``(file name, bytes, mtime)`` of every entry, oldest first."""
+        out = []
+        try:
+            for p in self.dir.glob("*" + _SUFFIX):
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                out.append((p.name, st.st_size, st.st_mtime))
+        except OSError:
+            return []
+        return sorted(out, key=lambda t: (t[2], t[0]))
+
+    def prune(self, budget_bytes: int, protect: Iterable[str] = ()) -> list[str]:
+        """Delete the oldest files until under 80% of ``budget_bytes``, never
+        the newest file (the last save, maybe the shutdown flush) nor the files
+        of ``protect``ed cache ids. Returns the deleted file names."""
+        files = self.files()
+        total = sum(size for _, size, _ in files)
+        if budget_bytes <= 0 or total <= budget_bytes or not files:
+            return []
+        keep = {_file_key(c) + _SUFFIX for c in protect}
+        keep.add(files[-1][0])
+        target = int(budget_bytes * 0.8)
+        deleted = []
+        for name, size, _ in files:
+            if total <= target:
+                break
+            if name in keep:
+                continue
+            try:
+                (self.dir / name).unlink()
+            except OSError:
+                continue
+            total -= size
+            deleted.append(name)
+        return deleted
+
+    # --- internals ---------------------------------------------------------
+
+    @staticmethod
+    def _check(data: bytes) -> str | None:
+        if len(data) < _TRAILER + 8:
+            return "truncated"
+        trailer = data[-_TRAILER:]
+        if trailer[: len(MAGIC)] != MAGIC:
+            return "no trailer (truncated or foreign)"
+        version = int.from_bytes(trailer[len(MAGIC) : len(MAGIC) + 4], "big")
+        if version != FORMAT_VERSION:
+            return f"format version {version}, expected {FORMAT_VERSION}"
+        if hashlib.sha256(data[:-_TRAILER]).digest() != trailer[-32:]:
+            return "checksum mismatch"
+        return None
+
+    def _accept(self, cache_id: str, state: Any, meta: dict[str, str]) -> Loaded | str:
+        if meta.get("gezel.fingerprint") != self.fingerprint:
+            return f"fingerprint {meta.get('gezel.fingerprint')!r} is another model's"
+        if meta.get("gezel.cache_id") != cache_id:
+            return "belongs to another cache id"
+        tokens = json.loads(meta.get("gezel.tokens", "null"))
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return "token list malformed"
+        return Loaded(
+            state=state,
+            tokens=tuple(tokens),
+            kind=meta.get("gezel.kind", "session"),
+            roster=meta.get("gezel.roster", ""),
+        )
+
+    def _sweep_temp_files(self) -> None:
+        for p in self.dir.glob(".*" + _TMP_SUFFIX):
+            p.unlink(missing_ok=True)
+            log.info("removed a temp file left by an interrupted write: %s", p.name)
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _short(cache_id: str) -> str:
+    return cache_id if len(cache_id) <= 80 else cache_id[:77] + "..."
