@@ -94,7 +94,7 @@ class Harness:
         """A whole turn; returns the reused token count."""
         rid, adm, seed = self.start(req)
         self.prefill(rid, adm)
-        final = req.prompt + generated[:-1]  # the last sampled token is never fed
+        final = req.prompt + generated  # each returned token was fed in its step
         self.cache.finished(rid, cap(final, self.trimmable))
         return int(seed.reuse)
 
@@ -108,7 +108,7 @@ def test_dense_session_saves_post_generation_state_and_trims() -> None:
     assert h.run(request(P1, cache_id="s")) == 0
     entry = h.cache.store.peek("s")
     assert entry is not None
-    assert entry.tokens == (*P1, 900)
+    assert entry.tokens == (*P1, 900, 901)
     # The next prompt shares the prompt, not the generated token: trim to it.
     assert h.run(request(P2, cache_id="s")) == len(P1)
 

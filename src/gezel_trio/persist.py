@@ -119,12 +119,12 @@ class DiskCache:
         final = self.path_for(cache_id)
         tmp = self.dir / f".{final.stem}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
         meta = {
-            "gezel.cache_id": cache_id,
-            "gezel.tokens": json.dumps(list(tokens)),
-            "gezel.fingerprint": self.fingerprint,
-            "gezel.format": str(FORMAT_VERSION),
-            "gezel.kind": kind,
-            "gezel.roster": roster,
+            "gezel_cache_id": cache_id,
+            "gezel_tokens": json.dumps(list(tokens)),
+            "gezel_fingerprint": self.fingerprint,
+            "gezel_format": str(FORMAT_VERSION),
+            "gezel_kind": kind,
+            "gezel_roster": roster,
         }
         try:
             self._codec.dump_state(state, meta, tmp)
@@ -240,18 +240,18 @@ class DiskCache:
         return None
 
     def _accept(self, cache_id: str, state: Any, meta: dict[str, str]) -> Loaded | str:
-        if meta.get("gezel.fingerprint") != self.fingerprint:
+        if meta.get("gezel_fingerprint") != self.fingerprint:
             return f"fingerprint {meta.get('gezel.fingerprint')!r} is another model's"
-        if meta.get("gezel.cache_id") != cache_id:
+        if meta.get("gezel_cache_id") != cache_id:
             return "belongs to another cache id"
-        tokens = json.loads(meta.get("gezel.tokens", "null"))
+        tokens = json.loads(meta.get("gezel_tokens", "null"))
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             return "token list malformed"
         return Loaded(
             state=state,
             tokens=tuple(tokens),
-            kind=meta.get("gezel.kind", "session"),
-            roster=meta.get("gezel.roster", ""),
+            kind=meta.get("gezel_kind", "session"),
+            roster=meta.get("gezel_roster", ""),
         )
 
     def _sweep_temp_files(self) -> None:
