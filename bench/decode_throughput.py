@@ -498,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     width = max(streams)
     results: list[Measurement] = []
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="gezel-bench-") as tmp:
         logdir = Path(tmp)
         for system in args.systems:
@@ -517,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens/stream: {args.tokens}, repeats: {args.repeats}, "
         f"wall: {time.monotonic() - started:.0f}s"
     )
+    load_after = os.getloadavg()[0]
+    print(f"1-min load average: {load_before:.2f} before, {load_after:.2f} after (this run keeps")
+    print("  about 1 core busy; much more than that means something else shared the CPUs)")
     print("tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i")
     print()
     print(render_table(results, streams, args.systems))
@@ -529,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_per_stream": args.tokens,
             "repeats": args.repeats,
             "streams": streams,
+            "loadavg_1min": {"before": load_before, "after": load_after},
             "metric": "sum(n_i - 1) / (max_i last_i - min_i first_i)",
             "mlx_lm_server_flags": _mlx_flags(width),
             "median_tok_s": {

@@ -115,8 +115,12 @@ async def turn(
 def tool_round(words: Words, t: Turn, n: int) -> list[dict[str, Any]]:
     call = {"id": f"c{n}", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
     return [
-        {"role": "assistant", "content": "", "reasoning_content": words.text(t.generated),
-         "tool_calls": [call]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": words.text(t.generated),
+            "tool_calls": [call],
+        },
         {"role": "tool", "tool_call_id": f"c{n}", "content": f"result number {n}"},
     ]
 
@@ -191,9 +195,7 @@ async def test_restart_with_the_same_persist_dir_is_a_disk_hit(
             assert t3.usage.cached_tokens == 0
 
 
-async def test_cancelled_decode_is_saved_and_the_retry_reuses_it(
-    kind: str, model: Path
-) -> None:
+async def test_cancelled_decode_is_saved_and_the_retry_reuses_it(kind: str, model: Path) -> None:
     words = Words(model)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
@@ -203,8 +205,11 @@ async def test_cancelled_decode_is_saved_and_the_retry_reuses_it(
         async with open_engine(EngineConfig(model=model)) as engine:
             rendered = await engine.render_chat(messages, tools=TOOLS)
             req = GenerationRequest(
-                rendered.tokens, 10_000, SamplingParams(temperature=0.0, logit_bias=words.bias),
-                ignore_eos=True, cache=CacheRequest(cache_id="c"),
+                rendered.tokens,
+                10_000,
+                SamplingParams(temperature=0.0, logit_bias=words.bias),
+                ignore_eos=True,
+                cache=CacheRequest(cache_id="c"),
             )
             with engine.submit_nowait(req) as handle:
                 seen = 0
@@ -234,9 +239,8 @@ async def test_cancelled_prefill_saves_the_last_chunk_edge(kind: str, model: Pat
         async with open_engine(EngineConfig(model=model, prefill_step_size=step)) as engine:
             rendered = await engine.render_chat(messages, tools=TOOLS)
             assert len(rendered.tokens) > 6 * step
-            req = GenerationRequest(
-                rendered.tokens, 5, SamplingParams(temperature=0.0), cache=CacheRequest(cache_id="p")
-            )
+            greedy = SamplingParams(temperature=0.0)
+            req = GenerationRequest(rendered.tokens, 5, greedy, cache=CacheRequest(cache_id="p"))
             done_at_cancel = 0
             with engine.submit_nowait(req) as handle:
                 async for event in handle:
@@ -263,9 +267,7 @@ async def test_cancelled_while_queued_saves_nothing(model: Path) -> None:
                 async for event in first:
                     if isinstance(event, Delta):
                         break
-                queued = GenerationRequest(
-                    rendered.tokens, 4, cache=CacheRequest(cache_id="never")
-                )
+                queued = GenerationRequest(rendered.tokens, 4, cache=CacheRequest(cache_id="never"))
                 with engine.submit_nowait(queued):
                     assert len(engine.state().queued) == 1
             await engine.wait_until(lambda s: s.running == () and s.live == 0)

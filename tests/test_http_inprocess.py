@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import trio
@@ -21,7 +22,7 @@ HANG = 60
 
 
 @asynccontextmanager
-async def served(model: Path, **engine_kw: object) -> AsyncIterator[tuple[Engine, str]]:
+async def served(model: Path, **engine_kw: Any) -> AsyncIterator[tuple[Engine, str]]:
     async with open_engine(EngineConfig(model=model, **engine_kw)) as engine:  # type: ignore[arg-type]
         config = Config()
         config.bind = ["127.0.0.1:0"]

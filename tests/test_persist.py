@@ -156,7 +156,8 @@ KILL_SCRIPT = textwrap.dedent(
         def load_state(self, payload):
             raise AssertionError("never loaded")
 
-    DiskCache(Path(sys.argv[1]), "fp", SlowCodec()).save("s", [1, 2], None, kind="session", roster="")
+    disk = DiskCache(Path(sys.argv[1]), "fp", SlowCodec())
+    disk.save("s", [1, 2], None, kind="session", roster="")
     """
 )
 

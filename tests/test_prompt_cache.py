@@ -45,7 +45,8 @@ class FakeOps:
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
         import json
 
-        path.write_text(json.dumps({"tokens": list(state.tokens), "t": state.trimmable, "meta": metadata}))
+        data = {"tokens": list(state.tokens), "t": state.trimmable, "meta": metadata}
+        path.write_text(json.dumps(data))
 
     def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
         import json
@@ -188,7 +189,7 @@ def test_plain_requests_reuse_the_longest_cached_prefix() -> None:
 @pytest.mark.parametrize("trimmable", [True, False])
 def test_cancel_mid_prefill_saves_the_last_proven_edge(trimmable: bool) -> None:
     h = Harness(trimmable)
-    rid, adm, _ = h.start(request(P1, cache_id="s"))
+    rid, _, _ = h.start(request(P1, cache_id="s"))
     h.cache.cancelled(rid, cap(P1[:48], trimmable))
     entry = h.cache.store.peek("s")
     assert entry is not None

@@ -266,3 +266,31 @@ def test_tools_and_thinking_switch_render(server: Server) -> None:
     # block is added only when thinking is off.
     assert usages[0] > bare.usage.prompt_tokens + 20
     assert usages[1] > usages[0]
+
+
+def test_sigterm_flushes_and_a_restart_is_a_disk_hit(dense_model: Path, tmp_path: Path) -> None:
+    persist = ["--persist-dir", str(tmp_path)]
+    messages: list[Any] = [
+        {"role": "system", "content": "You keep the ledger of the harbour. " * 8},
+        {"role": "user", "content": "How many ships came in?"},
+    ]
+    body = {"cache_id": "ledger"}
+    first = start_server(dense_model, *persist)
+    try:
+        r1 = first.client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=4, extra_body=body
+        )
+    finally:
+        assert stop_server(first) == 0
+    assert r1.usage is not None
+    second = start_server(dense_model, *persist)
+    try:
+        r2 = second.client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=4, extra_body=body
+        )
+        stats = httpx.get(f"{second.url}/v1/cache/stats", timeout=10).json()["data"]
+    finally:
+        assert stop_server(second) == 0
+    assert r2.usage is not None
+    assert r2.usage.model_dump()["cached_tokens"] == r1.usage.prompt_tokens - 1
+    assert [e["cache_id"] for e in stats] == ["ledger"]

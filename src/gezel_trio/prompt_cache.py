@@ -417,6 +417,7 @@ class PromptCache:
             entry.key, entry.tokens, entry.state, kind=entry.kind, roster=entry.roster
         ):
             entry.dirty = False
+            self.version += 1
             self._prune_disk()
 
     def _prune_disk(self) -> None:

@@ -261,6 +261,16 @@ class _Owner(Protocol):
 
 
 class _Body(Protocol):
+    """A call's markup after its opening marker.
+
+    ``step`` consumes ``text`` from ``i`` and returns where it stopped: the end
+    of ``text`` while ``status`` stays ``_RUNNING``, otherwise the position
+    that decided the outcome. On ``_FAILED`` that position holds the offending
+    character (not consumed) and ``back`` the end of the consumed text that
+    must be read again as ordinary output. ``complete`` says whether a started
+    call can still end well.
+    """
+
     status: int
     back: str
     complete: bool
@@ -291,13 +301,32 @@ _N_SIGN, _N_ZERO, _N_INT, _N_DOT, _N_FRAC, _N_E, _N_ESIGN, _N_EXP = range(8)
 _N_ACCEPT = frozenset((_N_ZERO, _N_INT, _N_FRAC, _N_EXP))
 _N_RUNS = frozenset((_N_INT, _N_FRAC, _N_EXP))
 _DIGIT = frozenset("0123456789")
-_DIGITS = re.compile(r"[0-9]+")
+_NUMBER_CHARS = frozenset("0123456789.eE+-")
 _HEX = frozenset("0123456789abcdefABCDEF")
-_LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+_WORDS = {"t": "true", "f": "false", "n": "null"}
 _CLOSER = {"{": "}", "[": "]"}
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+# Fast paths. Every pattern is possessive or a single class, so none can
+# backtrack; each either matches what the state machine would accept, char by
+# char, or the scan falls back to the state machine.
+_DIGITS = re.compile(r"[0-9]+")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][-+]?+[0-9]++)?+")
+_COLON = re.compile(r"[ \t\n\r]*+:")
+_OPEN_BRACKETS = re.compile(r"\[(?:[ \t\n\r]*+\[)*+")
+# String content with complete, valid escapes (used where nothing is decoded).
+_STRING_RUN = re.compile(r'(?:[^"\\\x00-\x1f]++|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*+')
 # What ends a run of ordinary string characters.
 _STRING_STOP = re.compile(r'["\\\x00-\x1f]')
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_scanstring = json.decoder.scanstring
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)  # NaN and Infinity are not JSON
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 # Roles of a value at the call object's member level.
 _R_SKIP, _R_NAME, _R_ARGS = range(3)
@@ -311,7 +340,7 @@ def _escape_control(c: str) -> str:
 
 
 class _JsonBody:
-    """Scans a JSON call body incrementally with a full validating pushdown
+    """Scans a JSON call body incrementally with a validating pushdown
     automaton, so it knows exactly where the arguments value ends and that it
     parses.
 
@@ -319,65 +348,54 @@ class _JsonBody:
     ``"name"`` and ``"arguments"`` members are picked out; an arguments object
     is passed on as raw text while it streams, an arguments string as its
     decoded content (OpenAI sends arguments as a string holding JSON, so a
-    model that double-encodes means that inner text). With ``root_args`` the
-    whole root value is the arguments and the name is already known.
+    model that double-encodes means that inner text; an empty one means
+    ``{}``). With ``root_args`` the whole root value is the arguments and the
+    name is already known.
 
     Raw control characters inside strings are invalid JSON that models still
     write (a literal newline in code); they are passed on escaped so the
-    arguments parse.
+    arguments parse. Lone surrogates from ``\\u`` escapes decode to U+FFFD,
+    since they could not be encoded as UTF-8 later.
+
+    Whole strings, and whole member values, that are already in the text are
+    handed to the C scanner of :mod:`json`; the automaton takes over when that
+    fails (a value cut by the end of the text, invalid JSON, raw control
+    characters, nesting deeper than its recursion limit), and decides exactly
+    as it would have on its own.
     """
 
-    __slots__ = (
-        "_args",
-        "_args_sent",
-        "_cap",
-        "_capturing",
-        "_end",
-        "_end0",
-        "_high",
-        "_hex",
-        "_in_key",
-        "_level",
-        "_lit",
-        "_marker",
-        "_named",
-        "_num",
-        "_out",
-        "_owner",
-        "_parts",
-        "_role",
-        "_stack",
-        "_state",
-        "back",
-        "complete",
-        "status",
-    )
+    # Scalars start at these class-level values: a body is made per call, and
+    # a failed call is usually decided within a character or two.
+    status = _RUNNING
+    back = ""
+    complete = False
+    _state = _J_ROOT
+    _level = 1  # depth of the values whose role matters: members, or the root
+    _role = _R_SKIP
+    _named = False
+    _args = _A_ABSENT
+    _args_sent = False  # an arguments string has decoded to something
+    _in_key = False
+    _out: Callable[[str], None] | None = None  # where decoded string text goes
+    _capturing = False  # raw arguments text is being passed on
+    _cap = 0  # where the raw text not yet passed on starts, in the current piece
+    _high = 0  # a high surrogate from a \u escape, waiting for its pair
+    _hex = ""
+    _lit = ""
+    _num = 0
+    _marker = 0
 
     def __init__(self, owner: _Owner, end: str, *, root_args: bool) -> None:
         self._owner = owner
         self._end = end
         self._end0 = end[:1]
-        self.status = _RUNNING
-        self.back = ""
-        self.complete = False
         self._stack: list[str] = []
-        # Depth of the values whose role matters: the call object's members, or the root.
-        self._level = 0 if root_args else 1
-        self._state = _J_VALUE if root_args else _J_ROOT
-        self._role = _R_ARGS if root_args else _R_SKIP
-        self._named = root_args
-        self._args = _A_ABSENT
-        self._args_sent = False  # an arguments string has decoded to something
-        self._in_key = False
         self._parts: list[str] = []
-        self._out: Callable[[str], None] | None = None  # where decoded string text goes
-        self._capturing = False  # raw arguments text is being passed on
-        self._cap = 0  # where the raw text not yet passed on starts, in the current piece
-        self._high = 0  # a high surrogate from a \u escape, waiting for its pair
-        self._hex = ""
-        self._lit = ""
-        self._num = 0
-        self._marker = 0
+        if root_args:
+            self._level = 0
+            self._state = _J_VALUE
+            self._role = _R_ARGS
+            self._named = True
 
     def closable_at_end(self) -> bool:
         # Cut off after a complete arguments value: only the closing brace or
@@ -390,179 +408,264 @@ class _JsonBody:
         while i < n:
             st = self._state
             if st == _J_STRING:
-                m = _STRING_STOP.search(text, i)
-                j = n if m is None else m.start()
-                if j > i:
-                    if self._out is not None:
-                        self._decoded(text[i:j])
-                    i = j
-                    continue
-                c = text[i]
-                i += 1
-                if c == '"':
-                    if self._string_done(text, i):
-                        return i
-                elif c == "\\":
-                    self._state = _J_ESCAPE
-                else:
-                    self._control(text, i - 1, c)
-                continue
-            c = text[i]
-            if st <= _J_AFTER:
-                if c in _WS:
-                    i = _skip_ws(text, i)
-                    continue
-                if c == self._end0 and self._named:
-                    # Never JSON outside a string: this can only be the closing
-                    # marker, written before the JSON was closed.
-                    self._stop_capture(text, i)
-                    self._state = _J_MARKER
-                    self._marker = 1
-                    i += 1
-                    continue
-                i += 1
-                if st == _J_AFTER:
-                    top = self._stack[-1]
-                    if c == ",":
-                        self._state = _J_KEY if top == "{" else _J_VALUE
-                        continue
-                    if c == _CLOSER[top]:
-                        self._stack.pop()
-                        if self._value_done(text, i):
-                            return i
-                        continue
-                    return self._fail(text, i - 1)
-                if st == _J_COLON:
-                    if c != ":":
-                        return self._fail(text, i - 1)
-                    self._state = _J_VALUE
-                    continue
-                if st == _J_KEY or st == _J_KEY_OR_CLOSE:
-                    if c == '"':
-                        self._open_string(key=True)
-                        continue
-                    if c == "}" and st == _J_KEY_OR_CLOSE:
-                        self._stack.pop()
-                        if self._value_done(text, i):
-                            return i
-                        continue
-                    return self._fail(text, i - 1)
-                if st == _J_ROOT:
-                    if c != "{":
-                        return self._fail(text, i - 1)
-                    self._stack.append("{")
-                    self._state = _J_KEY_OR_CLOSE
-                    continue
-                if st == _J_ITEM_OR_CLOSE and c == "]":
-                    self._stack.pop()
-                    if self._value_done(text, i):
-                        return i
-                    continue
-                # A value starts here.
-                if len(self._stack) == self._level and not self._member_starts(text, i - 1, c):
-                    return self._fail(text, i - 1)
-                if c == "{" or c == "[":
-                    self._stack.append(c)
-                    self._state = _J_KEY_OR_CLOSE if c == "{" else _J_ITEM_OR_CLOSE
-                elif c == '"':
-                    self._open_string(key=False)
-                elif c == "-" or c in _DIGIT:
-                    self._state = _J_NUMBER
-                    self._num = _N_SIGN if c == "-" else _N_ZERO if c == "0" else _N_INT
-                elif c in _LITERALS:
-                    self._state = _J_LITERAL
-                    self._lit = _LITERALS[c]
-                else:
-                    return self._fail(text, i - 1)
-                continue
-            if st == _J_NUMBER:
-                num = self._num
-                if c in _DIGIT:
-                    if num in _N_RUNS:
-                        i = _DIGITS.match(text, i).end()  # type: ignore[union-attr]  # c is a digit
-                        continue
-                    if num == _N_ZERO:  # no leading zeros
-                        return self._fail(text, i)
-                    if num == _N_SIGN:
-                        num = _N_ZERO if c == "0" else _N_INT
-                    elif num == _N_DOT:
-                        num = _N_FRAC
-                    else:  # after the exponent's e or its sign
-                        num = _N_EXP
-                elif c == "." and (num == _N_ZERO or num == _N_INT):
-                    num = _N_DOT
-                elif (c == "e" or c == "E") and (num == _N_ZERO or num == _N_INT or num == _N_FRAC):
-                    num = _N_E
-                elif (c == "+" or c == "-") and num == _N_E:
-                    num = _N_ESIGN
-                elif num in _N_ACCEPT:
-                    # The number ended just before c, which is looked at again.
-                    if self._value_done(text, i):
-                        return i
-                    continue
-                else:
-                    return self._fail(text, i)
-                self._num = num
-                i += 1
-                continue
-            if st == _J_LITERAL:
-                if c != self._lit[0]:
-                    return self._fail(text, i)
-                i += 1
-                self._lit = self._lit[1:]
-                if not self._lit and self._value_done(text, i):
-                    return i
-                continue
-            if st == _J_ESCAPE:
-                if c == "u":
-                    self._state = _J_UNICODE
-                    self._hex = ""
-                elif c in _ESCAPES:
-                    self._state = _J_STRING
-                    if self._out is not None:
-                        self._decoded(_ESCAPES[c])
-                else:
-                    return self._fail(text, i)
-                i += 1
-                continue
-            if st == _J_UNICODE:
-                if c not in _HEX:
-                    return self._fail(text, i)
-                i += 1
-                self._hex += c
-                if len(self._hex) == 4:
-                    self._state = _J_STRING
-                    if self._out is not None:
-                        self._code_point(int(self._hex, 16))
-                continue
-            # _J_MARKER
-            end = self._end
-            if c != end[self._marker]:
-                return self._fail(text, i, back=end[: self._marker])
-            i += 1
-            self._marker += 1
-            if self._marker == len(end):
-                if self._args == _A_ABSENT:
-                    self._owner._args("{}")
-                    self._args = _A_DONE
-                self.complete = self._args == _A_DONE
-                self.status = _CLOSED
+                i = self._string(text, i)
+            elif st <= _J_AFTER:
+                i = self._structural(text, i, st)
+            elif st == _J_NUMBER:
+                i = self._number(text, i)
+            elif st == _J_ESCAPE:
+                i = self._escape(text, i)
+            elif st == _J_UNICODE:
+                i = self._unicode(text, i)
+            elif st == _J_LITERAL:
+                i = self._literal(text, i)
+            else:
+                i = self._closing_marker(text, i)
+            if self.status:
                 return i
         if self._capturing and n > self._cap:
             self._owner._args(text[self._cap : n])
         return n
 
-    def _member_starts(self, text: str, i: int, c: str) -> bool:
-        """A value of the call object (or the root arguments) starts at ``i``."""
-        role = self._role
-        if role == _R_NAME:
-            return c == '"'
+    # -- states
+
+    def _structural(self, text: str, i: int, st: int) -> int:
+        c = text[i]
+        if c in _WS:
+            return _skip_ws(text, i)
+        if c == self._end0 and self._named:
+            # Never JSON outside a string: this can only be the closing
+            # marker, written before the JSON was closed.
+            self._stop_capture(text, i)
+            self._state = _J_MARKER
+            return i
+        if st == _J_AFTER:
+            top = self._stack[-1]
+            if c == ",":
+                self._state = _J_KEY if top == "{" else _J_VALUE
+            elif c == _CLOSER[top]:
+                self._stack.pop()
+                self._value_done(text, i + 1)
+            else:
+                return self._fail(text, i)
+            return i + 1
+        if st == _J_KEY or st == _J_KEY_OR_CLOSE:
+            if c == '"':
+                return self._key(text, i + 1)
+            if c == "}" and st == _J_KEY_OR_CLOSE:
+                self._stack.pop()
+                self._value_done(text, i + 1)
+                return i + 1
+            return self._fail(text, i)
+        if st == _J_COLON:
+            if c != ":":
+                return self._fail(text, i)
+            self._state = _J_VALUE
+            return i + 1
+        if st == _J_ROOT:
+            if c != "{":
+                return self._fail(text, i)
+            self._stack.append("{")
+            self._state = _J_KEY_OR_CLOSE
+            return i + 1
+        if st == _J_ITEM_OR_CLOSE and c == "]":
+            self._stack.pop()
+            self._value_done(text, i + 1)
+            return i + 1
+        return self._value(text, i, c)
+
+    def _value(self, text: str, i: int, c: str) -> int:
+        """A value starts at ``i`` with ``c``."""
+        at_level = len(self._stack) == self._level
+        role = self._role if at_level else _R_SKIP
+        if role == _R_NAME and c != '"':
+            return self._fail(text, i)
         if role == _R_ARGS:
             self._args = _A_PENDING
             if c != '"':
                 self._capturing = True
                 self._cap = i
-        return True
+        if c == '"':
+            try:
+                s, end = _scanstring(text, i + 1, True)
+            except ValueError:
+                end = -1
+            if end < 0 or (role != _R_SKIP and _SURROGATE.search(s) is not None):
+                self._open_string(key=False)
+                return i + 1
+            if role == _R_NAME:
+                self._name_done(text, end, s)
+                if self.status:
+                    return end
+            elif role == _R_ARGS:
+                self._owner._args(s or "{}")
+            self._value_done(text, end)
+            return end
+        if c == "{" or c == "[":
+            if at_level:
+                # Only whole member values: trying every nested value that is
+                # cut by the end of the text would rescan that tail each time.
+                try:
+                    end = _DECODER.raw_decode(text, i)[1]
+                except (ValueError, RecursionError):
+                    end = -1
+                if end >= 0:
+                    self._value_done(text, end)
+                    return end
+            if c == "{":
+                self._stack.append("{")
+                self._state = _J_KEY_OR_CLOSE
+                return i + 1
+            m = _OPEN_BRACKETS.match(text, i)
+            assert m is not None
+            self._stack.extend(m.group().count("[") * "[")
+            self._state = _J_ITEM_OR_CLOSE
+            return m.end()
+        if c == "-" or c in _DIGIT:
+            m = _NUMBER.match(text, i)
+            if m is not None and m.end() < len(text) and text[m.end()] not in _NUMBER_CHARS:
+                self._value_done(text, m.end())
+                return m.end()
+            self._state = _J_NUMBER
+            self._num = _N_SIGN if c == "-" else _N_ZERO if c == "0" else _N_INT
+            return i + 1
+        word = _WORDS.get(c)
+        if word is None:
+            return self._fail(text, i)
+        if text.startswith(word, i):
+            self._value_done(text, i + len(word))
+            return i + len(word)
+        self._state = _J_LITERAL
+        self._lit = word[1:]
+        return i + 1
+
+    def _key(self, text: str, i: int) -> int:
+        """A key starts at ``i``, just after its quote."""
+        try:
+            key, end = _scanstring(text, i, True)
+        except ValueError:
+            self._open_string(key=True)
+            return i
+        self._state = _J_COLON
+        if len(self._stack) == self._level:
+            self._key_done(text, end, key)
+            if self.status:
+                return end
+        m = _COLON.match(text, end)
+        if m is None:
+            return end
+        self._state = _J_VALUE
+        return m.end()
+
+    def _string(self, text: str, i: int) -> int:
+        n = len(text)
+        if self._out is None:
+            m = _STRING_RUN.match(text, i)
+            assert m is not None
+            j = m.end()
+        else:
+            m = _STRING_STOP.search(text, i)
+            j = n if m is None else m.start()
+            if j > i:
+                self._decoded(text[i:j])
+        if j == n:
+            return n
+        c = text[j]
+        if c == '"':
+            self._string_done(text, j + 1)
+        elif c == "\\":
+            self._state = _J_ESCAPE
+        else:
+            self._control(text, j, c)
+        return j + 1
+
+    def _escape(self, text: str, i: int) -> int:
+        c = text[i]
+        if c == "u":
+            self._state = _J_UNICODE
+            self._hex = ""
+        elif c in _ESCAPES:
+            self._state = _J_STRING
+            if self._out is not None:
+                self._decoded(_ESCAPES[c])
+        else:
+            return self._fail(text, i)
+        return i + 1
+
+    def _unicode(self, text: str, i: int) -> int:
+        c = text[i]
+        if c not in _HEX:
+            return self._fail(text, i)
+        self._hex += c
+        if len(self._hex) == 4:
+            self._state = _J_STRING
+            if self._out is not None:
+                self._code_point(int(self._hex, 16))
+        return i + 1
+
+    def _number(self, text: str, i: int) -> int:
+        c = text[i]
+        num = self._num
+        if c in _DIGIT:
+            if num in _N_RUNS:
+                m = _DIGITS.match(text, i)
+                assert m is not None
+                return m.end()
+            if num == _N_ZERO:  # no leading zeros
+                return self._fail(text, i)
+            if num == _N_SIGN:
+                num = _N_ZERO if c == "0" else _N_INT
+            elif num == _N_DOT:
+                num = _N_FRAC
+            else:  # after the exponent's e or its sign
+                num = _N_EXP
+        elif c == "." and (num == _N_ZERO or num == _N_INT):
+            num = _N_DOT
+        elif (c == "e" or c == "E") and (num == _N_ZERO or num == _N_INT or num == _N_FRAC):
+            num = _N_E
+        elif (c == "+" or c == "-") and num == _N_E:
+            num = _N_ESIGN
+        elif num in _N_ACCEPT:
+            # The number ended just before c, which is read again.
+            self._value_done(text, i)
+            return i
+        else:
+            return self._fail(text, i)
+        self._num = num
+        return i + 1
+
+    def _literal(self, text: str, i: int) -> int:
+        if text[i] != self._lit[0]:
+            return self._fail(text, i)
+        self._lit = self._lit[1:]
+        if not self._lit:
+            self._value_done(text, i + 1)
+        return i + 1
+
+    def _closing_marker(self, text: str, i: int) -> int:
+        end = self._end
+        rest = end[self._marker :]
+        if text.startswith(rest, i):
+            i += len(rest)
+        elif rest.startswith(text[i : i + len(rest)]):
+            # Cut by the end of the text (shorter than rest): wait for more.
+            self._marker += len(text) - i
+            return len(text)
+        else:
+            while text[i] == end[self._marker]:
+                i += 1
+                self._marker += 1
+            return self._fail(text, i, back=end[: self._marker])
+        # The model closed the call before closing its JSON (a missing "}" is
+        # the usual case): the call is good if its arguments are.
+        if self._args == _A_ABSENT:
+            self._owner._args("{}")
+            self._args = _A_DONE
+        self.complete = self._args == _A_DONE
+        self.status = _CLOSED
+        return i
+
+    # -- transitions
 
     def _open_string(self, *, key: bool) -> None:
         self._state = _J_STRING
@@ -574,9 +677,9 @@ class _JsonBody:
                 self._out = self._parts.append
             elif self._role == _R_ARGS:
                 self._out = self._args_text
-                self._args_sent = False
 
-    def _string_done(self, text: str, i: int) -> bool:
+    def _string_done(self, text: str, i: int) -> None:
+        """A string read by the automaton ended just before ``i``."""
         if self._high:
             self._decoded("")
         self._out = None
@@ -585,37 +688,37 @@ class _JsonBody:
             self._in_key = False
             self._state = _J_COLON
             if at_level:
-                key = "".join(self._parts)
-                if key == "name":
-                    if self._named:  # a second name cannot be taken back
-                        self._fail(text, i)
-                        return True
-                    self._role = _R_NAME
-                elif key in _ARGS_KEYS:
-                    if self._args != _A_ABSENT:
-                        self._fail(text, i)
-                        return True
-                    self._role = _R_ARGS
-                else:
-                    self._role = _R_SKIP
-            return False
+                self._key_done(text, i, "".join(self._parts))
+            return
         if at_level and self._role == _R_NAME:
-            name = "".join(self._parts)
-            if not name.strip():
-                self._fail(text, i)
-                return True
-            self._named = True
-            self._owner._start(name)
+            self._name_done(text, i, "".join(self._parts))
+            if self.status:
+                return
         elif at_level and self._role == _R_ARGS and not self._args_sent:
-            self._owner._args("{}")  # "arguments": "" means no arguments
-        return self._value_done(text, i)
+            self._owner._args("{}")
+        self._value_done(text, i)
 
-    def _args_text(self, s: str) -> None:
-        self._args_sent = True
-        self._owner._args(s)
+    def _key_done(self, text: str, i: int, key: str) -> None:
+        if key == "name":
+            if self._named:  # a second name: the first cannot be taken back
+                self._fail(text, i)
+            self._role = _R_NAME
+        elif key in _ARGS_KEYS:
+            if self._args != _A_ABSENT:
+                self._fail(text, i)
+            self._role = _R_ARGS
+        else:
+            self._role = _R_SKIP
 
-    def _value_done(self, text: str, i: int) -> bool:
-        """A value ended just before ``i``; true when the scan must stop."""
+    def _name_done(self, text: str, i: int, name: str) -> None:
+        if not name.strip():
+            self._fail(text, i)
+            return
+        self._named = True
+        self._owner._start(name)
+
+    def _value_done(self, text: str, i: int) -> None:
+        """A value ended just before ``i``."""
         self._state = _J_AFTER
         if len(self._stack) == self._level:
             if self._role == _R_ARGS:
@@ -623,15 +726,14 @@ class _JsonBody:
                 self._args = _A_DONE
             self._role = _R_SKIP
         if self._stack:
-            return False
+            return
         if not self._named:
             self._fail(text, i)
-            return True
+            return
         if self._args == _A_ABSENT:
             self._owner._args("{}")  # what OpenAI sends for a call without arguments
             self._args = _A_DONE
         self.status = _DONE
-        return True
 
     def _fail(self, text: str, i: int, back: str = "") -> int:
         self._stop_capture(text, i)
@@ -646,6 +748,12 @@ class _JsonBody:
             if i > self._cap:
                 self._owner._args(text[self._cap : i])
 
+    # -- string text
+
+    def _args_text(self, s: str) -> None:
+        self._args_sent = True
+        self._owner._args(s)
+
     def _control(self, text: str, i: int, c: str) -> None:
         if self._capturing:
             if i > self._cap:
@@ -659,7 +767,6 @@ class _JsonBody:
         out = self._out
         assert out is not None
         if self._high:
-            # A lone surrogate cannot be encoded as UTF-8 later; replace it.
             out("\ufffd")
             self._high = 0
         if s:
@@ -681,7 +788,7 @@ class _JsonBody:
             self._decoded(chr(cp))
 
 
-_NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*+")
 _ARGS_MARK = "[ARGS]"
 
 
@@ -689,16 +796,15 @@ class _NameArgsBody:
     """Mistral's ``NAME[ARGS]{...}``: a bare function name, then the arguments
     as one JSON value; the call ends with that value."""
 
-    __slots__ = ("_json", "_matched", "_owner", "_parts", "back", "complete", "status")
+    status = _RUNNING
+    back = ""
+    complete = False
+    _matched = 0  # how much of "[ARGS]" has been read
+    _json: _JsonBody | None = None
 
     def __init__(self, owner: _Owner) -> None:
         self._owner = owner
-        self.status = _RUNNING
-        self.back = ""
-        self.complete = False
         self._parts: list[str] = []
-        self._matched = 0  # how much of "[ARGS]" has been read
-        self._json: _JsonBody | None = None
 
     def closable_at_end(self) -> bool:
         return False
@@ -706,14 +812,13 @@ class _NameArgsBody:
     def step(self, text: str, i: int) -> int:
         n = len(text)
         while self._json is None:
+            if not self._matched:
+                m = _NAME_CHARS.match(text, i)
+                assert m is not None
+                self._parts.append(m.group())
+                i = m.end()
             if i == n:
                 return n
-            if not self._matched:
-                j = _NAME_CHARS.match(text, i).end()  # type: ignore[union-attr]  # matches ""
-                self._parts.append(text[i:j])
-                i = j
-                if i == n:
-                    return n
             if text[i] != _ARGS_MARK[self._matched]:
                 self.status = _FAILED
                 self.back = _ARGS_MARK[: self._matched]
@@ -741,11 +846,12 @@ _X_NAME = 1
 _X_BODY = 2  # between parameters
 _X_KEY = 3
 _X_VALUE = 4
-_FUNCTION_TAGS = ("<function=",)
+_FUNCTION_TAG = "<function="
 _PARAM_TAG = "<parameter="
 _PARAM_END = "</parameter>"
 _FUNCTION_END = "</function>"
 _WORD_STOP = re.compile(r"[>\n<]")
+_TAG_WINDOW = 32  # more than any tag, closing markers included
 
 
 def _param_json(raw: str) -> str:
@@ -753,11 +859,10 @@ def _param_json(raw: str) -> str:
 
     The template writes strings bare and everything else as JSON, so a value
     that parses as a JSON number, bool, null, array or object is taken as one,
-    and anything else is a string. Without the tool's schema a string that
-    looks like a number (``"007"`` parses; ``"12"`` becomes 12) is taken as
-    the number; the schema-free guess is the price of not knowing the tools.
+    and anything else is a string. Without the tool's schema, a string that
+    looks like a number (a zip code ``12345``) is taken as the number.
     """
-    # The template puts the value on its own lines.
+    # The template puts the value on lines of its own.
     value = raw[1:] if raw.startswith("\n") else raw
     value = value[:-1] if value.endswith("\n") else value
     try:
@@ -769,44 +874,37 @@ def _param_json(raw: str) -> str:
     return value.strip()
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(name)  # NaN and Infinity are not JSON
+def _common_prefix(a: str, b: str) -> int:
+    k = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        k += 1
+    return k
 
 
 class _XmlBody:
     """Qwen3-Coder's ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``.
 
-    The arguments object is built as JSON text: ``{`` and the first member when
-    the first parameter closes, ``, "KEY": VALUE`` for each later one, ``}`` at
-    ``</function>``. A value is only known to be complete at its closing tag,
-    so each parameter is sent whole.
+    The arguments object is built as JSON text: ``{`` and the first member
+    when the first parameter closes, ``, "KEY": VALUE`` for each later one,
+    ``}`` at ``</function>``. A value is only known to be complete at its
+    closing tag, so each parameter is sent whole. The first ``</parameter>``
+    ends a value, whatever the value holds.
     """
 
-    __slots__ = (
-        "_body_tags",
-        "_key",
-        "_lit",
-        "_owner",
-        "_params",
-        "_parts",
-        "_seeker",
-        "_state",
-        "back",
-        "complete",
-        "status",
-    )
+    status = _RUNNING
+    back = ""
+    complete = False
+    _state = _X_OPEN
+    _lit = ""  # a tag cut by the end of the text
+    _key = ""
+    _params = 0
 
     def __init__(self, owner: _Owner, end: str) -> None:
         self._owner = owner
-        self.status = _RUNNING
-        self.back = ""
-        self.complete = False
-        self._state = _X_OPEN
-        self._body_tags = (_PARAM_TAG, _FUNCTION_END, end)
-        self._lit = ""  # a tag read so far
+        self._body_tags = tuple(t for t in (_PARAM_TAG, _FUNCTION_END, end) if t)
         self._parts: list[str] = []
-        self._key = ""
-        self._params = 0
         self._seeker = _MarkerSeeker(_PARAM_END)
 
     def closable_at_end(self) -> bool:
@@ -825,51 +923,63 @@ class _XmlBody:
                     self._state = _X_BODY
                 continue
             if st == _X_NAME or st == _X_KEY:
-                m = _WORD_STOP.search(text, i)
-                if m is None:
-                    self._parts.append(text[i:])
-                    return n
-                k = m.start()
-                self._parts.append(text[i:k])
-                if text[k] != ">":
-                    return self._fail(k)
-                i = k + 1
-                word = "".join(self._parts).strip()
-                self._parts.clear()
-                if not word:
-                    return self._fail(i)
-                if st == _X_NAME:
-                    self._owner._start(word)
-                    self._state = _X_BODY
-                else:
-                    self._key = word
-                    self._state = _X_VALUE
-                continue
-            # _X_OPEN or _X_BODY: tags, with whitespace between them.
-            c = text[i]
-            if not self._lit and c in _WS:
+                i = self._word(text, i, st)
+            elif not self._lit and text[i] in _WS:
                 i = _skip_ws(text, i)
                 continue
-            lit = self._lit + c
-            tags = _FUNCTION_TAGS if st == _X_OPEN else self._body_tags
-            if not any(t.startswith(lit) for t in tags):
-                return self._fail(i, back=self._lit)
-            i += 1
-            if lit not in tags:
-                self._lit = lit
-                continue
-            self._lit = ""
-            if lit == "<function=":
-                self._state = _X_NAME
-            elif lit == _PARAM_TAG:
-                self._state = _X_KEY
             else:
-                # </function>, or the closing marker with </function> missing.
-                self._owner._args("}" if self._params else "{}")
-                self.complete = True
-                self.status = _DONE if lit == _FUNCTION_END else _CLOSED
+                i = self._tag(text, i, (_FUNCTION_TAG,) if st == _X_OPEN else self._body_tags)
+            if self.status:
                 return i
         return n
+
+    def _word(self, text: str, i: int, st: int) -> int:
+        """The function name or a parameter key, up to ``>``."""
+        m = _WORD_STOP.search(text, i)
+        if m is None:
+            self._parts.append(text[i:])
+            return len(text)
+        k = m.start()
+        self._parts.append(text[i:k])
+        if text[k] != ">":
+            return self._fail(k)
+        word = "".join(self._parts).strip()
+        self._parts.clear()
+        if not word:
+            return self._fail(k + 1)
+        if st == _X_NAME:
+            self._owner._start(word)
+            self._state = _X_BODY
+        else:
+            self._key = word
+            self._state = _X_VALUE
+        return k + 1
+
+    def _tag(self, text: str, i: int, tags: tuple[str, ...]) -> int:
+        lit = self._lit
+        cand = lit + text[i : i + _TAG_WINDOW]
+        best = 0
+        for tag in tags:
+            if cand.startswith(tag):
+                self._lit = ""
+                return self._tag_done(tag, i + len(tag) - len(lit))
+            best = max(best, _common_prefix(cand, tag))
+        if best == len(cand):  # a tag cut by the end of the text
+            self._lit = cand
+            return len(text)
+        return self._fail(i + best - len(lit), back=cand[:best])
+
+    def _tag_done(self, tag: str, i: int) -> int:
+        if tag == _FUNCTION_TAG:
+            self._state = _X_NAME
+        elif tag == _PARAM_TAG:
+            self._state = _X_KEY
+        else:
+            # </function>, or the closing marker with </function> missing.
+            self._owner._args("}" if self._params else "{}")
+            self.complete = True
+            self.status = _DONE if tag == _FUNCTION_END else _CLOSED
+        return i
 
     def _param_done(self) -> None:
         value = _param_json("".join(self._parts))
@@ -887,15 +997,14 @@ class _XmlBody:
 class _Trailer:
     """After a complete body: whitespace, then the closing marker."""
 
-    __slots__ = ("_end", "_held", "_matched", "back", "complete", "status")
+    status = _RUNNING
+    back = ""
+    complete = True
+    _matched = 0
 
     def __init__(self, end: str) -> None:
         self._end = end
-        self.status = _RUNNING
-        self.back = ""
-        self.complete = True
         self._held: list[str] = []
-        self._matched = 0
 
     def closable_at_end(self) -> bool:
         return True
@@ -904,11 +1013,15 @@ class _Trailer:
         n = len(text)
         end = self._end
         while i < n:
-            if not self._matched and text[i] in _WS:
+            if not self._matched:
                 j = _skip_ws(text, i)
-                self._held.append(text[i:j])
-                i = j
-                continue
+                if j > i:
+                    self._held.append(text[i:j])
+                    i = j
+                    continue
+                if text.startswith(end, i):
+                    self.status = _CLOSED
+                    return i + len(end)
             if text[i] != end[self._matched]:
                 self.status = _FAILED
                 self.back = "".join(self._held) + end[: self._matched]
@@ -922,6 +1035,13 @@ class _Trailer:
 
 
 # --- the splitter -------------------------------------------------------------
+
+# The characters a call body can begin with.
+_FIRST_CHARS = {
+    "json": frozenset("{" + _WS),
+    "xml": frozenset("<" + _WS),
+    "name_args": frozenset("[_.-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+}
 
 
 class ToolCallSplitter:
@@ -937,6 +1057,7 @@ class ToolCallSplitter:
         self._new_id = id_factory
         self._opener = _MarkerSeeker(fmt.start)
         self._start0 = fmt.start[0]
+        self._first = _FIRST_CHARS[fmt.body]
         self._events: list[ToolEvent] = []
         self._run: list[str] = []  # text of the Content or CallArgs being built
         self._run_kind: int | None = None  # -1: Content; otherwise a call index
@@ -998,7 +1119,12 @@ class ToolCallSplitter:
                 before, i, found = self._opener.seek(text, i)
                 self._plain(before)
                 if found:
-                    self._open()
+                    if i < n and text[i] not in self._first:
+                        # Cannot begin a call: decided at once, without a body
+                        # (the body would fail on the same character).
+                        self._plain(self._fmt.start)
+                    else:
+                        self._open()
                 continue
             j = body.step(text, i)
             if self._raw is not None:
