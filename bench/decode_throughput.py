@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2 as httpx
 
 PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
 HOST = "127.0.0.1"
@@ -404,7 +404,7 @@ def http_round(url: str, system: str, n: int, max_tokens: int) -> list[StreamTim
     def worker(i: int) -> None:
         try:
             results[i] = _one_stream(url, body, barrier)
-        except BaseException as exc:  # reported below, in the caller's thread
+        except Exception as exc:  # reported below, in the caller's thread
             barrier.abort()
             results[i] = exc
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # no stubs installed
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -408,6 +408,20 @@ def test_rejected_token_forces_eos_without_raising(
     assert proc.finished
     assert allowed(out) == set(EOS)
     assert "forcing EOS" in caplog.text
+
+
+def test_out_of_vocabulary_id_forces_eos(dense: Loaded) -> None:
+    # A padded column can only be sampled if something unmasked it; still no raise.
+    proc = make_grammar_processor(
+        constraint(response_format={"type": "json_object"}),
+        dense.grammar_tokenizer,
+        vocab_width=dense.vocab + 8,
+    )
+    logits = mx.zeros((1, dense.vocab + 8))
+    proc(mx.array(dense.prompt), logits)
+    out = proc(mx.array([*dense.prompt, dense.vocab + 3]), logits)
+    assert proc.error is not None
+    assert allowed(out) == set(EOS)
 
 
 def test_padded_and_truncated_widths(dense: Loaded) -> None:

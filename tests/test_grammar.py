@@ -114,7 +114,7 @@ def accepts(tok: Any, c: Constraint, text: str, *, special: bool = True) -> bool
     return bool(m.consume_tokens(ids)) and bool(m.is_accepting())
 
 
-def call(name: str, args: dict[str, Any]) -> str:
+def call(name: str, args: Any) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
@@ -166,6 +166,19 @@ def test_json_schema_is_enforced(byte_tok: Any) -> None:
     assert not accepts(byte_tok, c, '{"name": "Ada", "age": 36, "color": "blue"}')
     assert not accepts(byte_tok, c, '{"name": "Ada", "age": "36", "color": "red"}')
     assert not accepts(byte_tok, c, '{"name": "Ada", "age": 36, "color": "red", "x": 1}')
+
+
+def test_non_ascii_schemas(byte_tok: Any) -> None:
+    schema = {"enum": ["café", "naïve ☕"], "description": "ünïcode } {"}
+    c = must_build(response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    assert accepts(byte_tok, c, '"naïve ☕"')
+    assert not accepts(byte_tok, c, '"cafe"')
+
+
+def test_tool_choice_none_keeps_json_only(byte_tok: Any) -> None:
+    c = must_build(response_format={"type": "json_object"}, tools=[WEATHER], tool_choice="none")
+    assert c.kind == "json_object"
+    assert not accepts(byte_tok, c, call("get_weather", {"city": "Oslo"}))
 
 
 def test_client_x_guidance_options_are_replaced(byte_tok: Any) -> None:

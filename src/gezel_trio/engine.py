@@ -34,7 +34,7 @@ from .backend import Backend, ModelInfo, PromptRenderer
 from .config import EngineConfig
 from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, SlowConsumer
 from .events import Event, Failed, Finished, Progress
-from .host_thread import HostCommand, Orders, StepReport, run_host
+from .host_thread import HostCommand, Observer, Orders, StepReport, run_host, run_host_inline
 from .prompt import RenderedPrompt
 from .prompt_cache import CacheView
 from .request import GenerationRequest
@@ -429,12 +429,15 @@ async def run_engine(  # noqa: ASYNC128 - Engine.ready() calls started() from th
     config: EngineConfig,
     *,
     backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    inline: bool = False,
+    observer: Observer | None = None,
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run an engine until cancelled; use with ``nursery.start``.
 
     ``task_status.started(engine)`` is called only after the backend has loaded
-    the model on the host thread, so "ready" is real. Cancelling this task
+    the model on the host thread, so "ready" is real. ``inline`` runs the host
+    loop as a Trio task instead, for backends that need no thread (tests). Cancelling this task
     fails every live request with ``EngineClosed``; the host thread finishes
     its current step, closes the backend and returns.
     """
@@ -442,9 +445,13 @@ async def run_engine(  # noqa: ASYNC128 - Engine.ready() calls started() from th
     engine = Engine(config)
     engine._task_status = task_status
     try:
-        await trio.to_thread.run_sync(
-            run_host, engine, lambda: make(config), config, thread_name="gezel-mlx-host"
-        )
+        if inline:
+            # A thread-free backend (gezel_trio.testing) runs as a Trio task.
+            await run_host_inline(engine, lambda: make(config), config, observer)
+        else:
+            await trio.to_thread.run_sync(
+                run_host, engine, lambda: make(config), config, thread_name="gezel-mlx-host"
+            )
     except GezelError:
         raise
     except Exception as exc:
@@ -460,6 +467,8 @@ async def open_engine(
     config: EngineConfig,
     *,
     backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    inline: bool = False,
+    observer: Observer | None = None,
 ) -> AsyncIterator[Engine]:
     """``async with open_engine(config) as engine:`` - an engine scoped to the
     block. Leaving the block closes it: queued and running requests fail with
@@ -469,7 +478,11 @@ async def open_engine(
         async with trio.open_nursery() as nursery:
             engine: Engine = await nursery.start(
                 lambda task_status: run_engine(
-                    config, backend_factory=backend_factory, task_status=task_status
+                    config,
+                    backend_factory=backend_factory,
+                    inline=inline,
+                    observer=observer,
+                    task_status=task_status,
                 )
             )
             try:

@@ -23,7 +23,8 @@ How each kind is expressed:
   resumes, so several calls may appear. The free text is a terminal that
   cannot contain the characters ``<tool_call>``, so a call spelled out in
   plain text (which the tool-call parser would also pick up) is impossible:
-  every call goes through the constrained branch.
+  every call goes through the constrained branch. Being text, it cannot
+  hold other special tokens either (EOS still ends the turn anywhere).
 * ``json_or_tool_call``: ``response_format`` JSON together with tools under
   ``tool_choice`` ``"auto"``: either the JSON answer or one constrained call,
   which is what the OpenAI API allows in that case.

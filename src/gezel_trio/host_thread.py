@@ -45,9 +45,12 @@ __all__ = [
     "CacheInspect",
     "EngineLink",
     "HostCommand",
+    "Observer",
     "Orders",
+    "Point",
     "StepReport",
     "run_host",
+    "run_host_inline",
 ]
 
 log = logging.getLogger("gezel_trio.host")
@@ -156,6 +159,11 @@ class _Host:
         self._eos = backend.info.eos_ids
         self._reported_version = -1
         self._replies: list[tuple[int, Any]] = []
+        self._captures: list[int] = []
+
+    def take_captures(self) -> list[int]:
+        out, self._captures = self._captures, []
+        return out
 
     def apply(self, orders: Orders) -> None:
         if orders.remove:
@@ -215,6 +223,7 @@ class _Host:
                 cap = self.backend.capture(p.rid)
                 if cap is not None:
                     self.cache.captured(p.rid, p.done, cap)
+                    self._captures.append(p.rid)
         ended: list[int] = []
         stopped_by_text: list[int] = []
         now = time.perf_counter()
@@ -278,6 +287,26 @@ class _Host:
         self.cache.flush()
 
 
+@attrs.frozen
+class Point:
+    """A named moment in the engine's life, for observers (``gezel_trio.testing``):
+    ``admitted``, ``prefill`` (chunk ``index`` of a request done), ``decode``
+    (token ``index`` emitted), ``snapshot`` (a snapshot captured), ``finished``,
+    ``removed`` (a withdrawn request left the batch), ``parked``, ``resumed``,
+    ``shutdown`` (the engine began to stop)."""
+
+    kind: str
+    rid: int | None = None
+    index: int = 0
+
+
+class Observer(Protocol):
+    async def at(self, point: Point) -> None:
+        """Called with the world stopped at ``point``; the engine resumes when
+        it returns."""
+        ...
+
+
 def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
     """Body of the host thread; returns when the engine orders ``stop``."""
     backend = make_backend()
@@ -304,3 +333,68 @@ def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: Engi
                 host.shutdown()
         finally:
             backend.close()
+
+
+async def run_host_inline(
+    link: EngineLink,
+    make_backend: Callable[[], Backend],
+    config: EngineConfig,
+    observer: Observer | None = None,
+) -> None:
+    """The same loop as ``run_host``, as a Trio task: for backends that need no
+    thread (the scripted testing backend), so a test runs the whole engine in
+    one Trio run under ``MockClock``. ``observer.at`` is awaited at each named
+    point, which stops the world there. Cancellation: the loop stops at its
+    next checkpoint; the final removals and the flush run, unshielded and
+    synchronous, before ``Cancelled`` propagates."""
+    backend = make_backend()
+    host: _Host | None = None
+    chunks: dict[int, int] = {}
+    try:
+        host = _Host(backend, make_prompt_cache(backend, config))
+        link.ready(backend.info, backend.renderer)
+        report = host.report()
+        while True:
+            orders = link.exchange(report)
+            host.apply(orders)
+            points = [Point("removed", rid) for rid in orders.remove]
+            points += [Point("admitted", rid) for rid, _ in orders.admit]
+            idle = False
+            if orders.stop:
+                points.append(Point("shutdown"))
+            elif host.seqs:
+                report = host.step()
+                points += _points(report, host, chunks)
+            else:
+                idle = not orders.commands and host.cache.version == host._reported_version
+                report = host.report()
+            if observer is not None:
+                for point in points:
+                    await observer.at(point)
+            if orders.stop:
+                return
+            if idle:
+                await link.wait_for_work()
+            else:
+                await trio.lowlevel.checkpoint()
+    finally:
+        try:
+            if host is not None:
+                host.shutdown()
+        finally:
+            backend.close()
+
+
+def _points(report: StepReport, host: _Host, chunks: dict[int, int]) -> list[Point]:
+    out = [Point("snapshot", rid) for rid in host.take_captures()]
+    for rid, event in report.events:
+        match event:
+            case Progress():
+                chunks[rid] = chunks.get(rid, 0) + 1
+                out.append(Point("prefill", rid, chunks[rid]))
+            case Delta(usage=usage):
+                out.append(Point("decode", rid, usage.output_tokens))
+            case Finished() | Failed():
+                chunks.pop(rid, None)
+                out.append(Point("finished", rid))
+    return out

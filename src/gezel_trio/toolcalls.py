@@ -30,9 +30,12 @@ produces a good call.
 Whitespace right after a call is markup layout: it is held back and dropped if
 another call or the end of the text follows, and emitted otherwise.
 
-Every step is linear in the text fed: no pattern here can backtrack, nothing
-rescans what it has already passed, and held-back text is bounded by the
-longest marker.
+Cost is linear in the text fed, whatever its chunking: no pattern here can
+backtrack, each character is looked at a bounded number of times, and
+held-back text is bounded by the longest marker (or, inside a call, kept in
+lists joined once). Runs that are whole in a piece (strings, numbers,
+whitespace, openers, the text between markers) are taken at C speed; only
+tokens of markup go through Python one by one.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from _json import scanstring as _scanstring  # what json.decoder uses; typeshed types it here
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, Protocol, TypeAlias
 
@@ -78,7 +82,7 @@ class ToolFormat:
     """
 
     name: str
-    start: str
+    start: str = attrs.field(validator=attrs.validators.min_len(1))
     end: str
     body: Literal["json", "xml", "name_args"]
 
@@ -314,19 +318,15 @@ _DIGITS = re.compile(r"[0-9]+")
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][-+]?+[0-9]++)?+")
 _COLON = re.compile(r"[ \t\n\r]*+:")
 _OPEN_BRACKETS = re.compile(r"\[(?:[ \t\n\r]*+\[)*+")
-# String content with complete, valid escapes (used where nothing is decoded).
-_STRING_RUN = re.compile(r'(?:[^"\\\x00-\x1f]++|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*+')
-# What ends a run of ordinary string characters.
-_STRING_STOP = re.compile(r'["\\\x00-\x1f]')
+_OBJECT_OPENS = re.compile(r'(?:\{[ \t\n\r]*+"[^"\\\x00-\x1f{]*+"[ \t\n\r]*+:[ \t\n\r]*+)++')
+# String content with complete, valid escapes: all of them where nothing is
+# decoded, and all but surrogates (which pair up across pieces) where it is.
+# Raw control characters are taken too; they are escaped on the way out.
+_STRING_RUN = re.compile(r'(?:[^"\\]++|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*+')
+_DECODE_RUN = re.compile(r'(?:[^"\\]++|\\["\\/bfnrt]|\\u(?![dD][89a-fA-F])[0-9a-fA-F]{4})*+')
+_CONTROL_CHAR = re.compile("[\x00-\x1f]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_scanstring = json.decoder.scanstring
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(name)  # NaN and Infinity are not JSON
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_NOT_IN_NAMES = re.compile("[\x00-\x1f\x7f]")
 
 # Roles of a value at the call object's member level.
 _R_SKIP, _R_NAME, _R_ARGS = range(3)
@@ -335,8 +335,23 @@ _A_ABSENT, _A_PENDING, _A_DONE = range(3)
 _ARGS_KEYS = ("arguments", "parameters")
 
 
-def _escape_control(c: str) -> str:
-    return json.dumps(c)[1:-1]
+def _string_end(text: str, i: int) -> int:
+    """Where the string whose content starts at ``i`` ends (after its quote),
+    or -1 unless it is complete and valid JSON here.
+
+    Deciding first keeps the C scanner from ever failing: its error message
+    counts the lines before the error, which would make each failure cost
+    the length of everything before it. Raw control characters are allowed
+    (and decoded with ``strict=False``), as the automaton allows them.
+    """
+    m = _STRING_RUN.match(text, i)
+    assert m is not None
+    end = m.end()
+    return end + 1 if end < len(text) and text[end] == '"' else -1
+
+
+def _escape_controls(s: str) -> str:
+    return _CONTROL_CHAR.sub(lambda m: json.dumps(m.group())[1:-1], s)
 
 
 class _JsonBody:
@@ -357,11 +372,11 @@ class _JsonBody:
     arguments parse. Lone surrogates from ``\\u`` escapes decode to U+FFFD,
     since they could not be encoded as UTF-8 later.
 
-    Whole strings, and whole member values, that are already in the text are
-    handed to the C scanner of :mod:`json`; the automaton takes over when that
-    fails (a value cut by the end of the text, invalid JSON, raw control
-    characters, nesting deeper than its recursion limit), and decides exactly
-    as it would have on its own.
+    Runs that are already whole in the text (strings, numbers, whitespace,
+    runs of openers) are taken by possessive patterns and decoded by the C
+    scanner of :mod:`json`; the automaton, one character at a time, only sees
+    what those cannot decide (a token cut by the end of the text, invalid
+    JSON, raw control characters) and decides it as the patterns would.
     """
 
     # Scalars start at these class-level values: a body is made per call, and
@@ -410,7 +425,7 @@ class _JsonBody:
             if st == _J_STRING:
                 i = self._string(text, i)
             elif st <= _J_AFTER:
-                i = self._structural(text, i, st)
+                i = self._structural(text, i)
             elif st == _J_NUMBER:
                 i = self._number(text, i)
             elif st == _J_ESCAPE:
@@ -429,50 +444,60 @@ class _JsonBody:
 
     # -- states
 
-    def _structural(self, text: str, i: int, st: int) -> int:
-        c = text[i]
-        if c in _WS:
-            return _skip_ws(text, i)
-        if c == self._end0 and self._named:
-            # Never JSON outside a string: this can only be the closing
-            # marker, written before the JSON was closed.
-            self._stop_capture(text, i)
-            self._state = _J_MARKER
-            return i
-        if st == _J_AFTER:
-            top = self._stack[-1]
-            if c == ",":
-                self._state = _J_KEY if top == "{" else _J_VALUE
-            elif c == _CLOSER[top]:
-                self._stack.pop()
+    def _structural(self, text: str, i: int) -> int:
+        """Tokens between values, and the values that start there, until the
+        scan leaves the structural states."""
+        n = len(text)
+        stack = self._stack
+        while i < n:
+            st = self._state
+            if st > _J_AFTER or self.status:
+                return i
+            c = text[i]
+            if c in _WS:
+                i = _skip_ws(text, i)
+            elif c == self._end0 and self._named:
+                # Never JSON outside a string: this can only be the closing
+                # marker, written before the JSON was closed.
+                self._stop_capture(text, i)
+                self._state = _J_MARKER
+            elif st == _J_AFTER:
+                top = stack[-1]
+                if c == ",":
+                    self._state = _J_KEY if top == "{" else _J_VALUE
+                elif c == _CLOSER[top]:
+                    stack.pop()
+                    self._value_done(text, i + 1)
+                else:
+                    return self._fail(text, i)
+                i += 1
+            elif st in (_J_KEY, _J_KEY_OR_CLOSE):
+                if c == '"':
+                    i = self._key(text, i + 1)
+                elif c == "}" and st == _J_KEY_OR_CLOSE:
+                    stack.pop()
+                    self._value_done(text, i + 1)
+                    i += 1
+                else:
+                    return self._fail(text, i)
+            elif st == _J_COLON:
+                if c != ":":
+                    return self._fail(text, i)
+                self._state = _J_VALUE
+                i += 1
+            elif st == _J_ROOT:
+                if c != "{":
+                    return self._fail(text, i)
+                stack.append("{")
+                self._state = _J_KEY_OR_CLOSE
+                i += 1
+            elif st == _J_ITEM_OR_CLOSE and c == "]":
+                stack.pop()
                 self._value_done(text, i + 1)
+                i += 1
             else:
-                return self._fail(text, i)
-            return i + 1
-        if st == _J_KEY or st == _J_KEY_OR_CLOSE:
-            if c == '"':
-                return self._key(text, i + 1)
-            if c == "}" and st == _J_KEY_OR_CLOSE:
-                self._stack.pop()
-                self._value_done(text, i + 1)
-                return i + 1
-            return self._fail(text, i)
-        if st == _J_COLON:
-            if c != ":":
-                return self._fail(text, i)
-            self._state = _J_VALUE
-            return i + 1
-        if st == _J_ROOT:
-            if c != "{":
-                return self._fail(text, i)
-            self._stack.append("{")
-            self._state = _J_KEY_OR_CLOSE
-            return i + 1
-        if st == _J_ITEM_OR_CLOSE and c == "]":
-            self._stack.pop()
-            self._value_done(text, i + 1)
-            return i + 1
-        return self._value(text, i, c)
+                i = self._value(text, i, c)
+        return i
 
     def _value(self, text: str, i: int, c: str) -> int:
         """A value starts at ``i`` with ``c``."""
@@ -486,36 +511,18 @@ class _JsonBody:
                 self._capturing = True
                 self._cap = i
         if c == '"':
-            try:
-                s, end = _scanstring(text, i + 1, True)
-            except ValueError:
-                end = -1
-            if end < 0 or (role != _R_SKIP and _SURROGATE.search(s) is not None):
-                self._open_string(key=False)
-                return i + 1
-            if role == _R_NAME:
-                self._name_done(text, end, s)
-                if self.status:
-                    return end
-            elif role == _R_ARGS:
-                self._owner._args(s or "{}")
-            self._value_done(text, end)
-            return end
-        if c == "{" or c == "[":
-            if at_level:
-                # Only whole member values: trying every nested value that is
-                # cut by the end of the text would rescan that tail each time.
-                try:
-                    end = _DECODER.raw_decode(text, i)[1]
-                except (ValueError, RecursionError):
-                    end = -1
-                if end >= 0:
-                    self._value_done(text, end)
-                    return end
-            if c == "{":
+            return self._value_string(text, i + 1, role)
+        if c == "{":
+            m = _OBJECT_OPENS.match(text, i)
+            if m is None:
                 self._stack.append("{")
                 self._state = _J_KEY_OR_CLOSE
                 return i + 1
+            # Objects opened, each down to its first value: '{"k": {"k": ...'
+            self._stack.extend(m.group().count("{") * "{")
+            self._state = _J_VALUE
+            return m.end()
+        if c == "[":
             m = _OPEN_BRACKETS.match(text, i)
             assert m is not None
             self._stack.extend(m.group().count("[") * "[")
@@ -539,16 +546,36 @@ class _JsonBody:
         self._lit = word[1:]
         return i + 1
 
+    def _value_string(self, text: str, i: int, role: int) -> int:
+        """A string value starts at ``i``, just after its quote."""
+        end = _string_end(text, i)
+        if end >= 0 and self._capturing:
+            self._escape_run(text, i, end - 1)
+        if end < 0 or role != _R_SKIP:
+            s = "" if end < 0 else _scanstring(text, i, False)[0]
+            if end < 0 or _SURROGATE.search(s) is not None:
+                self._open_string(key=False)
+                return i
+            if role == _R_NAME:
+                self._name_done(text, end, s)
+                if self.status:
+                    return end
+            else:
+                self._owner._args(s or "{}")
+        self._value_done(text, end)
+        return end
+
     def _key(self, text: str, i: int) -> int:
         """A key starts at ``i``, just after its quote."""
-        try:
-            key, end = _scanstring(text, i, True)
-        except ValueError:
+        end = _string_end(text, i)
+        if end < 0:
             self._open_string(key=True)
             return i
         self._state = _J_COLON
+        if self._capturing:
+            self._escape_run(text, i, end - 1)
         if len(self._stack) == self._level:
-            self._key_done(text, end, key)
+            self._key_done(text, end, _scanstring(text, i, False)[0])
             if self.status:
                 return end
         m = _COLON.match(text, end)
@@ -558,25 +585,26 @@ class _JsonBody:
         return m.end()
 
     def _string(self, text: str, i: int) -> int:
-        n = len(text)
         if self._out is None:
             m = _STRING_RUN.match(text, i)
             assert m is not None
             j = m.end()
+            if self._capturing:
+                self._escape_run(text, i, j)
         else:
-            m = _STRING_STOP.search(text, i)
-            j = n if m is None else m.start()
+            m = _DECODE_RUN.match(text, i)
+            assert m is not None
+            j = m.end()
             if j > i:
-                self._decoded(text[i:j])
-        if j == n:
-            return n
-        c = text[j]
-        if c == '"':
+                run = text[i:j]
+                self._decoded(_scanstring(run + '"', 0, False)[0] if "\\" in run else run)
+        if j == len(text):
+            return j
+        # The run stops at the closing quote or at an escape it cannot take whole.
+        if text[j] == '"':
             self._string_done(text, j + 1)
-        elif c == "\\":
-            self._state = _J_ESCAPE
         else:
-            self._control(text, j, c)
+            self._state = _J_ESCAPE
         return j + 1
 
     def _escape(self, text: str, i: int) -> int:
@@ -619,11 +647,11 @@ class _JsonBody:
                 num = _N_FRAC
             else:  # after the exponent's e or its sign
                 num = _N_EXP
-        elif c == "." and (num == _N_ZERO or num == _N_INT):
+        elif c == "." and num in (_N_ZERO, _N_INT):
             num = _N_DOT
-        elif (c == "e" or c == "E") and (num == _N_ZERO or num == _N_INT or num == _N_FRAC):
+        elif c in "eE" and num in (_N_ZERO, _N_INT, _N_FRAC):
             num = _N_E
-        elif (c == "+" or c == "-") and num == _N_E:
+        elif c in "+-" and num == _N_E:
             num = _N_ESIGN
         elif num in _N_ACCEPT:
             # The number ended just before c, which is read again.
@@ -711,7 +739,7 @@ class _JsonBody:
             self._role = _R_SKIP
 
     def _name_done(self, text: str, i: int, name: str) -> None:
-        if not name.strip():
+        if not name.strip() or _NOT_IN_NAMES.search(name) is not None:
             self._fail(text, i)
             return
         self._named = True
@@ -754,14 +782,15 @@ class _JsonBody:
         self._args_sent = True
         self._owner._args(s)
 
-    def _control(self, text: str, i: int, c: str) -> None:
-        if self._capturing:
-            if i > self._cap:
-                self._owner._args(text[self._cap : i])
-            self._owner._args(_escape_control(c))
-            self._cap = i + 1
-        elif self._out is not None:
-            self._decoded(c)
+    def _escape_run(self, text: str, i: int, j: int) -> None:
+        """Captured string content ``text[i:j]``: raw control characters
+        (invalid JSON that models still write) go out escaped."""
+        if _CONTROL_CHAR.search(text, i, j) is None:
+            return
+        if i > self._cap:
+            self._owner._args(text[self._cap : i])
+        self._owner._args(_escape_controls(text[i:j]))
+        self._cap = j
 
     def _decoded(self, s: str) -> None:
         out = self._out
@@ -854,6 +883,10 @@ _WORD_STOP = re.compile(r"[>\n<]")
 _TAG_WINDOW = 32  # more than any tag, closing markers included
 
 
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)  # NaN and Infinity are not JSON
+
+
 def _param_json(raw: str) -> str:
     """A parameter's value as JSON text.
 
@@ -922,7 +955,7 @@ class _XmlBody:
                     self._param_done()
                     self._state = _X_BODY
                 continue
-            if st == _X_NAME or st == _X_KEY:
+            if st in (_X_NAME, _X_KEY):
                 i = self._word(text, i, st)
             elif not self._lit and text[i] in _WS:
                 i = _skip_ws(text, i)
@@ -1036,11 +1069,11 @@ class _Trailer:
 
 # --- the splitter -------------------------------------------------------------
 
-# The characters a call body can begin with.
+# The characters a call body can begin with (a Mistral name is never empty).
 _FIRST_CHARS = {
     "json": frozenset("{" + _WS),
     "xml": frozenset("<" + _WS),
-    "name_args": frozenset("[_.-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+    "name_args": frozenset("_.-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"),
 }
 
 

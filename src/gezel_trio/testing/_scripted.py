@@ -1,0 +1,280 @@
+"""A scripted backend with the engine's exact Backend protocol and no MLX.
+
+Tokens are characters: the renderer writes ``role: content`` lines and
+encodes each character as its code point; the detokenizer decodes them back.
+What a sequence generates comes from its ``script`` (by default the prompt's
+characters, cycled), so tests know every token in advance. Prefill advances
+``prefill_step`` tokens per step and honours segment boundaries exactly as
+mlx-lm's ``BatchGenerator`` does; decode emits one token per sequence per
+step. A cache state is a ``ScriptedState``: the tokens it holds and whether it
+can rewind, so both trimmable and untrimmable models can be scripted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..backend import (
+    Admission,
+    Captured,
+    Detokenizer,
+    ModelInfo,
+    PrefillOut,
+    StepOutput,
+    TokenOut,
+)
+from ..errors import InvalidRequest
+from ..prompt import RenderedPrompt
+from ..request import GenerationRequest
+
+__all__ = ["EOS", "ScriptedBackend", "ScriptedState", "StepFailure"]
+
+EOS = 3  # a control character: never produced by rendering text
+
+
+class StepFailure(RuntimeError):
+    """Raised by a scripted step to simulate an MLX failure."""
+
+
+@attrs.frozen
+class ScriptedState:
+    tokens: tuple[int, ...]
+    trimmable: bool
+
+
+class _CharDetokenizer:
+    def __init__(self) -> None:
+        self._segment = ""
+
+    def reset(self) -> None:
+        self._segment = ""
+
+    def add_token(self, token: int) -> None:
+        self._segment = chr(token)
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        out, self._segment = self._segment, ""
+        return out
+
+
+class CharRenderer:
+    """``role: content`` lines, one token per character."""
+
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        tools: Sequence[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+        template_override: str | None,
+        band_chars: int | None = None,
+    ) -> RenderedPrompt:
+        text = ""
+        if tools:
+            text += "tools: " + json.dumps(list(tools), sort_keys=True) + "\n"
+        band_end = None
+        for m in messages:
+            content = str(m.get("content") or "")
+            if band_chars and band_end is None and m.get("role") == "system":
+                band_end = len(text) + len(f"{m['role']}: ") + min(band_chars, len(content))
+            text += f"{m['role']}: {content}\n"
+        text += "assistant:"
+        if any(ord(c) < 32 and c != "\n" for c in text):
+            raise InvalidRequest("control characters are not renderable", param="messages")
+        return RenderedPrompt(tuple(ord(c) for c in text), band_end)
+
+
+@attrs.define
+class _Seq:
+    rid: int
+    request: GenerationRequest
+    segments: list[list[int]]
+    held: list[int]
+    total: int
+    script: list[int]
+    done: int = 0
+    generated: int = 0
+    decoding: bool = False
+
+
+Script = Callable[[int, GenerationRequest], Sequence[int]]
+
+
+def _echo(_rid: int, request: GenerationRequest) -> Sequence[int]:
+    text = [t for t in request.prompt if 97 <= t <= 122] or [120]
+    return [text[i % len(text)] for i in range(request.max_tokens)]
+
+
+class ScriptedBackend:
+    """``backend.Backend`` without MLX; see the module docstring.
+
+    ``fail_at`` makes the ``n``-th call to ``step`` (1-based) raise
+    ``StepFailure``, as an MLX error would.
+    """
+
+    def __init__(
+        self,
+        *,
+        trimmable: bool = True,
+        prefill_step: int = 8,
+        script: Script = _echo,
+        context_length: int = 4096,
+        fail_at: Sequence[int] = (),
+    ) -> None:
+        self.trimmable = trimmable
+        self.prefill_step = prefill_step
+        self.script = script
+        self.steps = 0
+        self.fail_at = set(fail_at)
+        self.closed = False
+        self._seqs: dict[int, _Seq] = {}
+        self._info = ModelInfo(
+            model_id="scripted",
+            context_length=context_length,
+            eos_ids=frozenset({EOS}),
+            framing_markers=(),
+            trimmable=trimmable,
+            fingerprint="scripted-" + ("trim" if trimmable else "notrim"),
+        )
+        self._renderer = CharRenderer()
+
+    # --- Backend protocol ---------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def renderer(self) -> CharRenderer:
+        return self._renderer
+
+    @property
+    def running(self) -> tuple[int, ...]:
+        return tuple(self._seqs)
+
+    def detokenizer(self) -> Detokenizer:
+        return _CharDetokenizer()
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return "".join(chr(t) for t in tokens)
+
+    def insert(self, admissions: Sequence[Admission]) -> None:
+        for a in admissions:
+            segments = [list(s) for s in a.segments if s]
+            held = list(a.seed_tokens)
+            if a.seed_state is not None:
+                assert tuple(a.seed_state.tokens) == a.seed_tokens, "seed state and tokens differ"
+            self._seqs[a.rid] = _Seq(
+                a.rid,
+                a.request,
+                segments,
+                held,
+                total=sum(len(s) for s in segments),
+                script=list(self.script(a.rid, a.request)),
+            )
+
+    def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
+        out = {}
+        for rid in rids:
+            seq = self._seqs.pop(rid, None)
+            if seq is not None:
+                out[rid] = self._captured(seq)
+        return out
+
+    def capture(self, rid: int) -> Captured | None:
+        seq = self._seqs.get(rid)
+        return None if seq is None else self._captured(seq)
+
+    def step(self) -> StepOutput:
+        self.steps += 1
+        if self.steps in self.fail_at:
+            raise StepFailure(f"scripted failure at step {self.steps}")
+        prefill: list[PrefillOut] = []
+        tokens: list[TokenOut] = []
+        for seq in list(self._seqs.values()):
+            if seq.decoding:
+                tokens.append(self._decode(seq))
+            else:
+                prefill.extend(self._prefill(seq))
+        return StepOutput(tuple(prefill), tuple(tokens))
+
+    def reset(self) -> None:
+        self._seqs.clear()
+
+    def close(self) -> None:
+        self.closed = True
+
+    # --- cache operations ---------------------------------------------------
+
+    def state_nbytes(self, state: Any) -> int:
+        return 16 * len(state.tokens)
+
+    def state_offsets(self, state: Any) -> list[int | None]:
+        return [len(state.tokens) if state.trimmable else None]
+
+    def can_trim(self, state: Any) -> bool:
+        return bool(state.trimmable)
+
+    def trimmed(self, state: Any, n: int) -> Any:
+        if not state.trimmable:
+            raise ValueError("this state cannot rewind")
+        return ScriptedState(state.tokens[: len(state.tokens) - n], True)
+
+    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
+        data = {"tokens": list(state.tokens), "trimmable": state.trimmable, "meta": metadata}
+        path.write_text(json.dumps(data))
+
+    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+        data = json.loads(payload)
+        return ScriptedState(tuple(data["tokens"]), bool(data["trimmable"])), dict(data["meta"])
+
+    # --- internals ----------------------------------------------------------
+
+    def _captured(self, seq: _Seq) -> Captured:
+        held = tuple(seq.held)
+        return Captured(ScriptedState(held, self.trimmable), held)
+
+    def _prefill(self, seq: _Seq) -> list[PrefillOut]:
+        # Like BatchGenerator, the prompt's last token is fed by the first
+        # decode step, not by prefill.
+        segment = seq.segments[0]
+        last_segment = len(seq.segments) == 1
+        room = len(segment) - (1 if last_segment else 0)
+        n = min(self.prefill_step, room)
+        seq.held += segment[:n]
+        del segment[:n]
+        seq.done += n
+        end = not segment or (last_segment and len(segment) == 1)
+        if not segment:
+            seq.segments.pop(0)
+        if last_segment and len(segment) == 1:
+            seq.decoding = True
+            return [PrefillOut(seq.rid, seq.done, seq.total, False)] if n else []
+        return [PrefillOut(seq.rid, seq.done, seq.total, end)] if n else []
+
+    def _decode(self, seq: _Seq) -> TokenOut:
+        if seq.segments:  # feed the prompt's last token
+            seq.held += seq.segments.pop(0)
+            seq.done = seq.total
+        token = seq.script[seq.generated] if seq.generated < len(seq.script) else 120
+        seq.generated += 1
+        seq.held.append(token)
+        finish = None
+        if token == EOS and not seq.request.ignore_eos and seq.generated > seq.request.min_tokens:
+            finish = "stop"
+        elif seq.generated >= seq.request.max_tokens:
+            finish = "length"
+        if finish is None:
+            return TokenOut(seq.rid, token, None)
+        del self._seqs[seq.rid]
+        cap = self._captured(seq)
+        return TokenOut(seq.rid, token, finish, cap.state, cap.tokens)  # type: ignore[arg-type]
