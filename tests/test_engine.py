@@ -248,7 +248,7 @@ async def test_closing_fails_live_requests_with_engine_closed(dense_model: Path)
             await engine.wait_until(lambda s: s.running == (running.rid,))
             engine.close_nowait()
             with running, queued:
-                events = [e async for e in running][-1:] + [e async for e in queued]
+                events = [e async for e in running][-1:] + [e async for e in queued][-1:]
             with pytest.raises(EngineClosed):
                 engine.submit_nowait(greedy(prompt, 5))
         assert [type(e) for e in events] == [Failed, Failed]

@@ -51,6 +51,22 @@ async def drain(t: TestEngine, request: GenerationRequest) -> list[Any]:
         return [e async for e in handle]
 
 
+def spawn(
+    nursery: trio.Nursery, t: TestEngine, request: GenerationRequest, into: list[Any]
+) -> None:
+    """Submit now, synchronously, and read in a new task. Submitting without a
+    checkpoint in between fixes what the engine sees at its next exchange,
+    whatever order Trio runs the tasks in - which is what keeps a scenario's
+    trace identical from run to run."""
+    handle = t.engine.submit_nowait(request)
+
+    async def read() -> None:
+        with handle:
+            into.extend([e async for e in handle])
+
+    nursery.start_soon(read)
+
+
 def assert_clean(t: TestEngine) -> None:
     state = t.engine.state()
     assert state.live == 0
@@ -199,14 +215,11 @@ def test_shutdown_begun_fails_live_requests_and_flushes(tmp_path: Path) -> None:
 def test_injected_step_failure_fails_the_batch_and_the_engine_goes_on() -> None:
     async def scenario() -> list[Point]:
         async with open_test_engine(ScriptedBackend(fail_at=[5])) as t:
-            results: dict[str, Any] = {}
-
-            async def one(name: str) -> None:
-                results[name] = (await drain(t, req(name, max_tokens=20)))[-1]
-
+            outs: dict[str, list[Any]] = {"x": [], "y": []}
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(one, "x")
-                nursery.start_soon(one, "y")
+                for name, into in outs.items():
+                    spawn(nursery, t, req(name, max_tokens=20), into)
+            results = {name: events[-1] for name, events in outs.items()}
             assert all(isinstance(r, Failed) for r in results.values())
             assert all(isinstance(r.error, EngineFailure) for r in results.values())
             after = (await drain(t, req("z", max_tokens=3)))[-1]
@@ -228,3 +241,128 @@ def test_generated_text_is_the_script() -> None:
 
     trace = run_many(scenario)
     assert [p.kind for p in trace].count("decode") == 5
+
+
+def bg(max_tokens: int, cache_id: str | None = None) -> GenerationRequest:
+    return GenerationRequest(
+        PROMPT,
+        max_tokens,
+        SamplingParams(temperature=0.0),
+        priority="background",
+        ignore_eos=True,
+        cache=CacheRequest(cache_id=cache_id),
+    )
+
+
+def test_interactive_parks_a_background_wave_which_resumes_exactly() -> None:
+    async def scenario() -> list[Point]:
+        async with open_test_engine() as t:
+            alone = await drain(t, bg(12))
+            results: dict[str, list[Any]] = {"bg1": [], "bg2": [], "chat": []}
+            token3 = t.breakpoints.add("decode", rid=1, index=3)
+            async with trio.open_nursery() as nursery:
+                spawn(nursery, t, bg(12), results["bg1"])
+                spawn(nursery, t, bg(12), results["bg2"])
+                await token3.reached()
+                spawn(nursery, t, req(max_tokens=4), results["chat"])
+                token3.release()
+            kinds = [type(e).__name__ for e in results["bg1"]]
+            assert "Parked" in kinds
+            assert kinds.index("Resumed") > kinds.index("Parked")
+            text = "".join(e.text for e in results["bg1"] if isinstance(e, Delta))
+            assert text == "".join(e.text for e in alone if isinstance(e, Delta))
+            trace = t.breakpoints.points
+            chat_done = trace.index(Point("finished", 3))
+            assert trace.index(Point("finished", 1)) > chat_done, "chat ran before the wave ended"
+            parked = trace.index(Point("parked", 1))
+            resumed = trace.index(Point("resumed", 1))
+            # While parked, the wave's sequences did not move.
+            assert not any(p.kind == "decode" and p.rid in (1, 2) for p in trace[parked:resumed])
+            assert_clean(t)
+            return trace
+
+    run_many(scenario)
+
+
+def test_cancel_while_parked_leaves_the_parked_wave() -> None:
+    async def scenario() -> list[Point]:
+        async with open_test_engine(ScriptedBackend(trimmable=False)) as t:
+            admitted = t.breakpoints.add("admitted", rid=0)
+            parked = t.breakpoints.add("parked", rid=0)
+            chat: list[Any] = []
+            background_scope = trio.CancelScope()
+            handle = t.engine.submit_nowait(bg(40, cache_id="bg"))
+
+            async def background_reader() -> None:
+                with background_scope, handle:
+                    async for _ in handle:
+                        pass
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(background_reader)
+                await admitted.reached()
+                spawn(nursery, t, req(max_tokens=8), chat)
+                admitted.release()
+                await parked.reached()
+                background_scope.cancel()  # the parked request's caller leaves
+                parked.release()
+            assert isinstance(chat[-1], Finished)
+            trace = t.breakpoints.points
+            assert trace.index(Point("removed", 0)) < trace.index(Point("finished", 1))
+            assert Point("resumed", 0) not in trace
+            # What the parked request had prefilled is kept under its id.
+            await t.engine.wait_until(lambda _: bool(t.engine.cache_view))
+            assert "bg" in [e.cache_id for e in t.engine.cache_view]
+            assert_clean(t)
+            return trace
+
+    run_many(scenario)
+
+
+def test_tight_memory_holds_preemption_back() -> None:
+    async def scenario() -> list[Point]:
+        backend = ScriptedBackend()
+        async with open_test_engine(backend) as t:
+            t.engine.config  # noqa: B018
+            backend.memory_bytes = 10**12  # far above any ceiling
+            admitted = t.breakpoints.add("admitted", rid=0)
+            async with trio.open_nursery() as nursery:
+                spawn(nursery, t, bg(6), [])
+                await admitted.reached()
+                spawn(nursery, t, req(max_tokens=2), [])
+                admitted.release()
+            trace = t.breakpoints.points
+            assert not any(p.kind == "parked" for p in trace)
+            assert trace.index(Point("finished", 0)) < trace.index(Point("admitted", 1))
+            return trace
+
+    # The memory ceiling needs a configured limit; build the engine with one.
+    import gezel_trio.testing as testing
+
+    original = testing.open_test_engine
+
+    def with_limit(*a: Any, **kw: Any) -> Any:
+        return original(*a, memory_limit_mb=1.0, **kw)
+
+    globals()["open_test_engine"] = with_limit
+    try:
+        run_many(scenario)
+    finally:
+        globals()["open_test_engine"] = original
+
+
+def test_queued_requests_hear_their_position() -> None:
+    async def scenario() -> list[Point]:
+        async with open_test_engine(max_concurrency=1) as t:
+            results: dict[int, list[Any]] = {i: [] for i in range(3)}
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    spawn(nursery, t, req(max_tokens=3), results[i])
+            positions = {
+                i: [e.position for e in events if type(e).__name__ == "Queued"]
+                for i, events in results.items()
+            }
+            assert sorted(positions.values()) == [[], [0], [1, 0]]
+            return t.breakpoints.points
+
+    run_many(scenario)

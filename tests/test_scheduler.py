@@ -14,10 +14,10 @@ def test_admits_up_to_max_running_in_arrival_order() -> None:
     s = Scheduler(max_running=2, max_queue=8)
     for rid in range(4):
         s.enqueue(rid, "interactive")
-    assert s.plan() == Plan(admit=(0, 1))
+    assert s.plan() == Plan(admit=(0, 1), lane="interactive")
     assert s.running == (0, 1)
     assert s.queued == (2, 3)
-    assert s.plan() == Plan()
+    assert s.plan() == Plan(lane="interactive")
 
 
 def test_continuous_admission_fills_a_freed_slot() -> None:
@@ -77,7 +77,7 @@ def test_withdrawn_running_request_is_removed_at_the_next_plan() -> None:
     s.plan()
     assert s.withdraw(0) == "running"
     assert s.withdraw(0) == "running"  # idempotent: removed once
-    assert s.plan() == Plan(admit=(1,), remove=(0,))
+    assert s.plan() == Plan(admit=(1,), remove=(0,), lane="interactive")
     assert s.withdraw(0) == "unknown"
 
 
@@ -90,18 +90,55 @@ def test_finishing_a_withdrawn_sequence_cancels_its_removal() -> None:
     assert s.plan() == Plan()
 
 
-def test_interactive_first_and_classes_never_share_a_batch() -> None:
+def test_interactive_first_and_background_waits_for_it() -> None:
     s = Scheduler(max_running=4, max_queue=8)
     s.enqueue(0, "background")
     s.enqueue(1, "interactive")
     s.enqueue(2, "background")
-    assert s.plan().admit == (1,)
-    # Background waits while an interactive sequence holds the batch.
+    assert s.plan() == Plan(admit=(1,), lane="interactive")
+    # Background waits while interactive work holds the engine.
     assert s.plan().admit == ()
     s.finished(1)
-    assert s.plan().admit == (0, 2)
-    s.enqueue(3, "interactive")
-    assert s.plan().admit == ()  # no preemption yet: it waits for the wave
+    assert s.plan() == Plan(admit=(0, 2), lane="background")
+
+
+def test_interactive_arrival_parks_the_background_wave_and_it_resumes() -> None:
+    s = Scheduler(max_running=4, max_queue=8)
+    s.enqueue(0, "background")
+    s.enqueue(1, "background")
+    assert s.plan() == Plan(admit=(0, 1), lane="background")
+    s.enqueue(2, "interactive")
+    assert s.plan() == Plan(admit=(2,), lane="interactive", parked=(0, 1))
+    assert s.parked == (0, 1)
+    s.enqueue(3, "background")  # arrives over a parked wave: waits for the resume
+    assert s.plan() == Plan(lane="interactive")
+    s.finished(2)
+    assert s.plan() == Plan(admit=(3,), lane="background", resumed=(0, 1))
+    assert s.parked == ()
+
+
+def test_withdrawn_parked_sequence_leaves_the_parked_wave() -> None:
+    s = Scheduler(max_running=4, max_queue=8)
+    s.enqueue(0, "background")
+    s.enqueue(1, "background")
+    s.plan()
+    s.enqueue(2, "interactive")
+    s.plan()
+    assert s.withdraw(1) == "running"
+    assert s.plan() == Plan(remove=(1,), lane="interactive")
+    assert s.parked == (0,)
+
+
+def test_tight_memory_holds_preemption_back_and_collapses_the_wave() -> None:
+    s = Scheduler(max_running=4, max_queue=8)
+    s.enqueue(0, "background")
+    s.enqueue(1, "background")
+    assert s.plan(memory_tight=True) == Plan(admit=(0,), lane="background")
+    s.enqueue(2, "interactive")
+    # No second generator while memory is tight: interactive waits its turn.
+    assert s.plan(memory_tight=True) == Plan(lane="background")
+    s.finished(0)
+    assert s.plan(memory_tight=True) == Plan(admit=(2,), lane="interactive")
 
 
 def test_withdraw_all_empties_everything() -> None:
@@ -145,7 +182,10 @@ def test_invariants_hold_under_any_event_sequence(
             plan = s.plan()
             assert not set(plan.admit) & admitted, "a request is admitted at most once"
             admitted |= set(plan.admit)
-        assert len(s.running) <= max_running
+        interactive = [r for r in s.running if r % 2]
+        background = [r for r in s.running if not r % 2]
+        assert len(interactive) <= max_running
+        assert len(background) <= max_running
         assert not set(s.running) & set(s.queued)
-        classes = {("interactive" if r % 2 else "background") for r in s.running}
-        assert len(classes) <= 1, "interactive and background never share a batch"
+        if interactive:
+            assert set(s.parked) == set(background), "background never steps beside interactive"

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 import attrs
 
 from .prompt import RenderedPrompt
-from .request import GenerationRequest
+from .request import GenerationRequest, Priority
 
 __all__ = [
     "Admission",
@@ -165,8 +165,17 @@ class Backend(Protocol):
 
     def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]: ...
 
-    def step(self) -> StepOutput:
-        """Advance every sequence by one prefill chunk or one token."""
+    def step(self, lane: Priority) -> StepOutput:
+        """Advance every sequence of ``lane`` by one prefill chunk or one
+        token; sequences of the other lane do not move (they may be parked)."""
+        ...
+
+    def memory_in_use(self) -> int:
+        """Bytes of live accelerator memory (for the memory ceiling, E4)."""
+        ...
+
+    def reclaim(self) -> None:
+        """Return cached buffers to the system (between turns, under pressure)."""
         ...
 
     def reset(self) -> None:

@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         default=8192.0,
         help="on-disk prompt-cache budget; 0 = unbounded",
     )
+    s.add_argument(
+        "--memory-limit-mb",
+        type=float,
+        default=None,
+        help="above 85%% of this much live MLX memory: no preemption, one request per wave",
+    )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
@@ -113,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             model_fingerprint=args.model_fingerprint,
             cache_budget_mb=args.cache_budget_mb,
             disk_cache_budget_mb=args.disk_cache_budget_mb,
+            memory_limit_mb=args.memory_limit_mb,
         )
     except ValueError as exc:
         print(f"gezel-trio: {exc}", file=sys.stderr)

@@ -34,5 +34,7 @@ class EngineConfig:
     cache_budget_mb: float = attrs.field(default=2048.0, validator=attrs.validators.gt(0))
     persist_dir: Path | None = None
     disk_cache_budget_mb: float = attrs.field(default=8192.0, validator=attrs.validators.ge(0))
+    # Memory ceiling (E4): above 85% of it, no preemption and one request per wave.
+    memory_limit_mb: float | None = None
     # Overrides the fingerprint computed from the model directory.
     model_fingerprint: str | None = None

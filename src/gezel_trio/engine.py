@@ -33,7 +33,7 @@ import trio
 from .backend import Backend, ModelInfo, PromptRenderer
 from .config import EngineConfig
 from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, SlowConsumer
-from .events import Event, Failed, Finished, Progress
+from .events import Event, Failed, Finished, Parked, Progress, Queued, Resumed
 from .host_thread import HostCommand, Observer, Orders, StepReport, run_host, run_host_inline
 from .prompt import RenderedPrompt
 from .prompt_cache import CacheView
@@ -64,6 +64,7 @@ class EngineState:
     step: int
     queued: tuple[int, ...]
     running: tuple[int, ...]
+    parked: tuple[int, ...]
     live: int
     closing: bool
     recent_removals: tuple[Removal, ...]
@@ -91,6 +92,7 @@ class _Live:
     request: GenerationRequest
     send: trio.MemorySendChannel[Event]
     ticket: _Ticket
+    position: int | None = None
 
 
 class RequestHandle:
@@ -168,6 +170,7 @@ class Engine:
         self._calls: dict[int, _Call] = {}
         self._next_call = 0
         self._cache_view: tuple[CacheView, ...] = ()
+        self._memory = 0
 
     # --- public API --------------------------------------------------------
 
@@ -260,6 +263,7 @@ class Engine:
             step=self._step,
             queued=self._scheduler.queued,
             running=self._scheduler.running,
+            parked=self._scheduler.parked,
             live=len(self._live),
             closing=self._closing,
             recent_removals=tuple(self._removals),
@@ -359,7 +363,14 @@ class Engine:
         cancelled = trio.current_effective_deadline() == -math.inf
         if cancelled:
             self.close_nowait()
-        plan = self._scheduler.plan()
+        if report.memory is not None:
+            self._memory = report.memory
+        plan = self._scheduler.plan(memory_tight=self.memory_tight)
+        for rid in plan.parked:
+            self._deliver(rid, Parked())
+        for rid in plan.resumed:
+            self._deliver(rid, Resumed())
+        self._announce_queue()
         for rid in plan.remove:
             left_at = self._withdrawn.pop(rid, self._step)
             self._removals.append(Removal(rid, left_at, self._step))
@@ -367,10 +378,32 @@ class Engine:
         stop = cancelled or (self._closing and self._scheduler.idle)
         commands, self._commands = tuple(self._commands), []
         self._notify()
-        return Orders(stop=stop, remove=plan.remove, admit=admit, commands=commands)
+        return Orders(
+            stop=stop,
+            remove=plan.remove,
+            admit=admit,
+            commands=commands,
+            lane=plan.lane,
+            parked=plan.parked,
+            resumed=plan.resumed,
+        )
 
     async def wait_for_work(self) -> None:
         await self._wake.wait()
+
+    @property
+    def memory_tight(self) -> bool:
+        """Live MLX memory above 85% of ``memory_limit_mb`` (E4)."""
+        limit = self.config.memory_limit_mb
+        return limit is not None and self._memory > 0.85 * limit * 1024 * 1024
+
+    def _announce_queue(self) -> None:
+        """Tell each waiting request its place when it changes (E6)."""
+        for position, rid in enumerate(self._scheduler.queued):
+            live = self._live.get(rid)
+            if live is not None and live.position != position:
+                live.position = position
+                self._deliver(rid, Queued(position))
 
     # --- internals ---------------------------------------------------------
 
@@ -381,8 +414,8 @@ class Engine:
         try:
             live.send.send_nowait(event)
         except trio.WouldBlock:
-            if isinstance(event, Progress):
-                return  # progress is advisory; a busy reader may miss some
+            if isinstance(event, Progress | Queued | Parked | Resumed):
+                return  # liveness notes are advisory; a busy reader may miss some
             # The reader stopped draining: drop it rather than stall the engine.
             live.ticket.error = SlowConsumer("the client stopped reading; request dropped")
             self._withdraw(rid)

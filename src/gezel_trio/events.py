@@ -1,7 +1,8 @@
 """Engine-to-request events: what arrives on a request's channel.
 
-A request's channel carries zero or more ``Progress`` and ``Delta`` values and
-then exactly one ``Finished`` or ``Failed``, after which the engine closes it.
+A request's channel carries liveness notes (``Queued``, ``Parked``,
+``Resumed``, prefill ``Progress``), ``Delta`` values, and then exactly one
+``Finished`` or ``Failed``, after which the engine closes it.
 Consumers ``match`` on these classes.
 """
 
@@ -16,6 +17,24 @@ from .errors import GezelError
 __all__ = ["Delta", "Event", "Failed", "FinishReason", "Finished", "Progress", "Usage"]
 
 FinishReason = Literal["stop", "length"]
+
+
+@attrs.frozen
+class Queued:
+    """Waiting for a slot: ``position`` requests are ahead (0: next)."""
+
+    position: int
+
+
+@attrs.frozen
+class Parked:
+    """This background request's wave stopped stepping for interactive work;
+    its state is kept and it resumes exactly where it stopped."""
+
+
+@attrs.frozen
+class Resumed:
+    """The parked wave is stepping again."""
 
 
 @attrs.frozen
@@ -60,4 +79,4 @@ class Failed:
     error: GezelError
 
 
-Event = Progress | Delta | Finished | Failed
+Event = Queued | Parked | Resumed | Progress | Delta | Finished | Failed

@@ -36,7 +36,7 @@ from .errors import EngineFailure
 from .events import Delta, Event, Failed, Finished, FinishReason, Progress, Usage
 from .persist import DiskCache
 from .prompt_cache import CacheView, PromptCache
-from .request import GenerationRequest
+from .request import GenerationRequest, Priority
 from .text import TextFilter
 
 __all__ = [
@@ -85,15 +85,21 @@ class StepReport:
     ended: tuple[int, ...] = ()
     replies: tuple[tuple[int, Any], ...] = ()
     cache_view: tuple[CacheView, ...] | None = None
-    pinned: frozenset[str] | None = None
+    memory: int | None = None
 
 
 @attrs.frozen
 class Orders:
+    """Before the next step: remove, run commands, admit, then step ``lane``
+    (``None``: nothing to step). ``parked``/``resumed`` are for observers."""
+
     stop: bool = False
     remove: tuple[int, ...] = ()
     admit: tuple[tuple[int, GenerationRequest], ...] = ()
     commands: tuple[tuple[int, HostCommand], ...] = ()
+    lane: Priority | None = None
+    parked: tuple[int, ...] = ()
+    resumed: tuple[int, ...] = ()
 
 
 class EngineLink(Protocol):
@@ -151,8 +157,9 @@ def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
 class _Host:
     """Per-sequence text and cache state around a backend, on the host thread."""
 
-    def __init__(self, backend: Backend, cache: PromptCache) -> None:
+    def __init__(self, backend: Backend, cache: PromptCache, track_memory: bool = False) -> None:
         self.backend = backend
+        self.track_memory = track_memory
         self.cache = cache
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
@@ -202,16 +209,16 @@ class _Host:
         self, events: tuple[tuple[int, Event], ...] = (), ended: tuple[int, ...] = ()
     ) -> StepReport:
         view = None
-        pinned = None
         if self.cache.version != self._reported_version:
             self._reported_version = self.cache.version
             view = self.cache.view()
         replies, self._replies = tuple(self._replies), []
-        return StepReport(events, ended, replies, view, pinned)
+        memory = self.backend.memory_in_use() if self.track_memory else None
+        return StepReport(events, ended, replies, view, memory)
 
-    def step(self) -> StepReport:
+    def step(self, lane: Priority) -> StepReport:
         try:
-            out = self.backend.step()
+            out = self.backend.step(lane)
         except Exception as exc:  # mapped: every sequence in the batch fails
             return self._fail_all(exc)
         events: list[tuple[int, Event]] = []
@@ -246,6 +253,8 @@ class _Host:
             states = self.backend.remove(stopped_by_text)
             for rid in stopped_by_text:
                 self.cache.finished(rid, states.get(rid))
+        if ended and not self.seqs:
+            self.backend.reclaim()  # a turn ended and nothing runs: give buffers back
         return self.report(tuple(events), tuple(ended))
 
     def _advance(
@@ -307,12 +316,16 @@ class Observer(Protocol):
         ...
 
 
+def _tracks_memory(config: EngineConfig) -> bool:
+    return config.memory_limit_mb is not None
+
+
 def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
     """Body of the host thread; returns when the engine orders ``stop``."""
     backend = make_backend()
     host: _Host | None = None
     try:
-        host = _Host(backend, make_prompt_cache(backend, config))
+        host = _Host(backend, make_prompt_cache(backend, config), _tracks_memory(config))
         trio.from_thread.run_sync(link.ready, backend.info, backend.renderer)
         report = host.report()
         while True:
@@ -320,8 +333,8 @@ def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: Engi
             host.apply(orders)
             if orders.stop:
                 return
-            if host.seqs:
-                report = host.step()
+            if host.seqs and orders.lane is not None:
+                report = host.step(orders.lane)
             elif orders.commands or host.cache.version != host._reported_version:
                 report = host.report()
             else:
@@ -351,7 +364,7 @@ async def run_host_inline(
     host: _Host | None = None
     chunks: dict[int, int] = {}
     try:
-        host = _Host(backend, make_prompt_cache(backend, config))
+        host = _Host(backend, make_prompt_cache(backend, config), _tracks_memory(config))
         link.ready(backend.info, backend.renderer)
         report = host.report()
         while True:
@@ -359,11 +372,13 @@ async def run_host_inline(
             host.apply(orders)
             points = [Point("removed", rid) for rid in orders.remove]
             points += [Point("admitted", rid) for rid, _ in orders.admit]
+            points += [Point("parked", rid) for rid in orders.parked]
+            points += [Point("resumed", rid) for rid in orders.resumed]
             idle = False
             if orders.stop:
                 points.append(Point("shutdown"))
-            elif host.seqs:
-                report = host.step()
+            elif host.seqs and orders.lane is not None:
+                report = host.step(orders.lane)
                 points += _points(report, host, chunks)
             else:
                 idle = not orders.commands and host.cache.version == host._reported_version

@@ -51,7 +51,7 @@ from .config import EngineConfig
 from .errors import ModelLoadError
 from .persist import fingerprint_model_dir
 from .prompt import ChatTemplateRenderer
-from .request import SamplingParams
+from .request import Priority, SamplingParams
 from .text import COMMON_FRAMING_MARKERS
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
@@ -168,6 +168,15 @@ def _make_processors(
     return procs
 
 
+class _Lane:
+    """One BatchGenerator and its request-id <-> uid maps."""
+
+    def __init__(self, gen: BatchGenerator) -> None:
+        self.gen = gen
+        self.uid_of: dict[int, int] = {}
+        self.rid_of: dict[int, int] = {}
+
+
 class MlxBackend:
     """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
 
@@ -213,9 +222,11 @@ class MlxBackend:
         self._renderer = ChatTemplateRenderer(tokenizer)
         self._eos_stops = StopSequences([[e] for e in sorted(eos)])
         self._no_stops = StopSequences()
-        self._gen = self._new_generator()
-        self._uid_of: dict[int, int] = {}
-        self._rid_of: dict[int, int] = {}
+        # One generator per priority lane: a parked background wave keeps its
+        # generator (KV, processors, positions) untouched while the
+        # interactive lane's generator runs (E3).
+        self._lanes: dict[Priority, _Lane] = {}
+        self._lane_of: dict[int, _Lane] = {}
 
     def _new_generator(self) -> BatchGenerator:
         n = self._config.max_concurrency
@@ -239,10 +250,23 @@ class MlxBackend:
         detok: Detokenizer = self._tokenizer.detokenizer
         return detok
 
+    def _lane(self, priority: Priority) -> _Lane:
+        lane = self._lanes.get(priority)
+        if lane is None:
+            lane = self._lanes[priority] = _Lane(self._new_generator())
+        return lane
+
     def insert(self, admissions: Sequence[Admission]) -> None:
+        by_lane: dict[Priority, list[Admission]] = {}
+        for a in admissions:
+            by_lane.setdefault(a.request.priority, []).append(a)
+        for priority, group in by_lane.items():
+            self._insert(self._lane(priority), group)
+
+    def _insert(self, lane: _Lane, admissions: Sequence[Admission]) -> None:
         eos = sorted(self._info.eos_ids)
         reqs = [a.request for a in admissions]
-        uids = self._gen.insert_segments(
+        uids = lane.gen.insert_segments(
             [[list(seg) for seg in a.segments] for a in admissions],
             max_tokens=[r.max_tokens for r in reqs],
             caches=[a.seed_state for a in admissions],
@@ -252,29 +276,33 @@ class MlxBackend:
             stop_sequences=[self._no_stops if r.ignore_eos else self._eos_stops for r in reqs],
         )
         for adm, uid in zip(admissions, uids, strict=True):
-            self._uid_of[adm.rid] = uid
-            self._rid_of[uid] = adm.rid
+            lane.uid_of[adm.rid] = uid
+            lane.rid_of[uid] = adm.rid
+            self._lane_of[adm.rid] = lane
 
     def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
-        uids = [self._uid_of.pop(r) for r in rids if r in self._uid_of]
-        if not uids:
-            return {}
-        with mx.stream(self._stream):
-            got = self._gen.remove(uids, return_prompt_caches=True)
         out = {}
-        for uid in uids:
-            rid = self._rid_of.pop(uid)
-            if uid in got:
-                state, tokens = got[uid]
-                out[rid] = Captured(list(state), tuple(tokens))
+        for lane in self._lanes.values():
+            uids = [lane.uid_of.pop(r) for r in rids if r in lane.uid_of]
+            if not uids:
+                continue
+            with mx.stream(self._stream):
+                got = lane.gen.remove(uids, return_prompt_caches=True)
+            for uid in uids:
+                rid = lane.rid_of.pop(uid)
+                self._lane_of.pop(rid, None)
+                if uid in got:
+                    state, tokens = got[uid]
+                    out[rid] = Captured(list(state), tuple(tokens))
         return out
 
     def capture(self, rid: int) -> Captured | None:
-        uid = self._uid_of.get(rid)
-        if uid is None:
+        lane = self._lane_of.get(rid)
+        uid = lane.uid_of.get(rid) if lane is not None else None
+        if lane is None or uid is None:
             return None
         with mx.stream(self._stream):
-            got = self._gen.extract_cache([uid]).get(uid)
+            got = lane.gen.extract_cache([uid]).get(uid)
         if got is None:
             return None
         return Captured(list(got[0]), tuple(got[1]))
@@ -331,19 +359,23 @@ class MlxBackend:
             raise ValueError("cache layers do not match this model's layout")
         return layers, dict(metadata)
 
-    def step(self) -> StepOutput:
+    def step(self, lane_name: Priority) -> StepOutput:
+        lane = self._lanes.get(lane_name)
+        if lane is None:
+            return StepOutput()
         with mx.stream(self._stream):
-            prompt_responses, gen_responses = self._gen.next()
+            prompt_responses, gen_responses = lane.gen.next()
+        rid_of = lane.rid_of
         prefill = tuple(
             PrefillOut(
-                self._rid_of[r.uid], int(r.progress[0]), int(r.progress[1]), bool(r.end_of_segment)
+                rid_of[r.uid], int(r.progress[0]), int(r.progress[1]), bool(r.end_of_segment)
             )
             for r in prompt_responses
-            if r.uid in self._rid_of and not r.end_of_prompt
+            if r.uid in rid_of and not r.end_of_prompt
         )
         tokens = []
         for r in gen_responses:
-            rid = self._rid_of.get(r.uid)
+            rid = rid_of.get(r.uid)
             if rid is None:
                 continue
             finish: Literal["stop", "length"] | None = r.finish_reason
@@ -352,18 +384,23 @@ class MlxBackend:
                 continue
             state = list(r.prompt_cache) if r.prompt_cache is not None else None
             tokens.append(TokenOut(rid, int(r.token), finish, state, tuple(r.all_tokens or ())))
-            if finish is not None:
-                del self._rid_of[r.uid]
-                del self._uid_of[rid]
+            del rid_of[r.uid]
+            del lane.uid_of[rid]
+            self._lane_of.pop(rid, None)
         return StepOutput(prefill, tuple(tokens))
 
+    def memory_in_use(self) -> int:
+        return int(mx.get_active_memory())
+
+    def reclaim(self) -> None:
+        mx.clear_cache()
+
     def reset(self) -> None:
-        self._gen.close()
-        self._gen = self._new_generator()
-        self._uid_of.clear()
-        self._rid_of.clear()
+        for lane in self._lanes.values():
+            lane.gen.close()
+        self._lanes.clear()
+        self._lane_of.clear()
         mx.clear_cache()
 
     def close(self) -> None:
-        self._gen.close()
-        mx.clear_cache()
+        self.reset()

@@ -12,11 +12,18 @@ Policy:
   at once; that bound is the admission control behind HTTP 429.
 * At most ``max_running`` sequences share the batch.
 * ``interactive`` work is admitted before ``background`` work, and the two
-  never share a batch: a class is admitted only into an empty batch or one
-  of its own class.
+  never share a batch: each class has its own lane (its own generator).
+* Preemption (E3): when interactive work waits while a background wave runs,
+  the background lane is parked - it simply stops being stepped, keeping its
+  state - and the interactive lane runs; once no interactive work is left the
+  background lane resumes from the exact step it stopped at. ``plan`` reports
+  which lane to step and which sequences were just parked or resumed.
+* When memory is tight (``plan(memory_tight=True)``) nothing is preempted and
+  a lane admits only into an empty batch, one request at a time (E4).
+* Background arrivals wait while interactive work runs over a parked wave.
 * ``continuous`` admission lets a queued request join a running batch with
-  free slots; without it the batch runs as a static wave and admission waits
-  for it to drain.
+  free slots; without it a lane runs static waves and admission waits for it
+  to drain.
 """
 
 from __future__ import annotations
@@ -36,10 +43,15 @@ Where = Literal["queued", "running", "unknown"]
 
 @attrs.frozen
 class Plan:
-    """What the host thread does before its next step."""
+    """What the host thread does before its next step: remove, admit, then
+    step ``lane`` (``None``: nothing to step). ``parked``/``resumed`` list the
+    sequences whose lane just stopped or started stepping again."""
 
     admit: tuple[int, ...] = ()
     remove: tuple[int, ...] = ()
+    lane: Priority | None = None
+    parked: tuple[int, ...] = ()
+    resumed: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -56,6 +68,7 @@ class Scheduler:
     )
     _running: dict[int, Priority] = attrs.field(factory=dict)
     _to_remove: list[int] = attrs.field(factory=list)
+    _background_parked: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.max_running < 1:
@@ -72,6 +85,12 @@ class Scheduler:
     @property
     def queued(self) -> tuple[int, ...]:
         return (*self._queues["interactive"], *self._queues["background"])
+
+    @property
+    def parked(self) -> tuple[int, ...]:
+        if not self._background_parked:
+            return ()
+        return tuple(r for r, c in self._running.items() if c == "background")
 
     @property
     def idle(self) -> bool:
@@ -128,26 +147,55 @@ class Scheduler:
 
     # --- the decision ------------------------------------------------------
 
-    def plan(self) -> Plan:
+    def plan(self, *, memory_tight: bool = False) -> Plan:
         remove = tuple(self._to_remove)
         for rid in remove:
             del self._running[rid]
         self._to_remove.clear()
+        was_parked = set(self.parked)
 
+        running = {"interactive": 0, "background": 0}
+        for cls in self._running.values():
+            running[cls] += 1
+        wants_interactive = bool(running["interactive"] or self._queues["interactive"])
         admit: list[int] = []
-        if self.continuous or not self._running:
-            for cls in ("interactive", "background"):
-                q = self._queues[cls]
-                if not q:
-                    continue
-                if any(p != cls for p in self._running.values()):
-                    break  # the batch belongs to the other class
-                while q and self._free_slots() > 0:
-                    rid = q.popleft()
-                    self._running[rid] = cls
-                    admit.append(rid)
-                break  # the highest waiting class decides this step
-        return Plan(admit=tuple(admit), remove=remove)
+        if self._queues["interactive"]:
+            # Interactive work may start over a background wave only by parking
+            # it, which needs memory for a second generator.
+            blocked = running["background"] > 0 and memory_tight
+            if not blocked:
+                admit += self._admit("interactive", running["interactive"], memory_tight)
+        elif not wants_interactive and self._queues["background"]:
+            admit += self._admit("background", running["background"], memory_tight)
+
+        has_interactive = any(c == "interactive" for c in self._running.values())
+        has_background = any(c == "background" for c in self._running.values())
+        lane: Priority | None = (
+            "interactive" if has_interactive else "background" if has_background else None
+        )
+        park_now = has_background and lane == "interactive"
+        parked: tuple[int, ...] = ()
+        resumed: tuple[int, ...] = ()
+        if park_now and not self._background_parked:
+            parked = tuple(r for r, c in self._running.items() if c == "background")
+        elif not park_now and was_parked:
+            resumed = tuple(r for r in self._running if r in was_parked)
+        self._background_parked = park_now
+        return Plan(tuple(admit), remove, lane, parked, resumed)
+
+    def _admit(self, cls: Priority, running: int, memory_tight: bool) -> list[int]:
+        if running and (memory_tight or not self.continuous):
+            return []  # a static (or memory-collapsed) wave must drain first
+        cap = 1 if memory_tight else self.max_running
+        out: list[int] = []
+        q = self._queues[cls]
+        while q and running + len(out) < cap:
+            rid = q.popleft()
+            self._running[rid] = cls
+            out.append(rid)
+        return out
 
     def _free_slots(self) -> int:
-        return self.max_running - len(self._running)
+        # Room counts the interactive lane: that is what a new arrival waits for.
+        busy = sum(1 for c in self._running.values() if c == "interactive")
+        return max(0, self.max_running - busy)

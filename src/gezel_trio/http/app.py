@@ -24,7 +24,7 @@ from quart_trio import QuartTrio
 
 from ..engine import Engine, RequestHandle
 from ..errors import GezelError, InvalidRequest
-from ..events import Delta, Event, Failed, Finished, Progress, Usage
+from ..events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed, Usage
 from ..request import CacheRequest, GenerationRequest, SamplingParams
 from .cache_api import add_cache_routes, roster_fingerprint
 from .edge import Forbidden, NotFound, Unauthorized, error_response, json_body
@@ -285,6 +285,12 @@ class _SseBody:
         match event:
             case Progress(done=done, total=total):
                 self._pending.append(comment(f"prefill {done}/{total}"))
+            case Queued(position=position):
+                self._pending.append(comment(f"queued {position}"))
+            case Parked():
+                self._pending.append(comment("parked"))
+            case Resumed():
+                self._pending.append(comment("resumed"))
             case Delta(text=text, usage=usage) if text:
                 self._pending.append(self._chunk({"content": text}, None, usage))
             case Finished(reason=reason, usage=usage):

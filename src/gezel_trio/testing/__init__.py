@@ -60,6 +60,7 @@ async def open_test_engine(
     max_queue: int = 64,
     persist_dir: Path | None = None,
     cache_budget_mb: float = 64.0,
+    memory_limit_mb: float | None = None,
 ) -> AsyncIterator[TestEngine]:
     """An engine over a scripted backend, its host loop a Trio task."""
     backend = backend or ScriptedBackend()
@@ -70,6 +71,7 @@ async def open_test_engine(
         prefill_step_size=backend.prefill_step,
         persist_dir=persist_dir,
         cache_budget_mb=cache_budget_mb,
+        memory_limit_mb=memory_limit_mb,
     )
     async with open_engine(
         config, backend_factory=lambda _: backend, inline=True, observer=breakpoints

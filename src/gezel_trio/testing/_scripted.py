@@ -30,7 +30,7 @@ from ..backend import (
 )
 from ..errors import InvalidRequest
 from ..prompt import RenderedPrompt
-from ..request import GenerationRequest
+from ..request import GenerationRequest, Priority
 
 __all__ = ["EOS", "ScriptedBackend", "ScriptedState", "StepFailure"]
 
@@ -136,6 +136,9 @@ class ScriptedBackend:
         self.steps = 0
         self.fail_at = set(fail_at)
         self.closed = False
+        # What ``memory_in_use`` reports; tests set it to simulate pressure.
+        self.memory_bytes = 0
+        self.reclaims = 0
         self._seqs: dict[int, _Seq] = {}
         self._info = ModelInfo(
             model_id="scripted",
@@ -194,18 +197,26 @@ class ScriptedBackend:
         seq = self._seqs.get(rid)
         return None if seq is None else self._captured(seq)
 
-    def step(self) -> StepOutput:
+    def step(self, lane: Priority) -> StepOutput:
         self.steps += 1
         if self.steps in self.fail_at:
             raise StepFailure(f"scripted failure at step {self.steps}")
         prefill: list[PrefillOut] = []
         tokens: list[TokenOut] = []
         for seq in list(self._seqs.values()):
+            if seq.request.priority != lane:
+                continue  # the other lane is parked, or idle
             if seq.decoding:
                 tokens.append(self._decode(seq))
             else:
                 prefill.extend(self._prefill(seq))
         return StepOutput(tuple(prefill), tuple(tokens))
+
+    def memory_in_use(self) -> int:
+        return self.memory_bytes
+
+    def reclaim(self) -> None:
+        self.reclaims += 1
 
     def reset(self) -> None:
         self._seqs.clear()

@@ -1,0 +1,992 @@
+"""Agent-style multi-turn session: prompt-cache reuse, gezel-trio vs ``mlx_lm.server``.
+
+Usage::
+
+    python bench/agent_session.py [--models dense hybrid] [--turns 10] [--tokens 16]
+                                  [--systems gezel mlx_lm.server] [--json OUT]
+                                  [--log-dir DIR]
+
+What one session is
+    A coding agent's tool loop, replayed the way real clients do it. Turn 1 is
+    a system prompt (~300 tokens of instructions), a ``tools`` roster of three
+    functions and a user request. Every later turn appends one tool round - the
+    previous reply as ``{"role": "assistant", "content": "",
+    "reasoning_content": <reply>, "tool_calls": [...]}`` and a short tool result
+    (~30-80 tokens) - so the transcript only grows. Turn ``--think-off-turn``
+    (default 5) is sent with ``chat_template_kwargs.enable_thinking = false``
+    (its reply comes back as ``content`` and is replayed as ``content``), and
+    turn ``--user-turn`` (default 8) also appends a new user message after its
+    tool round. With the Qwen3-style template of the demo models, a new user
+    message makes every earlier assistant turn drop its ``<think>`` block, so
+    that turn re-renders the history and no prefix cache can reuse past the
+    first assistant turn: it is a re-prefill by construction, for both systems.
+    After turn ``--turns`` (default 10) the server is stopped and started again
+    on the same ``--persist-dir`` (gezel: SIGTERM, which flushes its prompt
+    cache to disk; ``mlx_lm.server`` keeps its cache in memory only), and one
+    more tool round is sent: the "restart" turn.
+
+Both systems, one after the other (never together), on the same model:
+
+``gezel``
+    ``python -m gezel_trio serve --max-concurrency 4 --prefill-step-size 512
+    --persist-dir D --log-level INFO`` (stderr to a log file); every request
+    carries ``cache_id`` (the session id) and ``ignore_eos: true``.
+``mlx_lm.server``
+    ``python -m mlx_lm server --decode-concurrency 4 --prompt-concurrency 4
+    --prefill-step-size 512 --log-level WARNING``; it has its own automatic
+    prompt cache (an LRU of token sequences, no session id) and no
+    ``ignore_eos``, so its replies may end early on EOS (generated tokens are
+    recorded per turn).
+
+Requests are streaming, greedy (``temperature: 0``), ``max_tokens =
+--tokens``, with ``stream_options.include_usage``. Random-weight demo models
+emit token sequences that no tokenizer reproduces, which a trained model
+doesn't; so, as the repository's cache tests do, every request carries a
+``logit_bias`` of +100 on (up to 1024) whole-word tokens whose text
+re-encodes to the same single token: replies are words, re-render exactly
+when replayed, and EOS is never chosen (``--no-word-bias`` turns this off).
+
+Per turn and system
+    ``prompt``  = ``usage.prompt_tokens``;
+    ``cached``  = ``usage.prompt_tokens_details.cached_tokens`` (both servers
+    report it: gezel the tokens its cache seeded the sequence with,
+    ``mlx_lm.server`` the length of the nearest cache entry it fetched);
+    ``prefill`` = prompt - cached;
+    ``TTFT``    = request sent -> first SSE chunk with generated text
+    (``content``, ``reasoning_content`` or ``reasoning``);
+    ``total``   = request sent -> end of the stream;
+    ``gen``     = ``usage.completion_tokens``.
+    ``min`` is a client-side reference, not a measurement: the tokens of the
+    prompt that follow its longest common prefix with the previous turn's
+    prompt + reply (rendered with the model's own tokenizer and template).
+    That is what a perfect cache that kept exactly the previous turn must
+    still prefill. For gezel the table also shows its cache decision (the
+    ``seed ... source=... mode=...`` INFO line its prompt cache logs when it
+    admits the request).
+
+Each server gets one short warm-up request (an unrelated one-line prompt,
+no ``cache_id``) after it starts and before the first measured turn, so
+one-time MLX start-up costs are not charged to turn 1 or to the restart turn.
+
+Summary ratios per model, all gezel / ``mlx_lm.server`` (below 1: gezel
+better): total prefilled tokens over turns 2..N; median TTFT over turns 2..N
+("warm" turns) and the median of the per-turn TTFT ratios; the restart
+turn's TTFT. The 1-minute load average before and after is printed too: this
+script keeps about one core busy, more means something else shared the CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+HOST = "127.0.0.1"
+SYSTEMS = ("gezel", "mlx_lm.server")
+MODELS = ("dense", "hybrid")
+SESSION_ID = "agent-session"
+_STARTUP_TIMEOUT_S = 180.0
+_REQUEST_TIMEOUT_S = 600.0
+_STOP_TIMEOUT_S = 60.0
+_MAX_BIAS = 1024  # gezel's MAX_LOGIT_BIAS
+
+# --- the session's text ------------------------------------------------------
+
+SYSTEM_PROMPT = """\
+You are Harbor, a careful software engineering agent working inside a git \
+repository on behalf of one developer. You can read files, search the code \
+and run the test suite through the tools listed below; you cannot see \
+anything else.
+
+Rules:
+1. Before you change your mind about the cause of a bug, read the code that \
+would prove it. Never guess a file's content.
+2. Call one tool per step. After each tool result, think briefly about what \
+you learned, then either call the next tool or answer.
+3. Keep searches narrow: search for a function or class name, not for a \
+sentence.
+4. When a test fails, read the failing assertion and the code under test \
+before proposing a fix.
+5. Report what you found in plain words: the file, the line, what is wrong \
+and why. Quote at most three lines of code.
+6. If the developer asks something new, answer that first, then go back to \
+the task.
+7. Do not run the full test suite more than once per task; run one test \
+module when you can.
+8. Never invent a tool result. If a tool fails, say so and try another way.
+"""
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a text file of the repository",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_code",
+            "description": "Find lines that match a word",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}},
+                "required": ["query"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run one test module",
+            "parameters": {
+                "type": "object",
+                "properties": {"target": {"type": "string"}},
+                "required": ["target"],
+            },
+        },
+    },
+]
+
+USER_REQUEST = (
+    "The harbour ledger test started failing this morning after the last merge. "
+    "Find out why and tell me which line is wrong."
+)
+FOLLOW_UP_USER = "Wait, before you go on: is the ledger also used by the night report?"
+
+# (tool name, arguments, result) for tool rounds 1, 2, ...; cycled if more are needed.
+TOOL_ROUNDS: list[tuple[str, dict[str, str], str]] = [
+    (
+        "run_tests",
+        {"target": "tests/test_ledger.py"},
+        "1 failed, 11 passed. test_ships_counted: assert ledger.count() == 3, "
+        "got 2. The ship that came in at midnight is missing.",
+    ),
+    (
+        "search_code",
+        {"query": "def count"},
+        "ledger.py:41: def count(self) -> int:\nreport.py:12: def count_night(ledger):",
+    ),
+    (
+        "read_file",
+        {"path": "ledger.py"},
+        "40 class Ledger:\n41     def count(self) -> int:\n"
+        "42         return sum(1 for s in self.ships if s.hour < 24 and s.hour > 0)",
+    ),
+    (
+        "search_code",
+        {"query": "hour"},
+        "ledger.py:42: s.hour < 24 and s.hour > 0\nship.py:8: hour: int  # 0 is midnight",
+    ),
+    (
+        "read_file",
+        {"path": "ship.py"},
+        "7 class Ship:\n8     hour: int  # 0 is midnight\n9     name: str\n10     cargo: list[str]",
+    ),
+    (
+        "run_tests",
+        {"target": "tests/test_ship.py"},
+        "4 passed, 0 failed. test_hours: ships can arrive at any hour from 0 to 23; "
+        "hour 0 is midnight and is a valid arrival time.",
+    ),
+    (
+        "search_code",
+        {"query": "Ledger("},
+        "report.py:5: ledger = Ledger(ships)\nharbour.py:20: self.ledger = Ledger([])",
+    ),
+    (
+        "read_file",
+        {"path": "report.py"},
+        "12 def count_night(ledger):\n13     return ledger.count() - ledger.count_day()\n"
+        "14 # the night report uses the same filter",
+    ),
+    (
+        "run_tests",
+        {"target": "tests/test_report.py"},
+        "1 failed, 3 passed. test_night_ships: expected 1 ship at night, got 0. "
+        "The ship at hour 0 is not counted by the ledger.",
+    ),
+    (
+        "read_file",
+        {"path": "tests/test_ledger.py"},
+        "30 def test_ships_counted():\n31     ledger = Ledger([Ship(0), Ship(5), Ship(23)])\n"
+        "32     assert ledger.count() == 3",
+    ),
+    (
+        "search_code",
+        {"query": "s.hour > 0"},
+        "ledger.py:42 only. The last merge changed s.hour >= 0 into s.hour > 0.",
+    ),
+]
+WARMUP_MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+@dataclass(frozen=True)
+class TurnSpec:
+    turn: int
+    thinking: bool
+    add_user: bool
+    restart: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.turn == 1:
+            return "sys+user"
+        parts = ["tool"]
+        if self.add_user:
+            parts.append("+user")
+        if not self.thinking:
+            parts.append(" think=off")
+        if self.restart:
+            parts.insert(0, "RESTART ")
+        return "".join(parts)
+
+
+def turn_plan(turns: int, think_off_turn: int, user_turn: int) -> list[TurnSpec]:
+    """Turns 1..turns, then the restart turn (turns + 1)."""
+    specs = [
+        TurnSpec(t, thinking=t != think_off_turn, add_user=t == user_turn and t > 1)
+        for t in range(1, turns + 1)
+    ]
+    specs.append(TurnSpec(turns + 1, thinking=True, add_user=False, restart=True))
+    return specs
+
+
+def tool_round(n: int, reply: str, thinking: bool) -> list[dict[str, Any]]:
+    """Tool round ``n`` (1-based): the previous reply with its tool call, and the
+    tool's result. A thinking reply is replayed as ``reasoning_content``, a
+    non-thinking one as ``content`` (where each came back from the server)."""
+    name, arguments, result = TOOL_ROUNDS[(n - 1) % len(TOOL_ROUNDS)]
+    call_id = f"call_{n}"
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
+    assistant: dict[str, Any] = {"role": "assistant", "tool_calls": [call]}
+    if thinking:
+        assistant.update(content="", reasoning_content=reply)
+    else:
+        assistant.update(content=reply)
+    return [assistant, {"role": "tool", "tool_call_id": call_id, "content": result}]
+
+
+def initial_messages() -> list[dict[str, Any]]:
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": USER_REQUEST},
+    ]
+
+
+# --- client-side reference tokenization --------------------------------------
+
+
+class Reference:
+    """The model's own tokenizer and chat template, client-side: the rendered
+    prompt of a turn, and the whole-word logit bias."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer
+
+        self._hf = AutoTokenizer.from_pretrained(str(model_dir))
+        raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        ids = []
+        for i in range(raw.get_vocab_size()):
+            text = raw.decode([i])
+            if re.fullmatch(r" [a-z]{3,}", text) and raw.encode(text).ids == [i]:
+                ids.append(i)
+        self.word_bias: dict[str, float] = {str(i): 100.0 for i in ids[:_MAX_BIAS]}
+
+    def prompt(self, messages: list[dict[str, Any]], thinking: bool) -> list[int]:
+        out = self._hf.apply_chat_template(
+            messages,
+            tools=TOOLS,
+            add_generation_prompt=True,
+            tokenize=True,
+            enable_thinking=thinking,
+        )
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self._hf.encode(text, add_special_tokens=False)]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# --- results ------------------------------------------------------------------
+
+
+@dataclass
+class TurnResult:
+    turn: int
+    label: str
+    thinking: bool
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    total_s: float
+    reply: str
+    ref_prompt_tokens: int  # client-side rendering of the same messages
+    min_prefill: int  # prompt tokens after the common prefix with previous prompt+reply
+    cache_log: list[str] = field(default_factory=list)  # gezel prompt-cache lines
+
+    @property
+    def prefilled(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def cache_decision(self) -> str:
+        """gezel's ``seed`` line, shortened to ``source/mode``."""
+        for line in self.cache_log:
+            if " seed cache_id=" in line or " seed fallback" in line:
+                src = re.search(r"source=(\S+)", line)
+                mode = re.search(r"mode=(\S+)", line)
+                if src and mode:
+                    return f"{src.group(1)}/{mode.group(1)}"
+        return "-"
+
+
+@dataclass
+class SystemRun:
+    model: str
+    system: str
+    turns: list[TurnResult] = field(default_factory=list)
+    stop_exit_codes: list[int | None] = field(default_factory=list)
+    stop_seconds: list[float] = field(default_factory=list)
+    startup_seconds: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def turn(self, n: int) -> TurnResult | None:
+        return next((t for t in self.turns if t.turn == n), None)
+
+
+# --- servers --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _stop(proc: subprocess.Popen[Any], sig: signal.Signals) -> int | None:
+    """``sig`` (a graceful drain), then SIGKILL if it hangs; the exit code
+    (None: it had to be killed)."""
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@dataclass
+class Server:
+    system: str
+    url: str
+    log: Path
+    proc: subprocess.Popen[Any]
+    exit_code: int | None = None
+    stop_s: float = 0.0
+
+
+@contextlib.contextmanager
+def _log_on_error(name: str, log: Path) -> Iterator[None]:
+    try:
+        yield
+    except Exception:
+        print(f"--- {name} log tail ({log}) ---\n{_tail(log)}", file=sys.stderr)
+        raise
+
+
+def gezel_flags(persist_dir: Path, args: argparse.Namespace) -> list[str]:
+    return [
+        "--max-concurrency", str(args.concurrency),
+        "--prefill-step-size", str(args.prefill_step_size),
+        "--persist-dir", str(persist_dir),
+        "--log-level", args.gezel_log_level,
+    ]  # fmt: skip
+
+
+def mlx_flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--decode-concurrency", str(args.concurrency),
+        "--prompt-concurrency", str(args.concurrency),
+        "--prefill-step-size", str(args.prefill_step_size),
+        "--log-level", args.mlx_log_level,
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def gezel_server(
+    model_dir: Path, persist_dir: Path, log: Path, args: argparse.Namespace
+) -> Iterator[Server]:
+    """Start gezel-trio on a free port; yield once it says it is listening (the
+    line it prints on stdout); always stop it with SIGTERM (drain + flush)."""
+    cmd = [
+        sys.executable, "-m", "gezel_trio", "serve",
+        "--model", str(model_dir),
+        "--host", HOST,
+        "--port", "0",
+        *gezel_flags(persist_dir, args),
+    ]  # fmt: skip
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    server: Server | None = None
+    try:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        marker = "gezel-trio listening on "
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"gezel-trio not ready after {_STARTUP_TIMEOUT_S}s")
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(f"gezel-trio exited early:\n{_tail(log)}")
+            if marker in line:
+                break
+        server = Server("gezel", line.split(marker, 1)[1].strip(), log, proc)
+        with _log_on_error("gezel-trio", log):
+            yield server
+    finally:
+        t0 = time.monotonic()
+        code = _stop(proc, signal.SIGTERM)
+        if server is not None:
+            server.exit_code, server.stop_s = code, time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def mlx_server(model_dir: Path, log: Path, args: argparse.Namespace) -> Iterator[Server]:
+    """Start ``mlx_lm server`` on a free port; yield once ``/health`` answers
+    (bounded polling); always stop it (SIGINT, then SIGKILL)."""
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "mlx_lm", "server",
+        "--model", str(model_dir),
+        "--host", HOST,
+        "--port", str(port),
+        *mlx_flags(args),
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://{HOST}:{port}"
+    server: Server | None = None
+    try:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"mlx_lm.server exited early:\n{_tail(log)}")
+                with contextlib.suppress(httpx.TransportError):
+                    status = client.get(f"{url}/health").status_code
+                    if status == 200:
+                        break
+                    raise RuntimeError(f"mlx_lm.server unhealthy ({status}):\n{_tail(log)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mlx_lm.server not ready after {_STARTUP_TIMEOUT_S}s")
+                time.sleep(0.2)  # polling interval, not a readiness guess
+        server = Server("mlx_lm.server", url, log, proc)
+        with _log_on_error("mlx_lm.server", log):
+            yield server
+    finally:
+        t0 = time.monotonic()
+        code = _stop(proc, signal.SIGINT)
+        if server is not None:
+            server.exit_code, server.stop_s = code, time.monotonic() - t0
+
+
+# --- one request ------------------------------------------------------------------
+
+
+@dataclass
+class Reply:
+    text: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def _delta_text(delta: dict[str, Any]) -> str:
+    text = ""
+    for key in ("reasoning_content", "reasoning", "content"):
+        value = delta.get(key)
+        if isinstance(value, str):
+            text += value
+    return text
+
+
+def stream_chat(
+    client: httpx.Client,
+    server: Server,
+    messages: list[dict[str, Any]],
+    *,
+    thinking: bool,
+    max_tokens: int,
+    bias: dict[str, float] | None,
+    tools: bool = True,
+    session: bool = True,
+) -> Reply:
+    """One streaming chat request; times are from just before it is sent."""
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "chat_template_kwargs": {"enable_thinking": thinking},
+    }
+    if tools:
+        body["tools"] = TOOLS
+    if bias:
+        body["logit_bias"] = bias
+    if server.system == "gezel":
+        body["ignore_eos"] = True
+        if session:
+            body["cache_id"] = SESSION_ID
+    first: float | None = None
+    end: float | None = None
+    usage: dict[str, Any] | None = None
+    text = ""
+    sent = time.perf_counter()
+    with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"{server.system}: HTTP {resp.status_code}: {resp.text[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators and keep-alive comments
+            data = line[5:].strip()
+            now = time.perf_counter()
+            if data == "[DONE]":
+                end = now
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"{server.system}: stream error: {obj['error']}")
+            for choice in obj.get("choices") or ():
+                piece = _delta_text(choice.get("delta") or {})
+                if piece and first is None:
+                    first = now
+                text += piece
+            if obj.get("usage"):
+                usage = obj["usage"]
+            end = now
+    if first is None or end is None or usage is None:
+        raise RuntimeError(f"{server.system}: incomplete stream: first={first} usage={usage}")
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens", usage.get("cached_tokens"))
+    if cached is None:
+        raise RuntimeError(f"{server.system}: usage has no cached token count: {usage}")
+    return Reply(
+        text=text,
+        ttft_s=first - sent,
+        total_s=end - sent,
+        prompt_tokens=int(usage["prompt_tokens"]),
+        cached_tokens=int(cached),
+        completion_tokens=int(usage["completion_tokens"]),
+    )
+
+
+def _new_log_lines(log: Path, offset: int) -> tuple[list[str], int]:
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    lines = data.decode(errors="replace").splitlines()
+    keep = [ln for ln in lines if "gezel_trio.prompt_cache" in ln or "WARNING" in ln]
+    return keep, offset + len(data)
+
+
+# --- one session on one system ---------------------------------------------------
+
+
+@dataclass
+class _SessionState:
+    messages: list[dict[str, Any]]
+    held: list[int] = field(default_factory=list)  # previous prompt + reply tokens
+    reply: str = ""
+    thinking: bool = True
+
+
+def _run_turn(
+    client: httpx.Client,
+    server: Server,
+    spec: TurnSpec,
+    state: _SessionState,
+    ref: Reference,
+    args: argparse.Namespace,
+) -> TurnResult:
+    if spec.turn > 1:
+        state.messages += tool_round(spec.turn - 1, state.reply, state.thinking)
+    if spec.add_user:
+        state.messages.append({"role": "user", "content": FOLLOW_UP_USER})
+    prompt = ref.prompt(state.messages, spec.thinking)
+    shared = min(common_prefix(state.held, prompt), len(prompt) - 1) if state.held else 0
+    offset = server.log.stat().st_size if server.system == "gezel" else 0
+    reply = stream_chat(
+        client,
+        server,
+        state.messages,
+        thinking=spec.thinking,
+        max_tokens=args.tokens,
+        bias=None if args.no_word_bias else ref.word_bias,
+    )
+    cache_log: list[str] = []
+    if server.system == "gezel":
+        cache_log, _ = _new_log_lines(server.log, offset)
+    state.held = prompt + ref.encode(reply.text)
+    state.reply, state.thinking = reply.text, spec.thinking
+    result = TurnResult(
+        turn=spec.turn,
+        label=spec.label,
+        thinking=spec.thinking,
+        prompt_tokens=reply.prompt_tokens,
+        cached_tokens=reply.cached_tokens,
+        completion_tokens=reply.completion_tokens,
+        ttft_s=reply.ttft_s,
+        total_s=reply.total_s,
+        reply=reply.text,
+        ref_prompt_tokens=len(prompt),
+        min_prefill=len(prompt) - shared,
+        cache_log=cache_log,
+    )
+    print(
+        f"  [{server.system} turn {spec.turn:>2} {spec.label:<22}] prompt {result.prompt_tokens:>5}"
+        f" cached {result.cached_tokens:>5} prefill {result.prefilled:>5}"
+        f" TTFT {result.ttft_s:6.2f}s total {result.total_s:6.2f}s gen {result.completion_tokens}"
+        + (f"  {result.cache_decision}" if server.system == "gezel" else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+@contextlib.contextmanager
+def _server(
+    system: str, model_dir: Path, persist_dir: Path, log: Path, args: argparse.Namespace
+) -> Iterator[Server]:
+    if system == "gezel":
+        with gezel_server(model_dir, persist_dir, log, args) as srv:
+            yield srv
+    else:
+        with mlx_server(model_dir, log, args) as srv:
+            yield srv
+
+
+def run_session(
+    model: str,
+    model_dir: Path,
+    system: str,
+    specs: list[TurnSpec],
+    ref: Reference,
+    workdir: Path,
+    args: argparse.Namespace,
+) -> SystemRun:
+    run = SystemRun(model=model, system=system)
+    persist = workdir / f"{model}-{system}-persist"
+    persist.mkdir(parents=True, exist_ok=True)
+    state = _SessionState(initial_messages())
+    t_run = time.monotonic()
+    phases = [[s for s in specs if not s.restart], [s for s in specs if s.restart]]
+    for phase, phase_specs in enumerate(phases):
+        log = workdir / f"{model}-{system}-{'first' if phase == 0 else 'restart'}.log"
+        t0 = time.monotonic()
+        with _server(system, model_dir, persist, log, args) as srv:
+            run.startup_seconds.append(time.monotonic() - t0)
+            with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+                if not args.no_warmup:
+                    stream_chat(
+                        client,
+                        srv,
+                        WARMUP_MESSAGES,
+                        thinking=False,
+                        max_tokens=2,
+                        bias=None,
+                        tools=False,
+                        session=False,
+                    )
+                for spec in phase_specs:
+                    run.turns.append(_run_turn(client, srv, spec, state, ref, args))
+        run.stop_exit_codes.append(srv.exit_code)
+        run.stop_seconds.append(srv.stop_s)
+        if srv.exit_code != 0:
+            print(
+                f"  [{system}: exit code {srv.exit_code} after stop]\n{_tail(log, 15)}",
+                file=sys.stderr,
+            )
+    run.wall_s = time.monotonic() - t_run
+    print(f"[{model} / {system}: {run.wall_s:.0f}s]", file=sys.stderr, flush=True)
+    return run
+
+
+# --- report -------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def summary(runs: dict[str, SystemRun], turns: int) -> dict[str, Any]:
+    """The gezel / mlx_lm.server ratios of one model (None where a side is missing)."""
+    out: dict[str, Any] = {}
+    warm = range(2, turns + 1)
+    per: dict[str, dict[str, Any]] = {}
+    for system, run in runs.items():
+        ws = [t for t in run.turns if t.turn in warm]
+        rs = run.turn(turns + 1)
+        per[system] = {
+            "prefilled_turns_2_n": sum(t.prefilled for t in ws),
+            "min_prefill_turns_2_n": sum(t.min_prefill for t in ws),
+            "median_ttft_turns_2_n": statistics.median(t.ttft_s for t in ws) if ws else None,
+            "restart_ttft": rs.ttft_s if rs else None,
+            "restart_cached": rs.cached_tokens if rs else None,
+            "restart_prompt": rs.prompt_tokens if rs else None,
+        }
+    out["per_system"] = per
+    g, m = runs.get("gezel"), runs.get("mlx_lm.server")
+    if g is None or m is None:
+        return out
+    pg, pm = per["gezel"], per["mlx_lm.server"]
+    turn_ratios = []
+    for n in warm:
+        tg, tm = g.turn(n), m.turn(n)
+        if tg and tm and tm.ttft_s > 0:
+            turn_ratios.append(tg.ttft_s / tm.ttft_s)
+    out["ratios"] = {
+        "prefilled_turns_2_n": _ratio(pg["prefilled_turns_2_n"], pm["prefilled_turns_2_n"]),
+        "median_ttft_turns_2_n": _ratio(pg["median_ttft_turns_2_n"], pm["median_ttft_turns_2_n"]),
+        "median_of_turn_ttft_ratios": statistics.median(turn_ratios) if turn_ratios else None,
+        "restart_ttft": _ratio(pg["restart_ttft"], pm["restart_ttft"]),
+    }
+    return out
+
+
+def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
+    systems = [s for s in SYSTEMS if s in runs]
+    n_max = max((t.turn for r in runs.values() for t in r.turns), default=0)
+    head1 = f"{'':<4}{'':<22}"
+    head2 = f"{'turn':<4}{'request':<22}"
+    for s in systems:
+        head1 += f" | {s:^44}"
+        head2 += f" | {'prompt':>6}{'cached':>7}{'prefill':>8}{'min':>6}{'TTFT s':>8}{'total s':>9}"
+        if s == "gezel":
+            head1 += f"{'':<21}"
+            head2 += f"{'gen':>4}  {'cache':<15}"
+        else:
+            head1 += f"{'':<4}"
+            head2 += f"{'gen':>4}"
+    rows = [f"model: {model}", head1.rstrip(), head2, "-" * len(head2)]
+    for n in range(1, n_max + 1):
+        label = ""
+        row = ""
+        for s in systems:
+            t = runs[s].turn(n)
+            if t is None:
+                row += f" | {'(not run)':<44}"
+                continue
+            label = t.label
+            mismatch = "*" if t.ref_prompt_tokens != t.prompt_tokens else " "
+            row += (
+                f" | {t.prompt_tokens:>5}{mismatch}{t.cached_tokens:>7}{t.prefilled:>8}"
+                f"{t.min_prefill:>6}{t.ttft_s:>8.2f}{t.total_s:>9.2f}{t.completion_tokens:>4}"
+            )
+            if s == "gezel":
+                row += f"  {t.cache_decision:<15}"
+        rows.append((f"{n:<4}{label:<22}" + row).rstrip())
+    summ = summary(runs, turns)
+    rows.append("")
+    for system in systems:
+        p = summ["per_system"][system]
+        rows.append(
+            f"{system}: prefilled turns 2-{turns} = {p['prefilled_turns_2_n']} "
+            f"(min {p['min_prefill_turns_2_n']}), median TTFT turns 2-{turns} = "
+            f"{_fmt(p['median_ttft_turns_2_n'])}s, restart turn: cached "
+            f"{p['restart_cached']}/{p['restart_prompt']}, TTFT {_fmt(p['restart_ttft'])}s"
+        )
+    r = summ.get("ratios")
+    if r:
+        rows.append(
+            f"gezel / mlx_lm.server: prefilled tokens turns 2-{turns} "
+            f"{_fmt(r['prefilled_turns_2_n'])}, median TTFT turns 2-{turns} "
+            f"{_fmt(r['median_ttft_turns_2_n'])} (median of per-turn ratios "
+            f"{_fmt(r['median_of_turn_ttft_ratios'])}), restart-turn TTFT "
+            f"{_fmt(r['restart_ttft'])}"
+        )
+    return "\n".join(rows)
+
+
+# --- driver ---------------------------------------------------------------------------
+
+
+def build_model(kind: str) -> Path:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", "bench"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--turns", type=int, default=10, help="turns before the restart (>= 2)")
+    p.add_argument("--tokens", type=int, default=16, help="max_tokens per turn")
+    p.add_argument("--think-off-turn", type=int, default=5, help="0: never")
+    p.add_argument("--user-turn", type=int, default=8, help="0: never")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--gezel-log-level", default="INFO")
+    p.add_argument("--mlx-log-level", default="WARNING")
+    p.add_argument("--no-word-bias", action="store_true")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--log-dir", type=Path, default=None, help="keep server logs here")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT")
+    args = p.parse_args(argv)
+    if args.turns < 2 or args.tokens < 1:
+        p.error("--turns >= 2 and --tokens >= 1 are required")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    specs = turn_plan(args.turns, args.think_off_turn, args.user_turn)
+    started = time.monotonic()
+    load_before = os.getloadavg()[0]
+    results: dict[str, dict[str, SystemRun]] = {}
+    model_dirs: dict[str, Path] = {}
+    with contextlib.ExitStack() as stack:
+        if args.log_dir is not None:
+            workdir = args.log_dir
+            workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gezel-agent-")))
+        for model in args.models:
+            model_dirs[model] = build_model(model)
+            ref = Reference(model_dirs[model])
+            results[model] = {}
+            for system in args.systems:
+                results[model][system] = run_session(
+                    model, model_dirs[model], system, specs, ref, workdir, args
+                )
+            if args.log_dir is not None:
+                for sub in workdir.glob(f"{model}-*-persist"):
+                    # The disk cache files are big and of no use afterwards.
+                    for f in sorted(sub.rglob("*"), reverse=True):
+                        if f.is_file():
+                            f.unlink()
+    load_after = os.getloadavg()[0]
+    wall = time.monotonic() - started
+
+    print(
+        f"turns: {args.turns} + restart, max_tokens: {args.tokens}, thinking off at turn "
+        f"{args.think_off_turn or '-'}, new user message at turn {args.user_turn or '-'}, "
+        f"word bias: {'off' if args.no_word_bias else 'on'}, wall: {wall:.0f}s"
+    )
+    print(f"1-min load average: {load_before:.2f} before, {load_after:.2f} after (this run keeps")
+    print("  about 1 core busy; much more than that means something else shared the CPUs)")
+    print("prefill = prompt - cached; min = prompt tokens after the common prefix with the")
+    print("  previous turn's prompt + reply (client-side rendering); * = client-side prompt")
+    print("  length differs from the server's; cache = gezel's seed decision (source/mode)")
+    for model in args.models:
+        print()
+        print(render_model(f"{model} ({model_dirs[model]})", results[model], args.turns))
+    if args.json is not None:
+        payload = {
+            "models": {m: str(d) for m, d in model_dirs.items()},
+            "turns": args.turns,
+            "max_tokens": args.tokens,
+            "think_off_turn": args.think_off_turn,
+            "user_turn": args.user_turn,
+            "word_bias": not args.no_word_bias,
+            "warmup": not args.no_warmup,
+            "loadavg_1min": {"before": load_before, "after": load_after},
+            "wall_s": wall,
+            "gezel_flags": gezel_flags(Path("PERSIST_DIR"), args),
+            "mlx_lm_server_flags": mlx_flags(args),
+            "results": {
+                model: {
+                    "summary": summary(runs, args.turns),
+                    "systems": {
+                        system: {
+                            **asdict(run),
+                            "turns": [{**asdict(t), "prefilled": t.prefilled} for t in run.turns],
+                        }
+                        for system, run in runs.items()
+                    },
+                }
+                for model, runs in results.items()
+            },
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
