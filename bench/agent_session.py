@@ -45,6 +45,12 @@ doesn't; so, as the repository's cache tests do, every request carries a
 ``logit_bias`` of +100 on (up to 1024) whole-word tokens whose text
 re-encodes to the same single token: replies are words, re-render exactly
 when replayed, and EOS is never chosen (``--no-word-bias`` turns this off).
+Both servers strip a reply's leading whitespace, while the first generated
+token is then a " word" token; the replay puts that one space back, so the
+history holds exactly the generated tokens, as it would with a trained model
+whose reply after ``<think>\n`` does not start with a space
+(``--replay-as-returned`` replays the stripped text instead, which costs both
+systems the previous reply's tokens on every turn).
 
 Per turn and system
     ``prompt``  = ``usage.prompt_tokens``;
@@ -66,7 +72,9 @@ Per turn and system
 
 Each server gets one short warm-up request (an unrelated one-line prompt,
 no ``cache_id``) after it starts and before the first measured turn, so
-one-time MLX start-up costs are not charged to turn 1 or to the restart turn.
+one-time MLX start-up costs are not charged to turn 1 or to the restart turn
+(``--no-warmup`` skips it). Its first token, ``<|im_start|>``, is shared with
+every prompt, so either server may report 1 cached token on a cold turn.
 
 Summary ratios per model, all gezel / ``mlx_lm.server`` (below 1: gezel
 better): total prefilled tokens over turns 2..N; median TTFT over turns 2..N
@@ -646,6 +654,11 @@ def stream_chat(
     )
 
 
+# gezel's log format is "TIME LEVEL LOGGER: MESSAGE"; keep its prompt-cache and
+# persistence lines and every warning or error.
+_CACHE_LOG = re.compile(r" (WARNING|ERROR) | gezel_trio\.(cache|persist): ")
+
+
 def _new_log_lines(log: Path, offset: int) -> tuple[list[str], int]:
     try:
         with log.open("rb") as f:
@@ -654,7 +667,7 @@ def _new_log_lines(log: Path, offset: int) -> tuple[list[str], int]:
     except OSError:
         return [], offset
     lines = data.decode(errors="replace").splitlines()
-    keep = [ln for ln in lines if "gezel_trio.prompt_cache" in ln or "WARNING" in ln]
+    keep = [ln for ln in lines if _CACHE_LOG.search(ln)]
     return keep, offset + len(data)
 
 
@@ -677,6 +690,7 @@ def _run_turn(
     ref: Reference,
     args: argparse.Namespace,
 ) -> TurnResult:
+    restore_space = not args.no_word_bias and not args.replay_as_returned
     if spec.turn > 1:
         state.messages += tool_round(spec.turn - 1, state.reply, state.thinking)
     if spec.add_user:
@@ -695,8 +709,15 @@ def _run_turn(
     cache_log: list[str] = []
     if server.system == "gezel":
         cache_log, _ = _new_log_lines(server.log, offset)
-    state.held = prompt + ref.encode(reply.text)
-    state.reply, state.thinking = reply.text, spec.thinking
+    replay = reply.text
+    if restore_space and replay and not replay[0].isspace():
+        # Both servers strip the reply's leading whitespace, but with the word
+        # bias the first generated token is " word": put the space back so the
+        # replay re-renders the tokens that were generated, as a trained
+        # model's reply (which does not start with a space) would.
+        replay = " " + replay
+    state.held = prompt + ref.encode(replay)
+    state.reply, state.thinking = replay, spec.thinking
     result = TurnResult(
         turn=spec.turn,
         label=spec.label,
@@ -744,8 +765,9 @@ def run_session(
     args: argparse.Namespace,
 ) -> SystemRun:
     run = SystemRun(model=model, system=system)
-    persist = workdir / f"{model}-{system}-persist"
-    persist.mkdir(parents=True, exist_ok=True)
+    persist = workdir / f"{model}-{system}-persist"  # gezel's --persist-dir
+    if system == "gezel":
+        persist.mkdir(parents=True, exist_ok=True)
     state = _SessionState(initial_messages())
     t_run = time.monotonic()
     phases = [[s for s in specs if not s.restart], [s for s in specs if s.restart]]
@@ -835,8 +857,8 @@ def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
         head1 += f" | {s:^44}"
         head2 += f" | {'prompt':>6}{'cached':>7}{'prefill':>8}{'min':>6}{'TTFT s':>8}{'total s':>9}"
         if s == "gezel":
-            head1 += f"{'':<21}"
-            head2 += f"{'gen':>4}  {'cache':<15}"
+            head1 += f"{'':<26}"
+            head2 += f"{'gen':>4}  {'cache':<20}"
         else:
             head1 += f"{'':<4}"
             head2 += f"{'gen':>4}"
@@ -856,7 +878,7 @@ def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
                 f"{t.min_prefill:>6}{t.ttft_s:>8.2f}{t.total_s:>9.2f}{t.completion_tokens:>4}"
             )
             if s == "gezel":
-                row += f"  {t.cache_decision:<15}"
+                row += f"  {t.cache_decision:<20}"
         rows.append((f"{n:<4}{label:<22}" + row).rstrip())
     summ = summary(runs, turns)
     rows.append("")
@@ -906,6 +928,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gezel-log-level", default="INFO")
     p.add_argument("--mlx-log-level", default="WARNING")
     p.add_argument("--no-word-bias", action="store_true")
+    p.add_argument(
+        "--replay-as-returned",
+        action="store_true",
+        help="replay replies exactly as returned (no leading space restored)",
+    )
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--log-dir", type=Path, default=None, help="keep server logs here")
     p.add_argument("--json", type=Path, default=None, metavar="OUT")
@@ -965,6 +992,7 @@ def main(argv: list[str] | None = None) -> int:
             "user_turn": args.user_turn,
             "word_bias": not args.no_word_bias,
             "warmup": not args.no_warmup,
+            "leading_space_restored": not args.no_word_bias and not args.replay_as_returned,
             "loadavg_1min": {"before": load_before, "after": load_after},
             "wall_s": wall,
             "gezel_flags": gezel_flags(Path("PERSIST_DIR"), args),

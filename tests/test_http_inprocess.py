@@ -77,6 +77,7 @@ BODY = {
     "max_tokens": 20_000,
     "ignore_eos": True,
     "temperature": 0,
+    "chat_template_kwargs": {"enable_thinking": False},
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
+from .errors import GezelError
 from .prompt import RenderedPrompt
 from .request import GenerationRequest, Priority
 
@@ -21,6 +22,7 @@ __all__ = [
     "Admission",
     "Backend",
     "Captured",
+    "ConstraintCompiler",
     "Detokenizer",
     "ModelInfo",
     "PrefillOut",
@@ -67,6 +69,11 @@ class ModelInfo:
     fingerprint: str = ""
     # Whether sequences may join a batch that is already decoding.
     continuous_batching: bool = True
+    # ``(<think>, </think>)`` token ids and texts when the model thinks in such blocks.
+    think_ids: tuple[int, int] | None = None
+    think_markers: tuple[str, str] | None = None
+    # The tool-call markup family of the chat template (``toolcalls.detect_format``).
+    tool_format: str | None = None
 
 
 @attrs.frozen
@@ -106,6 +113,8 @@ class TokenOut:
     finish: Literal["stop", "length"] | None
     state: Any = None
     state_tokens: tuple[int, ...] = ()
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen
@@ -122,6 +131,19 @@ class StepOutput:
     tokens: tuple[TokenOut, ...] = ()
 
 
+class ConstraintCompiler(Protocol):
+    """Compiles a request's grammar (pure Python and llguidance, any thread)."""
+
+    def compile(
+        self,
+        *,
+        response_format: Any,
+        tools: Any,
+        tool_choice: Any,
+        tool_grammar: Any,
+    ) -> Any: ...
+
+
 class Backend(Protocol):
     @property
     def info(self) -> ModelInfo: ...
@@ -129,12 +151,23 @@ class Backend(Protocol):
     @property
     def renderer(self) -> PromptRenderer: ...
 
+    @property
+    def compiler(self) -> ConstraintCompiler | None:
+        """``None`` when this backend cannot constrain decoding."""
+        ...
+
+    def token_text(self, token: int) -> str:
+        """One token's text, for logprobs."""
+        ...
+
     def detokenizer(self) -> Detokenizer:
         """A fresh streaming detokenizer for one sequence."""
         ...
 
-    def insert(self, admissions: Sequence[Admission]) -> None:
-        """Queue sequences into the batch; they prefill on later steps."""
+    def insert(self, admissions: Sequence[Admission]) -> dict[int, GezelError]:
+        """Queue sequences into the batch; they prefill on later steps.
+        Returns the admissions refused (for example a grammar this model's
+        tokenizer cannot serve), which were not inserted."""
         ...
 
     def remove(self, rids: Sequence[int]) -> dict[int, Captured]:

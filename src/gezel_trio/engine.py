@@ -25,12 +25,12 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from .backend import Backend, ModelInfo, PromptRenderer
+from .backend import Backend, ConstraintCompiler, ModelInfo, PromptRenderer
 from .config import EngineConfig
 from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, SlowConsumer
 from .events import Event, Failed, Finished, Parked, Progress, Queued, Resumed
@@ -39,6 +39,9 @@ from .prompt import RenderedPrompt
 from .prompt_cache import CacheView
 from .request import GenerationRequest
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 __all__ = ["Engine", "EngineState", "RequestHandle", "open_engine", "run_engine"]
 
@@ -151,6 +154,7 @@ class Engine:
         self.config = config
         self._info: ModelInfo | None = None
         self._renderer: PromptRenderer | None = None
+        self._compiler: ConstraintCompiler | None = None
         self._scheduler = Scheduler(
             max_running=config.max_concurrency,
             max_queue=config.max_queue,
@@ -208,6 +212,37 @@ class Engine:
                 band_chars=band_chars,
             )
         )
+
+    async def compile_constraint(
+        self,
+        *,
+        response_format: Any = None,
+        tools: Any = None,
+        tool_choice: Any = None,
+        tool_grammar: Any = None,
+    ) -> Constraint | None:
+        """Compile what a request asks to constrain (T3) on a worker thread;
+        ``None`` when nothing is. Raises ``InvalidRequest`` naming the field
+        for an invalid schema, grammar or tool choice - before any stream."""
+        wants = (
+            (response_format or {}).get("type") in ("json_object", "json_schema")
+            or tool_choice not in (None, "auto", "none")
+            or bool(tool_grammar)
+        )
+        if not wants:
+            return None
+        compiler = self._compiler
+        if compiler is None:
+            raise InvalidRequest("this model cannot constrain decoding", param="response_format")
+        result: Constraint | None = await trio.to_thread.run_sync(
+            lambda: compiler.compile(
+                response_format=response_format,
+                tools=tools,
+                tool_choice=tool_choice,
+                tool_grammar=tool_grammar,
+            )
+        )
+        return result
 
     def check_admission(self) -> None:
         """Raise ``EngineClosed`` or ``QueueFull`` if a request would be refused now."""
@@ -336,9 +371,12 @@ class Engine:
 
     # --- the host thread's side (called through trio.from_thread) ----------
 
-    def ready(self, info: ModelInfo, renderer: PromptRenderer) -> None:
+    def ready(
+        self, info: ModelInfo, renderer: PromptRenderer, compiler: ConstraintCompiler | None
+    ) -> None:
         self._info = info
         self._renderer = renderer
+        self._compiler = compiler
         assert self._task_status is not None
         self._task_status.started(self)
         self._task_status = None

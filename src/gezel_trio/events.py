@@ -46,6 +46,15 @@ class Progress:
 
 
 @attrs.frozen
+class TokenLogprob:
+    """A generated token's text and logprob, and the ``top`` alternatives."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@attrs.frozen
 class Usage:
     input_tokens: int
     output_tokens: int
@@ -66,6 +75,7 @@ class Delta:
     text: str
     tokens: tuple[int, ...]
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen

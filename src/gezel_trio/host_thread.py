@@ -30,10 +30,18 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from .backend import Backend, Captured, Detokenizer, ModelInfo, PromptRenderer, TokenOut
+from .backend import (
+    Backend,
+    Captured,
+    ConstraintCompiler,
+    Detokenizer,
+    ModelInfo,
+    PromptRenderer,
+    TokenOut,
+)
 from .config import EngineConfig
 from .errors import EngineFailure
-from .events import Delta, Event, Failed, Finished, FinishReason, Progress, Usage
+from .events import Delta, Event, Failed, Finished, FinishReason, Progress, TokenLogprob, Usage
 from .persist import DiskCache
 from .prompt_cache import CacheView, PromptCache
 from .request import GenerationRequest, Priority
@@ -107,7 +115,9 @@ class EngineLink(Protocol):
     are called with ``trio.from_thread.run_sync``; ``wait_for_work`` with
     ``trio.from_thread.run``."""
 
-    def ready(self, info: ModelInfo, renderer: PromptRenderer) -> None: ...
+    def ready(
+        self, info: ModelInfo, renderer: PromptRenderer, compiler: ConstraintCompiler | None
+    ) -> None: ...
     def exchange(self, report: StepReport) -> Orders: ...
     async def wait_for_work(self) -> None: ...
 
@@ -167,6 +177,7 @@ class _Host:
         self._reported_version = -1
         self._replies: list[tuple[int, Any]] = []
         self._captures: list[int] = []
+        self._refused: list[tuple[int, Event]] = []
 
     def take_captures(self) -> list[int]:
         out, self._captures = self._captures, []
@@ -194,7 +205,13 @@ class _Host:
                     text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
                 )
-            self.backend.insert(admissions)
+            refused = self.backend.insert(admissions)
+            for rid, err in refused.items():
+                # Refused at insertion (a grammar this tokenizer cannot
+                # serve): the request fails alone, the batch goes on.
+                self.seqs.pop(rid, None)
+                self.cache.cancelled(rid, None)
+                self._refused.append((rid, Failed(err)))
 
     def _run(self, command: HostCommand) -> Any:
         match command:
@@ -214,6 +231,10 @@ class _Host:
             view = self.cache.view()
         replies, self._replies = tuple(self._replies), []
         memory = self.backend.memory_in_use() if self.track_memory else None
+        if self._refused:
+            events = (*self._refused, *events)
+            ended = (*(rid for rid, _ in self._refused), *ended)
+            self._refused = []
         return StepReport(events, ended, replies, view, memory)
 
     def step(self, lane: Priority) -> StepReport:
@@ -272,7 +293,11 @@ class _Host:
         reason: FinishReason | None = "stop" if seq.text.stopped else tok.finish
         if reason is not None:
             text += seq.text.flush()
-        events.append((tok.rid, Delta(text, (tok.token,), seq.usage())))
+        logprobs: tuple[TokenLogprob, ...] = ()
+        if tok.logprob is not None:
+            top = tuple((self.backend.token_text(t), lp) for t, lp in tok.top)
+            logprobs = (TokenLogprob(self.backend.token_text(tok.token), tok.logprob, top),)
+        events.append((tok.rid, Delta(text, (tok.token,), seq.usage(), logprobs)))
         return reason
 
     def _fail_all(self, exc: Exception) -> StepReport:
@@ -326,7 +351,7 @@ def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: Engi
     host: _Host | None = None
     try:
         host = _Host(backend, make_prompt_cache(backend, config), _tracks_memory(config))
-        trio.from_thread.run_sync(link.ready, backend.info, backend.renderer)
+        trio.from_thread.run_sync(link.ready, backend.info, backend.renderer, backend.compiler)
         report = host.report()
         while True:
             orders = trio.from_thread.run_sync(link.exchange, report)
@@ -365,7 +390,7 @@ async def run_host_inline(
     chunks: dict[int, int] = {}
     try:
         host = _Host(backend, make_prompt_cache(backend, config), _tracks_memory(config))
-        link.ready(backend.info, backend.renderer)
+        link.ready(backend.info, backend.renderer, backend.compiler)
         report = host.report()
         while True:
             orders = link.exchange(report)

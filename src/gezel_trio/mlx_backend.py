@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,13 +49,18 @@ from .backend import (
     TokenOut,
 )
 from .config import EngineConfig
-from .errors import ModelLoadError
+from .errors import GezelError, InvalidRequest, ModelLoadError
+from .grammar import Constraint, build_constraint
+from .mlx_constraints import GrammarTokenizer, make_grammar_processor
 from .persist import fingerprint_model_dir
 from .prompt import ChatTemplateRenderer
-from .request import Priority, SamplingParams
+from .request import GenerationRequest, Priority, SamplingParams
 from .text import COMMON_FRAMING_MARKERS
+from .toolcalls import detect_format
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
+
+log = logging.getLogger("gezel_trio.mlx")
 
 Sampler = Any  # Callable[[mx.array], mx.array]
 LogitsProcessor = Any  # Callable[[mx.array, mx.array], mx.array]
@@ -135,6 +141,40 @@ def _make_sampler(p: SamplingParams) -> Sampler:
     return sample
 
 
+def _last_token(tokens: mx.array) -> int | None:
+    last: Any = tokens[-1].item() if tokens.size else None
+    return None if last is None else int(last)
+
+
+def _thinking_budget(budget: int, think_ids: tuple[int, int], inside: bool) -> LogitsProcessor:
+    """Force ``</think>`` once ``budget`` thinking tokens were generated (T4).
+
+    Called before each sampling; from the second call on, the context's last
+    token is the one sampled by the previous call, which is how it tracks
+    whether generation is inside the block and how much it has spent.
+    """
+    start, end = think_ids
+    state = {"inside": inside, "spent": 0, "calls": 0}
+
+    def budget_processor(tokens: mx.array, logits: mx.array) -> mx.array:
+        state["calls"] += 1
+        if state["calls"] > 1:
+            last = _last_token(tokens)
+            if last == start:
+                state["inside"] = True
+            elif last == end:
+                state["inside"] = False
+            elif state["inside"]:
+                state["spent"] += 1
+        if state["inside"] and state["spent"] >= budget:
+            forced = mx.full(logits.shape, -mx.inf, dtype=logits.dtype)
+            forced[:, end] = 0.0
+            return forced
+        return logits
+
+    return budget_processor
+
+
 def _make_processors(
     p: SamplingParams, min_tokens: int, eos_ids: Sequence[int]
 ) -> list[LogitsProcessor]:
@@ -166,6 +206,49 @@ def _make_processors(
 
         procs.append(hold_eos)
     return procs
+
+
+def _think_ids(tokenizer: Any) -> tuple[int, int] | None:
+    try:
+        start, end = tokenizer.think_start_id, tokenizer.think_end_id
+    except (ValueError, AttributeError):
+        return None  # markers that are not single tokens: no budget, no split
+    return (int(start), int(end)) if start is not None and end is not None else None
+
+
+def _opens_thinking(prompt: Sequence[int], think: tuple[int, int]) -> bool:
+    """Whether the prompt leaves generation inside a thinking block."""
+    start, end = think
+    for token in reversed(prompt):
+        if token == end:
+            return False
+        if token == start:
+            return True
+    return False
+
+
+class _Compiler:
+    """``backend.ConstraintCompiler`` over llguidance with this model's vocabulary."""
+
+    def __init__(self, grammar_tok: GrammarTokenizer, *, hermes: bool) -> None:
+        self._llg = grammar_tok.llg
+        self._hermes = hermes
+
+    def compile(
+        self, *, response_format: Any, tools: Any, tool_choice: Any, tool_grammar: Any
+    ) -> Constraint | None:
+        if not self._hermes and (tool_choice not in (None, "auto", "none") or tool_grammar):
+            raise InvalidRequest(
+                "tool-call constraints need a model with a Hermes tool-call template",
+                param="tool_choice",
+            )
+        return build_constraint(
+            response_format=response_format,
+            tools=tools,
+            tool_choice=tool_choice,
+            tool_grammar=tool_grammar,
+            llg_tokenizer=self._llg,
+        )
 
 
 class _Lane:
@@ -218,8 +301,26 @@ class MlxBackend:
             framing_markers=tuple(dict.fromkeys((*special, *COMMON_FRAMING_MARKERS))),
             trimmable=trimmable,
             fingerprint=config.model_fingerprint or fingerprint_model_dir(model_dir),
+            think_ids=_think_ids(tokenizer),
+            think_markers=(
+                (tokenizer.think_start, tokenizer.think_end)
+                if tokenizer.has_thinking and tokenizer.think_end
+                else None
+            ),
+            tool_format=fmt.name if (fmt := detect_format(tokenizer.chat_template)) else None,
         )
         self._renderer = ChatTemplateRenderer(tokenizer)
+        self._vocab_width = int(text_cfg.get("vocab_size") or model_cfg.get("vocab_size") or 0)
+        self._grammar_tok: GrammarTokenizer | None = None
+        try:
+            self._grammar_tok = GrammarTokenizer(tokenizer._tokenizer, eos_ids=eos)
+        except (TypeError, ValueError) as exc:
+            log.warning("constrained decoding unavailable for this tokenizer: %s", exc)
+        self._compiler = (
+            _Compiler(self._grammar_tok, hermes=self._info.tool_format == "hermes")
+            if self._grammar_tok is not None
+            else None
+        )
         self._eos_stops = StopSequences([[e] for e in sorted(eos)])
         self._no_stops = StopSequences()
         # One generator per priority lane: a parked background wave keeps its
@@ -227,6 +328,8 @@ class MlxBackend:
         # interactive lane's generator runs (E3).
         self._lanes: dict[Priority, _Lane] = {}
         self._lane_of: dict[int, _Lane] = {}
+        # Requests that asked for logprobs: how many alternatives each wants.
+        self._logprobs: dict[int, int] = {}
 
     def _new_generator(self) -> BatchGenerator:
         n = self._config.max_concurrency
@@ -246,6 +349,16 @@ class MlxBackend:
     def renderer(self) -> ChatTemplateRenderer:
         return self._renderer
 
+    @property
+    def compiler(self) -> _Compiler | None:
+        return self._compiler
+
+    def token_text(self, token: int) -> str:
+        return str(self._tokenizer.decode([token]))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(tokens)))
+
     def detokenizer(self) -> Detokenizer:
         detok: Detokenizer = self._tokenizer.detokenizer
         return detok
@@ -256,15 +369,50 @@ class MlxBackend:
             lane = self._lanes[priority] = _Lane(self._new_generator())
         return lane
 
-    def insert(self, admissions: Sequence[Admission]) -> None:
-        by_lane: dict[Priority, list[Admission]] = {}
+    def insert(self, admissions: Sequence[Admission]) -> dict[int, GezelError]:
+        failed: dict[int, GezelError] = {}
+        by_lane: dict[Priority, list[tuple[Admission, list[LogitsProcessor]]]] = {}
         for a in admissions:
-            by_lane.setdefault(a.request.priority, []).append(a)
+            try:
+                procs = self._processors(a.request)
+            except GezelError as err:
+                failed[a.rid] = err
+                continue
+            by_lane.setdefault(a.request.priority, []).append((a, procs))
         for priority, group in by_lane.items():
             self._insert(self._lane(priority), group)
+        return failed
 
-    def _insert(self, lane: _Lane, admissions: Sequence[Admission]) -> None:
+    def _processors(self, r: GenerationRequest) -> list[LogitsProcessor]:
         eos = sorted(self._info.eos_ids)
+        # A grammar decides when the output may end; holding EOS back would
+        # leave it nothing to allow once the grammar is complete.
+        min_tokens = 0 if r.constraint is not None else r.min_tokens
+        procs = _make_processors(r.sampling, min_tokens, eos)
+        think = self._info.think_ids
+        inside = think is not None and _opens_thinking(r.prompt, think)
+        if r.max_thinking_tokens is not None and think is not None:
+            procs.append(_thinking_budget(r.max_thinking_tokens, think, inside))
+        if r.constraint is not None:
+            if self._grammar_tok is None:
+                raise InvalidRequest(
+                    "this model cannot constrain decoding", param="response_format"
+                )
+            procs.append(
+                make_grammar_processor(
+                    r.constraint,
+                    self._grammar_tok,
+                    vocab_width=self._vocab_width or self._grammar_tok.vocab_size,
+                    eos_ids=eos,
+                    start_after_token=think[1] if inside and think is not None else None,
+                )
+            )
+        return procs
+
+    def _insert(
+        self, lane: _Lane, group: Sequence[tuple[Admission, list[LogitsProcessor]]]
+    ) -> None:
+        admissions = [a for a, _ in group]
         reqs = [a.request for a in admissions]
         uids = lane.gen.insert_segments(
             [[list(seg) for seg in a.segments] for a in admissions],
@@ -272,13 +420,15 @@ class MlxBackend:
             caches=[a.seed_state for a in admissions],
             all_tokens=[list(a.seed_tokens) for a in admissions],
             samplers=[_make_sampler(r.sampling) for r in reqs],
-            logits_processors=[_make_processors(r.sampling, r.min_tokens, eos) for r in reqs],
+            logits_processors=[procs for _, procs in group],
             stop_sequences=[self._no_stops if r.ignore_eos else self._eos_stops for r in reqs],
         )
         for adm, uid in zip(admissions, uids, strict=True):
             lane.uid_of[adm.rid] = uid
             lane.rid_of[uid] = adm.rid
             self._lane_of[adm.rid] = lane
+            if adm.request.top_logprobs is not None:
+                self._logprobs[adm.rid] = adm.request.top_logprobs
 
     def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
         out = {}
@@ -291,6 +441,7 @@ class MlxBackend:
             for uid in uids:
                 rid = lane.rid_of.pop(uid)
                 self._lane_of.pop(rid, None)
+                self._logprobs.pop(rid, None)
                 if uid in got:
                     state, tokens = got[uid]
                     out[rid] = Captured(list(state), tuple(tokens))
@@ -379,15 +530,34 @@ class MlxBackend:
             if rid is None:
                 continue
             finish: Literal["stop", "length"] | None = r.finish_reason
+            logprob, top = self._token_logprobs(rid, int(r.token), r.logprobs)
             if finish is None:
-                tokens.append(TokenOut(rid, int(r.token), None))
+                tokens.append(TokenOut(rid, int(r.token), None, logprob=logprob, top=top))
                 continue
             state = list(r.prompt_cache) if r.prompt_cache is not None else None
-            tokens.append(TokenOut(rid, int(r.token), finish, state, tuple(r.all_tokens or ())))
+            tokens.append(
+                TokenOut(rid, int(r.token), finish, state, tuple(r.all_tokens or ()), logprob, top)
+            )
+            self._logprobs.pop(rid, None)
             del rid_of[r.uid]
             del lane.uid_of[rid]
             self._lane_of.pop(rid, None)
         return StepOutput(prefill, tuple(tokens))
+
+    def _token_logprobs(
+        self, rid: int, token: int, logprobs: Any
+    ) -> tuple[float | None, tuple[tuple[int, float], ...]]:
+        k = self._logprobs.get(rid)
+        if k is None or logprobs is None:
+            return None, ()
+        chosen = float(logprobs[token].item())
+        if k == 0:
+            return chosen, ()
+        idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
+        ids: Any = idx.tolist()
+        vals: Any = logprobs[idx].tolist()
+        pairs = sorted(zip(ids, vals, strict=True), key=lambda t: -t[1])
+        return chosen, tuple((int(i), float(v)) for i, v in pairs)
 
     def memory_in_use(self) -> int:
         return int(mx.get_active_memory())

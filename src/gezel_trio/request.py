@@ -7,9 +7,12 @@ rendering a conversation into tokens is ``prompt``'s job.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
+
+if TYPE_CHECKING:
+    from .grammar import Constraint
 
 __all__ = ["CacheRequest", "GenerationRequest", "Priority", "SamplingParams"]
 
@@ -76,3 +79,9 @@ class GenerationRequest:
     min_tokens: int = 0
     priority: Priority = "interactive"
     cache: CacheRequest | None = None
+    # Constrained decoding (T3), compiled by ``Engine.compile_constraint``.
+    constraint: Constraint | None = None
+    # Force the end of thinking after this many thinking tokens (T4).
+    max_thinking_tokens: int | None = None
+    # Report each token's logprob and this many alternatives (W2); None: off.
+    top_logprobs: int | None = None

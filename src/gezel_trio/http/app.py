@@ -24,10 +24,22 @@ from quart_trio import QuartTrio
 
 from ..engine import Engine, RequestHandle
 from ..errors import GezelError, InvalidRequest
-from ..events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed, Usage
+from ..events import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Parked,
+    Progress,
+    Queued,
+    Resumed,
+    TokenLogprob,
+    Usage,
+)
 from ..request import CacheRequest, GenerationRequest, SamplingParams
 from .cache_api import add_cache_routes, roster_fingerprint
 from .edge import Forbidden, NotFound, Unauthorized, error_response, json_body
+from .shaping import Shaper, logprobs_body
 from .sse import DONE, chunk, comment, completion, error_body, frame
 from .wire import ChatCompletionRequest, parse_chat_request
 
@@ -66,17 +78,8 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
 def _refuse_unsupported(req: ChatCompletionRequest) -> None:
     """Fields the wire contract names but this build does not serve yet are
     refused loudly rather than ignored."""
-    if req.logprobs:
-        raise InvalidRequest("logprobs are not supported yet", param="logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequest(
-            "response_format json_object/json_schema is not supported yet",
-            param="response_format",
-        )
-    if req.tool_choice not in (None, "auto", "none"):
-        raise InvalidRequest(
-            "only tool_choice 'auto' and 'none' are supported yet", param="tool_choice"
-        )
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     for i, m in enumerate(req.messages):
         if m.has_images():
             raise InvalidRequest(
@@ -177,6 +180,12 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         )
         prompt = rendered.tokens
         max_tokens = engine.bound_max_tokens(len(prompt), req.max_output_tokens)
+        constraint = await engine.compile_constraint(
+            response_format=attrs.asdict(req.response_format) if req.response_format else None,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            tool_grammar=req.tool_grammar,
+        )
         gen = GenerationRequest(
             prompt=prompt,
             max_tokens=max_tokens,
@@ -191,32 +200,45 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
                 band_end=rendered.band_end,
                 roster=roster_fingerprint(req.tools),
             ),
+            constraint=constraint,
+            max_thinking_tokens=req.max_thinking_tokens,
+            top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         )
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             resp = Response(
-                _SseBody(engine, gen, cid, model, include_usage),
+                _SseBody(engine, gen, cid, model, include_usage, parse_tools),
                 mimetype="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
             resp.timeout = None
             return resp
-        return await _complete(engine, gen, cid, model)
+        return await _complete(engine, gen, cid, model, parse_tools)
 
     return app
 
 
-async def _complete(engine: Engine, gen: GenerationRequest, cid: str, model: str) -> Response:
-    parts: list[str] = []
+async def _complete(
+    engine: Engine, gen: GenerationRequest, cid: str, model: str, parse_tools: bool
+) -> Response:
+    shaper = Shaper(engine.info, gen.prompt, tools=parse_tools)
+    logprobs: list[TokenLogprob] = []
     with engine.submit_nowait(gen) as handle:
         async for event in handle:
             match event:
-                case Delta(text=text):
-                    parts.append(text)
+                case Delta(text=text, logprobs=lps):
+                    shaper.feed(text)
+                    logprobs += lps
                 case Finished(reason=reason, usage=usage):
-                    body = completion(cid, model, "".join(parts), reason, usage)
+                    shaper.finish()
+                    body = completion(
+                        cid, model, shaper.message(), shaper.finish_reason(reason), usage
+                    )
+                    if gen.top_logprobs is not None:
+                        body["choices"][0]["logprobs"] = logprobs_body(logprobs)
                     return Response(json.dumps(body), mimetype="application/json")
                 case Failed(error=error):
                     raise error
@@ -235,8 +257,16 @@ class _SseBody:
     """
 
     def __init__(
-        self, engine: Engine, gen: GenerationRequest, cid: str, model: str, include_usage: bool
+        self,
+        engine: Engine,
+        gen: GenerationRequest,
+        cid: str,
+        model: str,
+        include_usage: bool,
+        parse_tools: bool,
     ) -> None:
+        self._shaper = Shaper(engine.info, gen.prompt, tools=parse_tools)
+        self._logprobs: list[TokenLogprob] = []
         self._engine = engine
         self._gen = gen
         self._cid = cid
@@ -291,10 +321,14 @@ class _SseBody:
                 self._pending.append(comment("parked"))
             case Resumed():
                 self._pending.append(comment("resumed"))
-            case Delta(text=text, usage=usage) if text:
-                self._pending.append(self._chunk({"content": text}, None, usage))
+            case Delta(text=text, usage=usage, logprobs=lps):
+                self._logprobs += lps
+                for delta in self._shaper.feed(text):
+                    self._pending.append(self._chunk(delta, None, usage))
             case Finished(reason=reason, usage=usage):
-                self._pending.append(self._chunk({}, reason, usage))
+                for delta in self._shaper.finish():
+                    self._pending.append(self._chunk(delta, None, usage))
+                self._pending.append(self._chunk({}, self._shaper.finish_reason(reason), usage))
                 if self._include_usage:
                     body = chunk(self._cid, self._model, self._created, {}, None, usage)
                     body["choices"] = []
@@ -306,7 +340,13 @@ class _SseBody:
                 self._finish()
 
     def _chunk(self, delta: dict[str, Any], reason: str | None, usage: Usage | None) -> bytes:
-        return frame(chunk(self._cid, self._model, self._created, delta, reason, usage))
+        body = chunk(self._cid, self._model, self._created, delta, reason, usage)
+        if self._gen.top_logprobs is not None and self._logprobs:
+            # Logprobs ride on the next chunk out: text held back (a possible
+            # marker) delays them, never drops them.
+            body["choices"][0]["logprobs"] = logprobs_body(self._logprobs)
+            self._logprobs = []
+        return frame(body)
 
     def _finish(self) -> None:
         self._pending.append(DONE)

@@ -69,7 +69,9 @@ def chunk(
     }
 
 
-def completion(cid: str, model: str, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+def completion(
+    cid: str, model: str, message: dict[str, Any], finish_reason: str, usage: Usage
+) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion",
@@ -78,7 +80,7 @@ def completion(cid: str, model: str, text: str, finish_reason: str, usage: Usage
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "finish_reason": finish_reason,
                 "logprobs": None,
             }

@@ -28,7 +28,7 @@ from ..backend import (
     StepOutput,
     TokenOut,
 )
-from ..errors import InvalidRequest
+from ..errors import GezelError, InvalidRequest
 from ..prompt import RenderedPrompt
 from ..request import GenerationRequest, Priority
 
@@ -170,8 +170,19 @@ class ScriptedBackend:
     def decode(self, tokens: Sequence[int]) -> str:
         return "".join(chr(t) for t in tokens)
 
-    def insert(self, admissions: Sequence[Admission]) -> None:
+    @property
+    def compiler(self) -> None:
+        return None  # no grammar support: constrained requests are refused
+
+    def token_text(self, token: int) -> str:
+        return chr(token)
+
+    def insert(self, admissions: Sequence[Admission]) -> dict[int, GezelError]:
+        failed: dict[int, GezelError] = {}
         for a in admissions:
+            if a.request.constraint is not None:
+                failed[a.rid] = InvalidRequest("the scripted backend has no grammar support")
+                continue
             segments = [list(s) for s in a.segments if s]
             held = list(a.seed_tokens)
             if a.seed_state is not None:
@@ -184,6 +195,7 @@ class ScriptedBackend:
                 total=sum(len(s) for s in segments),
                 script=list(self.script(a.rid, a.request)),
             )
+        return failed
 
     def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
         out = {}
