@@ -27,6 +27,7 @@ def chat(cache_id: str, user: str, **extra: Any) -> dict[str, Any]:
         "max_tokens": 3,
         "temperature": 0,
         "cache_id": cache_id,
+        "chat_template_kwargs": {"enable_thinking": False},
         **extra,
     }
 
