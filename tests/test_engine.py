@@ -253,3 +253,29 @@ async def test_closing_fails_live_requests_with_engine_closed(dense_model: Path)
                 engine.submit_nowait(greedy(prompt, 5))
         assert [type(e) for e in events] == [Failed, Failed]
         assert all(isinstance(e, Failed) and isinstance(e.error, EngineClosed) for e in events)
+
+
+async def test_thinking_budget_is_respected_to_the_token(any_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with open_engine(EngineConfig(model=any_model)) as engine:
+            think = engine.info.think_ids
+            assert think is not None
+            rendered = await engine.render_chat(
+                [{"role": "user", "content": "Think first."}],
+                template_kwargs={"enable_thinking": True},
+            )
+            assert rendered.tokens[-2:][-1] == think[0] or think[0] in rendered.tokens[-3:]
+            for budget in (0, 1, 7):
+                req = GenerationRequest(
+                    rendered.tokens,
+                    budget + 6,
+                    SamplingParams(temperature=1.0, seed=budget),
+                    ignore_eos=True,
+                    max_thinking_tokens=budget,
+                )
+                tokens: list[int] = []
+                with engine.submit_nowait(req) as handle:
+                    async for event in handle:
+                        if isinstance(event, Delta):
+                            tokens += event.tokens
+                assert tokens.index(think[1]) == budget

@@ -70,6 +70,7 @@ def start_server(model: Path, *args: str) -> Server:
 
 
 def stop_server(server: Server) -> int:
+    server.client.close()
     server.proc.send_signal(signal.SIGTERM)
     try:
         return server.proc.wait(timeout=30)
