@@ -129,6 +129,8 @@ class PromptCache:
         pins = [k for k in {cr.cache_id, entry.key if entry else None} if k]
         for key in pins:
             self.store.pin(key)
+        if pins:
+            self.version += 1
         seed_state: Any = None
         seed_tokens: tuple[int, ...] = ()
         reuse = plan.reuse if entry is not None else 0
@@ -351,6 +353,8 @@ class PromptCache:
     def _release(self, seq: _Seq) -> None:
         for key in seq.pins:
             self.store.unpin(key)
+        if seq.pins:
+            self.version += 1  # the published view shows pins
         seq.pins = []
 
     # --- storage -----------------------------------------------------------
