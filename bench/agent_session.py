@@ -112,7 +112,8 @@ MODELS = ("dense", "hybrid")
 SESSION_ID = "agent-session"
 _STARTUP_TIMEOUT_S = 180.0
 _REQUEST_TIMEOUT_S = 600.0
-_STOP_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 60.0  # gezel: drain + flush to disk
+_MLX_STOP_TIMEOUT_S = 10.0  # mlx_lm.server often hangs on SIGINT: then SIGKILL
 _MAX_BIAS = 1024  # gezel's MAX_LOGIT_BIAS
 
 # --- the session's text ------------------------------------------------------
@@ -412,14 +413,14 @@ def _free_port() -> int:
         return port
 
 
-def _stop(proc: subprocess.Popen[Any], sig: signal.Signals) -> int | None:
+def _stop(proc: subprocess.Popen[Any], sig: signal.Signals, timeout: float) -> int | None:
     """``sig`` (a graceful drain), then SIGKILL if it hangs; the exit code
     (None: it had to be killed)."""
     if proc.poll() is not None:
         return proc.returncode
     proc.send_signal(sig)
     try:
-        return proc.wait(timeout=_STOP_TIMEOUT_S)
+        return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -515,7 +516,7 @@ def gezel_server(
             yield server
     finally:
         t0 = time.monotonic()
-        code = _stop(proc, signal.SIGTERM)
+        code = _stop(proc, signal.SIGTERM, _STOP_TIMEOUT_S)
         if server is not None:
             server.exit_code, server.stop_s = code, time.monotonic() - t0
 
@@ -523,7 +524,8 @@ def gezel_server(
 @contextlib.contextmanager
 def mlx_server(model_dir: Path, log: Path, args: argparse.Namespace) -> Iterator[Server]:
     """Start ``mlx_lm server`` on a free port; yield once ``/health`` answers
-    (bounded polling); always stop it (SIGINT, then SIGKILL)."""
+    (bounded polling); always stop it (SIGINT, then SIGKILL after
+    ``_MLX_STOP_TIMEOUT_S``; its prompt cache lives in memory only)."""
     port = _free_port()
     cmd = [
         sys.executable, "-m", "mlx_lm", "server",
@@ -555,7 +557,7 @@ def mlx_server(model_dir: Path, log: Path, args: argparse.Namespace) -> Iterator
             yield server
     finally:
         t0 = time.monotonic()
-        code = _stop(proc, signal.SIGINT)
+        code = _stop(proc, signal.SIGINT, _MLX_STOP_TIMEOUT_S)
         if server is not None:
             server.exit_code, server.stop_s = code, time.monotonic() - t0
 
@@ -574,12 +576,16 @@ class Reply:
 
 
 def _delta_text(delta: dict[str, Any]) -> str:
-    text = ""
-    for key in ("reasoning_content", "reasoning", "content"):
-        value = delta.get(key)
-        if isinstance(value, str):
-            text += value
-    return text
+    """The generated text of one delta. gezel sends reasoning under both
+    ``reasoning_content`` and ``reasoning`` (the same text twice);
+    ``mlx_lm.server`` under ``reasoning``."""
+    reasoning = delta.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = delta.get("reasoning")
+    content = delta.get("content")
+    return (reasoning if isinstance(reasoning, str) else "") + (
+        content if isinstance(content, str) else ""
+    )
 
 
 def stream_chat(
