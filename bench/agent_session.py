@@ -896,6 +896,14 @@ def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
             f"{_fmt(p['median_ttft_turns_2_n'])}s, restart turn: cached "
             f"{p['restart_cached']}/{p['restart_prompt']}, TTFT {_fmt(p['restart_ttft'])}s"
         )
+        run = runs[system]
+        codes = ", ".join("killed" if c is None else str(c) for c in run.stop_exit_codes)
+        rows.append(
+            f"  {system} stops: exit {codes} after "
+            + ", ".join(f"{x:.1f}s" for x in run.stop_seconds)
+            + "; startups "
+            + ", ".join(f"{x:.1f}s" for x in run.startup_seconds)
+        )
     r = summ.get("ratios")
     if r:
         rows.append(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -279,3 +280,33 @@ async def test_thinking_budget_is_respected_to_the_token(any_model: Path) -> Non
                         if isinstance(event, Delta):
                             tokens += event.tokens
                 assert tokens.index(think[1]) == budget
+
+
+async def test_template_fallback_rungs_and_linkage_probe(dense_model: Path) -> None:
+    async with open_engine(EngineConfig(model=dense_model)) as engine:
+        strict = (
+            "{% if reasoning_effort is defined %}{{ raise_exception('no effort') }}{% endif %}"
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        )
+        msgs = [{"role": "user", "content": "hi"}]
+        plain = await engine.render_chat(msgs, template_override=strict)
+        fallback = await engine.render_chat(
+            msgs, template_override=strict, template_kwargs={"reasoning_effort": "high"}
+        )
+        assert fallback.tokens == plain.tokens  # rendered without the rejected kwarg
+        with pytest.raises(InvalidRequest) as info:
+            await engine.render_chat(msgs, template_override="{{ raise_exception('broken') }}")
+        assert info.value.param == "messages"
+        # The demo template keeps unlinked tool results, so ids are not passed.
+        linked = "{% for m in messages %}{{ m.tool_call_id or '' }}{{ m.content }}\n{% endfor %}"
+        tool_round = [
+            {"role": "user", "content": "q"},
+            {"role": "tool", "tool_call_id": "call_9", "content": "r"},
+        ]
+        rendered = await engine.render_chat(tool_round, template_override=linked)
+        assert "call_9" not in engine_text(engine, rendered.tokens)
+
+
+def engine_text(engine: Engine, tokens: tuple[int, ...]) -> str:
+    renderer: Any = engine.renderer
+    return str(renderer._tokenizer.decode(list(tokens)))

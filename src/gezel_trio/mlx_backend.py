@@ -79,7 +79,7 @@ _CACHE_CLASSES: dict[str, Any] = {
 }
 
 # Added tokens that are content, not framing: later layers parse them.
-_CONTENT_MARKERS = ("tool_call", "tool_response", "think")
+_CONTENT_MARKERS = ("tool_call", "tool_response", "think", "TOOL_CALLS", "ARGS")
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:

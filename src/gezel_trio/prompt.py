@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
 from .errors import InvalidRequest
+
+log = logging.getLogger("gezel_trio.prompt")
 
 __all__ = ["ChatTemplateRenderer", "RenderedPrompt"]
 
@@ -44,11 +47,35 @@ def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": prepared}
 
 
+# Template kwargs that tune reasoning depth; the first to go when a template
+# rejects the kwargs it was given.
+_REASONING_DEPTH_KEYS = ("reasoning_effort", "reasoning_budget", "thinking_budget", "thinking")
+_PROBE_RESULT = "gezel-probe-tool-result-7f3a"
+
+
+def _strip_linkage(message: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in message.items() if k != "tool_call_id"}
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {k: v for k, v in call.items() if k != "id"} for call in out["tool_calls"]
+        ]
+    return out
+
+
 class ChatTemplateRenderer:
-    """Implements ``backend.PromptRenderer`` over a tokenizer with a chat template."""
+    """Implements ``backend.PromptRenderer`` over a tokenizer with a chat template.
+
+    ``tool_calls`` ids and ``tool_call_id`` are passed only to templates that
+    need them: a probe render, once per template, shows whether the template
+    drops a tool result that is not linked to its call (T1). When a template
+    rejects the kwargs, rendering falls back in rungs - without the
+    reasoning-depth kwargs, without any kwargs, and last, logged loudly,
+    without the tools - rather than failing the turn.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
+        self._needs_linkage: dict[str, bool] = {}
 
     def render(
         self,
@@ -59,33 +86,95 @@ class ChatTemplateRenderer:
         template_override: str | None,
         band_chars: int | None = None,
     ) -> RenderedPrompt:
-        kwargs: dict[str, Any] = {"enable_thinking": True, **template_kwargs}
-        if template_override is not None:
-            kwargs["chat_template"] = template_override
-        elif not getattr(self._tokenizer, "chat_template", None):
+        template = template_override or getattr(self._tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequest(
                 "this model has no chat template; send chat_template_override",
                 param="chat_template_override",
             )
-        try:
-            text = self._tokenizer.apply_chat_template(
-                [_prepare_message(m) for m in messages],
-                tools=list(tools) if tools else None,
-                add_generation_prompt=True,
-                tokenize=False,
-                **kwargs,
-            )
-        except Exception as exc:  # jinja2 and transformers raise assorted types
+        prepared = [_prepare_message(m) for m in messages]
+        if not self._linkage_needed(template, template_override):
+            prepared = [_strip_linkage(m) for m in prepared]
+        kwargs: dict[str, Any] = {"enable_thinking": True, **template_kwargs}
+        depthless = {k: v for k, v in kwargs.items() if k not in _REASONING_DEPTH_KEYS}
+        rungs: list[tuple[dict[str, Any], Sequence[dict[str, Any]] | None, str]] = [
+            (kwargs, tools, ""),
+            (depthless, tools, "without reasoning-depth kwargs"),
+            ({}, tools, "without chat_template_kwargs"),
+            ({}, None, "WITHOUT TOOLS"),
+        ]
+        first_error: Exception | None = None
+        text: str | None = None
+        for rung_kwargs, rung_tools, label in rungs:
+            if label and rung_kwargs == kwargs and rung_tools == tools:
+                continue
+            if label == "WITHOUT TOOLS" and not tools:
+                break
+            try:
+                text = self._apply(prepared, rung_tools, rung_kwargs, template_override)
+            except Exception as exc:  # jinja2 and transformers raise assorted types
+                first_error = first_error or exc
+                continue
+            if label:
+                level = logging.WARNING if rung_tools is None else logging.INFO
+                log.log(level, "chat template rejected the request's kwargs; rendered %s", label)
+            break
+        if text is None:
+            error = first_error or RuntimeError("no render")
             raise InvalidRequest(
-                f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
+                "the chat template could not render these messages: "
+                f"{type(error).__name__}: {error}",
                 param="messages",
-            ) from exc
-        if not isinstance(text, str):
-            raise InvalidRequest("the chat template did not produce text", param="messages")
+            ) from error
         if not band_chars:
             ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
             return RenderedPrompt(tuple(ids))
         return self._with_band(text, messages, band_chars)
+
+    def _apply(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        template_override: str | None,
+    ) -> str:
+        extra = dict(kwargs)
+        if template_override is not None:
+            extra["chat_template"] = template_override
+        text = self._tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=True,
+            tokenize=False,
+            **extra,
+        )
+        if not isinstance(text, str):
+            raise TypeError("the chat template did not produce text")
+        return text
+
+    def _linkage_needed(self, template: str, override: str | None) -> bool:
+        """Render a tool round without ids once per template: if the result
+        vanishes, the template links results to calls and needs the ids."""
+        cached = self._needs_linkage.get(template)
+        if cached is not None:
+            return cached
+        probe: list[dict[str, Any]] = [
+            {"role": "user", "content": "probe"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "probe", "arguments": {}}}
+                ],
+            },
+            {"role": "tool", "content": _PROBE_RESULT},
+        ]
+        try:
+            needed = _PROBE_RESULT not in self._apply(probe, None, {}, override)
+        except Exception:  # a template that cannot render unlinked calls needs links
+            needed = True
+        self._needs_linkage[template] = needed
+        return needed
 
     def _with_band(
         self, text: str, messages: Sequence[dict[str, Any]], band_chars: int
