@@ -438,6 +438,9 @@ def ttft_round(
         r = b.log.comment_time("resumed")
         if p is not None and r is not None:
             parked.append(r - p)
+    ended = sum(1 for b in bgs if b.log.finished is not None and b.log.finished < end)
+    if ended:
+        notes.append(f"{ended} background stream(s) finished before the interactive one ended")
     if system == "gezel" and len(parked) < len(bgs):
         notes.append(f"{len(bgs) - len(parked)} background stream(s) showed no parked/resumed")
     return TtftRound(

@@ -20,6 +20,7 @@ in ``finally`` and on the cancellation path.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from .grammar import Constraint
 
 __all__ = ["Engine", "EngineState", "RequestHandle", "open_engine", "run_engine"]
+
+log = logging.getLogger("gezel_trio.engine")
 
 # Events per request beyond one per generated token: prefill progress and the
 # final event. A reader that falls further behind than this is dropped rather
@@ -96,6 +99,23 @@ class _Live:
     send: trio.MemorySendChannel[Event]
     ticket: _Ticket
     position: int | None = None
+    logged_at: float = float("-inf")
+
+
+_LIVENESS_LOG_EVERY = 5.0
+
+
+def _describe(event: Event) -> str:
+    match event:
+        case Progress(done=done, total=total):
+            return f"prefill {done}/{total}"
+        case Queued(position=position):
+            return f"queued at position {position}"
+        case Parked():
+            return "parked for interactive work"
+        case Resumed():
+            return "resumed"
+    return type(event).__name__
 
 
 class RequestHandle:
@@ -413,6 +433,16 @@ class Engine:
             left_at = self._withdrawn.pop(rid, self._step)
             self._removals.append(Removal(rid, left_at, self._step))
         admit = tuple((rid, self._live[rid].request) for rid in plan.admit)
+        for rid, request in admit:
+            log.info(
+                "admit request %d priority=%s prompt=%d max_tokens=%d running=%d queued=%d",
+                rid,
+                request.priority,
+                len(request.prompt),
+                request.max_tokens,
+                len(self._scheduler.running),
+                len(self._scheduler.queued),
+            )
         stop = cancelled or (self._closing and self._scheduler.idle)
         commands, self._commands = tuple(self._commands), []
         self._notify()
@@ -449,6 +479,8 @@ class Engine:
         live = self._live.get(rid)
         if live is None:
             return
+        if isinstance(event, Progress | Queued | Parked | Resumed):
+            self._log_liveness(rid, live, event)
         try:
             live.send.send_nowait(event)
         except trio.WouldBlock:
@@ -459,6 +491,17 @@ class Engine:
             self._withdraw(rid)
         except trio.BrokenResourceError:
             self._withdraw(rid)  # the reader closed its end: the client left
+
+    def _log_liveness(self, rid: int, live: _Live, event: Event) -> None:
+        """The same liveness the stream shows, in the log (E6); prefill
+        progress at most every few seconds per request."""
+        now = trio.current_time()
+        if isinstance(event, Progress):
+            if now - live.logged_at < _LIVENESS_LOG_EVERY and event.done < event.total:
+                return
+            live.logged_at = now
+        cache_id = live.request.cache.cache_id if live.request.cache else None
+        log.info("request %d cache_id=%s %s", rid, cache_id or "-", _describe(event))
 
     def _withdraw(self, rid: int) -> None:
         where = self._scheduler.withdraw(rid)
