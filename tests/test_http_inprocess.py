@@ -22,7 +22,9 @@ HANG = 60
 
 
 @asynccontextmanager
-async def served(model: Path, **engine_kw: Any) -> AsyncIterator[tuple[Engine, str]]:
+async def served(
+    model: Path, settings: HttpSettings | None = None, **engine_kw: Any
+) -> AsyncIterator[tuple[Engine, str]]:
     async with open_engine(EngineConfig(model=model, **engine_kw)) as engine:  # type: ignore[arg-type]
         config = Config()
         config.bind = ["127.0.0.1:0"]
@@ -32,7 +34,7 @@ async def served(model: Path, **engine_kw: Any) -> AsyncIterator[tuple[Engine, s
             binds = await nursery.start(
                 partial(
                     serve,
-                    create_app(engine, HttpSettings()),
+                    create_app(engine, settings or HttpSettings()),
                     config,
                     shutdown_trigger=shutdown.wait,
                 )
@@ -124,3 +126,26 @@ async def test_queue_overflow_is_429_with_retry_after(dense_model: Path) -> None
                 assert r.status_code == 429
                 assert r.headers["Retry-After"] == "1"
                 assert r.json()["error"]["code"] == "queue_full"
+
+
+async def test_api_key_guards_every_route_but_health(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        settings = HttpSettings(api_key="s3cret")
+        async with (
+            served(dense_model, settings) as (_engine, url),
+            httpx.AsyncClient(base_url=url) as client,
+        ):
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/v1/models")).status_code == 401
+            wrong = {"Authorization": "Bearer nope"}
+            assert (await client.get("/v1/cache/stats", headers=wrong)).status_code == 401
+            right = {"Authorization": "Bearer s3cret"}
+            assert (await client.get("/v1/models", headers=right)).status_code == 200
+
+
+async def test_foreign_host_header_is_refused_on_loopback(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as c:
+            r = await c.get("/v1/models", headers={"Host": "evil.example:8080"})
+            assert r.status_code == 403
+            assert (await c.get("/v1/models", headers={"Host": "localhost:1"})).status_code == 200
