@@ -19,11 +19,13 @@ What one session is
     tool round. With the Qwen3-style template of the demo models, a new user
     message makes every earlier assistant turn drop its ``<think>`` block, so
     that turn re-renders the history and no prefix cache can reuse past the
-    first assistant turn: it is a re-prefill by construction, for both systems.
+    end of the first user message: it is a large re-prefill by construction,
+    for both systems (and a full one for a cache that cannot rewind to there).
     After turn ``--turns`` (default 10) the server is stopped and started again
     on the same ``--persist-dir`` (gezel: SIGTERM, which flushes its prompt
-    cache to disk; ``mlx_lm.server`` keeps its cache in memory only), and one
-    more tool round is sent: the "restart" turn.
+    cache to disk; ``mlx_lm.server`` keeps its cache in memory only and gets
+    SIGINT, then SIGKILL after 10 s), and one more tool round is sent: the
+    "restart" turn.
 
 Both systems, one after the other (never together), on the same model:
 
@@ -48,9 +50,9 @@ when replayed, and EOS is never chosen (``--no-word-bias`` turns this off).
 Both servers strip a reply's leading whitespace, while the first generated
 token is then a " word" token; the replay puts that one space back, so the
 history holds exactly the generated tokens, as it would with a trained model
-whose reply after ``<think>\n`` does not start with a space
-(``--replay-as-returned`` replays the stripped text instead, which costs both
-systems the previous reply's tokens on every turn).
+(whose reply after the ``<think>`` line does not start with a space).
+``--replay-as-returned`` replays the stripped text instead, which costs both
+systems the previous reply's tokens on every turn.
 
 Per turn and system
     ``prompt``  = ``usage.prompt_tokens``;

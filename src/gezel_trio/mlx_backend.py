@@ -54,6 +54,7 @@ from .grammar import Constraint, build_constraint
 from .mlx_constraints import GrammarTokenizer, make_grammar_processor
 from .persist import fingerprint_model_dir
 from .prompt import ChatTemplateRenderer
+from .reasoning import prompt_opens_thinking_tokens
 from .request import GenerationRequest, Priority, SamplingParams
 from .text import COMMON_FRAMING_MARKERS
 from .toolcalls import detect_format
@@ -214,17 +215,6 @@ def _think_ids(tokenizer: Any) -> tuple[int, int] | None:
     except (ValueError, AttributeError):
         return None  # markers that are not single tokens: no budget, no split
     return (int(start), int(end)) if start is not None and end is not None else None
-
-
-def _opens_thinking(prompt: Sequence[int], think: tuple[int, int]) -> bool:
-    """Whether the prompt leaves generation inside a thinking block."""
-    start, end = think
-    for token in reversed(prompt):
-        if token == end:
-            return False
-        if token == start:
-            return True
-    return False
 
 
 class _Compiler:
@@ -390,7 +380,7 @@ class MlxBackend:
         min_tokens = 0 if r.constraint is not None else r.min_tokens
         procs = _make_processors(r.sampling, min_tokens, eos)
         think = self._info.think_ids
-        inside = think is not None and _opens_thinking(r.prompt, think)
+        inside = think is not None and prompt_opens_thinking_tokens(r.prompt, think)
         if r.max_thinking_tokens is not None and think is not None:
             procs.append(_thinking_budget(r.max_thinking_tokens, think, inside))
         if r.constraint is not None:

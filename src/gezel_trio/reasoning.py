@@ -26,6 +26,7 @@ The rules, for one generation:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import attrs
@@ -40,6 +41,7 @@ __all__ = [
     "ReasoningEvent",
     "ReasoningSplitter",
     "prompt_opens_thinking",
+    "prompt_opens_thinking_tokens",
 ]
 
 
@@ -69,6 +71,18 @@ _THINK_LEAD = 1  # inside the block, before its first visible character
 _THINK = 2
 _ANSWER_LEAD = 3  # after the block, before the answer's first visible character
 _ANSWER = 4
+
+
+def prompt_opens_thinking_tokens(prompt: Sequence[int], think_ids: tuple[int, int]) -> bool:
+    """The token-level twin of ``prompt_opens_thinking``: whether the last
+    think marker in the prompt is an opening one."""
+    start, end = think_ids
+    for token in reversed(prompt):
+        if token == end:
+            return False
+        if token == start:
+            return True
+    return False
 
 
 class ReasoningSplitter:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..backend import ModelInfo
 from ..events import TokenLogprob
-from ..reasoning import Reasoning, ReasoningSplitter
+from ..reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
 from ..toolcalls import (
     HERMES,
     MISTRAL,
@@ -34,16 +34,6 @@ __all__ = ["Shaper", "logprobs_body"]
 _FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL)}
 
 
-def _opens_thinking(prompt: tuple[int, ...], think: tuple[int, int]) -> bool:
-    start, end = think
-    for token in reversed(prompt):
-        if token == end:
-            return False
-        if token == start:
-            return True
-    return False
-
-
 class Shaper:
     """Text in, OpenAI ``delta`` dicts out; ``message()`` for non-streaming."""
 
@@ -51,7 +41,7 @@ class Shaper:
         self._reasoning: ReasoningSplitter | None = None
         if info.think_markers is not None and info.think_ids is not None:
             start, end = info.think_markers
-            inside = _opens_thinking(prompt, info.think_ids)
+            inside = prompt_opens_thinking_tokens(prompt, info.think_ids)
             self._reasoning = ReasoningSplitter(start, end, starts_inside=inside)
         fmt = _FORMATS.get(info.tool_format or "") if tools else None
         # Unknown template families stream content untouched: markers are
