@@ -859,8 +859,8 @@ def summary(runs: dict[str, SystemRun], turns: int) -> dict[str, Any]:
 def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
     systems = [s for s in SYSTEMS if s in runs]
     n_max = max((t.turn for r in runs.values() for t in r.turns), default=0)
-    head1 = f"{'':<4}{'':<22}"
-    head2 = f"{'turn':<4}{'request':<22}"
+    head1 = f"{'':<5}{'':<22}"
+    head2 = f"{'turn':<5}{'request':<22}"
     for s in systems:
         head1 += f" | {s:^44}"
         head2 += f" | {'prompt':>6}{'cached':>7}{'prefill':>8}{'min':>6}{'TTFT s':>8}{'total s':>9}"
@@ -870,6 +870,7 @@ def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
         else:
             head1 += f"{'':<4}"
             head2 += f"{'gen':>4}"
+    head2 = head2.rstrip()
     rows = [f"model: {model}", head1.rstrip(), head2, "-" * len(head2)]
     for n in range(1, n_max + 1):
         label = ""
@@ -887,7 +888,7 @@ def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
             )
             if s == "gezel":
                 row += f"  {t.cache_decision:<20}"
-        rows.append((f"{n:<4}{label:<22}" + row).rstrip())
+        rows.append((f"{n:<5}{label:<22}" + row).rstrip())
     summ = summary(runs, turns)
     rows.append("")
     for system in systems:

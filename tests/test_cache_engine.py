@@ -136,6 +136,7 @@ async def test_multi_turn_session_prefills_only_what_is_new(kind: str, model: Pa
             t1 = await turn(engine, words, messages, cache_id="s")
             assert t1.usage.cached_tokens == 0
             previous = t1
+            exact_replays = 0
             for n, thinking in enumerate([True, False, True], start=1):
                 messages += tool_round(words, previous, n)
                 t = await turn(engine, words, messages, thinking=thinking, cache_id="s")
@@ -145,11 +146,17 @@ async def test_multi_turn_session_prefills_only_what_is_new(kind: str, model: Pa
                     expected = min(common_prefix(held, t.prompt), len(t.prompt) - 1)
                     assert t.usage.cached_tokens == expected
                     assert expected >= len(held) - SNAPSHOT_MARGIN
+                elif common_prefix(held, t.prompt) == len(held):
+                    # The replay is exact: the post-generation state serves.
+                    assert t.usage.cached_tokens == len(held)
+                    exact_replays += 1
                 else:
                     # The planted snapshot: the previous prompt minus the margin.
                     assert t.usage.cached_tokens == len(previous.prompt) - SNAPSHOT_MARGIN
                 assert t.usage.input_tokens == len(t.prompt)
                 previous = t
+            if kind == "hybrid":
+                assert exact_replays >= 1, "a tool loop reuses the post-generation state"
 
 
 async def test_plain_client_reuses_the_longest_cached_prefix(kind: str, model: Path) -> None:

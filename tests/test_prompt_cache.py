@@ -114,7 +114,7 @@ def test_dense_session_saves_post_generation_state_and_trims() -> None:
     assert h.run(request(P2, cache_id="s")) == len(P1)
 
 
-def test_hybrid_session_saves_the_planted_snapshot() -> None:
+def test_hybrid_session_keeps_post_generation_state_and_the_snapshot() -> None:
     h = Harness(trimmable=False)
     rid, adm, _ = h.start(request(P1, cache_id="s"))
     assert [len(s) for s in adm.segments] == [len(P1) - SNAPSHOT_MARGIN, SNAPSHOT_MARGIN]
@@ -122,21 +122,43 @@ def test_hybrid_session_saves_the_planted_snapshot() -> None:
     h.cache.finished(rid, cap((*P1, 900), False))
     entry = h.cache.store.peek("s")
     assert entry is not None
-    assert entry.tokens == P1[: len(P1) - SNAPSHOT_MARGIN]
+    assert entry.tokens == (*P1, 900)
+    assert [t for t, _ in entry.alternates] == [P1[: len(P1) - SNAPSHOT_MARGIN]]
+    # A tool loop replays the reply exactly: the post-generation state serves.
+    replay = (*P1, 900, *range(300, 340))
+    assert h.run(request(replay, cache_id="s")) == len(P1) + 1
+
+
+def test_hybrid_turn_that_rerenders_the_reply_uses_the_snapshot() -> None:
+    h = Harness(trimmable=False)
+    h.run(request(P1, cache_id="s"))
     assert h.run(request(P2, cache_id="s")) == len(P1) - SNAPSHOT_MARGIN
 
 
-def test_unsound_snapshot_is_dropped_and_the_old_entry_kept() -> None:
+def test_older_snapshots_serve_a_turn_that_rewrites_history() -> None:
     h = Harness(trimmable=False)
     h.run(request(P1, cache_id="s"))
-    before = h.cache.store.peek("s")
-    assert before is not None
+    h.run(request(P2, cache_id="s"))
+    # A new user message re-renders turn 1's reply (reasoning dropped): the
+    # prompt now diverges inside turn 1, before turn 2's snapshot - but after
+    # turn 1's, which the entry still holds.
+    rewritten = (*P1[:90], 4242, *range(600, 700))
+    assert h.run(request(rewritten, cache_id="s")) == len(P1) - SNAPSHOT_MARGIN
+
+
+def test_unsound_snapshot_is_never_kept() -> None:
+    h = Harness(trimmable=False)
+    h.run(request(P1, cache_id="s"))
     rid, adm, _ = h.start(request(P2, cache_id="s"))
     boundary = len(adm.seed_tokens) + len(adm.segments[0])
     wrong = (*P2[: boundary - 1], 7777)  # a state that is not the prompt's prefix
     h.cache.captured(rid, len(adm.segments[0]), cap(wrong, False))
     h.cache.finished(rid, cap((*P2, 1), False))
-    assert h.cache.store.peek("s") is before
+    entry = h.cache.store.peek("s")
+    assert entry is not None
+    assert all(t != wrong for t, _ in entry.alternates)
+    # Turn 1's snapshot, still a prefix of this prompt, stays as the fallback.
+    assert [len(t) for t, _ in entry.alternates] == [len(P1) - SNAPSHOT_MARGIN]
 
 
 def test_divergent_untrimmable_entry_falls_back_to_the_prefix() -> None:
@@ -170,7 +192,8 @@ def test_band_snapshot_is_published_as_the_prefix() -> None:
     assert band.tokens == P1[: band_end - SNAPSHOT_MARGIN]
     session = h.cache.store.peek("a")
     assert session is not None
-    assert len(session.tokens) == len(P1) - SNAPSHOT_MARGIN
+    assert session.tokens == (*P1, 1)
+    assert [len(t) for t, _ in session.alternates] == [len(P1) - SNAPSHOT_MARGIN]
     # A sibling sharing only the band reuses it.
     sibling = (*P1[:band_end], *range(700, 780))
     assert h.run(request(sibling, cache_id="b", prefix_ids=("band",), band_end=band_end)) == (

@@ -34,12 +34,19 @@ EntryKind = Literal["session", "prefix", "anonymous"]
 
 @attrs.define
 class Entry:
-    """One saved state: its KV ``state`` holds exactly ``tokens``."""
+    """One saved state: its KV ``state`` holds exactly ``tokens``.
+
+    ``alternates`` are older ``(tokens, state)`` pairs of the same session,
+    each a proven prefix state (prompt snapshots), for caches that cannot be
+    rewound: when the main state is not a prefix of the next prompt, the
+    longest alternate that is still serves instead. ``nbytes`` counts them.
+    """
 
     key: str
     tokens: tuple[int, ...]
     state: Any
     nbytes: int
+    alternates: tuple[tuple[tuple[int, ...], Any], ...] = ()
     kind: EntryKind = "session"
     roster: str = ""
     dirty: bool = True

@@ -93,6 +93,23 @@ class _Seq:
     warned: bool = False
 
 
+MAX_ALTERNATES = 3
+
+
+def _spread(main: Captured, alternates: Sequence[Captured]) -> list[Captured]:
+    """Up to ``MAX_ALTERNATES`` distinct alternates shorter than ``main``: the
+    longest ones (this turn's snapshot) and the shortest (the oldest turn)."""
+    seen = {len(main.tokens)}
+    unique = []
+    for alt in sorted(alternates, key=lambda a: -len(a.tokens)):
+        if len(alt.tokens) not in seen and len(alt.tokens) < len(main.tokens):
+            seen.add(len(alt.tokens))
+            unique.append(alt)
+    if len(unique) <= MAX_ALTERNATES:
+        return unique
+    return [*unique[: MAX_ALTERNATES - 1], unique[-1]]
+
+
 def _short(key: str) -> str:
     return key if len(key) <= 64 else key[:61] + "..."
 
@@ -125,7 +142,7 @@ class PromptCache:
     def admit(self, rid: int, request: GenerationRequest) -> tuple[Admission, SeedInfo]:
         cr = request.cache or CacheRequest()
         prompt = request.prompt
-        entry, plan, source = self._choose(cr, prompt)
+        entry, plan, source, variant = self._choose(cr, prompt)
         pins = [k for k in {cr.cache_id, entry.key if entry else None} if k]
         for key in pins:
             self.store.pin(key)
@@ -135,9 +152,7 @@ class PromptCache:
         seed_tokens: tuple[int, ...] = ()
         reuse = plan.reuse if entry is not None else 0
         if entry is not None and reuse > 0:
-            seed_state = (
-                entry.state if plan.trim == 0 else self._ops.trimmed(entry.state, plan.trim)
-            )
+            seed_state = variant if plan.trim == 0 else self._ops.trimmed(variant, plan.trim)
             seed_tokens = prompt[:reuse]
         cuts = self._plan_cuts(cr, prompt, reuse)
         save_key = cr.cache_id
@@ -163,13 +178,14 @@ class PromptCache:
 
     def _choose(
         self, cr: CacheRequest, prompt: tuple[int, ...]
-    ) -> tuple[Entry | None, SeedPlan, str]:
-        best: tuple[Entry | None, SeedPlan, str] = (None, SeedPlan("fresh"), "fresh")
+    ) -> tuple[Entry | None, SeedPlan, str, Any]:
+        """The entry, plan, source and state variant to seed from."""
+        best: tuple[Entry | None, SeedPlan, str, Any] = (None, SeedPlan("fresh"), "fresh", None)
         if cr.cache_id:
             entry, source = self._lookup(cr.cache_id)
             if entry is not None:
-                plan = self._plan(entry, prompt)
-                best = (entry, plan, source)
+                plan, variant = self._plan(entry, prompt)
+                best = (entry, plan, source, variant)
                 if plan.mode == "divergent":
                     self._log_divergence(cr.cache_id, entry.tokens, prompt, plan)
         for pid in cr.prefix_ids:
@@ -178,7 +194,7 @@ class PromptCache:
             entry, source = self._lookup(pid)
             if entry is None:
                 continue
-            plan = self._plan(entry, prompt)
+            plan, variant = self._plan(entry, prompt)
             if plan.reuse > best[1].reuse:
                 if best[0] is not None:
                     log.info(
@@ -188,20 +204,28 @@ class PromptCache:
                         _short(pid),
                         plan.reuse,
                     )
-                best = (entry, plan, f"prefix:{source}")
+                best = (entry, plan, f"prefix:{source}", variant)
             break  # the most specific existing prefix decides
         if best[1].reuse == 0:
             found = self.store.longest_prefix(prompt, whole_entry=not self._model_trimmable)
             if found is not None:
                 entry = self.store.get(found[0].key)
                 assert entry is not None
-                plan = self._plan(entry, prompt)
+                plan, variant = self._plan(entry, prompt)
                 if plan.reuse > 0:
-                    best = (entry, plan, "shared-prefix")
+                    best = (entry, plan, "shared-prefix", variant)
         return best
 
-    def _plan(self, entry: Entry, prompt: tuple[int, ...]) -> SeedPlan:
-        return plan_seed(entry.tokens, prompt, trimmable=self._ops.can_trim(entry.state))
+    def _plan(self, entry: Entry, prompt: tuple[int, ...]) -> tuple[SeedPlan, Any]:
+        """The best way to seed ``prompt`` from ``entry``: its main state or,
+        for states that cannot rewind, an alternate that is still a prefix."""
+        best: tuple[SeedPlan, Any] | None = None
+        for tokens, state in ((entry.tokens, entry.state), *entry.alternates):
+            plan = plan_seed(tokens, prompt, trimmable=self._ops.can_trim(state))
+            if best is None or plan.reuse > best[0].reuse:
+                best = (plan, state)
+        assert best is not None
+        return best
 
     def _plan_cuts(
         self, cr: CacheRequest, prompt: tuple[int, ...], reuse: int
@@ -274,21 +298,39 @@ class PromptCache:
 
     def _save_finished(self, rid: int, seq: _Seq, cap: Captured | None) -> None:
         cr = seq.cache
-        state: Captured | None
-        if cap is not None and self._ops.can_trim(cap.state) and cr.snapshot_at is None:
-            state = cap  # rewinds: the next turn trims it to whatever it shares
-        elif seq.snapshot is not None:
-            state = seq.snapshot
-        elif cap is not None and seq.save_key is not None and seq.save_key in self.store:
-            state = None  # untrimmable, no snapshot: keep the entry we have
+        key = cr.cache_id if cr.cache_id is not None else (seq.save_key or f"anonymous-{rid}")
+        kind: EntryKind = "session" if cr.cache_id is not None else "anonymous"
+        main: Captured | None
+        alternates: list[Captured] = []
+        if cr.snapshot_at is not None:
+            main = seq.snapshot  # a warm: the entry is the shared boundary
+        elif cap is not None and self._ops.can_trim(cap.state):
+            main = cap  # rewinds: the next turn trims it to whatever it shares
         else:
-            state = cap
-        if state is not None:
-            if cr.cache_id is not None:
-                self._save(cr.cache_id, state, "session", cr)
-            else:
-                self._save(seq.save_key or f"anonymous-{rid}", state, "anonymous", cr)
-        self._publish_prefix(seq, state)
+            # Cannot rewind: the post-generation state serves a next prompt that
+            # replays this reply exactly (a tool loop); the prompt snapshot, and
+            # older proven states, serve one that re-renders it differently.
+            main = cap or seq.snapshot
+            if seq.snapshot is not None and main is not seq.snapshot:
+                alternates.append(seq.snapshot)
+            alternates += self._older_prefixes(key, seq.prompt)
+        if main is not None:
+            self._save(key, main, kind, cr, alternates=alternates)
+        trimmable = cap is not None and self._ops.can_trim(cap.state)
+        self._publish_prefix(seq, main if trimmable else seq.snapshot)
+
+    def _older_prefixes(self, key: str, prompt: tuple[int, ...]) -> list[Captured]:
+        """The states already saved under ``key`` that are still prefixes of
+        ``prompt``: older turns' snapshots stay useful when a later turn
+        re-renders history (a new user message drops earlier reasoning)."""
+        entry = self.store.peek(key)
+        if entry is None:
+            return []
+        return [
+            Captured(state, tokens)
+            for tokens, state in ((entry.tokens, entry.state), *entry.alternates)
+            if len(tokens) < len(prompt) and tokens == prompt[: len(tokens)]
+        ]
 
     def _save_cancelled(self, seq: _Seq, cap: Captured | None) -> None:
         key = seq.cache.cache_id
@@ -312,7 +354,8 @@ class PromptCache:
                 seq.reuse,
             )
             return
-        self._save(key, best, "session", seq.cache)
+        older = [] if self._ops.can_trim(best.state) else self._older_prefixes(key, seq.prompt)
+        self._save(key, best, "session", seq.cache, alternates=older)
         log.info(
             "saved cancelled cache_id=%s tokens=%d (was seeded with %d)",
             _short(key),
@@ -367,12 +410,16 @@ class PromptCache:
         cr: CacheRequest,
         *,
         persist_now: bool = False,
+        alternates: Sequence[Captured] = (),
     ) -> None:
+        kept = _spread(cap, alternates)
         entry = Entry(
             key=key,
             tokens=tuple(cap.tokens),
             state=cap.state,
-            nbytes=self._ops.state_nbytes(cap.state),
+            nbytes=self._ops.state_nbytes(cap.state)
+            + sum(self._ops.state_nbytes(a.state) for a in kept),
+            alternates=tuple((tuple(a.tokens), a.state) for a in kept),
             kind=kind,
             roster=cr.roster,
             dirty=kind != "anonymous",
