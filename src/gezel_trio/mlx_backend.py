@@ -411,7 +411,12 @@ class MlxBackend:
             all_tokens=[list(a.seed_tokens) for a in admissions],
             samplers=[_make_sampler(r.sampling) for r in reqs],
             logits_processors=[procs for _, procs in group],
-            stop_sequences=[self._no_stops if r.ignore_eos else self._eos_stops for r in reqs],
+            # A grammar decides where the output ends, and then allows only
+            # EOS: ignore_eos must not keep a finished constrained output going.
+            stop_sequences=[
+                self._no_stops if r.ignore_eos and r.constraint is None else self._eos_stops
+                for r in reqs
+            ],
         )
         for adm, uid in zip(admissions, uids, strict=True):
             lane.uid_of[adm.rid] = uid
