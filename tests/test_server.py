@@ -217,6 +217,24 @@ def test_non_json_content_type_is_refused(server: Server) -> None:
     assert server.post(body, content_type="text/plain").status_code == 415
 
 
+def test_metrics_count_what_was_served(server: Server) -> None:
+    before = _metric(server, 'gezel_tokens_total{kind="generated"}')
+    server.client.chat.completions.create(
+        model="demo", messages=MSG, max_tokens=3, extra_body=FIXED
+    )
+    after = _metric(server, 'gezel_tokens_total{kind="generated"}')
+    assert after == before + 3
+    assert _metric(server, 'gezel_sequences{state="running"}') == 0
+
+
+def _metric(server: Server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
 def test_models_and_health(server: Server) -> None:
     models = server.client.models.list()
     assert len(models.data) == 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -195,6 +195,7 @@ class Engine:
         self._next_call = 0
         self._cache_view: tuple[CacheView, ...] = ()
         self._memory = 0
+        self.counters: Counter[str] = Counter()
 
     # --- public API --------------------------------------------------------
 
@@ -411,6 +412,8 @@ class Engine:
                 call.done.set()
         for rid, event in report.events:
             self._deliver(rid, event)
+            if isinstance(event, Finished | Failed):
+                self._count(event)
         for rid in report.ended:
             self._scheduler.finished(rid)
             self._end(rid, None)
@@ -433,6 +436,8 @@ class Engine:
             left_at = self._withdrawn.pop(rid, self._step)
             self._removals.append(Removal(rid, left_at, self._step))
         admit = tuple((rid, self._live[rid].request) for rid in plan.admit)
+        self.counters["admitted"] += len(admit)
+        self.counters["preempted"] += len(plan.parked)
         for rid, request in admit:
             log.info(
                 "admit request %d priority=%s prompt=%d max_tokens=%d running=%d queued=%d",
@@ -491,6 +496,16 @@ class Engine:
             self._withdraw(rid)
         except trio.BrokenResourceError:
             self._withdraw(rid)  # the reader closed its end: the client left
+
+    def _count(self, event: Finished | Failed) -> None:
+        """Totals for ``/metrics``."""
+        if isinstance(event, Failed):
+            self.counters["failed"] += 1
+            return
+        self.counters[f"finished_{event.reason}"] += 1
+        self.counters["prompt_tokens"] += event.usage.input_tokens
+        self.counters["cached_tokens"] += event.usage.cached_tokens
+        self.counters["generated_tokens"] += event.usage.output_tokens
 
     def _log_liveness(self, rid: int, live: _Live, event: Event) -> None:
         """The same liveness the stream shows, in the log (E6); prefill

@@ -148,6 +148,36 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             "step": state.step,
         }
 
+    @app.route("/metrics")
+    async def metrics() -> Response:
+        state = engine.state()
+        c = engine.counters
+        lines = [
+            "# TYPE gezel_requests_total counter",
+            *(
+                f'gezel_requests_total{{outcome="{k}"}} {c[k]}'
+                for k in ("admitted", "finished_stop", "finished_length", "failed")
+            ),
+            "# TYPE gezel_tokens_total counter",
+            *(
+                f'gezel_tokens_total{{kind="{k}"}} {c[k + "_tokens"]}'
+                for k in ("prompt", "cached", "generated")
+            ),
+            "# TYPE gezel_preemptions_total counter",
+            f"gezel_preemptions_total {c['preempted']}",
+            "# TYPE gezel_sequences gauge",
+            f'gezel_sequences{{state="queued"}} {len(state.queued)}',
+            f'gezel_sequences{{state="running"}} {len(state.running)}',
+            f'gezel_sequences{{state="parked"}} {len(state.parked)}',
+            "# TYPE gezel_cache_entries gauge",
+            f"gezel_cache_entries {len(engine.cache_view)}",
+            "# TYPE gezel_cache_bytes gauge",
+            f"gezel_cache_bytes {sum(e.bytes for e in engine.cache_view)}",
+            "# TYPE gezel_engine_steps_total counter",
+            f"gezel_engine_steps_total {state.step}",
+        ]
+        return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
+
     @app.route("/v1/models")
     async def models() -> dict[str, Any]:
         return {
