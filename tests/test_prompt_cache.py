@@ -281,3 +281,14 @@ def test_evict_removes_memory_and_disk(tmp_path: Path) -> None:
     assert h.cache.evict("a") == (True, True)
     assert h.cache.evict("a") == (False, False)
     assert h.run(request(P1, cache_id="a")) == 0
+
+
+def test_a_restart_keeps_the_snapshot_fallback(tmp_path: Path) -> None:
+    h = Harness(trimmable=False, disk=tmp_path)
+    h.run(request(P1, cache_id="s"))
+    assert h.cache.flush() == 1
+    restarted = Harness(trimmable=False, disk=tmp_path)
+    # The reply is re-rendered differently: only the snapshot still fits.
+    assert restarted.run(request(P2, cache_id="s")) == len(P1) - SNAPSHOT_MARGIN
+    assert restarted.cache.evict("s") == (True, True)
+    assert list(tmp_path.rglob("*.gzc")) == []

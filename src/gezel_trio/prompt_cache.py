@@ -110,6 +110,11 @@ def _spread(main: Captured, alternates: Sequence[Captured]) -> list[Captured]:
     return [*unique[: MAX_ALTERNATES - 1], unique[-1]]
 
 
+def _companion(key: str) -> str:
+    """The disk id of an entry's snapshot alternate (hashed like any id)."""
+    return key + "\x00snapshot"
+
+
 def _short(key: str) -> str:
     return key if len(key) <= 64 else key[:61] + "..."
 
@@ -464,6 +469,12 @@ class PromptCache:
     def _write(self, entry: Entry) -> None:
         if self.disk is None:
             return
+        if entry.alternates:
+            # The longest alternate (this turn's snapshot) goes first, under a
+            # companion id, so a restart keeps the fallback too; the main file
+            # is written last.
+            tokens, state = entry.alternates[0]
+            self.disk.save(_companion(entry.key), tokens, state, kind="snapshot", roster="")
         if self.disk.save(
             entry.key, entry.tokens, entry.state, kind=entry.kind, roster=entry.roster
         ):
@@ -475,6 +486,7 @@ class PromptCache:
         if self.disk is None or self._disk_budget <= 0:
             return
         pinned = [e.key for e in self.store if self.store.pinned(e.key)]
+        pinned += [_companion(k) for k in pinned]
         for name in self.disk.prune(self._disk_budget, protect=pinned):
             log.info("disk-evicted %s (disk budget)", name)
 
@@ -488,14 +500,20 @@ class PromptCache:
         loaded = self.disk.load(key)
         if loaded is None:
             return None, "miss"
+        alternates: tuple[tuple[tuple[int, ...], Any], ...] = ()
+        companion = self.disk.load(_companion(key)) if self.disk.exists(_companion(key)) else None
+        if companion is not None and loaded.tokens[: len(companion.tokens)] == companion.tokens:
+            alternates = ((companion.tokens, companion.state),)
         entry = Entry(
             key=key,
             tokens=loaded.tokens,
             state=loaded.state,
-            nbytes=self._ops.state_nbytes(loaded.state),
+            nbytes=self._ops.state_nbytes(loaded.state)
+            + sum(self._ops.state_nbytes(st) for _, st in alternates),
             kind="prefix" if loaded.kind == "prefix" else "session",
             roster=loaded.roster,
             dirty=False,
+            alternates=alternates,
         )
         self._drop(self.store.put(entry))
         self._used_at[key] = time.time()
@@ -544,7 +562,10 @@ class PromptCache:
         """Drop ``key`` from memory and disk: ``(in_memory, on_disk)``."""
         mem = self.store.remove(key) is not None
         self._used_at.pop(key, None)
-        on_disk = self.disk.delete(key) if self.disk is not None else False
+        on_disk = False
+        if self.disk is not None:
+            on_disk = self.disk.delete(key)
+            self.disk.delete(_companion(key))
         self._seeded_prefixes.discard(key)
         if mem or on_disk:
             self.version += 1
