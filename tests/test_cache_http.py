@@ -161,3 +161,18 @@ async def test_stable_prefix_band_is_shared_by_a_sibling_session(any_model: Path
             stats = {e["cache_id"]: e for e in (await c.get("/v1/cache/stats")).json()["data"]}
             assert stats["band-1"]["kind"] == "prefix"
             assert shared == stats["band-1"]["tokens"] > 40
+
+
+async def test_warm_with_persist_writes_to_disk_at_once(dense_model: Path, tmp_path: Path) -> None:
+    with trio.fail_after(HANG):
+        async with (
+            served(dense_model, persist_dir=tmp_path) as (_engine, url),
+            httpx.AsyncClient(base_url=url) as c,
+        ):
+            body = {
+                "cache_id": "kept",
+                "messages": [{"role": "system", "content": SYSTEM}],
+                "persist": True,
+            }
+            assert (await c.post("/v1/cache/warm", json=body)).json()["status"] == "warmed"
+            assert len(gzc_files(tmp_path)) == 1  # no flush needed

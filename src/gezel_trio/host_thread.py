@@ -167,9 +167,12 @@ def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
 class _Host:
     """Per-sequence text and cache state around a backend, on the host thread."""
 
-    def __init__(self, backend: Backend, cache: PromptCache, track_memory: bool = False) -> None:
+    def __init__(
+        self, backend: Backend, cache: PromptCache, memory_limit_bytes: int | None = None
+    ) -> None:
         self.backend = backend
-        self.track_memory = track_memory
+        self.memory_limit = memory_limit_bytes
+        self.track_memory = memory_limit_bytes is not None
         self.cache = cache
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
@@ -231,6 +234,8 @@ class _Host:
             view = self.cache.view()
         replies, self._replies = tuple(self._replies), []
         memory = self.backend.memory_in_use() if self.track_memory else None
+        if memory is not None and self.memory_limit and memory > 0.85 * self.memory_limit:
+            self.backend.reclaim()  # under pressure: give cached buffers back now
         if self._refused:
             events = (*self._refused, *events)
             ended = (*(rid for rid, _ in self._refused), *ended)
@@ -341,8 +346,9 @@ class Observer(Protocol):
         ...
 
 
-def _tracks_memory(config: EngineConfig) -> bool:
-    return config.memory_limit_mb is not None
+def _memory_limit(config: EngineConfig) -> int | None:
+    limit = config.memory_limit_mb
+    return None if limit is None else int(limit * 1024 * 1024)
 
 
 def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
@@ -350,7 +356,7 @@ def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: Engi
     backend = make_backend()
     host: _Host | None = None
     try:
-        host = _Host(backend, make_prompt_cache(backend, config), _tracks_memory(config))
+        host = _Host(backend, make_prompt_cache(backend, config), _memory_limit(config))
         trio.from_thread.run_sync(link.ready, backend.info, backend.renderer, backend.compiler)
         report = host.report()
         while True:
@@ -389,7 +395,7 @@ async def run_host_inline(
     host: _Host | None = None
     chunks: dict[int, int] = {}
     try:
-        host = _Host(backend, make_prompt_cache(backend, config), _tracks_memory(config))
+        host = _Host(backend, make_prompt_cache(backend, config), _memory_limit(config))
         link.ready(backend.info, backend.renderer, backend.compiler)
         report = host.report()
         while True:

@@ -266,6 +266,10 @@ class MlxBackend:
         self._tokenizer = tokenizer
         self._config = config
         self._stream = mx.new_stream(mx.default_device())
+        if config.memory_limit_mb is not None:
+            # Cap MLX's buffer cache (freed buffers kept for reuse) at a quarter
+            # of the ceiling, so cached buffers never crowd out live ones (E4).
+            mx.set_cache_limit(int(config.memory_limit_mb * 1024 * 1024 / 4))
         model_cfg = _read_json(model_dir / "config.json")
         gen_cfg = _read_json(model_dir / "generation_config.json")
         eos = set(tokenizer.eos_token_ids) | _ids(gen_cfg.get("eos_token_id"))
