@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -314,3 +315,43 @@ def test_sigterm_flushes_and_a_restart_is_a_disk_hit(dense_model: Path, tmp_path
     assert r2.usage is not None
     assert r2.usage.model_dump()["cached_tokens"] == r1.usage.prompt_tokens - 1
     assert [e["cache_id"] for e in stats] == ["ledger"]
+
+
+PARENT = """
+import subprocess, sys
+child = subprocess.Popen(
+    [sys.executable, "-m", "gezel_trio", "serve", "--model", sys.argv[1], "--port", "0",
+     "--log-level", "WARNING", "--exit-with-parent"],
+    stdout=subprocess.PIPE, text=True,
+)
+for line in child.stdout:
+    if line.startswith("gezel-trio listening on "):
+        print(child.pid, flush=True)
+        break
+sys.stdin.read()  # until killed
+"""
+
+
+def test_exit_with_parent_drains_when_the_parent_dies(dense_model: Path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(dense_model)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    child_pid = int(parent.stdout.readline())
+    # A pidfd becomes readable when the process exits: an event to wait on,
+    # for a process that is not our child.
+    pidfd = os.pidfd_open(child_pid)
+    parent.kill()  # SIGKILL: the parent gets no chance to clean up
+    parent.wait()
+    parent.stdout.close()
+    assert parent.stdin is not None
+    parent.stdin.close()
+    # The kernel sends the server SIGTERM; it drains and exits on its own.
+    try:
+        readable, _, _ = select.select([pidfd], [], [], 60)
+    finally:
+        os.close(pidfd)
+    assert readable, "the server outlived its parent"

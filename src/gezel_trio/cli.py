@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds in-flight requests get to finish on SIGTERM",
     )
+    s.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="drain and exit when the parent process dies (sidecar use; Linux)",
+    )
     s.add_argument("--log-level", default="INFO")
 
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure_demo_model(args.kind, args.size))
         return 0
 
-    from .server import ServerConfig, main_serve
+    from .server import ServerConfig, exit_with_parent, main_serve
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -134,4 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         graceful_timeout=args.graceful_timeout,
     )
+    if args.exit_with_parent:
+        try:
+            exit_with_parent()
+        except (OSError, RuntimeError) as exc:
+            print(f"gezel-trio: {exc}", file=sys.stderr)
+            return 2
     return main_serve(config)

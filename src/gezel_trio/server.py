@@ -17,6 +17,7 @@ the host thread stops after its current step.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -90,6 +91,23 @@ async def serve(config: ServerConfig) -> None:
         for bind in binds:
             # Tests and supervisors read this line to learn the port.
             print(f"gezel-trio listening on {bind}", flush=True)
+
+
+def exit_with_parent() -> None:
+    """Ask the kernel to send us SIGTERM when our parent dies (O2), so a
+    sidecar whose app crashed drains and exits like any other SIGTERM - no
+    watchdog loop. Linux only (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError("--exit-with-parent is supported on Linux only")
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:
+        # The parent died before the request took effect: act on it now.
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main_serve(config: ServerConfig) -> int:
