@@ -25,10 +25,22 @@ from .errors import (
     QueueFull,
     SlowConsumer,
 )
-from .events import Delta, Event, Failed, Finished, Progress, Usage
-from .request import GenerationRequest, Priority, SamplingParams
+from .events import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Parked,
+    Progress,
+    Queued,
+    Resumed,
+    TokenLogprob,
+    Usage,
+)
+from .request import CacheRequest, GenerationRequest, Priority, SamplingParams
 
 __all__ = [
+    "CacheRequest",
     "Delta",
     "Engine",
     "EngineClosed",
@@ -43,12 +55,16 @@ __all__ = [
     "InvalidRequest",
     "ModelInfo",
     "ModelLoadError",
+    "Parked",
     "Priority",
     "Progress",
     "QueueFull",
+    "Queued",
     "RequestHandle",
+    "Resumed",
     "SamplingParams",
     "SlowConsumer",
+    "TokenLogprob",
     "Usage",
     "open_engine",
     "run_engine",
