@@ -91,15 +91,12 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -108,11 +105,15 @@ from typing import Any
 
 import httpx2 as httpx
 
-HOST = "127.0.0.1"
+if __package__ in (None, ""):  # run as a script: make the `bench` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common
+from bench._common import Server, print_load_1min, tail, write_json
+
 SYSTEMS = ("gezel", "mlx_lm.server")
 MODELS = ("dense", "hybrid")
 SESSION_ID = "agent-session"
-_STARTUP_TIMEOUT_S = 180.0
 _REQUEST_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 60.0  # gezel: drain + flush to disk
 _MLX_STOP_TIMEOUT_S = 10.0  # mlx_lm.server often hangs on SIGINT: then SIGKILL
@@ -408,53 +409,6 @@ class SystemRun:
 # --- servers --------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _stop(proc: subprocess.Popen[Any], sig: signal.Signals, timeout: float) -> int | None:
-    """``sig`` (a graceful drain), then SIGKILL if it hangs; the exit code
-    (None: it had to be killed)."""
-    if proc.poll() is not None:
-        return proc.returncode
-    proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return None
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-@dataclass
-class Server:
-    system: str
-    url: str
-    log: Path
-    proc: subprocess.Popen[Any]
-    exit_code: int | None = None
-    stop_s: float = 0.0
-
-
-@contextlib.contextmanager
-def _log_on_error(name: str, log: Path) -> Iterator[None]:
-    try:
-        yield
-    except Exception:
-        print(f"--- {name} log tail ({log}) ---\n{_tail(log)}", file=sys.stderr)
-        raise
-
-
 def gezel_flags(persist_dir: Path, args: argparse.Namespace) -> list[str]:
     return [
         "--max-concurrency", str(args.concurrency),
@@ -479,48 +433,15 @@ def gezel_server(
 ) -> Iterator[Server]:
     """Start gezel-trio on a free port; yield once it says it is listening (the
     line it prints on stdout); always stop it with SIGTERM (drain + flush)."""
-    cmd = [
-        sys.executable, "-m", "gezel_trio", "serve",
-        "--model", str(model_dir),
-        "--host", HOST,
-        "--port", "0",
-        *gezel_flags(persist_dir, args),
-    ]  # fmt: skip
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    server: Server | None = None
-    try:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        marker = "gezel-trio listening on "
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"gezel-trio not ready after {_STARTUP_TIMEOUT_S}s")
-            try:
-                line = lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"gezel-trio exited early:\n{_tail(log)}")
-            if marker in line:
-                break
-        server = Server("gezel", line.split(marker, 1)[1].strip(), log, proc)
-        with _log_on_error("gezel-trio", log):
-            yield server
-    finally:
-        t0 = time.monotonic()
-        code = _stop(proc, signal.SIGTERM, _STOP_TIMEOUT_S)
-        if server is not None:
-            server.exit_code, server.stop_s = code, time.monotonic() - t0
+    with _common.gezel_server(
+        model_dir,
+        log,
+        gezel_flags(persist_dir, args),
+        stop_signal=signal.SIGTERM,
+        stop_timeout=_STOP_TIMEOUT_S,
+        full_log_path=True,
+    ) as server:
+        yield server
 
 
 @contextlib.contextmanager
@@ -528,40 +449,10 @@ def mlx_server(model_dir: Path, log: Path, args: argparse.Namespace) -> Iterator
     """Start ``mlx_lm server`` on a free port; yield once ``/health`` answers
     (bounded polling); always stop it (SIGINT, then SIGKILL after
     ``_MLX_STOP_TIMEOUT_S``; its prompt cache lives in memory only)."""
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "mlx_lm", "server",
-        "--model", str(model_dir),
-        "--host", HOST,
-        "--port", str(port),
-        *mlx_flags(args),
-    ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://{HOST}:{port}"
-    server: Server | None = None
-    try:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"mlx_lm.server exited early:\n{_tail(log)}")
-                with contextlib.suppress(httpx.TransportError):
-                    status = client.get(f"{url}/health").status_code
-                    if status == 200:
-                        break
-                    raise RuntimeError(f"mlx_lm.server unhealthy ({status}):\n{_tail(log)}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mlx_lm.server not ready after {_STARTUP_TIMEOUT_S}s")
-                time.sleep(0.2)  # polling interval, not a readiness guess
-        server = Server("mlx_lm.server", url, log, proc)
-        with _log_on_error("mlx_lm.server", log):
-            yield server
-    finally:
-        t0 = time.monotonic()
-        code = _stop(proc, signal.SIGINT, _MLX_STOP_TIMEOUT_S)
-        if server is not None:
-            server.exit_code, server.stop_s = code, time.monotonic() - t0
+    with _common.mlx_server(
+        model_dir, log, mlx_flags(args), stop_timeout=_MLX_STOP_TIMEOUT_S, full_log_path=True
+    ) as server:
+        yield server
 
 
 # --- one request ------------------------------------------------------------------
@@ -802,7 +693,7 @@ def run_session(
         run.stop_seconds.append(srv.stop_s)
         if srv.exit_code != 0:
             print(
-                f"  [{system}: exit code {srv.exit_code} after stop]\n{_tail(log, 15)}",
+                f"  [{system}: exit code {srv.exit_code} after stop]\n{tail(log, 15)}",
                 file=sys.stderr,
             )
     run.wall_s = time.monotonic() - t_run
@@ -961,7 +852,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     specs = turn_plan(args.turns, args.think_off_turn, args.user_turn)
     started = time.monotonic()
-    load_before = os.getloadavg()[0]
+    load_before = _common.loadavg()[0]
     results: dict[str, dict[str, SystemRun]] = {}
     model_dirs: dict[str, Path] = {}
     with contextlib.ExitStack() as stack:
@@ -984,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
                     for f in sorted(sub.rglob("*"), reverse=True):
                         if f.is_file():
                             f.unlink()
-    load_after = os.getloadavg()[0]
+    load_after = _common.loadavg()[0]
     wall = time.monotonic() - started
 
     print(
@@ -992,8 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.think_off_turn or '-'}, new user message at turn {args.user_turn or '-'}, "
         f"word bias: {'off' if args.no_word_bias else 'on'}, wall: {wall:.0f}s"
     )
-    print(f"1-min load average: {load_before:.2f} before, {load_after:.2f} after (this run keeps")
-    print("  about 1 core busy; much more than that means something else shared the CPUs)")
+    print_load_1min(load_before, load_after)
     print("prefill = prompt - cached; min = prompt tokens after the common prefix with the")
     print("  previous turn's prompt + reply (client-side rendering); * = client-side prompt")
     print("  length differs from the server's; cache = gezel's seed decision (source/mode)")
@@ -1028,8 +918,7 @@ def main(argv: list[str] | None = None) -> int:
                 for model, runs in results.items()
             },
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

@@ -51,9 +51,6 @@ import argparse
 import contextlib
 import json
 import os
-import queue
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,18 +58,28 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 
+if __package__ in (None, ""):  # run as a script: make the `bench` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common
+from bench._common import (
+    Measurement,
+    StreamTiming,
+    aggregate,
+    build_default_model,
+    print_load_1min,
+    write_json,
+)
+
 PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
-HOST = "127.0.0.1"
 SYSTEMS = ("raw", "gezel", "mlx_lm.server")
-_STARTUP_TIMEOUT_S = 180.0
 _REQUEST_TIMEOUT_S = 300.0
-_STOP_TIMEOUT_S = 20.0
 # mlx_lm.server flags besides --model/--host/--port; the concurrency ones are
 # filled in to match gezel's --max-concurrency.
 _MLX_SERVER_FLAGS = (
@@ -83,54 +90,6 @@ _MLX_SERVER_FLAGS = (
     "--log-level",
     "WARNING",
 )
-
-
-@dataclass
-class StreamTiming:
-    """One stream (sequence) of one measurement, times in perf_counter seconds."""
-
-    first: float
-    last: float
-    tokens: int
-    server_tps: float | None = None  # gezel's own usage.generation_tps
-    tokens_at_first: int | None = None  # usage.output_tokens on the first chunk (gezel)
-
-
-@dataclass
-class Measurement:
-    system: str
-    streams: int
-    tokens_per_stream: int
-    tok_s: float
-    window_s: float
-    spread_s: float
-    per_stream_tokens: list[int]
-    server_tps: list[float] = field(default_factory=list)
-    tokens_at_first: list[int] = field(default_factory=list)
-
-    @property
-    def short(self) -> bool:
-        """A stream ended before max_tokens (e.g. on EOS)."""
-        return any(n != self.tokens_per_stream for n in self.per_stream_tokens)
-
-
-def aggregate(system: str, max_tokens: int, timings: Sequence[StreamTiming]) -> Measurement:
-    """The metric of the module docstring over one concurrent round."""
-    start = min(t.first for t in timings)
-    end = max(t.last for t in timings)
-    window = end - start
-    counted = sum(t.tokens - 1 for t in timings)
-    return Measurement(
-        system=system,
-        streams=len(timings),
-        tokens_per_stream=max_tokens,
-        tok_s=counted / window if window > 0 else float("nan"),
-        window_s=window,
-        spread_s=max(t.first for t in timings) - start,
-        per_stream_tokens=[t.tokens for t in timings],
-        server_tps=[t.server_tps for t in timings if t.server_tps is not None],
-        tokens_at_first=[t.tokens_at_first for t in timings if t.tokens_at_first is not None],
-    )
 
 
 # --- raw mlx-lm (runs in a child process) ----------------------------------
@@ -212,86 +171,13 @@ def run_raw(
 # --- servers ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    """SIGINT (a graceful drain for both servers), then SIGKILL if it hangs."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=_STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-@contextlib.contextmanager
-def _log_on_error(name: str, log: Path) -> Iterator[None]:
-    """On an error while a server is up, show its log tail (the log is deleted
-    with the run's temporary directory)."""
-    try:
-        yield
-    except Exception:
-        print(f"--- {name} log tail ({log.name}) ---\n{_tail(log)}", file=sys.stderr)
-        raise
-
-
 @contextlib.contextmanager
 def gezel_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterator[str]:
     """Start gezel-trio on a free port; yield its base URL once it says it is
-    listening (the line it prints on stdout); always stop it."""
-    log = logdir / "gezel.log"
-    cmd = [
-        sys.executable, "-m", "gezel_trio", "serve",
-        "--model", str(model_dir),
-        "--host", HOST,
-        "--port", "0",
-        "--max-concurrency", str(max_concurrency),
-        "--log-level", "WARNING",
-    ]  # fmt: skip
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        marker = "gezel-trio listening on "
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"gezel-trio not ready after {_STARTUP_TIMEOUT_S}s")
-            try:
-                line = lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"gezel-trio exited early:\n{_tail(log)}")
-            if marker in line:
-                break
-        with _log_on_error("gezel-trio", log):
-            yield line.split(marker, 1)[1].strip()
-    finally:
-        _stop(proc)
+    listening (the line it prints on stdout); always stop it (SIGINT)."""
+    flags = ["--max-concurrency", str(max_concurrency), "--log-level", "WARNING"]
+    with _common.gezel_server(model_dir, logdir / "gezel.log", flags) as server:
+        yield server.url
 
 
 def _mlx_flags(max_concurrency: int) -> list[str]:
@@ -309,36 +195,8 @@ def mlx_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterator[
     """Start ``mlx_lm server`` on a free port; yield its base URL once
     ``/health`` answers (bounded polling); always stop it."""
     log = logdir / "mlx_lm_server.log"
-    port = _free_port()
-    cmd = [
-        sys.executable, "-m", "mlx_lm", "server",
-        "--model", str(model_dir),
-        "--host", HOST,
-        "--port", str(port),
-        *_mlx_flags(max_concurrency),
-    ]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://{HOST}:{port}"
-    try:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"mlx_lm.server exited early:\n{_tail(log)}")
-                with contextlib.suppress(httpx.TransportError):
-                    status = client.get(f"{url}/health").status_code
-                    if status == 200:
-                        break
-                    # 503: its generation thread (which loads the model) died.
-                    raise RuntimeError(f"mlx_lm.server unhealthy ({status}):\n{_tail(log)}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mlx_lm.server not ready after {_STARTUP_TIMEOUT_S}s")
-                time.sleep(0.2)  # polling interval, not a readiness guess
-        with _log_on_error("mlx_lm.server", log):
-            yield url
-    finally:
-        _stop(proc)
+    with _common.mlx_server(model_dir, log, _mlx_flags(max_concurrency)) as server:
+        yield server.url
 
 
 def _request_body(system: str, max_tokens: int) -> dict[str, Any]:
@@ -363,33 +221,20 @@ def _one_stream(url: str, body: dict[str, Any], barrier: threading.Barrier) -> S
     tokens_at_first: int | None = None
     with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
         barrier.wait()
-        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:500]}")
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators and ': keep-alive' comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(f"stream error: {obj['error']}")
-                for choice in obj.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    text = delta.get("content") or delta.get("reasoning_content") or ""
-                    if text and first is None:
-                        first = now
-                    if text or choice.get("finish_reason"):
-                        last = now
-                usage = obj.get("usage")
-                if usage and first == now and tokens_at_first is None:
-                    tokens_at_first = usage.get("output_tokens")
-                if usage:
-                    tokens = int(usage["completion_tokens"])
-                    server_tps = usage.get("generation_tps", server_tps)
+        for now, obj in _common.sse_chunks(client, url, body):
+            for choice in obj.get("choices") or ():
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or delta.get("reasoning_content") or ""
+                if text and first is None:
+                    first = now
+                if text or choice.get("finish_reason"):
+                    last = now
+            usage = obj.get("usage")
+            if usage and first == now and tokens_at_first is None:
+                tokens_at_first = usage.get("output_tokens")
+            if usage:
+                tokens = int(usage["completion_tokens"])
+                server_tps = usage.get("generation_tps", server_tps)
     if first is None or last is None or tokens is None:
         raise RuntimeError(f"incomplete stream: first={first} last={last} tokens={tokens}")
     return StreamTiming(first, last, tokens, server_tps, tokens_at_first)
@@ -397,28 +242,8 @@ def _one_stream(url: str, body: dict[str, Any], barrier: threading.Barrier) -> S
 
 def http_round(url: str, system: str, n: int, max_tokens: int) -> list[StreamTiming]:
     """N identical streaming requests released together; one thread each."""
-    barrier = threading.Barrier(n)
-    results: list[StreamTiming | BaseException | None] = [None] * n
     body = _request_body(system, max_tokens)
-
-    def worker(i: int) -> None:
-        try:
-            results[i] = _one_stream(url, body, barrier)
-        except Exception as exc:  # reported below, in the caller's thread
-            barrier.abort()
-            results[i] = exc
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    timings: list[StreamTiming] = []
-    for r in results:
-        if not isinstance(r, StreamTiming):
-            raise RuntimeError(f"{system}: a stream failed: {r!r}")
-        timings.append(r)
-    return timings
+    return _common.released_together(n, lambda b: _one_stream(url, body, b), system)
 
 
 def run_http(
@@ -433,16 +258,6 @@ def run_http(
 
 
 # --- driver ----------------------------------------------------------------
-
-
-def build_default_model() -> Path:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", "dense", "--size", "bench"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 def median_by(results: list[Measurement], system: str, n: int) -> float | None:
@@ -498,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     width = max(streams)
     results: list[Measurement] = []
     started = time.monotonic()
-    load_before = os.getloadavg()[0]
+    load_before = _common.loadavg()[0]
     with tempfile.TemporaryDirectory(prefix="gezel-bench-") as tmp:
         logdir = Path(tmp)
         for system in args.systems:
@@ -518,9 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens/stream: {args.tokens}, repeats: {args.repeats}, "
         f"wall: {time.monotonic() - started:.0f}s"
     )
-    load_after = os.getloadavg()[0]
-    print(f"1-min load average: {load_before:.2f} before, {load_after:.2f} after (this run keeps")
-    print("  about 1 core busy; much more than that means something else shared the CPUs)")
+    load_after = _common.loadavg()[0]
+    print_load_1min(load_before, load_after)
     print("tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i")
     print()
     print(render_table(results, streams, args.systems))
@@ -541,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "runs": [asdict(m) for m in results],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

@@ -95,13 +95,9 @@ import httpx2 as httpx
 if __package__ in (None, ""):  # run as a script: make the `bench` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.decode_throughput import (
-    Measurement,
-    StreamTiming,
-    aggregate,
-    build_default_model,
-    gezel_server,
-)
+from bench import _common
+from bench._common import Measurement, StreamTiming, aggregate, build_default_model, write_json
+from bench.decode_throughput import gezel_server
 
 PROMPT: Final = "List some Greek letters, or describe them, as a JSON object."
 _REQUEST_TIMEOUT_S: Final = 300.0
@@ -169,11 +165,11 @@ def _pct(values: Sequence[float], q: float) -> float:
 
 
 def _load() -> tuple[float, float, float]:
-    return os.getloadavg()
+    return _common.loadavg()
 
 
 def _fmt_load(load: tuple[float, float, float]) -> str:
-    return "/".join(f"{x:.2f}" for x in load)
+    return _common.fmt_load(load, "/")
 
 
 # --- in-process phase (runs in a child process) ---------------------------
@@ -404,32 +400,19 @@ def _one_stream(
     text: list[str] = []
     with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
         barrier.wait()
-        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                resp.read()
-                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:500]}")
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators and ': keep-alive' comments
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    raise RuntimeError(f"stream error: {obj['error']}")
-                for choice in obj.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    piece = delta.get("content") or delta.get("reasoning_content") or ""
-                    text.append(piece)
-                    if piece and first is None:
-                        first = now
-                    if piece or choice.get("finish_reason"):
-                        last = now
-                    finish = choice.get("finish_reason") or finish
-                usage = obj.get("usage")
-                if usage:
-                    tokens = int(usage["completion_tokens"])
+        for now, obj in _common.sse_chunks(client, url, body):
+            for choice in obj.get("choices") or ():
+                delta = choice.get("delta") or {}
+                piece = delta.get("content") or delta.get("reasoning_content") or ""
+                text.append(piece)
+                if piece and first is None:
+                    first = now
+                if piece or choice.get("finish_reason"):
+                    last = now
+                finish = choice.get("finish_reason") or finish
+            usage = obj.get("usage")
+            if usage:
+                tokens = int(usage["completion_tokens"])
     if first is None or last is None or tokens is None:
         raise RuntimeError(f"incomplete stream: first={first} last={last} tokens={tokens}")
     return StreamTiming(first, last, tokens), finish, "".join(text)
@@ -437,27 +420,8 @@ def _one_stream(
 
 def http_round(url: str, mode: str, n: int, max_tokens: int, repeat: int) -> HttpRun:
     """N identical streaming requests released together; one thread each."""
-    barrier = threading.Barrier(n)
-    results: list[tuple[StreamTiming, str, str] | BaseException | None] = [None] * n
     body = _request_body(mode, max_tokens)
-
-    def worker(i: int) -> None:
-        try:
-            results[i] = _one_stream(url, body, barrier)
-        except Exception as exc:  # reported below, in the caller's thread
-            barrier.abort()
-            results[i] = exc
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    got: list[tuple[StreamTiming, str, str]] = []
-    for r in results:
-        if not isinstance(r, tuple):
-            raise RuntimeError(f"{mode}: a stream failed: {r!r}")
-        got.append(r)
+    got = _common.released_together(n, lambda b: _one_stream(url, body, b), mode)
     m = aggregate(mode, max_tokens, [g[0] for g in got])
     return HttpRun(
         **asdict(m),
@@ -637,8 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             "inproc": [asdict(r) for r in inproc],
             "http_runs": [asdict(m) for m in http],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

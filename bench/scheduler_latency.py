@@ -74,12 +74,10 @@ import itertools
 import json
 import math
 import os
-import queue
 import re
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -92,10 +90,11 @@ from urllib.parse import urlsplit
 
 import httpx2 as httpx
 
-try:
-    from bench import decode_throughput as dt
-except ImportError:  # run as `python bench/scheduler_latency.py`: bench/ is sys.path[0]
-    import decode_throughput as dt  # type: ignore[no-redef, import-not-found, unused-ignore]
+if __package__ in (None, ""):  # run as a script: make the `bench` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import _common
+from bench import decode_throughput as dt
 
 SECTIONS = ("ttft", "health", "admission", "disconnect")
 SYSTEMS = ("gezel", "mlx_lm.server")
@@ -320,44 +319,9 @@ def gezel_server(model_dir: Path, logdir: Path, name: str, flags: Sequence[str])
     """Start gezel-trio with ``flags`` on a free port; yield its URL once it
     prints its listening line; always stop it (as in decode_throughput)."""
     log = logdir / f"{name}.log"
-    cmd = [
-        sys.executable, "-m", "gezel_trio", "serve",
-        "--model", str(model_dir),
-        "--host", dt.HOST,
-        "--port", "0",
-        "--log-level", "WARNING",
-        *flags,
-    ]  # fmt: skip
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    try:
-        deadline = time.monotonic() + dt._STARTUP_TIMEOUT_S
-        marker = "gezel-trio listening on "
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"gezel-trio not ready after {dt._STARTUP_TIMEOUT_S}s")
-            try:
-                line = lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"gezel-trio exited early:\n{dt._tail(log)}")
-            if marker in line:
-                break
-        with dt._log_on_error(name, log):
-            yield line.split(marker, 1)[1].strip()
-    finally:
-        dt._stop(proc)
+    cmd_flags = ["--log-level", "WARNING", *flags]
+    with _common.gezel_server(model_dir, log, cmd_flags, label=name) as server:
+        yield server.url
 
 
 def warm_up(url: str, system: str, cond: threading.Condition) -> None:
@@ -682,7 +646,9 @@ def _raw_stream_open(url: str, body: dict[str, Any], chunks: int) -> tuple[socke
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
         "Accept: text/event-stream\r\n\r\n"
     ).encode()
-    sock = socket.create_connection((parts.hostname or dt.HOST, parts.port or 80), timeout=_WAIT_S)
+    sock = socket.create_connection(
+        (parts.hostname or _common.HOST, parts.port or 80), timeout=_WAIT_S
+    )
     try:
         sock.sendall(head + payload)
         buf = b""
@@ -755,7 +721,7 @@ def _progress(msg: str) -> None:
 
 
 def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return _common.fmt_load(_common.loadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -780,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats, --admission-repeats and --settle must be >= 1")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model_dir: Path = args.model if args.model is not None else dt.build_default_model()
+    model_dir: Path = args.model if args.model is not None else _common.build_default_model()
     sections = set(args.sections)
     cond = threading.Condition()
     base = ["--max-concurrency", str(args.max_concurrency), "--prefill-step-size", "512"]
@@ -887,8 +853,7 @@ def main(argv: list[str] | None = None) -> int:
             "admission": [asdict(r) for r in admission],
             "disconnect": [asdict(r) for r in disconnect],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        _common.write_json(args.json, payload)
     return 0
 
 
