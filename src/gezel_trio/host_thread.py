@@ -172,7 +172,6 @@ class _Host:
     ) -> None:
         self.backend = backend
         self.memory_limit = memory_limit_bytes
-        self.track_memory = memory_limit_bytes is not None
         self.cache = cache
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
@@ -233,7 +232,7 @@ class _Host:
             self._reported_version = self.cache.version
             view = self.cache.view()
         replies, self._replies = tuple(self._replies), []
-        memory = self.backend.memory_in_use() if self.track_memory else None
+        memory = self.backend.memory_in_use() if self.memory_limit is not None else None
         if memory is not None and self.memory_limit and memory > 0.85 * self.memory_limit:
             self.backend.reclaim()  # under pressure: give cached buffers back now
         if self._refused:

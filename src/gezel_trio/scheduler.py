@@ -53,10 +53,6 @@ class Plan:
     parked: tuple[int, ...] = ()
     resumed: tuple[int, ...] = ()
 
-    @property
-    def empty(self) -> bool:
-        return not self.admit and not self.remove
-
 
 @attrs.define
 class Scheduler:
@@ -96,13 +92,6 @@ class Scheduler:
     def idle(self) -> bool:
         """Nothing running, nothing queued, nothing to remove."""
         return not self._running and not self.queued and not self._to_remove
-
-    def position(self, rid: int) -> int | None:
-        """0-based place in the admission order, or ``None`` if not queued."""
-        for i, q in enumerate(self.queued):
-            if q == rid:
-                return i
-        return None
 
     # --- events ------------------------------------------------------------
 

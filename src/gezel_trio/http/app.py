@@ -87,6 +87,14 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
             )
 
 
+def _host_name(host: str) -> str:
+    """The name part of a Host header: ``[::1]:8080`` -> ``[::1]``, ``a:80`` -> ``a``."""
+    host = host.lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0]
+
+
 def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
     app = QuartTrio(__name__)
     # Quart's default 60 s response timeout silently cuts long streams.
@@ -98,14 +106,10 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
     @app.before_request
     async def guard() -> Response | None:
         try:
-            if loopback_bound:
-                # DNS rebinding: a page on evil.example resolving to 127.0.0.1
-                # must not reach a loopback-bound server.
-                host = (request.host or "").rsplit(":", 1)[0].lower()
-                if host.startswith("[") and host.endswith("]"):
-                    host = host  # IPv6 literal keeps its brackets
-                if host not in _LOOPBACK_HOSTS:
-                    raise Forbidden(f"host {request.host!r} is not allowed")
+            # DNS rebinding: a page on evil.example resolving to 127.0.0.1 must
+            # not reach a loopback-bound server.
+            if loopback_bound and _host_name(request.host or "") not in _LOOPBACK_HOSTS:
+                raise Forbidden(f"host {request.host!r} is not allowed")
             if settings.api_key is not None and request.path != "/health":
                 given = request.headers.get("Authorization", "")
                 expected = f"Bearer {settings.api_key}"

@@ -392,8 +392,6 @@ def _check_limits(req: ChatCompletionRequest) -> None:
                     "logit_bias values must be numbers in [-100, 100]", param="logit_bias"
                 )
     for i, m in enumerate(req.messages):
-        if m.role == "tool" and m.tool_call_id is None and m.name is None:
-            pass  # many clients omit it; templates that need it are handled in prompt rendering
         if m.role in ("user", "system", "developer") and m.content is None:
             raise InvalidRequest(
                 f"messages[{i}].content is required for role {m.role!r}",
