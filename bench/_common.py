@@ -223,13 +223,20 @@ def mlx_server(
     *,
     stop_timeout: float = STOP_TIMEOUT_S,
     full_log_path: bool = False,
+    cache_stats: bool = False,
 ) -> Iterator[Server]:
     """Start ``mlx_lm server`` with ``flags`` on a free port, its output in
     ``log``; yield once ``/health`` answers (bounded polling); always stop it
-    (SIGINT, then SIGKILL after ``stop_timeout``)."""
+    (SIGINT, then SIGKILL after ``stop_timeout``). ``cache_stats`` starts it
+    through ``bench/_mlx_lm_server.py``, which logs its prompt cache's bytes."""
     port = free_port()
+    launcher = (
+        [str(Path(__file__).with_name("_mlx_lm_server.py"))]
+        if cache_stats
+        else ["-m", "mlx_lm", "server"]
+    )
     cmd = [
-        sys.executable, "-m", "mlx_lm", "server",
+        sys.executable, *launcher,
         "--model", str(model_dir),
         "--host", HOST,
         "--port", str(port),
