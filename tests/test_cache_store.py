@@ -206,6 +206,7 @@ def test_store_matches_a_brute_force_model(
         held = tuple(t for node in entry.path for t in node.block)
         assert held[: entry.end] == entry.tokens
         assert entry.path[-1].start < entry.end <= entry.path[-1].end
+        assert entry.path_nbytes == sum(n.nbytes for n in entry.path)
     stack = [store.root]
     while stack:  # no partial block is a prefix of a sibling: it would be a copy
         node = stack.pop()

@@ -93,6 +93,7 @@ class Entry:
     hits: int = 0
     pins: int = 0
     path: list[Node] = attrs.field(factory=list, repr=False)
+    path_nbytes: int = 0  # the sum over ``path``, kept current (the view reads it often)
 
     @property
     def end(self) -> int:
@@ -107,7 +108,7 @@ class Entry:
     @property
     def nbytes(self) -> int:
         """What the entry would cost alone: its whole path and rest state."""
-        return sum(n.nbytes for n in self.path) + self.rest_nbytes
+        return self.path_nbytes + self.rest_nbytes
 
 
 @attrs.frozen
@@ -311,6 +312,7 @@ class CacheStore:
             roster=roster,
             dirty=dirty,
             path=path,
+            path_nbytes=sum(n.nbytes for n in path),
         )
         for node in path:
             node.refs += 1
@@ -404,6 +406,7 @@ class CacheStore:
                 continue
             for e in sib.ends:
                 e.path[-1] = node
+                e.path_nbytes += node.nbytes - sib.nbytes
                 node.ends.append(e)
                 node.refs += 1
             del node.parent.children[sib.tokens]
