@@ -182,7 +182,8 @@ async def test_a_restart_through_the_persist_dir_keeps_anonymous_turns(
             {"role": "user", "content": "And the Nordlys?"},
         ]
         async with server(model, persist_dir=tmp_path) as (engine, client, _url):
-            assert engine.cache_totals.disk_entries > 0
+            # The store's first view, published at the engine's first step, lists the disk.
+            await settled(engine, lambda: engine.cache_totals.disk_entries > 0)
             second = await client.chat(messages)
             cached = second.usage.prompt_tokens_details.cached_tokens
             assert cached >= first.usage.prompt_tokens - SNAPSHOT_MARGIN

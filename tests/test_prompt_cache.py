@@ -197,9 +197,26 @@ def test_hybrid_keeps_checkpoints_at_boundaries_and_before_the_last_token() -> N
     ends = sorted(e.end for e in h.cache.store)
     assert ends == [40, 90, 99, 101]
     # The same prompt again (a retry, a regenerate): all but the last token.
-    assert h.run(request(P1)) == 99
+    assert h.run(request(P1, boundaries=(40, 90))) == 99
     # A next turn re-rendering the reply: the end of the history.
-    assert h.run(request((*P1[:90], 7, 7, 7, *range(300, 320)))) == 90
+    assert h.run(request((*P1[:90], 7, 7, 7, *range(300, 320)), boundaries=(40, 110))) == 90
+
+
+def test_hybrid_turns_prune_the_checkpoints_they_supersede() -> None:
+    """Each turn keeps what the renderer still calls a boundary; the older
+    turns' retry and post-generation states inside the prompt go."""
+    h = Harness(trimmable=False)
+    h.run(turn(0, 1))
+    for t in range(2, 6):
+        h.run(turn(0, t))
+    ends = sorted(e.end for e in h.cache.store)
+    last = conversation(0, 5)
+    # The system turn's end, this turn's history end (which is also its retry
+    # point: the header is one token) and its post-generation state - however
+    # long the conversation grew.
+    assert ends == [len(SYSTEM), len(last) - 1, len(last) + 1]
+    # A turn that rewrites the history still finds the system turn's end.
+    assert h.run(request((*SYSTEM, 5, 5, 5), boundaries=(len(SYSTEM),))) == len(SYSTEM)
 
 
 def test_hybrid_without_boundaries_falls_back_to_the_margin() -> None:

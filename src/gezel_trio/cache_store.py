@@ -211,30 +211,35 @@ class CacheStore:
             cover = [n for n in path if n.start < usable]
             entry = self._covering(cover[-1], usable)
             return Seed(entry, usable, tuple(cover)) if entry is not None else None
-        # Only entry ends are seeds here, and one may end in a sibling of the
-        # path (a partial block that is a prefix of the prompt's block), so
-        # every child that shares tokens with the prompt is looked at.
         best: Entry | None = None
+        for e in self.prefixes(prompt, limit=usable):
+            if best is None or (e.end, e.last_use) > (best.end, best.last_use):
+                best = e
+        if best is None:
+            return None
+        return Seed(best, best.end, tuple(best.path))
+
+    def prefixes(self, tokens: Sequence[int], limit: int | None = None) -> list[Entry]:
+        """Every entry whose tokens are a prefix of ``tokens`` (at most
+        ``limit`` long). One may end in a sibling of the path (a partial block
+        that is a prefix of the prompt's block, folded into a longer one), so
+        every child that shares tokens with ``tokens`` is looked at."""
+        limit = len(tokens) if limit is None else limit
+        out: list[Entry] = []
         node: Node | None = self.root
         pos, b = 0, self.block_tokens
-        while node is not None and pos < usable:
-            chunk = tuple(prompt[pos : pos + b])
+        while node is not None and pos < limit:
+            chunk = tuple(tokens[pos : pos + b])
             below = None
             for child in node.children.values():
                 shared = common_prefix(child.tokens, chunk)
                 if shared == 0:
                     continue
-                for e in child.ends:
-                    if e.end <= min(pos + shared, usable) and (
-                        best is None or (e.end, e.last_use) > (best.end, best.last_use)
-                    ):
-                        best = e
+                out += (e for e in child.ends if e.end <= min(pos + shared, limit))
                 if shared == len(child.tokens) == b:
                     below = child
             node, pos = below, pos + b
-        if best is None:
-            return None
-        return Seed(best, best.end, tuple(best.path))
+        return out
 
     def _covering(self, node: Node, pos: int) -> Entry | None:
         """The most recently used entry whose path passes position ``pos``

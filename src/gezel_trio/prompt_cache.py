@@ -49,10 +49,6 @@ __all__ = ["CacheOps", "CacheSnapshot", "CacheTotals", "CacheView", "PromptCache
 
 log = logging.getLogger("gezel_trio.cache")
 
-# Checkpoints a named session keeps at its own tier beyond its main entry;
-# older ones fall back to the anonymous tiers.
-MAX_ALTERNATES = 4
-
 
 class CacheOps(Protocol):
     """The backend's operations on its opaque cache states."""
@@ -363,7 +359,7 @@ class PromptCache:
             if not _sound(cap, self._ops):
                 log.warning("final state of request %d disagrees with its tokens: not saved", rid)
                 return
-            self._save(
+            saved = self._save(
                 cap.tokens,
                 cap.state,
                 key=cr.cache_id,
@@ -371,7 +367,7 @@ class PromptCache:
                 roster=cr.roster,
                 persist=cr.persist,
             )
-            self._limit_alternates(cr.cache_id)
+            self._prune_lineage(seq, saved)
             if not cr.prefix_ids:
                 return
             if self._trimmable:
@@ -399,7 +395,7 @@ class PromptCache:
                 )
                 return
             named = cr.cache_id is not None and cr.snapshot_at is None
-            self._save(
+            saved = self._save(
                 cap.tokens,
                 cap.state,
                 key=cr.cache_id if named else None,
@@ -413,6 +409,7 @@ class PromptCache:
                 len(cap.tokens),
                 seq.reuse,
             )
+            self._prune_lineage(seq, saved)
         finally:
             self._release(seq)
 
@@ -455,12 +452,32 @@ class PromptCache:
             self.store.unpin_name(seq.cache.cache_id)
         self.version += 1  # the published view shows pins
 
-    def _limit_alternates(self, key: str | None) -> None:
-        if key is None or self._trimmable:
-            return
-        owned = sorted(self.store.owned(key), key=lambda e: -e.last_use)
-        for entry in owned[MAX_ALTERNATES:]:
-            entry.owner = None
+    def _prune_lineage(self, seq: _Seq, saved: Entry | None) -> None:
+        """Untrimmable models: once this turn saved its state, the older
+        checkpoints inside its prompt that it did not plan itself are
+        superseded - the previous turn's post-generation state, retry and
+        history cuts. What the renderer still calls a boundary (the system
+        turn's end, where a new user turn would rewrite the history) stays,
+        as do named entries and anything a live request holds. Without this a
+        hybrid model kept four fixed-size recurrent states per turn for the
+        whole conversation (33.7 MiB after 10 agent turns on the bench model,
+        against 31.1 MiB for mlx_lm.server's ten-entry LRU)."""
+        cr, prompt = seq.cache, seq.prompt
+        if self._trimmable or saved is None or not cr.boundaries:
+            return  # a request that does not know its message boundaries prunes nothing
+        keep = {*cr.boundaries, *seq.cuts, len(prompt) - 1}
+        if cr.band_end is not None:
+            keep.add(cr.band_end - SNAPSHOT_MARGIN)
+        dropped = 0
+        for entry in self.store.prefixes(prompt, limit=len(prompt) - 1):
+            held = entry.pins - (1 if entry is seq.seed else 0)
+            if entry is saved or entry.key is not None or held > 0 or entry.end in keep:
+                continue
+            self.store.remove(entry)
+            dropped += 1
+        if dropped:
+            self.version += 1
+            log.info("pruned %d superseded checkpoints", dropped)
 
     # --- storage -----------------------------------------------------------
 
