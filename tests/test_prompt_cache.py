@@ -219,6 +219,22 @@ def test_hybrid_turns_prune_the_checkpoints_they_supersede() -> None:
     assert h.run(request((*SYSTEM, 5, 5, 5), boundaries=(len(SYSTEM),))) == len(SYSTEM)
 
 
+def test_a_boundary_inside_the_reused_part_keeps_the_checkpoint_before_it() -> None:
+    """Turn 1 cut at the end of its first user message; later turns place
+    the 'a new user turn rewrites history from here' boundary a little after
+    it (inside what they reused, where nothing is cut): the turn-1 checkpoint
+    is what such a rewrite would use, so it stays."""
+    h = Harness(trimmable=False)
+    first = conversation(0, 1)
+    h.run(request(first, boundaries=(len(SYSTEM), len(first) - 1)))
+    for t in range(2, 5):
+        prompt = conversation(0, t)
+        h.run(request(prompt, boundaries=(len(SYSTEM), len(first), len(prompt) - 1)))
+    assert len(first) - 1 in {e.end for e in h.cache.store}
+    rewrite = (*first[:-1], 5, 5, 5)
+    assert h.run(request(rewrite, boundaries=(len(SYSTEM),))) == len(first) - 1
+
+
 def test_hybrid_without_boundaries_falls_back_to_the_margin() -> None:
     h = Harness(trimmable=False)
     h.run(request(P1))

@@ -465,11 +465,17 @@ class PromptCache:
         cr, prompt = seq.cache, seq.prompt
         if self._trimmable or saved is None or not cr.boundaries:
             return  # a request that does not know its message boundaries prunes nothing
-        keep = {*cr.boundaries, *seq.cuts, len(prompt) - 1}
+        marks = {*cr.boundaries, *seq.cuts, len(prompt) - 1}
         if cr.band_end is not None:
-            keep.add(cr.band_end - SNAPSHOT_MARGIN)
+            marks.add(cr.band_end - SNAPSHOT_MARGIN)
+        entries = self.store.prefixes(prompt, limit=len(prompt) - 1)
+        # For each boundary, the checkpoint a prompt diverging there would use:
+        # the deepest one at or before it (the boundary itself may lie inside
+        # what this turn reused, where no new checkpoint was cut).
+        ends = sorted({e.end for e in entries})
+        keep = {max((n for n in ends if n <= mark), default=0) for mark in marks}
         dropped = 0
-        for entry in self.store.prefixes(prompt, limit=len(prompt) - 1):
+        for entry in entries:
             held = entry.pins - (1 if entry is seq.seed else 0)
             if entry is saved or entry.key is not None or held > 0 or entry.end in keep:
                 continue
