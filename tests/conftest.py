@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# First, before any test module imports mlx: the package binds MLX to
+# OpenBLAS at import time (gezel_trio.blas) and warns when it is too late.
+import gezel_trio  # noqa: F401
+
 
 @pytest.fixture(scope="session")
 def gezel_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
