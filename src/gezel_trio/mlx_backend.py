@@ -11,7 +11,6 @@ import copy
 import io
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +36,6 @@ from mlx_lm.sample_utils import (
     make_presence_penalty,
     make_repetition_penalty,
 )
-from mlx_lm.utils import load
 
 from .backend import (
     Admission,
@@ -49,9 +47,11 @@ from .backend import (
     TokenOut,
 )
 from .config import EngineConfig
-from .errors import GezelError, InvalidRequest, ModelLoadError
+from .errors import GezelError, InvalidRequest
 from .grammar import Constraint, build_constraint
 from .mlx_constraints import GrammarTokenizer, make_grammar_processor
+from .mlx_loading import load_model
+from .model_source import resolve_model
 from .persist import fingerprint_model_dir
 from .prompt import ChatTemplateRenderer
 from .reasoning import prompt_opens_thinking_tokens
@@ -84,16 +84,9 @@ _CONTENT_MARKERS = ("tool_call", "tool_response", "think", "TOOL_CALLS", "ARGS")
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
-    """The local directory to load; builds the demo model when none is given."""
-    if config.model is None:
-        from .demo_model import ensure_demo_model
-
-        return ensure_demo_model("dense", "tiny")
-    path = Path(config.model).expanduser()
-    if not (path / "config.json").is_file():
-        # mlx-lm would treat a missing path as a hub id and try to download it.
-        raise ModelLoadError(f"{path} is not a local model directory (no config.json)")
-    return path
+    """The local directory to load: the model directory, the converted GGUF,
+    or the default model (fetched and converted on first use)."""
+    return resolve_model(config.model)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -254,14 +247,8 @@ class MlxBackend:
     """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
 
     def __init__(self, config: EngineConfig) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        model_dir = resolve_model_dir(config)
-        try:
-            model, tokenizer = load(str(model_dir))
-        except Exception as exc:
-            raise ModelLoadError(
-                f"could not load {model_dir}: {type(exc).__name__}: {exc}"
-            ) from exc
+        loaded = load_model(config)
+        model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
         self._model = model
         self._tokenizer = tokenizer
         self._config = config

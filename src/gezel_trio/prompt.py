@@ -95,7 +95,9 @@ class ChatTemplateRenderer:
         prepared = [_prepare_message(m) for m in messages]
         if not self._linkage_needed(template, template_override):
             prepared = [_strip_linkage(m) for m in prepared]
-        kwargs: dict[str, Any] = {"enable_thinking": True, **template_kwargs}
+        # No enable_thinking unless the request sends one: every template
+        # follows its own default (T1).
+        kwargs: dict[str, Any] = dict(template_kwargs)
         depthless = {k: v for k, v in kwargs.items() if k not in _REASONING_DEPTH_KEYS}
         rungs: list[tuple[dict[str, Any], Sequence[dict[str, Any]] | None, str]] = [
             (kwargs, tools, ""),
