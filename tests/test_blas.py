@@ -44,7 +44,7 @@ def _python(code: str, *, preload: bool = True, warnings_as_errors: bool = False
 
 def test_importing_gezel_trio_first_binds_mlx_to_openblas() -> None:
     said = _python("import gezel_trio.blas as b, mlx.core; print(b.describe())")
-    assert "OpenBLAS (ngsolve-openblas, preloaded)" in said
+    assert "OpenBLAS (ngsolve-openblas, preloaded, 1 thread)" in said
     assert "cblas_sgemm from libopenblas" in said
 
 

@@ -48,7 +48,7 @@ from .backend import (
 )
 from .config import EngineConfig
 from .errors import GezelError, InvalidRequest
-from .grammar import Constraint, build_constraint
+from .grammar import Constraint, ToolFormatName, build_constraint
 from .mlx_constraints import GrammarTokenizer, make_grammar_processor
 from .mlx_loading import load_model
 from .model_source import resolve_model
@@ -57,7 +57,7 @@ from .prompt import ChatTemplateRenderer
 from .reasoning import prompt_opens_thinking_tokens
 from .request import GenerationRequest, Priority, SamplingParams
 from .text import COMMON_FRAMING_MARKERS
-from .toolcalls import detect_format
+from .toolcalls import GENERIC, resolve_format
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
 
@@ -213,16 +213,19 @@ def _think_ids(tokenizer: Any) -> tuple[int, int] | None:
 class _Compiler:
     """``backend.ConstraintCompiler`` over llguidance with this model's vocabulary."""
 
-    def __init__(self, grammar_tok: GrammarTokenizer, *, hermes: bool) -> None:
+    def __init__(self, grammar_tok: GrammarTokenizer, *, tool_format: str | None) -> None:
         self._llg = grammar_tok.llg
-        self._hermes = hermes
+        self._format: ToolFormatName | None = (
+            "hermes" if tool_format == "hermes" else "generic" if tool_format == "generic" else None
+        )
 
     def compile(
         self, *, response_format: Any, tools: Any, tool_choice: Any, tool_grammar: Any
     ) -> Constraint | None:
-        if not self._hermes and (tool_choice not in (None, "auto", "none") or tool_grammar):
+        if self._format is None and (tool_choice not in (None, "auto", "none") or tool_grammar):
             raise InvalidRequest(
-                "tool-call constraints need a model with a Hermes tool-call template",
+                "tool-call constraints need a model whose chat template has Hermes "
+                "tool calls or no tool syntax at all (the generic format)",
                 param="tool_choice",
             )
         return build_constraint(
@@ -230,6 +233,7 @@ class _Compiler:
             tools=tools,
             tool_choice=tool_choice,
             tool_grammar=tool_grammar,
+            tool_format=self._format or "hermes",
             llg_tokenizer=self._llg,
         )
 
@@ -288,9 +292,11 @@ class MlxBackend:
                 if tokenizer.has_thinking and tokenizer.think_end
                 else None
             ),
-            tool_format=fmt.name if (fmt := detect_format(tokenizer.chat_template)) else None,
+            tool_format=fmt.name if (fmt := resolve_format(tokenizer.chat_template)) else None,
         )
-        self._renderer = ChatTemplateRenderer(tokenizer)
+        self._renderer = ChatTemplateRenderer(
+            tokenizer, generic_tools=self._info.tool_format == GENERIC.name
+        )
         self._vocab_width = int(text_cfg.get("vocab_size") or model_cfg.get("vocab_size") or 0)
         self._grammar_tok: GrammarTokenizer | None = None
         try:
@@ -298,7 +304,7 @@ class MlxBackend:
         except (TypeError, ValueError) as exc:
             log.warning("constrained decoding unavailable for this tokenizer: %s", exc)
         self._compiler = (
-            _Compiler(self._grammar_tok, hermes=self._info.tool_format == "hermes")
+            _Compiler(self._grammar_tok, tool_format=self._info.tool_format)
             if self._grammar_tok is not None
             else None
         )

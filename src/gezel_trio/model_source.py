@@ -161,11 +161,17 @@ def _discard(path: Path) -> None:
 
 
 def _converted_dir(root: Path, sha256: str, stem: str) -> Path:
+    """Where the conversion of the file with this hash lives: the one already
+    made, whatever the file was called then, or a new one named after it
+    (the directory's name is the model id that /v1/models reports)."""
     from .gguf_convert import CONVERTER_VERSION
 
+    by_hash = root / "gguf" / f"{sha256[:16]}-{CONVERTER_VERSION}"
+    with contextlib.suppress(OSError):
+        for done in sorted(by_hash.glob(f"*/{_MANIFEST}")):
+            return done.parent
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in stem) or "model"
-    # The directory's name is the model id that /v1/models reports.
-    return root / "gguf" / f"{sha256[:16]}-{CONVERTER_VERSION}" / safe
+    return by_hash / safe
 
 
 def _sha256(path: Path) -> str:

@@ -1,0 +1,243 @@
+"""GGUF conversion checked against a model whose truth is known: the tiny
+dense demo model, written out as llama.cpp writes a llama GGUF (Q and K rows
+permuted for interleaved RoPE, llama.cpp tensor names, the tokenizer as
+vocabulary, merges and token types) with llama.cpp's own ``gguf`` package,
+then converted back and compared - logits, token ids, chat template.
+
+F32 files must reproduce the model exactly; Q8_0 files go through MLX's
+quantized form, Q5_0 files through ``gguf.quants`` decoding. Files the
+converter cannot serve are refused with a message that names what.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from gezel_trio.demo_model import CONTROL_TOKENS, SPECIAL_TOKENS
+from gezel_trio.gguf_convert import UnsupportedGguf, convert_gguf
+from gezel_trio.model_source import ensure_gguf_converted
+
+Q = gguf.GGMLQuantizationType
+
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _gguf_name(name: str) -> str:
+    stem, suffix = name.rsplit(".", 1)
+    if stem in _GLOBAL:
+        return f"{_GLOBAL[stem]}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{_LAYER[rest]}.{suffix}"
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows."""
+    split = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+    return split.swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    model_dir: Path,
+    path: Path,
+    *,
+    qtype: gguf.GGMLQuantizationType = Q.F32,
+    arch: str = "llama",
+    pre: str = "qwen2",
+    add_bos: bool = False,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    vocab: dict[str, int] = tokenizer["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [
+        gguf.TokenType.CONTROL
+        if t in SPECIAL_TOKENS
+        else gguf.TokenType.USER_DEFINED
+        if t in CONTROL_TOKENS
+        else gguf.TokenType.NORMAL
+        for t in tokens
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_rope_dimension_count(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(3)
+    w.add_pad_token_id(1)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template(template)
+    if extra is not None:
+        extra(w)
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for name, value in sorted(weights.items()):
+        a = np.array(value.astype(mx.float32))
+        if name.endswith("q_proj.weight"):
+            a = _permute(a, heads)
+        elif name.endswith("k_proj.weight"):
+            a = _permute(a, kv_heads)
+        if a.ndim == 2 and qtype != Q.F32:
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _logits(model_dir: Path, ids: list[int]) -> np.ndarray:
+    model, _ = load(str(model_dir))
+    out = model(mx.array([ids]))
+    return np.array(out.astype(mx.float32))[0]
+
+
+def _convert(tmp_path: Path, name: str, **kw: Any) -> Path:
+    src = tmp_path / f"{name}.gguf"
+    write_gguf(kw.pop("model_dir"), src, **kw)
+    dest = tmp_path / name
+    dest.mkdir()
+    convert_gguf(src, dest)
+    return dest
+
+
+IDS = [5, 17, 300, 42, 9, 1000, 77, 3, 250, 11, 512, 64]
+
+
+@pytest.mark.parametrize(
+    ("qtype", "tolerance"),
+    [(Q.F32, 1e-4), (Q.Q8_0, 0.15), (Q.Q5_0, 1.0)],
+    ids=["f32", "q8_0-mlx-quantized", "q5_0-decoded-by-gguf"],
+)
+def test_converted_model_computes_the_same_logits(
+    tmp_path: Path, dense_model: Path, qtype: gguf.GGMLQuantizationType, tolerance: float
+) -> None:
+    dest = _convert(tmp_path, qtype.name, model_dir=dense_model, qtype=qtype)
+    config = json.loads((dest / "config.json").read_text())
+    assert config["rope_traditional"] is True  # Q/K came permuted
+    assert ("quantization" in config) == (qtype == Q.Q8_0)
+    want, got = _logits(dense_model, IDS), _logits(dest, IDS)
+    assert np.abs(want - got).max() < tolerance
+    # The greedy continuation agrees at every position.
+    assert (want.argmax(-1) == got.argmax(-1)).mean() >= (1.0 if qtype == Q.F32 else 0.9)
+
+
+def test_tokenizer_ids_and_chat_template_match_the_original(
+    tmp_path: Path, dense_model: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    dest = _convert(tmp_path, "tok", model_dir=dense_model)
+    original = AutoTokenizer.from_pretrained(str(dense_model), local_files_only=True)
+    converted = AutoTokenizer.from_pretrained(str(dest), local_files_only=True)
+    texts = [
+        "The quick brown fox, 12345 and 6.",
+        "  spaces\n\n\nlines   end  ",
+        "<|im_start|>user\nhi<think>x</think><tool_call>{}</tool_call><|im_end|>",
+        "don't won't I'll we've",
+    ]
+    for text in texts:
+        ids = converted.encode(text, add_special_tokens=False)
+        assert ids == original.encode(text, add_special_tokens=False), text
+        assert converted.decode(ids) == text
+    # Control tokens are special, user-defined ones (<think>) are not.
+    assert converted.decode([3, 4], skip_special_tokens=True) == "<think>"
+    messages = [{"role": "user", "content": "hi"}]
+    assert converted.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    ) == original.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    generation = json.loads((dest / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [3]
+
+
+def test_add_bos_token_puts_one_bos_first(tmp_path: Path, dense_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    dest = _convert(tmp_path, "bos", model_dir=dense_model, add_bos=True)
+    tok = AutoTokenizer.from_pretrained(str(dest), local_files_only=True)
+    ids = tok.encode("hello")
+    assert ids[0] == 2
+    assert ids.count(2) == 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"arch": "gpt2"}, "architecture 'gpt2'"),
+        ({"pre": "mystery-pre"}, "pre-tokenizer 'mystery-pre'"),
+        (
+            {"extra": lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))},
+            "tensor 'rope_freqs.weight'",
+        ),
+        (
+            {
+                "extra": lambda w: w.add_tensor(
+                    "blk.0.ffn_up.bias", np.zeros((1, 40), np.uint8), raw_dtype=Q.Q8_1
+                )
+            },
+            "tensor type Q8_1",
+        ),
+    ],
+    ids=["architecture", "pre-tokenizer", "tensor-name", "tensor-type"],
+)
+def test_unsupported_files_are_refused_by_name(
+    tmp_path: Path, dense_model: Path, kw: dict[str, Any], named: str
+) -> None:
+    src = tmp_path / "bad.gguf"
+    write_gguf(dense_model, src, **kw)
+    with pytest.raises(UnsupportedGguf, match=named.replace("(", r"\(")):
+        convert_gguf(src, tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_a_gguf_file_is_converted_once_and_found_by_its_hash(
+    tmp_path: Path, dense_model: Path
+) -> None:
+    src = tmp_path / "m.gguf"
+    write_gguf(dense_model, src)
+    seen: list[str] = []
+    first = ensure_gguf_converted(src, root=tmp_path / "cache", progress=seen.append)
+    assert any("converting" in s for s in seen)
+    copy = tmp_path / "elsewhere.gguf"
+    copy.write_bytes(src.read_bytes())
+    seen.clear()
+    again = ensure_gguf_converted(copy, root=tmp_path / "cache", progress=seen.append)
+    assert again == first  # same content, same conversion, whatever the file's name
+    assert ensure_gguf_converted(src, root=tmp_path / "cache", progress=seen.append) == first
+    assert not any("converting" in s for s in seen)
