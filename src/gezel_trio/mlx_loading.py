@@ -36,7 +36,7 @@ from .config import EngineConfig
 from .errors import ModelLoadError
 from .model_source import resolve_model
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "hold_float32", "load_model"]
 
 log = logging.getLogger("gezel_trio.mlx")
 
@@ -123,9 +123,16 @@ def _adapt_weights(model: Any, *, keep: bool) -> str:
             f"{stored} (as stored: float32 would need {need >> 20} MiB, "
             f"more than half of the {available >> 20} MiB available)"
         )
-    model.update_modules(tree_unflatten([(p, _as_float32(m)) for p, m in slow]))
-    mx.eval(model.parameters())
+    hold_float32(model)
     return f"float32 on CPU (stored as {stored}; {need >> 20} MiB)"
+
+
+def hold_float32(model: Any) -> None:
+    """Replace every quantized or half-precision ``Linear``/``Embedding`` of
+    ``model`` by a float32 one (on the host thread, like every MLX call)."""
+    slow = [(p, _as_float32(m)) for p, m in model.named_modules() if _slow_on_cpu(m)]
+    model.update_modules(tree_unflatten(slow))
+    mx.eval(model.parameters())
 
 
 def _as_float32(m: Any) -> Any:

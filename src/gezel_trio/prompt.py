@@ -220,7 +220,7 @@ class ChatTemplateRenderer:
         extra = dict(kwargs)
         if template_override is not None:
             extra["chat_template"] = template_override
-        text = self._tokenizer.apply_chat_template(
+        text = self._template_owner().apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=True,
@@ -230,6 +230,16 @@ class ChatTemplateRenderer:
         if not isinstance(text, str):
             raise TypeError("the chat template did not produce text")
         return text
+
+    def _template_owner(self) -> Any:
+        """Who renders: the Hugging Face tokenizer itself, unless mlx-lm's
+        wrapper brings a renderer of its own. The wrapper sets
+        ``enable_thinking`` to whether the vocabulary has think tokens when a
+        request names none; the template's own default must decide (T1)."""
+        hf = getattr(self._tokenizer, "_tokenizer", None)
+        if hf is None or getattr(self._tokenizer, "_chat_template", None) is not None:
+            return self._tokenizer
+        return hf
 
     def _linkage_needed(self, template: str, override: str | None) -> bool:
         """Render a tool round without ids once per template: if the result
