@@ -23,10 +23,14 @@ is looked up on a model hub.
   the way they were permuted for, which gives the same attention scores as
   the original checkpoint. Qwen files keep the original order.
 * **Tokenizer.** Rebuilt with ``tokenizers`` from the vocabulary, merges
-  and token types: a byte-level BPE whose pre-tokenizer is chosen from
-  ``tokenizer.ggml.pre`` (``smollm`` splits digits one by one, ``qwen2``
-  and ``llama-bpe`` split by their regexes), exactly as the original
-  ``tokenizer.json`` of those families is written. Control tokens become
+  and token types. ``tokenizer.ggml.model = "gpt2"`` is a byte-level BPE
+  whose pre-tokenizer is chosen from ``tokenizer.ggml.pre`` (``smollm``
+  splits digits one by one, ``qwen2`` and ``llama-bpe`` split by their
+  regexes), exactly as the original ``tokenizer.json`` of those families is
+  written. ``"llama"`` is a SentencePiece BPE (Llama 2, Mistral 7B): the
+  merges are derived from the pieces' scores, as transformers' converter
+  does, with byte fallback and the ``▁`` space marker (prefixed once, at
+  the start, when ``add_space_prefix`` says so). Control tokens become
   special added tokens, user-defined ones (``<think>``) plain added tokens.
   BOS/EOS/padding ids, ``add_bos_token`` and the chat template come from the
   metadata.
@@ -138,6 +142,7 @@ _PRE_TOKENIZERS: Final = {
 }
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+_NORMAL: Final = 1
 _CONTROL: Final = 3
 _USER_DEFINED: Final = 4
 
@@ -186,12 +191,13 @@ def _check_supported(head: _Header) -> _Arch:
     if bad:
         raise UnsupportedGguf(f"GGUF tensor type {', '.join(bad)} is not supported")
     model = head.need("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise UnsupportedGguf(
-            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')"
+            f"GGUF tokenizer model {model!r} is not supported "
+            "(byte-level BPE 'gpt2' and SentencePiece BPE 'llama' are)"
         )
     pre = head.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
+    if model == "gpt2" and pre not in _PRE_TOKENIZERS:
         raise UnsupportedGguf(
             f"GGUF pre-tokenizer {pre!r} is not supported "
             f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
@@ -372,57 +378,19 @@ def _model_config(arch: _Arch, head: _Header, weights: Mapping[str, Any]) -> dic
 
 def _tokenizer(head: _Header) -> tuple[str, dict[str, str | None]]:
     """``tokenizer.json`` text, and the special tokens by role."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
+    from tokenizers import AddedToken, processors
 
     tokens: list[str] = list(head.need("tokenizer.ggml.tokens"))
     types: list[int] = list(head.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ")) for m in head.need("tokenizer.ggml.merges")]
-    if any(len(m) != 2 for m in merges):
-        raise UnsupportedGguf("GGUF merges must be pairs of tokens separated by one space")
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     if len(vocab) != len(tokens):
         raise UnsupportedGguf("GGUF vocabulary repeats a token; ids would not round-trip")
-    pre = _PRE_TOKENIZERS[head.get("tokenizer.ggml.pre", "default")]
-
-    tok = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=pre.ignore_merges,
-        )
-    )
-    if pre.nfc:
-        tok.normalizer = normalizers.NFC()
-    if pre.split is not None:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pre.split), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    elif pre.digits:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
+    if head.need("tokenizer.ggml.model") == "llama":
+        tok = _sentencepiece_bpe(head, tokens, types, vocab)
     else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
+        tok = _byte_level_bpe(head, vocab)
 
     # Added tokens keep their vocabulary ids; control tokens are special
     # (skipped by decode(skip_special_tokens=True)), user-defined ones are not.
@@ -453,10 +421,99 @@ def _tokenizer(head: _Header) -> tuple[str, dict[str, str | None]]:
             pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, bos_id)],
         )
-    else:
+    elif head.need("tokenizer.ggml.model") == "gpt2":
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     text: str = tok.to_str()
     return text, special
+
+
+def _byte_level_bpe(head: _Header, vocab: dict[str, int]) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    merges = [tuple(m.split(" ")) for m in head.need("tokenizer.ggml.merges")]
+    if any(len(m) != 2 for m in merges):
+        raise UnsupportedGguf("GGUF merges must be pairs of tokens separated by one space")
+    pre = _PRE_TOKENIZERS[head.get("tokenizer.ggml.pre", "default")]
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=pre.ignore_merges,
+        )
+    )
+    if pre.nfc:
+        tok.normalizer = normalizers.NFC()
+    if pre.split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pre.split), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif pre.digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+_SPACE: Final = "\u2581"  # SentencePiece's "▁"
+
+
+def _sentencepiece_bpe(
+    head: _Header, tokens: list[str], types: list[int], vocab: dict[str, int]
+) -> Any:
+    """Llama 2 / Mistral-style SentencePiece BPE, as transformers writes it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    scores: list[float] = list(head.need("tokenizer.ggml.scores"))
+    if len(scores) != len(tokens):
+        raise UnsupportedGguf("GGUF tokenizer.ggml.scores does not match the vocabulary")
+    unk = _token(head, tokens, "tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_by_score(tokens, types, scores, vocab),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    prefix = "first" if head.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme=prefix, split=False
+    )
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix == "first":
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _merges_by_score(
+    tokens: list[str], types: list[int], scores: list[float], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """Every split of a normal piece into two pieces, highest-scoring piece
+    first (SentencePiece BPE merges the best-scoring pair first); ties keep
+    vocabulary order, as transformers' SentencePieceExtractor does."""
+    ranked: list[tuple[float, int, int, int]] = []
+    for i, (piece, ty) in enumerate(zip(tokens, types, strict=True)):
+        if ty != _NORMAL:
+            continue
+        for k in range(1, len(piece)):
+            left, right = vocab.get(piece[:k]), vocab.get(piece[k:])
+            if left is not None and right is not None:
+                ranked.append((-scores[i], i, left, right))
+    ranked.sort()
+    return [(tokens[left], tokens[right]) for _, _, left, right in ranked]
 
 
 def _token(head: _Header, tokens: list[str], key: str) -> str | None:
