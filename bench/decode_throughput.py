@@ -433,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results += got
                 prefill += pre
+                print(f"[raw: {time.monotonic() - t0:.0f}s]", file=sys.stderr, flush=True)
                 continue
             server: contextlib.AbstractContextManager[str]
             if system == "gezel":
