@@ -237,7 +237,10 @@ class ChatTemplateRenderer:
         ``enable_thinking`` to whether the vocabulary has think tokens when a
         request names none; the template's own default must decide (T1)."""
         hf = getattr(self._tokenizer, "_tokenizer", None)
-        if hf is None or getattr(self._tokenizer, "_chat_template", None) is not None:
+        if (
+            not hasattr(hf, "apply_chat_template")  # a Hugging Face tokenizer itself
+            or getattr(self._tokenizer, "_chat_template", None) is not None
+        ):
             return self._tokenizer
         return hf
 
