@@ -11,6 +11,7 @@ real-model tests: a few short greedy generations, so CI stays fast.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -145,16 +146,17 @@ def _ask(server: Server, question: str, **kw: Any) -> Any:
     )
 
 
-def test_greedy_answer_names_paris(server: Server) -> None:
-    chunks = server.client.chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0,
-        max_tokens=24,
-        stream=True,
-    )
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert "Paris" in text
+def test_the_readme_example_prints_the_answer(
+    server: Server, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (example,) = re.findall(r"## Using it\n\n```python\n(.*?)```", readme, re.S)
+    code = example.replace("http://127.0.0.1:8080", server.url)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    printed = capsys.readouterr().out
+    assert "Paris" in printed
+    # What the README says it prints.
+    assert f"It prints `{printed.strip()}`" in readme
 
 
 WEATHER = {
