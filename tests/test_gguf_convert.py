@@ -202,8 +202,13 @@ def test_add_bos_token_puts_one_bos_first(tmp_path: Path, dense_model: Path) -> 
         ({"arch": "gpt2"}, "architecture 'gpt2'"),
         ({"pre": "mystery-pre"}, "pre-tokenizer 'mystery-pre'"),
         (
-            {"extra": lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))},
-            "tensor 'rope_freqs.weight'",
+            {
+                # A mixture-of-experts router: no such tensor in a dense llama.
+                "extra": lambda w: w.add_tensor(
+                    "blk.0.ffn_gate_inp.weight", np.ones((4, 64), np.float32)
+                )
+            },
+            "tensor 'blk.0.ffn_gate_inp.weight'",
         ),
         (
             {
@@ -378,3 +383,49 @@ def test_sentencepiece_vocabulary_encodes_as_sentencepiece_does(tmp_path: Path) 
     detok.finalize()
     assert detok.text == SP_CORPUS[3]
     assert type(detok).__name__ == "SPMStreamingDetokenizer"
+
+
+# --- Llama 3.1+ long-context RoPE ------------------------------------------
+
+
+def _llama3_rope_factors(config: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's rope_freqs for ``config``, from mlx-lm's own Llama3RoPE."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    dims, base = config["head_dim"], config["rope_theta"]
+    rope = Llama3RoPE(dims, traditional=True, base=base, scaling_config=config["rope_scaling"])
+    periods = base ** (mx.arange(0, dims, 2) / dims)
+    return np.array(rope._freqs / periods, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path: Path, dense_model: Path) -> None:
+    import shutil
+
+    scaled = tmp_path / "scaled"
+    shutil.copytree(dense_model, scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    (scaled / "config.json").write_text(json.dumps(config))
+    factors = _llama3_rope_factors(config)
+    assert len(set(factors.round(4).tolist())) > 2  # scaled, smoothed and untouched bands
+    dest = _convert(
+        tmp_path,
+        "llama3",
+        model_dir=scaled,
+        extra=lambda w: w.add_tensor("rope_freqs.weight", factors),
+    )
+    assert json.loads((dest / "config.json").read_text())["rope_scaling"] == config["rope_scaling"]
+    want, got = _logits(scaled, IDS), _logits(dest, IDS)
+    assert np.abs(want - got).max() < 1e-4
+
+    bad = tmp_path / "bad.gguf"
+    noise = np.random.default_rng(0).uniform(1, 8, factors.shape).astype(np.float32)
+    write_gguf(scaled, bad, extra=lambda w: w.add_tensor("rope_freqs.weight", noise))
+    with pytest.raises(UnsupportedGguf, match="rope_freqs are not Llama 3's"):
+        convert_gguf(bad, tmp_path)

@@ -21,7 +21,11 @@ is looked up on a model hub.
 * **RoPE.** llama.cpp stores a llama model's Q and K rows permuted for
   interleaved ("traditional") RoPE; ``rope_traditional: true`` applies RoPE
   the way they were permuted for, which gives the same attention scores as
-  the original checkpoint. Qwen files keep the original order.
+  the original checkpoint. Qwen files keep the original order. Llama 3.1+
+  files carry their long-context frequency scaling as a ``rope_freqs``
+  tensor; it becomes mlx-lm's ``llama3`` ``rope_scaling`` (its factor is the
+  tensor's largest value), after checking that those parameters reproduce
+  the tensor.
 * **Tokenizer.** Rebuilt with ``tokenizers`` from the vocabulary, merges
   and token types. ``tokenizer.ggml.model = "gpt2"`` is a byte-level BPE
   whose pre-tokenizer is chosen from ``tokenizer.ggml.pre`` (``smollm``
@@ -109,6 +113,7 @@ _LAYER_NAMES: Final = {
     "ffn_down": "mlp.down_proj",
 }
 _SUFFIXES: Final = ("weight", "bias", "scales", "biases")
+_ROPE_FREQS: Final = "rope_freqs.weight"
 
 
 @attrs.frozen
@@ -180,7 +185,11 @@ def _check_supported(head: _Header) -> _Arch:
             f"GGUF architecture {arch_name!r} is not supported "
             f"(supported: {', '.join(sorted(_ARCHS))})"
         )
-    unknown_names = sorted(n for n in head.tensor_types if _mlx_name(n) is None)
+    unknown_names = sorted(
+        n
+        for n in head.tensor_types
+        if _mlx_name(n) is None and not (n == _ROPE_FREQS and arch.rope_traditional)
+    )
     if unknown_names:
         raise UnsupportedGguf(
             f"GGUF tensor {unknown_names[0]!r} has no counterpart in mlx-lm's "
@@ -253,7 +262,8 @@ def convert_gguf(src: Path, dest: Path, progress: Progress = lambda _: None) -> 
     tokenizer_json, special = _tokenizer(head)
     progress("converting the weights")
     weights = _weights(src, reader, head)
-    config = _model_config(arch, head, weights)
+    rope_freqs = weights.pop(_ROPE_FREQS, None)
+    config = _model_config(arch, head, weights, rope_freqs)
     progress("writing the model directory")
     _write_json(dest / "config.json", config)
     (dest / "tokenizer.json").write_text(tokenizer_json, "utf-8")
@@ -276,9 +286,8 @@ def _weights(src: Path, reader: gguf.GGUFReader, head: _Header) -> dict[str, mx.
         arrays = _decoded_by_gguf(reader)
     out = {}
     for name, array in arrays.items():
-        mlx_name = _mlx_name(name)
-        assert mlx_name is not None  # _check_supported saw every tensor name
-        out[mlx_name] = array
+        mlx_name = _mlx_name(name) or name
+        out[mlx_name] = array  # _check_supported saw every name: known, or rope_freqs
     return out
 
 
@@ -326,7 +335,45 @@ def _f32(value: Any) -> float:
     return float(f"{float(value):.7g}")
 
 
-def _model_config(arch: _Arch, head: _Header, weights: Mapping[str, Any]) -> dict[str, Any]:
+def _llama3_rope_scaling(rope_freqs: Any, head_dim: int, base: float) -> dict[str, Any]:
+    """mlx-lm's ``llama3`` rope_scaling for llama.cpp's ``rope_freqs`` factors.
+
+    llama.cpp computes them from the checkpoint's factor, low/high frequency
+    factors (1 and 4 in every Llama 3 release) and original context (8192);
+    the factor is the largest value. The others are checked, not assumed:
+    recomputing the tensor from them must give it back.
+    """
+    import numpy as np
+
+    got = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    factor, old = float(f"{got.max():.6g}"), 8192
+    scaling: dict[str, Any] = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": old,
+    }
+    low_wavelen, high_wavelen = old / 1.0, old / 4.0
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - 1.0) / (4.0 - 1.0)
+    want = np.where(
+        wavelen < high_wavelen,
+        1.0,
+        np.where(wavelen > low_wavelen, factor, 1 / ((1 - smooth) / factor + smooth)),
+    )
+    if want.shape != got.shape or not np.allclose(want, got, rtol=1e-4):
+        raise UnsupportedGguf(
+            "GGUF rope_freqs are not Llama 3's frequency scaling "
+            f"(factor {factor}, low 1, high 4, original context {old})"
+        )
+    return scaling
+
+
+def _model_config(
+    arch: _Arch, head: _Header, weights: Mapping[str, Any], rope_freqs: Any = None
+) -> dict[str, Any]:
     a = head.need("general.architecture")
     hidden = int(head.need(f"{a}.embedding_length"))
     heads = head.need(f"{a}.attention.head_count")
@@ -367,6 +414,10 @@ def _model_config(arch: _Arch, head: _Header, weights: Mapping[str, Any]) -> dic
         }
     elif scaling not in (None, "none"):
         raise UnsupportedGguf(f"GGUF rope scaling {scaling!r} is not supported")
+    if rope_freqs is not None:
+        if "rope_scaling" in config:
+            raise UnsupportedGguf("GGUF file has both rope_freqs and a rope scaling type")
+        config["rope_scaling"] = _llama3_rope_scaling(rope_freqs, head_dim, config["rope_theta"])
     quant = _quantization(weights)
     if quant is not None:
         config["quantization"] = quant
