@@ -209,3 +209,35 @@ def test_json_schema_response_parses_and_validates(server: Server) -> None:
     assert r.choices[0].finish_reason == "stop"
     answer = json.loads(r.choices[0].message.content)
     jsonschema.validate(answer, schema)
+
+
+def test_a_tool_round_trip_renders_and_answers(server: Server) -> None:
+    """The call goes back as history (content None, as SDKs send it) with the
+    tool's result; the template has no tool syntax, so both are written in
+    the generic format, and the model answers in text."""
+    question = {"role": "user", "content": "What is the weather in Paris, in celsius?"}
+    first = server.client.chat.completions.create(
+        model="smollm2",
+        messages=[question],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=48,
+    )
+    (call,) = first.choices[0].message.tool_calls
+    history: list[Any] = [
+        question,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    r = server.client.chat.completions.create(
+        model="smollm2",
+        messages=history,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=24,
+    )
+    assert r.choices[0].message.content
+    assert r.usage is not None
+    assert first.usage is not None
+    assert r.usage.prompt_tokens > first.usage.prompt_tokens
