@@ -28,7 +28,8 @@ print(2 * 512**3 * 5 / (time.perf_counter() - t) / 1e9)
 
 
 def _python(code: str, *, preload: bool = True, warnings_as_errors: bool = False) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "GEZEL_TRIO_PRELOAD_BLAS"}
+    unset = ("GEZEL_TRIO_PRELOAD_BLAS", "OPENBLAS_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     if not preload:
         env["GEZEL_TRIO_PRELOAD_BLAS"] = "0"
     flags = ["-W", "error::RuntimeWarning"] if warnings_as_errors else []
