@@ -34,6 +34,8 @@ _LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -88,8 +90,9 @@ def write_gguf(
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_rope_dimension_count(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_rope_freq_base(config["rope_theta"])
     w.add_tokenizer_model("gpt2")
@@ -108,9 +111,9 @@ def write_gguf(
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for name, value in sorted(weights.items()):
         a = np.array(value.astype(mx.float32))
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             a = _permute(a, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             a = _permute(a, kv_heads)
         if a.ndim == 2 and qtype != Q.F32:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
@@ -429,3 +432,54 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path: Path, dense_mode
     write_gguf(scaled, bad, extra=lambda w: w.add_tensor("rope_freqs.weight", noise))
     with pytest.raises(UnsupportedGguf, match="rope_freqs are not Llama 3's"):
         convert_gguf(bad, tmp_path)
+
+
+# --- Qwen2 and Qwen3 (no Q/K permutation; attention biases, Q/K norms) ----
+
+
+def _random_model(kind: str, dense_model: Path, dest: Path) -> Path:
+    """A small random-weight mlx-lm model of ``kind``, on the demo tokenizer."""
+    import importlib
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    vocab = json.loads((dense_model / "config.json").read_text())["vocab_size"]
+    config: dict[str, Any] = {
+        "model_type": kind,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        # Qwen2 ties its embeddings here, Qwen3 has its own lm_head.
+        "tie_word_embeddings": kind == "qwen2",
+    }
+    arch = importlib.import_module(f"mlx_lm.models.{kind}")
+    mx.random.seed(7)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    dest.mkdir()
+    mx.save_safetensors(str(dest / "model.safetensors"), weights)
+    (dest / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(dense_model / name, dest / name)
+    return dest
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_files_compute_the_same_logits(tmp_path: Path, dense_model: Path, kind: str) -> None:
+    original = _random_model(kind, dense_model, tmp_path / "original")
+    dest = _convert(tmp_path, kind, model_dir=original, arch=kind)
+    config = json.loads((dest / "config.json").read_text())
+    assert config["model_type"] == kind
+    assert "rope_traditional" not in config  # Qwen files keep the original Q/K order
+    if kind == "qwen2":
+        assert config["attention_bias"] is True
+    want, got = _logits(original, IDS), _logits(dest, IDS)
+    assert np.abs(want - got).max() < 1e-4
