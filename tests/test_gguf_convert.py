@@ -483,3 +483,21 @@ def test_qwen_files_compute_the_same_logits(tmp_path: Path, dense_model: Path, k
         assert config["attention_bias"] is True
     want, got = _logits(original, IDS), _logits(dest, IDS)
     assert np.abs(want - got).max() < 1e-4
+
+
+def test_k_quants_are_decoded_as_llama_cpp_decodes_them(tmp_path: Path, dense_model: Path) -> None:
+    """MLX's own GGUF reader decodes Q4_K blocks differently from llama.cpp
+    (measured: a whole sub-block off), so such files go through gguf.quants."""
+    rng = np.random.default_rng(3)
+    block_bytes = gguf.GGML_QUANT_SIZES[Q.Q4_K][1]
+    raw = rng.integers(0, 256, (128, block_bytes), dtype=np.uint8)  # 128 rows of 256 values
+    raw[:, 1] &= 0x3B  # keep the f16 scales (bytes 0-3) finite and modest
+    raw[:, 3] &= 0x3B
+
+    def add_q4k(w: gguf.GGUFWriter) -> None:
+        w.add_tensor("blk.0.ffn_up.bias", raw, raw_dtype=Q.Q4_K)
+
+    dest = _convert(tmp_path, "q4k", model_dir=dense_model, extra=add_q4k)
+    got = mx.load(str(dest / "model.safetensors"))["model.layers.0.mlp.up_proj.bias"]
+    want = gguf.quants.dequantize(raw, Q.Q4_K).astype(np.float16)
+    assert np.array_equal(np.array(got), want)
