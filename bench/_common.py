@@ -39,10 +39,15 @@ import httpx2 as httpx
 
 HOST = "127.0.0.1"
 # `python -c` code that binds MLX to OpenBLAS as gezel-trio does, then runs
-# `python -m mlx_lm` with the arguments that follow.
+# `python -m mlx_lm` with the arguments that follow ...
 PRELOADED_MLX_LM = (
     "import gezel_trio.blas, runpy, sys; sys.argv[0] = 'mlx_lm'; "
     "runpy.run_module('mlx_lm', run_name='__main__', alter_sys=True)"
+)
+# ... or the script named by the first argument, with the rest.
+PRELOADED_SCRIPT = (
+    "import gezel_trio.blas, runpy, sys; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
@@ -242,13 +247,21 @@ def mlx_server(
     *,
     stop_timeout: float = STOP_TIMEOUT_S,
     full_log_path: bool = False,
+    cache_stats: bool = False,
 ) -> Iterator[Server]:
     """Start ``mlx_lm server`` with ``flags`` on a free port, its output in
     ``log``, on gezel-trio's BLAS; yield once ``/health`` answers (bounded
-    polling); always stop it (SIGINT, then SIGKILL after ``stop_timeout``)."""
+    polling); always stop it (SIGINT, then SIGKILL after ``stop_timeout``).
+    ``cache_stats`` starts it through ``bench/_mlx_lm_server.py``, which logs
+    its prompt cache's bytes."""
     port = free_port()
+    launcher = (
+        ["-c", PRELOADED_SCRIPT, str(Path(__file__).with_name("_mlx_lm_server.py"))]
+        if cache_stats
+        else ["-c", PRELOADED_MLX_LM, "server"]
+    )
     cmd = [
-        sys.executable, "-c", PRELOADED_MLX_LM, "server",
+        sys.executable, *launcher,
         "--model", str(model_dir),
         "--host", HOST,
         "--port", str(port),

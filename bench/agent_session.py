@@ -2,9 +2,25 @@
 
 Usage::
 
-    python bench/agent_session.py [--models dense hybrid] [--turns 10] [--tokens 16]
+    python bench/agent_session.py [--mode session|anonymous|interleaved] [--agents 4]
+                                  [--models dense hybrid] [--turns 10] [--tokens 16]
                                   [--systems gezel mlx_lm.server] [--json OUT]
                                   [--log-dir DIR]
+
+Modes
+    ``session`` (default): one agent; gezel's requests carry a ``cache_id``.
+    ``anonymous``: the same session, no gezel field at all - what every
+    standard client (the OpenAI SDK, LangChain, the Agents SDK) sends.
+    ``interleaved``: ``--agents`` agents (default 4) that share the system
+    prompt and tools but each have their own user request, run turn by turn
+    in turn (agent 1's turn n, agent 2's turn n, ...), no ids. Per turn the
+    table sums the agents' prompt, cached, prefilled and ``min`` tokens and
+    shows the median TTFT. After the last turn before the restart, both
+    servers report the bytes their prompt cache holds (gezel:
+    ``/v1/cache/stats`` ``totals.bytes``, shared blocks counted once;
+    ``mlx_lm.server``: the ``nbytes`` of its ``LRUPromptCache``, logged by a
+    small wrapper that starts it - the one instrumented line is its own cache
+    statistics, logged exactly instead of in GB with two decimals).
 
 What one session is
     A coding agent's tool loop, replayed the way real clients do it. Turn 1 is
@@ -189,6 +205,15 @@ USER_REQUEST = (
     "Find out why and tell me which line is wrong."
 )
 FOLLOW_UP_USER = "Wait, before you go on: is the ledger also used by the night report?"
+# The other agents of the interleaved mode: same system prompt, own requests.
+AGENT_REQUESTS = [
+    USER_REQUEST,
+    "The night report shows one ship too few since yesterday. Find the cause.",
+    "A developer says the ship counter ignores midnight arrivals. Check it and point at the line.",
+    "Our release notes claim the ledger counts every arrival. Verify that with the tests.",
+    "The harbour dashboard total disagrees with the ledger. Which one is wrong, and where?",
+    "Review the last merge to the ledger module and tell me what it broke, if anything.",
+]
 
 # (tool name, arguments, result) for tool rounds 1, 2, ...; cycled if more are needed.
 TOOL_ROUNDS: list[tuple[str, dict[str, str], str]] = [
@@ -307,10 +332,10 @@ def tool_round(n: int, reply: str, thinking: bool) -> list[dict[str, Any]]:
     return [assistant, {"role": "tool", "tool_call_id": call_id, "content": result}]
 
 
-def initial_messages() -> list[dict[str, Any]]:
+def initial_messages(agent: int = 0) -> list[dict[str, Any]]:
     return [
         {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": USER_REQUEST},
+        {"role": "user", "content": AGENT_REQUESTS[agent % len(AGENT_REQUESTS)]},
     ]
 
 
@@ -375,6 +400,7 @@ class TurnResult:
     ref_prompt_tokens: int  # client-side rendering of the same messages
     min_prefill: int  # prompt tokens after the common prefix with previous prompt+reply
     cache_log: list[str] = field(default_factory=list)  # gezel prompt-cache lines
+    agent: int = 0
 
     @property
     def prefilled(self) -> int:
@@ -402,8 +428,27 @@ class SystemRun:
     startup_seconds: list[float] = field(default_factory=list)
     wall_s: float = 0.0
 
+    cache_bytes: int | None = None  # the prompt cache after the last turn before the restart
+
     def turn(self, n: int) -> TurnResult | None:
-        return next((t for t in self.turns if t.turn == n), None)
+        """Turn ``n``; with several agents, their sums (TTFT: the median)."""
+        ts = [t for t in self.turns if t.turn == n]
+        if len(ts) <= 1:
+            return ts[0] if ts else None
+        return TurnResult(
+            turn=n,
+            label=ts[0].label,
+            thinking=ts[0].thinking,
+            prompt_tokens=sum(t.prompt_tokens for t in ts),
+            cached_tokens=sum(t.cached_tokens for t in ts),
+            completion_tokens=sum(t.completion_tokens for t in ts),
+            ttft_s=statistics.median(t.ttft_s for t in ts),
+            total_s=statistics.median(t.total_s for t in ts),
+            reply="",
+            ref_prompt_tokens=sum(t.ref_prompt_tokens for t in ts),
+            min_prefill=sum(t.min_prefill for t in ts),
+            cache_log=[line for t in ts for line in t.cache_log],
+        )
 
 
 # --- servers --------------------------------------------------------------------
@@ -450,7 +495,12 @@ def mlx_server(model_dir: Path, log: Path, args: argparse.Namespace) -> Iterator
     (bounded polling); always stop it (SIGINT, then SIGKILL after
     ``_MLX_STOP_TIMEOUT_S``; its prompt cache lives in memory only)."""
     with _common.mlx_server(
-        model_dir, log, mlx_flags(args), stop_timeout=_MLX_STOP_TIMEOUT_S, full_log_path=True
+        model_dir,
+        log,
+        mlx_flags(args),
+        stop_timeout=_MLX_STOP_TIMEOUT_S,
+        full_log_path=True,
+        cache_stats=True,
     ) as server:
         yield server
 
@@ -570,6 +620,30 @@ def _new_log_lines(log: Path, offset: int) -> tuple[list[str], int]:
     return keep, offset + len(data)
 
 
+_MLX_CACHE_LINE = re.compile(r"gezel-bench prompt cache: (\d+) sequences, (\d+) bytes")
+
+
+def cache_bytes(client: httpx.Client, server: Server) -> int | None:
+    """The bytes the server's prompt cache holds now."""
+    if server.system == "gezel":
+        stats = client.get(f"{server.url}/v1/cache/stats").json()
+        return int(stats["totals"]["bytes"])
+    # mlx_lm.server logs its cache statistics before serving a request: send a
+    # one-token probe that shares nothing with the sessions, then read the line.
+    stream_chat(
+        client,
+        server,
+        [{"role": "user", "content": "Probe."}],
+        thinking=False,
+        max_tokens=1,
+        bias=None,
+        tools=False,
+        session=False,
+    )
+    found = _MLX_CACHE_LINE.findall(server.log.read_text(errors="replace"))
+    return int(found[-1][1]) if found else None
+
+
 # --- one session on one system ---------------------------------------------------
 
 
@@ -588,6 +662,7 @@ def _run_turn(
     state: _SessionState,
     ref: Reference,
     args: argparse.Namespace,
+    agent: int = 0,
 ) -> TurnResult:
     restore_space = not args.no_word_bias and not args.replay_as_returned
     if spec.turn > 1:
@@ -604,6 +679,7 @@ def _run_turn(
         thinking=spec.thinking,
         max_tokens=args.tokens,
         bias=None if args.no_word_bias else ref.word_bias,
+        session=args.mode == "session",
     )
     cache_log: list[str] = []
     if server.system == "gezel":
@@ -630,9 +706,11 @@ def _run_turn(
         ref_prompt_tokens=len(prompt),
         min_prefill=len(prompt) - shared,
         cache_log=cache_log,
+        agent=agent,
     )
+    who = f"{server.system} turn {spec.turn:>2}" + (f" agent {agent}" if args.agents > 1 else "")
     print(
-        f"  [{server.system} turn {spec.turn:>2} {spec.label:<22}] prompt {result.prompt_tokens:>5}"
+        f"  [{who} {spec.label:<22}] prompt {result.prompt_tokens:>5}"
         f" cached {result.cached_tokens:>5} prefill {result.prefilled:>5}"
         f" TTFT {result.ttft_s:6.2f}s total {result.total_s:6.2f}s gen {result.completion_tokens}"
         + (f"  {result.cache_decision}" if server.system == "gezel" else ""),
@@ -667,7 +745,7 @@ def run_session(
     persist = workdir / f"{model}-{system}-persist"  # gezel's --persist-dir
     if system == "gezel":
         persist.mkdir(parents=True, exist_ok=True)
-    state = _SessionState(initial_messages())
+    states = [_SessionState(initial_messages(a)) for a in range(args.agents)]
     t_run = time.monotonic()
     phases = [[s for s in specs if not s.restart], [s for s in specs if s.restart]]
     for phase, phase_specs in enumerate(phases):
@@ -688,7 +766,10 @@ def run_session(
                         session=False,
                     )
                 for spec in phase_specs:
-                    run.turns.append(_run_turn(client, srv, spec, state, ref, args))
+                    for agent, state in enumerate(states):
+                        run.turns.append(_run_turn(client, srv, spec, state, ref, args, agent))
+                if phase == 0:
+                    run.cache_bytes = cache_bytes(client, srv)
         run.stop_exit_codes.append(srv.exit_code)
         run.stop_seconds.append(srv.stop_s)
         if srv.exit_code != 0:
@@ -727,6 +808,7 @@ def summary(runs: dict[str, SystemRun], turns: int) -> dict[str, Any]:
             "restart_ttft": rs.ttft_s if rs else None,
             "restart_cached": rs.cached_tokens if rs else None,
             "restart_prompt": rs.prompt_tokens if rs else None,
+            "cache_bytes": run.cache_bytes,
         }
     out["per_system"] = per
     g, m = runs.get("gezel"), runs.get("mlx_lm.server")
@@ -743,6 +825,7 @@ def summary(runs: dict[str, SystemRun], turns: int) -> dict[str, Any]:
         "median_ttft_turns_2_n": _ratio(pg["median_ttft_turns_2_n"], pm["median_ttft_turns_2_n"]),
         "median_of_turn_ttft_ratios": statistics.median(turn_ratios) if turn_ratios else None,
         "restart_ttft": _ratio(pg["restart_ttft"], pm["restart_ttft"]),
+        "cache_bytes": _ratio(pg["cache_bytes"], pm["cache_bytes"]),
     }
     return out
 
@@ -788,7 +871,8 @@ def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
             f"{system}: prefilled turns 2-{turns} = {p['prefilled_turns_2_n']} "
             f"(min {p['min_prefill_turns_2_n']}), median TTFT turns 2-{turns} = "
             f"{_fmt(p['median_ttft_turns_2_n'])}s, restart turn: cached "
-            f"{p['restart_cached']}/{p['restart_prompt']}, TTFT {_fmt(p['restart_ttft'])}s"
+            f"{p['restart_cached']}/{p['restart_prompt']}, TTFT {_fmt(p['restart_ttft'])}s, "
+            f"prompt cache {_fmt_bytes(p['cache_bytes'])} after turn {turns}"
         )
         run = runs[system]
         codes = ", ".join("killed" if c is None else str(c) for c in run.stop_exit_codes)
@@ -805,17 +889,21 @@ def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
             f"{_fmt(r['prefilled_turns_2_n'])}, median TTFT turns 2-{turns} "
             f"{_fmt(r['median_ttft_turns_2_n'])} (median of per-turn ratios "
             f"{_fmt(r['median_of_turn_ttft_ratios'])}), restart-turn TTFT "
-            f"{_fmt(r['restart_ttft'])}"
+            f"{_fmt(r['restart_ttft'])}, prompt-cache bytes {_fmt(r['cache_bytes'])}"
         )
     return "\n".join(rows)
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.2f} MiB"
 
 
 # --- driver ---------------------------------------------------------------------------
 
 
-def build_model(kind: str) -> Path:
+def build_model(kind: str, size: str = "bench") -> Path:
     proc = subprocess.run(
-        [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", "bench"],
+        [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", size],
         capture_output=True,
         text=True,
         check=True,
@@ -825,6 +913,9 @@ def build_model(kind: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("session", "anonymous", "interleaved"), default="session")
+    p.add_argument("--agents", type=int, default=None, help="interleaved mode (default 4)")
+    p.add_argument("--size", choices=("bench", "tiny"), default="bench", help="demo model size")
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--turns", type=int, default=10, help="turns before the restart (>= 2)")
@@ -847,6 +938,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.turns < 2 or args.tokens < 1:
         p.error("--turns >= 2 and --tokens >= 1 are required")
+    if args.agents is None:
+        args.agents = 4 if args.mode == "interleaved" else 1
+    if args.agents > 1 and args.mode != "interleaved":
+        p.error("--agents > 1 needs --mode interleaved")
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -862,7 +957,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gezel-agent-")))
         for model in args.models:
-            model_dirs[model] = build_model(model)
+            model_dirs[model] = build_model(model, args.size)
             ref = Reference(model_dirs[model])
             results[model] = {}
             for system in args.systems:
@@ -879,6 +974,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - started
 
     print(
+        f"mode: {args.mode}, agents: {args.agents}, "
         f"turns: {args.turns} + restart, max_tokens: {args.tokens}, thinking off at turn "
         f"{args.think_off_turn or '-'}, new user message at turn {args.user_turn or '-'}, "
         f"word bias: {'off' if args.no_word_bias else 'on'}, wall: {wall:.0f}s"
@@ -893,6 +989,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         payload = {
             "models": {m: str(d) for m, d in model_dirs.items()},
+            "mode": args.mode,
+            "agents": args.agents,
             "turns": args.turns,
             "max_tokens": args.tokens,
             "think_off_turn": args.think_off_turn,

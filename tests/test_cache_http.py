@@ -47,8 +47,10 @@ async def test_warm_then_a_real_turn_reuses_the_warmed_head(any_model: Path) -> 
             r = await c.post("/v1/chat/completions", json=chat("w", "Where is the map of Oslo?"))
             assert r.json()["usage"]["cached_tokens"] == head
             stats = (await c.get("/v1/cache/stats")).json()
-            assert [e["cache_id"] for e in stats["data"]] == ["w"]
-            assert stats["data"][0]["bytes"] > 0
+            named = [e for e in stats["data"] if e["kind"] != "anonymous"]
+            assert [e["cache_id"] for e in named] == ["w"]
+            assert named[0]["bytes"] > 0
+            assert stats["totals"]["hits"] == 1
 
 
 async def test_warm_is_skipped_for_another_tool_roster(dense_model: Path) -> None:
@@ -160,7 +162,8 @@ async def test_stable_prefix_band_is_shared_by_a_sibling_session(any_model: Path
             shared = second.json()["usage"]["cached_tokens"]
             stats = {e["cache_id"]: e for e in (await c.get("/v1/cache/stats")).json()["data"]}
             assert stats["band-1"]["kind"] == "prefix"
-            assert shared == stats["band-1"]["tokens"] > 40
+            # At least the band (a dense model reuses every shared token).
+            assert shared >= stats["band-1"]["tokens"] > 40
 
 
 async def test_warm_with_persist_writes_to_disk_at_once(dense_model: Path, tmp_path: Path) -> None:

@@ -1,8 +1,17 @@
-"""The prompt-cache service with a fake state type: the cascade, snapshot and
-save rules, cancellation saves and pins, deterministic and MLX-free."""
+"""The prompt-cache service with a fake state type: seeding from the shared
+store, checkpoints, saves on every ending, names, pins, eviction and disk -
+deterministic and MLX-free.
+
+A ``FakeState`` is the tuple of tokens a KV state would hold. Blocks are
+token tuples and the rest state of an untrimmable model is the whole token
+tuple, so ``join_state`` can check that every seed the cache assembles holds
+exactly the tokens it claims (it raises otherwise, failing the test).
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +19,6 @@ import attrs
 import pytest
 
 from gezel_trio.backend import Captured
-from gezel_trio.cache_plan import SNAPSHOT_MARGIN
 from gezel_trio.persist import DiskCache
 from gezel_trio.prompt_cache import PromptCache
 from gezel_trio.request import CacheRequest, GenerationRequest
@@ -27,35 +35,35 @@ class FakeState:
 class FakeOps:
     def __init__(self, trimmable: bool) -> None:
         self.trimmable = trimmable
-
-    def state_nbytes(self, state: Any) -> int:
-        return 10 * len(state.tokens)
+        self.joins = 0
 
     def state_offsets(self, state: Any) -> list[int | None]:
         return [len(state.tokens), None]
 
-    def can_trim(self, state: Any) -> bool:
-        return bool(state.trimmable)
+    def state_blocks(self, state: Any, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
+        return [(tuple(state.tokens[s:e]), 10 * (e - s)) for s, e in ranges]
 
-    def trimmed(self, state: Any, n: int) -> Any:
-        assert state.trimmable
-        return FakeState(state.tokens[: len(state.tokens) - n], True)
+    def state_rest(self, state: Any) -> tuple[Any, int]:
+        return (None, 0) if self.trimmable else (tuple(state.tokens), 7)
+
+    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any:
+        self.joins += 1
+        tokens = tuple(t for b in blocks for t in b)[:length]
+        assert len(tokens) == length, "the blocks are short of the seed"
+        assert rest is None or rest == tokens, "the rest state is another position's"
+        return FakeState(tokens, self.trimmable)
 
     # a codec, so DiskCache can use the same fake
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
-        import json
-
         data = {"tokens": list(state.tokens), "t": state.trimmable, "meta": metadata}
         path.write_text(json.dumps(data))
 
     def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
-        import json
-
         data = json.loads(payload)
         return FakeState(tuple(data["tokens"]), data["t"]), data["meta"]
 
 
-def cap(tokens: tuple[int, ...], trimmable: bool) -> Captured:
+def cap(tokens: Sequence[int], trimmable: bool) -> Captured:
     return Captured(FakeState(tuple(tokens), trimmable), tuple(tokens))
 
 
@@ -66,11 +74,17 @@ def request(prompt: range | tuple[int, ...], **cache: Any) -> GenerationRequest:
 class Harness:
     """Drives a PromptCache the way the host thread does."""
 
-    def __init__(self, trimmable: bool, budget: int = 10**9, disk: Path | None = None) -> None:
+    def __init__(
+        self, trimmable: bool, budget: int = 10**9, disk: Path | None = None, block: int = 8
+    ) -> None:
         self.ops = FakeOps(trimmable)
         self.disk = DiskCache(disk, "fp", self.ops) if disk is not None else None
         self.cache = PromptCache(
-            self.ops, model_trimmable=trimmable, budget_bytes=budget, disk=self.disk
+            self.ops,
+            model_trimmable=trimmable,
+            budget_bytes=budget,
+            disk=self.disk,
+            block_tokens=block,
         )
         self.trimmable = trimmable
         self.rid = 0
@@ -78,6 +92,9 @@ class Harness:
     def start(self, req: GenerationRequest) -> tuple[int, Any, Any]:
         self.rid += 1
         adm, seed = self.cache.admit(self.rid, req)
+        assert adm.seed_tokens == req.prompt[: seed.reuse]
+        if seed.reuse:
+            assert adm.seed_state == FakeState(adm.seed_tokens, self.trimmable)
         return self.rid, adm, seed
 
     def prefill(self, rid: int, adm: Any, upto: int | None = None) -> None:
@@ -85,7 +102,7 @@ class Harness:
         done = 0
         for seg in adm.segments:
             done += len(seg)
-            if upto is not None and adm.seed_tokens.__len__() + done > upto:
+            if upto is not None and len(adm.seed_tokens) + done > upto:
                 return
             if self.cache.wants_capture(rid, done):
                 held = adm.request.prompt[: len(adm.seed_tokens) + done]
@@ -95,9 +112,38 @@ class Harness:
         """A whole turn; returns the reused token count."""
         rid, adm, seed = self.start(req)
         self.prefill(rid, adm)
-        final = req.prompt + generated  # each returned token was fed in its step
-        self.cache.finished(rid, cap(final, self.trimmable))
+        # The final state holds the prompt and every generated token but the last.
+        self.cache.finished(rid, cap(req.prompt + generated[:-1], self.trimmable))
         return int(seed.reuse)
+
+    def named(self, key: str) -> tuple[int, ...] | None:
+        entry = self.cache.store.named(key)
+        return entry.tokens if entry is not None else None
+
+
+SYSTEM = tuple(range(1000, 1100))
+
+
+HEADER = (7,)  # what a template puts before the reply: the generation prompt
+
+
+def conversation(i: int, turns: int) -> tuple[int, ...]:
+    """Conversation ``i``'s prompt at turn ``turns``: a shared system prompt,
+    then per turn a user message, the header and the reply generated for it
+    (exactly as ``Harness.run`` generates it: 900), and at the end the last
+    user message and the header."""
+    out = SYSTEM
+    for t in range(turns):
+        out = (*out, *range(2000 + 100 * i + 10 * t, 2000 + 100 * i + 10 * t + 5), *HEADER)
+        if t < turns - 1:
+            out = (*out, 900)
+    return out
+
+
+def turn(i: int, turns: int) -> GenerationRequest:
+    """What the renderer would say: the system turn and the history end."""
+    prompt = conversation(i, turns)
+    return request(prompt, boundaries=(len(SYSTEM), len(prompt) - len(HEADER)))
 
 
 P1 = tuple(range(100))
@@ -107,136 +153,153 @@ P2 = (*P1, 500, 501, *range(200, 240))  # the next turn re-renders the reply
 def test_dense_session_saves_post_generation_state_and_trims() -> None:
     h = Harness(trimmable=True)
     assert h.run(request(P1, cache_id="s")) == 0
-    entry = h.cache.store.peek("s")
-    assert entry is not None
-    assert entry.tokens == (*P1, 900, 901)
+    assert h.named("s") == (*P1, 900)
     # The next prompt shares the prompt, not the generated token: trim to it.
     assert h.run(request(P2, cache_id="s")) == len(P1)
 
 
-def test_hybrid_session_keeps_post_generation_state_and_the_snapshot() -> None:
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_interleaved_conversations_without_ids_each_reuse_their_own_turn(
+    trimmable: bool,
+) -> None:
+    h = Harness(trimmable)
+    for t in range(1, 4):
+        for i in range(4):
+            reused = h.run(turn(i, t))
+            # A first turn shares the system prompt with the conversations
+            # before it (a checkpoint at the system turn's end on a model
+            # whose caches cannot rewind); a later one its own previous turn
+            # and the reply's token.
+            first = len(SYSTEM) if i else 0
+            assert reused == (first if t == 1 else len(conversation(i, t - 1)) + 1), (t, i)
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_a_shared_system_prompt_is_stored_once(trimmable: bool) -> None:
+    h = Harness(trimmable, block=10)
+    for i in range(4):
+        h.run(turn(i, 1))
+    totals = h.cache.view().totals
+    # Four conversations of 106 prompt tokens + 1 generated: the 100-token
+    # system prompt is held once, each conversation's own 7 tokens apart
+    # (and, on a hybrid model, one fixed-size rest state per checkpoint).
+    rest = 0 if trimmable else 7 * totals.entries
+    assert totals.bytes - rest == 10 * (100 + 4 * 7)
+    assert totals.logical_bytes > 3 * totals.bytes
+
+
+def test_hybrid_keeps_checkpoints_at_boundaries_and_before_the_last_token() -> None:
     h = Harness(trimmable=False)
-    rid, adm, _ = h.start(request(P1, cache_id="s"))
-    assert [len(s) for s in adm.segments] == [len(P1) - SNAPSHOT_MARGIN, SNAPSHOT_MARGIN]
+    rid, adm, _ = h.start(request(P1, boundaries=(40, 90)))
+    assert [len(s) for s in adm.segments] == [40, 50, 9, 1]
     h.prefill(rid, adm)
     h.cache.finished(rid, cap((*P1, 900), False))
-    entry = h.cache.store.peek("s")
-    assert entry is not None
-    assert entry.tokens == (*P1, 900)
-    assert [t for t, _ in entry.alternates] == [P1[: len(P1) - SNAPSHOT_MARGIN]]
-    # A tool loop replays the reply exactly: the post-generation state serves.
+    ends = sorted(e.end for e in h.cache.store)
+    assert ends == [40, 90, 99, 101]
+    # The same prompt again (a retry, a regenerate): all but the last token.
+    assert h.run(request(P1, boundaries=(40, 90))) == 99
+    # A next turn re-rendering the reply: the end of the history.
+    assert h.run(request((*P1[:90], 7, 7, 7, *range(300, 320)), boundaries=(40, 110))) == 90
+
+
+def test_hybrid_turns_prune_the_checkpoints_they_supersede() -> None:
+    """Each turn keeps what the renderer still calls a boundary; the older
+    turns' retry and post-generation states inside the prompt go."""
+    h = Harness(trimmable=False)
+    h.run(turn(0, 1))
+    for t in range(2, 6):
+        h.run(turn(0, t))
+    ends = sorted(e.end for e in h.cache.store)
+    last = conversation(0, 5)
+    # The system turn's end, this turn's history end (which is also its retry
+    # point: the header is one token) and its post-generation state - however
+    # long the conversation grew.
+    assert ends == [len(SYSTEM), len(last) - 1, len(last) + 1]
+    # A turn that rewrites the history still finds the system turn's end.
+    assert h.run(request((*SYSTEM, 5, 5, 5), boundaries=(len(SYSTEM),))) == len(SYSTEM)
+
+
+def test_hybrid_without_boundaries_falls_back_to_the_margin() -> None:
+    h = Harness(trimmable=False)
+    h.run(request(P1))
+    assert h.run(request(P2[:84] + (5,) * 30)) == 84  # len(P1) - 16
+
+
+def test_a_tool_loop_that_replays_the_reply_reuses_everything() -> None:
+    h = Harness(trimmable=False)
+    h.run(request(P1, cache_id="s"), generated=(900, 901))
     replay = (*P1, 900, *range(300, 340))
     assert h.run(request(replay, cache_id="s")) == len(P1) + 1
 
 
-def test_hybrid_turn_that_rerenders_the_reply_uses_the_snapshot() -> None:
-    h = Harness(trimmable=False)
-    h.run(request(P1, cache_id="s"))
-    assert h.run(request(P2, cache_id="s")) == len(P1) - SNAPSHOT_MARGIN
-
-
-def test_older_snapshots_serve_a_turn_that_rewrites_history() -> None:
-    h = Harness(trimmable=False)
-    h.run(request(P1, cache_id="s"))
-    h.run(request(P2, cache_id="s"))
-    # A new user message re-renders turn 1's reply (reasoning dropped): the
-    # prompt now diverges inside turn 1, before turn 2's snapshot - but after
-    # turn 1's, which the entry still holds.
-    rewritten = (*P1[:90], 4242, *range(600, 700))
-    assert h.run(request(rewritten, cache_id="s")) == len(P1) - SNAPSHOT_MARGIN
-
-
 def test_unsound_snapshot_is_never_kept() -> None:
     h = Harness(trimmable=False)
-    h.run(request(P1, cache_id="s"))
-    rid, adm, _ = h.start(request(P2, cache_id="s"))
-    boundary = len(adm.seed_tokens) + len(adm.segments[0])
-    wrong = (*P2[: boundary - 1], 7777)  # a state that is not the prompt's prefix
-    h.cache.captured(rid, len(adm.segments[0]), cap(wrong, False))
-    h.cache.finished(rid, cap((*P2, 1), False))
-    entry = h.cache.store.peek("s")
-    assert entry is not None
-    assert all(t != wrong for t, _ in entry.alternates)
-    # Turn 1's snapshot, still a prefix of this prompt, stays as the fallback.
-    assert [len(t) for t, _ in entry.alternates] == [len(P1) - SNAPSHOT_MARGIN]
+    rid, _, _ = h.start(request(P1, cache_id="s", boundaries=(50,)))
+    wrong = (*P1[:49], 7777)  # a state that is not the prompt's prefix
+    h.cache.captured(rid, 50, cap(wrong, False))
+    h.cache.captured(rid, 50, Captured(FakeState(P1[:50], False), P1[:51]))  # tokens lie
+    assert all(e.tokens != wrong for e in h.cache.store)
+    assert len(h.cache.store) == 0
+    h.cache.cancelled(rid, None)
 
 
-def test_divergent_untrimmable_entry_falls_back_to_the_prefix() -> None:
+def test_a_diverged_session_entry_falls_back_to_what_still_fits() -> None:
     h = Harness(trimmable=False)
-    h.run(request(P1, cache_id="a", prefix_ids=("shared",)))
-    assert "shared" in h.cache.store  # seeded from the session, once
+    h.run(request(P1, cache_id="a", boundaries=(30,)))
     other = (*P1[:50], 4242, *range(300, 360))
-    # A new session diverging at token 50: the session entry is useless, the
-    # prefix entry too (untrimmable, longer than 50) - so nothing is reused.
-    assert h.run(request(other, cache_id="a", prefix_ids=("shared",))) == 0
+    # The session's own states (post-generation, retry) are useless now; its
+    # checkpoint at the system turn's end still fits.
+    assert h.run(request(other, cache_id="a")) == 30
 
 
 def test_prefix_entry_is_never_replaced_by_a_longer_one() -> None:
     h = Harness(trimmable=True)
     h.run(request(P1[:40], cache_id="a", prefix_ids=("p",)))
-    first = h.cache.store.peek("p")
-    assert first is not None
+    first = h.named("p")
+    assert first == (*P1[:40], 900)
     h.cache._seeded_prefixes.clear()  # a new process would try again
     h.run(request(P1, cache_id="b", prefix_ids=("p",)))
-    assert h.cache.store.peek("p") is first
+    assert h.named("p") == first
 
 
 def test_band_snapshot_is_published_as_the_prefix() -> None:
     h = Harness(trimmable=False)
     band_end = 60
-    rid, adm, _ = h.start(request(P1, cache_id="a", prefix_ids=("band",), band_end=band_end))
-    h.prefill(rid, adm)
-    h.cache.finished(rid, cap((*P1, 1), False))
-    band = h.cache.store.peek("band")
-    assert band is not None
-    assert band.tokens == P1[: band_end - SNAPSHOT_MARGIN]
-    session = h.cache.store.peek("a")
-    assert session is not None
-    assert session.tokens == (*P1, 1)
-    assert [len(t) for t, _ in session.alternates] == [len(P1) - SNAPSHOT_MARGIN]
+    h.run(request(P1, cache_id="a", prefix_ids=("band",), band_end=band_end))
+    assert h.named("band") == P1[: band_end - 16]
+    assert h.named("a") == (*P1, 900)
     # A sibling sharing only the band reuses it.
     sibling = (*P1[:band_end], *range(700, 780))
     assert h.run(request(sibling, cache_id="b", prefix_ids=("band",), band_end=band_end)) == (
-        band_end - SNAPSHOT_MARGIN
+        band_end - 16
     )
 
 
-def test_plain_requests_reuse_the_longest_cached_prefix() -> None:
-    h = Harness(trimmable=True)
-    h.run(request(P1))
-    assert h.run(request(P2)) == len(P1)
-    anon = [e for e in h.cache.store if e.kind == "anonymous"]
-    assert len(anon) == 1, "a conversation keeps one anonymous entry"
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_cancel_mid_prefill_saves_the_chunk_edge_without_an_id(trimmable: bool) -> None:
+    h = Harness(trimmable)
+    rid, _, _ = h.start(request(P1))
+    h.cache.cancelled(rid, cap(P1[:48], trimmable))
+    assert [e.tokens for e in h.cache.store] == [P1[:48]]
+    assert h.run(request(P1)) == 48
 
 
 @pytest.mark.parametrize("trimmable", [True, False])
-def test_cancel_mid_prefill_saves_the_last_proven_edge(trimmable: bool) -> None:
+def test_cancel_during_decode_then_retry_reuses_the_whole_prompt(trimmable: bool) -> None:
     h = Harness(trimmable)
-    rid, _, _ = h.start(request(P1, cache_id="s"))
-    h.cache.cancelled(rid, cap(P1[:48], trimmable))
-    entry = h.cache.store.peek("s")
-    assert entry is not None
-    assert entry.tokens == P1[:48]
-    assert h.run(request(P1, cache_id="s")) == 48
-
-
-def test_cancel_keeps_the_snapshot_when_decode_state_cannot_rewind() -> None:
-    h = Harness(trimmable=False)
-    rid, adm, _ = h.start(request(P1, cache_id="s"))
+    rid, adm, _ = h.start(request(P1))
     h.prefill(rid, adm)
-    h.cache.cancelled(rid, cap((*P1, 5, 6), False))  # decoding: not a prompt prefix
-    entry = h.cache.store.peek("s")
-    assert entry is not None
-    assert entry.tokens == P1[: len(P1) - SNAPSHOT_MARGIN]
+    h.cache.cancelled(rid, cap((*P1, 5, 6), trimmable))
+    assert h.run(request(P1)) == len(P1) - 1
 
 
 def test_cancel_that_extends_nothing_saves_nothing() -> None:
     h = Harness(trimmable=True)
     h.run(request(P1, cache_id="s"))
-    before = h.cache.store.peek("s")
+    before = list(h.cache.store)
     rid, _, seed = h.start(request(P2, cache_id="s"))
     h.cache.cancelled(rid, None)  # withdrawn while still queued in the batch
-    assert h.cache.store.peek("s") is before
+    assert list(h.cache.store) == before
     assert seed.reuse == len(P1)
 
 
@@ -244,51 +307,83 @@ def test_pins_are_held_while_live_and_released_exactly_once() -> None:
     h = Harness(trimmable=True, budget=10)
     h.run(request(P1, cache_id="a"))
     rid, _, _ = h.start(request(P2, cache_id="a"))
-    assert h.cache.store.pinned("a")
+    assert h.cache.pinned("a")
     h.run(request(range(1000, 1100), cache_id="b"))  # over budget: "a" is pinned
-    assert "a" in h.cache.store
+    assert h.named("a") is not None
     h.cache.cancelled(rid, None)
     h.cache.cancelled(rid, None)  # a second ending is ignored
     assert h.cache.store.pin_count == 0
     h.run(request(range(2000, 2100), cache_id="c"))
-    assert "a" not in h.cache.store
+    assert h.named("a") is None
+
+
+def test_eviction_under_a_small_budget_never_takes_a_pinned_entry() -> None:
+    h = Harness(trimmable=True, budget=10 * 300)
+    h.run(request(range(0, 100)))
+    rid, _, seed = h.start(request((*range(0, 100), 5, 5)))
+    assert seed.reuse == 100
+    for i in range(1, 6):  # 500 more tokens of other conversations
+        h.run(request(range(1000 * i, 1000 * i + 100)))
+        assert any(e.tokens[:100] == tuple(range(100)) for e in h.cache.store)
+    assert h.cache.view().totals.bytes <= 10 * 300 + 10 * 101
+    h.cache.cancelled(rid, None)
+    # Released, and reused once (tier 1): it outlives never-reused entries,
+    # then goes when nothing colder is left.
+    h.run(request(range(9000, 9100)))
+    assert any(e.tokens[:100] == tuple(range(100)) for e in h.cache.store)
+    for i in range(10, 13):
+        h.run(request(range(1000 * i, 1000 * i + 100)))
+        h.run(request((*range(1000 * i, 1000 * i + 100), 3, 3)))  # reused: tier 1
+    assert not any(e.tokens[:100] == tuple(range(100)) for e in h.cache.store)
 
 
 def test_eviction_writes_dirty_entries_to_disk_first(tmp_path: Path) -> None:
     h = Harness(trimmable=True, budget=1500, disk=tmp_path)
     h.run(request(P1, cache_id="a"))
     h.run(request(range(1000, 1100), cache_id="b"))  # evicts "a"
-    assert "a" not in h.cache.store
+    assert h.named("a") is None
     assert h.disk is not None
-    assert h.disk.exists("a")
+    assert h.disk.exists("name:a")
     assert h.run(request(P2, cache_id="a")) == len(P1)  # a disk hit
 
 
-def test_flush_writes_dirty_entries_once(tmp_path: Path) -> None:
+def test_anonymous_entries_are_found_on_disk_by_content(tmp_path: Path) -> None:
+    h = Harness(trimmable=False, disk=tmp_path)
+    h.run(request(P1, boundaries=(60,)))
+    assert h.cache.flush() == 3  # the checkpoints at 60 and 99, the state at 101
+    restarted = Harness(trimmable=False, disk=tmp_path)
+    assert restarted.run(request(P1)) == 99
+    assert restarted.run(request((*P1[:60], 1, 2, 3))) == 60
+
+
+def test_flush_writes_named_entries_first_and_each_once(tmp_path: Path) -> None:
     h = Harness(trimmable=True, disk=tmp_path)
     h.run(request(P1, cache_id="a"))
-    h.run(request(P1[:20]))  # anonymous: never persisted
-    assert h.cache.flush() == 1
+    h.run(request(range(500, 520)))
+    assert h.cache.flush() == 2
     assert h.cache.flush() == 0
     assert h.disk is not None
-    assert [n for n, _, _ in h.disk.files()] == [h.disk.path_for("a").name]
+    assert sorted(e.kind for e in h.disk.index.values()) == ["anonymous", "session"]
 
 
-def test_evict_removes_memory_and_disk(tmp_path: Path) -> None:
-    h = Harness(trimmable=True, disk=tmp_path)
-    h.run(request(P1, cache_id="a"))
+def test_evict_removes_a_name_its_alternates_and_their_files(tmp_path: Path) -> None:
+    h = Harness(trimmable=False, disk=tmp_path)
+    h.run(request(P1, cache_id="a", boundaries=(40,)))
     h.cache.flush()
     assert h.cache.evict("a") == (True, True)
     assert h.cache.evict("a") == (False, False)
+    assert len(h.cache.store) == 0
+    assert list(tmp_path.rglob("*.gzc")) == []
     assert h.run(request(P1, cache_id="a")) == 0
 
 
-def test_a_restart_keeps_the_snapshot_fallback(tmp_path: Path) -> None:
+def test_a_restart_keeps_the_session_and_its_fallbacks(tmp_path: Path) -> None:
     h = Harness(trimmable=False, disk=tmp_path)
-    h.run(request(P1, cache_id="s"))
-    assert h.cache.flush() == 1
+    h.run(request(P1, cache_id="s", boundaries=(84,)))
+    h.cache.flush()
     restarted = Harness(trimmable=False, disk=tmp_path)
-    # The reply is re-rendered differently: only the snapshot still fits.
-    assert restarted.run(request(P2, cache_id="s")) == len(P1) - SNAPSHOT_MARGIN
-    assert restarted.cache.evict("s") == (True, True)
-    assert list(tmp_path.rglob("*.gzc")) == []
+    # The last turn is re-rendered differently: the history checkpoint fits.
+    assert restarted.run(request((*P1[:90], 4242, 4243), cache_id="s")) == 84
+    # The retry checkpoint came back too.
+    assert restarted.run(request(P2, cache_id="s")) == 99
+    assert restarted.cache.inspect("s") is not None

@@ -180,18 +180,30 @@ class Backend(Protocol):
         ...
 
     # --- opaque cache states -------------------------------------------------
-
-    def state_nbytes(self, state: Any) -> int: ...
+    # A state holds exactly the tokens it was captured with. Its *blockable*
+    # layers (plain attention KV, which grows by appending) can be cut into
+    # token blocks that the prompt cache shares between entries; the other
+    # layers (linear attention, sliding windows) are its "rest", kept whole.
 
     def state_offsets(self, state: Any) -> list[int | None]:
         """Each layer's token position, ``None`` for layers that keep none."""
         ...
 
-    def can_trim(self, state: Any) -> bool: ...
+    def state_blocks(self, state: Any, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
+        """Copies of the blockable layers for each token range ``[start, end)``
+        of ``state``, with their sizes in bytes; independent of ``state``."""
+        ...
 
-    def trimmed(self, state: Any, n: int) -> Any:
-        """A copy of ``state`` without its last ``n`` tokens; the original is
-        left untouched (it may be a stored entry)."""
+    def state_rest(self, state: Any) -> tuple[Any, int]:
+        """A copy of the layers that cannot be cut into blocks, and its size;
+        ``(None, 0)`` when every layer is blockable (``ModelInfo.trimmable``)."""
+        ...
+
+    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any:
+        """A state holding the first ``length`` tokens of consecutive
+        ``blocks`` (the last may be cut), with ``rest`` for the other layers
+        (which must hold exactly ``length`` tokens). Stored blocks and rest
+        are never modified."""
         ...
 
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...

@@ -1,5 +1,5 @@
-"""Prompt-cache planning: how much of a cached state a prompt can reuse, where
-to cut snapshots, and whether a captured snapshot is sound.
+"""Prompt-cache planning: shared prefixes, where to cut snapshots, and whether
+a captured snapshot is sound.
 
 Pure functions over token sequences (no MLX, no Trio, no clock), shared by the
 host thread's cache service and the tests.
@@ -13,21 +13,19 @@ prompt at ``len(prompt) - SNAPSHOT_MARGIN`` and keeps the state at that cut:
 the last few tokens of a prompt (``...<|im_start|>assistant\\n``) re-merge
 under BPE once the next turn continues the text, so a cut right at the end
 misses the next prompt by a token or two; 16 tokens back is safely inside
-text both turns share, at a cost of at most 16 re-prefilled tokens.
+text both turns share, at a cost of at most 16 re-prefilled tokens. That
+margin is the fallback: where the renderer can locate message boundaries
+(``RenderedPrompt.boundaries``) the cuts go exactly there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
-
-import attrs
+from typing import Any
 
 __all__ = [
     "SNAPSHOT_MARGIN",
-    "SeedPlan",
     "common_prefix",
-    "plan_seed",
     "snapshot_cut",
     "snapshot_is_sound",
     "split_segments",
@@ -35,28 +33,10 @@ __all__ = [
 
 SNAPSHOT_MARGIN = 16
 
-SeedMode = Literal["fresh", "extend", "trim", "divergent"]
 
-
-@attrs.frozen
-class SeedPlan:
-    """How a request starts from a cached state.
-
-    ``reuse`` prompt tokens come from the cache (that is what usage reports as
-    ``cached_tokens``); ``trim`` tokens are cut off the end of the cached state
-    first (trimmable caches only). ``divergent`` means the entry exists but
-    cannot serve this prompt: it is untrimmable and not a prefix of it.
-    """
-
-    mode: SeedMode
-    reuse: int = 0
-    trim: int = 0
-    cached_len: int = 0
-    lcp: int = 0
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix, comparing blocks at C speed first."""
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix (of token lists or of texts),
+    comparing blocks at C speed first."""
     n = min(len(a), len(b))
     i, block = 0, 512
     while i < n:
@@ -68,26 +48,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             i += 1
         return i
     return n
-
-
-def plan_seed(cached: Sequence[int] | None, prompt: Sequence[int], trimmable: bool) -> SeedPlan:
-    """Plan reuse of a cached state whose KV holds exactly ``cached`` tokens.
-
-    At least one prompt token is always left to prefill: the model must run
-    on something to produce the first token's logits.
-    """
-    if not cached:
-        return SeedPlan("fresh")
-    lcp = common_prefix(cached, prompt)
-    usable = min(lcp, len(prompt) - 1)
-    n = len(cached)
-    if usable == n:
-        return SeedPlan("extend", reuse=n, cached_len=n, lcp=lcp)
-    if not trimmable:
-        return SeedPlan("divergent", cached_len=n, lcp=lcp)
-    if usable == 0:
-        return SeedPlan("fresh", cached_len=n, lcp=lcp)
-    return SeedPlan("trim", reuse=usable, trim=n - usable, cached_len=n, lcp=lcp)
 
 
 def split_segments(prompt: Sequence[int], reuse: int, cuts: Iterable[int]) -> list[list[int]]:

@@ -1,136 +1,497 @@
-"""The in-memory prompt-cache store: entries, LRU order, byte budget, pins.
+"""The content-addressed prompt-cache store: a trie of token blocks, the
+entries that end in it, a byte budget, pins (SPEC C4, C9).
 
-Pure bookkeeping: an entry's KV state is an opaque object the backend made
-(MLX arrays for the MLX backend), priced by the ``nbytes`` the backend
-reported. Owned by the engine's host thread, like the states it holds.
+Pure bookkeeping: no MLX, no Trio, no clock. Block payloads and the states
+of layers that cannot be cut into blocks are opaque objects the backend made,
+priced by the byte counts it reported. Owned by the engine's host thread.
 
-Policy (SPEC C4):
+**Blocks.** Token positions are cut at absolute multiples of ``block_tokens``
+(block *i* holds tokens ``[i*B, (i+1)*B)``), so one token sequence is one
+path from the root and the last node of a path may be partial. A node holds
+the backend's copy of the *blockable* layers (attention KV) for its tokens,
+keyed by those tokens under its parent: four conversations that share a
+4k-token system prompt pass through the same nodes and store it once. A
+node is reference-counted by the entries whose path includes it and freed
+with the last one.
 
-* Over ``budget_bytes``, evict least-recently-used entries down to 80% of the
-  budget - the slack keeps one new turn from triggering an eviction pass.
-* Never evict the only entry: an over-budget single session is a budget that
-  is too tight, and evicting it would buy a full re-prefill next turn.
-* Never evict the entry just saved: it is the one the next turn wants.
-* Never evict an entry a live request holds. Pins are counted, so requests
-  sharing an entry do not release each other's pin.
-* Evicted entries are returned to the caller, which writes dirty ones to disk
-  before they are gone.
+Why 64 tokens: the tokens shared by two paths that diverge inside a block
+are stored once per branch, so a block bounds that duplication (at most 63
+tokens per branch); smaller blocks mean more arrays to concatenate when a
+seed is assembled (one per block per layer; 4k tokens are 64 blocks) and
+more per-node bookkeeping. Reuse itself is exact to the token whatever the
+block size: a partial block is sliced, never re-prefilled.
+
+**Entries.** An entry is a saved position: its tokens (a path) and, on
+models with layers that cannot be cut into blocks (linear attention, sliding
+windows), the ``rest`` state of those layers at exactly that position. On a
+model whose layers are all blockable (``trimmable``), any prefix of any path
+seeds a request; otherwise only entry ends do. An entry may carry a name (a
+cache id or prefix id: ``key``) or belong to one as an alternate
+(``owner``); most are anonymous.
+
+**Eviction.** Over ``budget_bytes``, entries go in ``(tier, last_use)``
+order down to 80% of the budget: tier 0 is anonymous and never reused,
+tier 1 anonymous and reused at least once, tier 2 named or owned by a name
+(a named session survives longer, with its alternates). Never the only
+entry, never the entry just saved, never a pinned one (a live request's
+seed). The ``before_evict`` callback sees each victim while its blocks are
+still there (the prompt cache writes dirty entries to disk in it).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import attrs
 
 from .cache_plan import common_prefix
 
-__all__ = ["CacheStore", "Entry", "EntryKind"]
+__all__ = ["BLOCK_TOKENS", "CacheStore", "Entry", "EntryKind", "Node", "Seed"]
+
+BLOCK_TOKENS = 64
 
 EntryKind = Literal["session", "prefix", "anonymous"]
 
+# Blocks for the token ranges given: ``(payload, nbytes)`` each, in order.
+MakeBlocks = Callable[[Sequence[tuple[int, int]]], Sequence[tuple[Any, int]]]
 
-@attrs.define
-class Entry:
-    """One saved state: its KV ``state`` holds exactly ``tokens``.
 
-    ``alternates`` are older ``(tokens, state)`` pairs of the same session,
-    each a proven prefix state (prompt snapshots), for caches that cannot be
-    rewound: when the main state is not a prefix of the next prompt, the
-    longest alternate that is still serves instead. ``nbytes`` counts them.
-    """
+@attrs.define(eq=False)
+class Node:
+    """One block of a token path; ``block`` is the backend's payload."""
 
-    key: str
+    parent: Node | None
+    start: int
     tokens: tuple[int, ...]
-    state: Any
-    nbytes: int
-    alternates: tuple[tuple[tuple[int, ...], Any], ...] = ()
-    kind: EntryKind = "session"
+    block: Any = None
+    nbytes: int = 0
+    children: dict[tuple[int, ...], Node] = attrs.field(factory=dict)
+    ends: list[Entry] = attrs.field(factory=list)
+    refs: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@attrs.define(eq=False)
+class Entry:
+    """A saved position. ``path`` is the nodes it holds a reference on."""
+
+    tokens: tuple[int, ...]
+    key: str | None = None
+    kind: EntryKind = "anonymous"
+    owner: str | None = None
+    rest: Any = None
+    rest_nbytes: int = 0
     roster: str = ""
     dirty: bool = True
     last_use: int = 0
+    used_at: float = 0.0
+    hits: int = 0
+    pins: int = 0
+    path: list[Node] = attrs.field(factory=list, repr=False)
+    path_nbytes: int = 0  # the sum over ``path``, kept current (the view reads it often)
+
+    @property
+    def end(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tier(self) -> int:
+        if self.key is not None or self.owner is not None:
+            return 2
+        return 1 if self.hits else 0
+
+    @property
+    def nbytes(self) -> int:
+        """What the entry would cost alone: its whole path and rest state."""
+        return self.path_nbytes + self.rest_nbytes
 
 
-@attrs.define
+@attrs.frozen
+class Seed:
+    """Where a prompt starts: ``reuse`` tokens held by ``nodes`` (the last
+    one possibly cut), and ``entry``, the saved position that covers them
+    (its ``rest`` is the seed's unblockable state)."""
+
+    entry: Entry
+    reuse: int
+    nodes: tuple[Node, ...]
+
+
+def _no_eviction_hook(_: Entry) -> None:
+    return None
+
+
 class CacheStore:
-    budget_bytes: int
-    _entries: dict[str, Entry] = attrs.field(factory=dict)
-    _pins: Counter[str] = attrs.field(factory=Counter)
-    _clock: int = 0
+    def __init__(
+        self,
+        budget_bytes: int,
+        *,
+        trimmable: bool,
+        block_tokens: int = BLOCK_TOKENS,
+        before_evict: Callable[[Entry], None] = _no_eviction_hook,
+    ) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        self.budget_bytes = budget_bytes
+        self.trimmable = trimmable
+        self.block_tokens = block_tokens
+        self.root = Node(None, 0, ())
+        self._before_evict = before_evict
+        self._entries: dict[Entry, None] = {}
+        self._named: dict[str, Entry] = {}
+        self._name_pins: Counter[str] = Counter()
+        self._bytes = 0
+        self._nodes = 0
+        self._clock = 0
+
+    # --- reading -----------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __iter__(self) -> Iterator[Entry]:
-        return iter(self._entries.values())
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._entries
+        return iter(list(self._entries))
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        """Bytes actually held: every live block once, every rest state."""
+        return self._bytes
 
-    def peek(self, key: str) -> Entry | None:
-        return self._entries.get(key)
+    @property
+    def block_count(self) -> int:
+        return self._nodes
 
-    def get(self, key: str) -> Entry | None:
-        """The entry for ``key``, marked as just used."""
-        entry = self._entries.get(key)
-        if entry is not None:
-            entry.last_use = self._tick()
-        return entry
+    def named(self, key: str) -> Entry | None:
+        return self._named.get(key)
 
-    def put(self, entry: Entry) -> list[Entry]:
-        """Insert or replace; returns the entries evicted to stay in budget."""
+    def owned(self, key: str) -> list[Entry]:
+        """The alternates that belong to the name ``key``."""
+        return [e for e in self._entries if e.owner == key]
+
+    def walk(self, tokens: Sequence[int]) -> tuple[list[Node], int]:
+        """The nodes along the longest stored prefix of ``tokens`` and its
+        length; the last node may be shared only in part."""
+        path: list[Node] = []
+        node, pos, b = self.root, 0, self.block_tokens
+        while pos < len(tokens):
+            chunk = tuple(tokens[pos : pos + b])
+            child = node.children.get(chunk)
+            if child is None:
+                best, shared = None, 0
+                for candidate in node.children.values():
+                    n = common_prefix(candidate.tokens, chunk)
+                    if n > shared:
+                        best, shared = candidate, n
+                if best is not None:
+                    path.append(best)
+                    pos += shared
+                break
+            path.append(child)
+            pos += len(chunk)
+            node = child
+        return path, pos
+
+    def seed(self, prompt: Sequence[int]) -> Seed | None:
+        """The deepest stored position a prompt can start from, leaving at
+        least one token to prefill (the model must run on something to give
+        the first token's logits)."""
+        usable = len(prompt) - 1
+        if usable <= 0:
+            return None
+        if self.trimmable:
+            path, lcp = self.walk(prompt)
+            usable = min(lcp, usable)
+            if usable <= 0:
+                return None
+            cover = [n for n in path if n.start < usable]
+            entry = self._covering(cover[-1], usable)
+            return Seed(entry, usable, tuple(cover)) if entry is not None else None
+        best: Entry | None = None
+        for e in self.prefixes(prompt, limit=usable):
+            if best is None or (e.end, e.last_use) > (best.end, best.last_use):
+                best = e
+        if best is None:
+            return None
+        return Seed(best, best.end, tuple(best.path))
+
+    def prefixes(self, tokens: Sequence[int], limit: int | None = None) -> list[Entry]:
+        """Every entry whose tokens are a prefix of ``tokens`` (at most
+        ``limit`` long). One may end in a sibling of the path (a partial block
+        that is a prefix of the prompt's block, folded into a longer one), so
+        every child that shares tokens with ``tokens`` is looked at."""
+        limit = len(tokens) if limit is None else limit
+        out: list[Entry] = []
+        node: Node | None = self.root
+        pos, b = 0, self.block_tokens
+        while node is not None and pos < limit:
+            chunk = tuple(tokens[pos : pos + b])
+            below = None
+            for child in node.children.values():
+                shared = common_prefix(child.tokens, chunk)
+                if shared == 0:
+                    continue
+                out += (e for e in child.ends if e.end <= min(pos + shared, limit))
+                if shared == len(child.tokens) == b:
+                    below = child
+            node, pos = below, pos + b
+        return out
+
+    def _covering(self, node: Node, pos: int) -> Entry | None:
+        """The most recently used entry whose path passes position ``pos``
+        inside ``node`` (one must exist: ``node`` is referenced)."""
+        best: Entry | None = None
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            for e in n.ends:
+                if e.end >= pos and (best is None or e.last_use > best.last_use):
+                    best = e
+            stack.extend(n.children.values())
+        return best
+
+    def exact(self, tokens: Sequence[int]) -> list[Entry]:
+        """The entries holding exactly ``tokens``."""
+        node: Node | None = self.root
+        b = self.block_tokens
+        for start in range(0, len(tokens), b):
+            chunk = tuple(tokens[start : start + b])
+            node = self._child(node, chunk) if node is not None else None
+        if node is None or node is self.root:
+            return []
+        return [e for e in node.ends if e.end == len(tokens)]
+
+    @staticmethod
+    def _child(node: Node, chunk: tuple[int, ...]) -> Node | None:
+        """The child holding ``chunk``: the block itself or, for a partial
+        chunk, a longer block that starts with it."""
+        child = node.children.get(chunk)
+        if child is None:
+            for candidate in node.children.values():
+                if candidate.tokens[: len(chunk)] == chunk:
+                    return candidate
+        return child
+
+    # --- writing -----------------------------------------------------------
+
+    def add(
+        self,
+        tokens: Sequence[int],
+        make_blocks: MakeBlocks,
+        *,
+        key: str | None = None,
+        kind: EntryKind = "anonymous",
+        owner: str | None = None,
+        rest: Any = None,
+        rest_nbytes: int = 0,
+        roster: str = "",
+        dirty: bool = True,
+    ) -> tuple[Entry, list[Entry]]:
+        """Save a position; returns the entry and the entries evicted to stay
+        in budget. ``make_blocks`` is asked only for the blocks the trie does
+        not hold yet; if it raises, nothing changed."""
+        tokens = tuple(tokens)
+        if not tokens:
+            raise ValueError("an entry holds at least one token")
+        same = self._same(tokens, key, kind, owner, roster)
+        if same is not None:
+            same.dirty = same.dirty or dirty
+            self.touch(same, hit=False)
+            return same, []
+        missing = self._missing(tokens)
+        made = list(make_blocks([(s, e) for _, s, e in missing])) if missing else []
+        if len(made) != len(missing):
+            raise ValueError("make_blocks returned the wrong number of blocks")
+        path = self._build(tokens, missing, made)
+        entry = Entry(
+            tokens,
+            key=key,
+            kind=kind,
+            owner=owner,
+            rest=rest,
+            rest_nbytes=rest_nbytes,
+            roster=roster,
+            dirty=dirty,
+            path=path,
+            path_nbytes=sum(n.nbytes for n in path),
+        )
+        for node in path:
+            node.refs += 1
+        path[-1].ends.append(entry)
+        self._entries[entry] = None
+        self._bytes += rest_nbytes
+        if key is not None:
+            old = self._named.get(key)
+            if old is not None:
+                self.remove(old)  # after the new path holds its references
+            self._named[key] = entry
+        self.touch(entry, hit=False)
+        if self.trimmable:
+            self._drop_covered(entry)
+        return entry, self._enforce_budget(keep=entry)
+
+    def _same(
+        self,
+        tokens: tuple[int, ...],
+        key: str | None,
+        kind: EntryKind,
+        owner: str | None,
+        roster: str,
+    ) -> Entry | None:
+        """An entry that already holds exactly ``tokens`` and can stand for
+        the one being saved: the same name, or (for a named save) an
+        anonymous one, which takes the name."""
+        entries = self.exact(tokens)
+        if key is None:
+            if not entries:
+                return None
+            found = entries[0]
+            if found.key is None and found.owner is None and owner is not None:
+                found.owner = owner
+            return found
+        for e in entries:
+            if e.key == key:
+                e.kind, e.roster = kind, roster or e.roster
+                return e
+        for e in entries:
+            if e.key is None:
+                self.rename(e, key, kind, roster)
+                return e
+        return None
+
+    def _missing(self, tokens: tuple[int, ...]) -> list[tuple[Node | None, int, int]]:
+        """``(None, start, end)`` for each block of ``tokens`` the trie lacks."""
+        out: list[tuple[Node | None, int, int]] = []
+        node: Node | None = self.root
+        b = self.block_tokens
+        for start in range(0, len(tokens), b):
+            chunk = tokens[start : start + b]
+            child = self._child(node, chunk) if node is not None else None
+            if child is None:
+                out.append((None, start, start + len(chunk)))
+            node = child
+        return out
+
+    def _build(
+        self,
+        tokens: tuple[int, ...],
+        missing: list[tuple[Node | None, int, int]],
+        made: list[tuple[Any, int]],
+    ) -> list[Node]:
+        payload = {start: blk for (_, start, _), blk in zip(missing, made, strict=True)}
+        path: list[Node] = []
+        node = self.root
+        b = self.block_tokens
+        for start in range(0, len(tokens), b):
+            chunk = tokens[start : start + b]
+            child = self._child(node, chunk)
+            if child is None:
+                block, nbytes = payload[start]
+                child = Node(node, start, chunk, block, nbytes)
+                node.children[chunk] = child
+                self._bytes += nbytes
+                self._nodes += 1
+                self._absorb(child)
+            path.append(child)
+            node = child
+        return path
+
+    def _absorb(self, node: Node) -> None:
+        """A partial block that is a prefix of the new ``node`` is redundant:
+        its entries end inside ``node`` from now on and it is freed. (A
+        partial block is always a leaf: its path ends in it.)"""
+        assert node.parent is not None
+        for sib in list(node.parent.children.values()):
+            n = len(sib.tokens)
+            if sib is node or n >= len(node.tokens) or node.tokens[:n] != sib.tokens:
+                continue
+            for e in sib.ends:
+                e.path[-1] = node
+                e.path_nbytes += node.nbytes - sib.nbytes
+                node.ends.append(e)
+                node.refs += 1
+            del node.parent.children[sib.tokens]
+            self._bytes -= sib.nbytes
+            self._nodes -= 1
+            sib.ends, sib.refs, sib.block = [], 0, None
+
+    def _drop_covered(self, entry: Entry) -> None:
+        """On trimmable models an anonymous entry whose tokens are a prefix of
+        ``entry``'s is redundant: ``entry`` serves every prompt it served."""
+        for node in entry.path:
+            for other in list(node.ends):
+                if (
+                    other is not entry
+                    and other.end < entry.end
+                    and other.key is None
+                    and other.owner is None
+                    and other.pins == 0
+                ):
+                    self.remove(other)
+
+    def remove(self, entry: Entry) -> None:
+        """Forget ``entry``; blocks nobody else references are freed."""
+        if entry not in self._entries:
+            return
+        del self._entries[entry]
+        if entry.key is not None and self._named.get(entry.key) is entry:
+            del self._named[entry.key]
+        if entry.path:
+            entry.path[-1].ends.remove(entry)
+        for node in reversed(entry.path):
+            node.refs -= 1
+            if node.refs == 0:
+                assert node.parent is not None
+                del node.parent.children[node.tokens]
+                self._bytes -= node.nbytes
+                self._nodes -= 1
+                node.block = None
+        self._bytes -= entry.rest_nbytes
+        entry.path = []
+
+    def rename(self, entry: Entry, key: str, kind: EntryKind, roster: str) -> None:
+        """Give an anonymous entry a name (replacing what had the name)."""
+        old = self._named.get(key)
+        if old is not None and old is not entry:
+            self.remove(old)
+        entry.key, entry.kind, entry.owner, entry.roster = key, kind, None, roster
+        entry.dirty = True
+        self._named[key] = entry
+
+    def touch(self, entry: Entry, *, hit: bool) -> None:
         entry.last_use = self._tick()
-        self._entries[entry.key] = entry
-        return self._enforce_budget(keep=entry.key)
-
-    def remove(self, key: str) -> Entry | None:
-        return self._entries.pop(key, None)
+        if hit:
+            entry.hits += 1
 
     # --- pins --------------------------------------------------------------
 
-    def pin(self, key: str) -> None:
-        self._pins[key] += 1
+    def pin(self, entry: Entry) -> None:
+        entry.pins += 1
 
-    def unpin(self, key: str) -> None:
-        """Release one pin; releasing an unpinned key is a no-op, so a double
-        release cannot go negative and unpin someone else's hold."""
-        if self._pins[key] <= 1:
-            del self._pins[key]
+    def unpin(self, entry: Entry) -> None:
+        """Release one pin; never below zero, so a double release cannot
+        unpin someone else's hold."""
+        entry.pins = max(0, entry.pins - 1)
+
+    def pin_name(self, key: str) -> None:
+        self._name_pins[key] += 1
+
+    def unpin_name(self, key: str) -> None:
+        if self._name_pins[key] <= 1:
+            del self._name_pins[key]
         else:
-            self._pins[key] -= 1
+            self._name_pins[key] -= 1
 
-    def pinned(self, key: str) -> bool:
-        return self._pins[key] > 0
+    def name_pinned(self, key: str) -> bool:
+        return self._name_pins[key] > 0
 
     @property
     def pin_count(self) -> int:
-        return sum(self._pins.values())
-
-    # --- lookups -----------------------------------------------------------
-
-    def longest_prefix(
-        self, prompt: tuple[int, ...], *, whole_entry: bool
-    ) -> tuple[Entry, int] | None:
-        """The entry sharing the longest token prefix with ``prompt`` (C9).
-
-        With ``whole_entry`` (untrimmable caches) only entries whose every
-        token is a prefix of the prompt qualify, since they cannot be cut
-        back. Ties go to the most recently used entry.
-        """
-        best: tuple[Entry, int] | None = None
-        for entry in sorted(self._entries.values(), key=lambda e: -e.last_use):
-            lcp = common_prefix(entry.tokens, prompt)
-            if whole_entry and lcp < len(entry.tokens):
-                continue
-            if lcp > 0 and (best is None or lcp > best[1]):
-                best = (entry, lcp)
-        return best
+        return sum(e.pins for e in self._entries) + sum(self._name_pins.values())
 
     # --- internals ---------------------------------------------------------
 
@@ -138,18 +499,22 @@ class CacheStore:
         self._clock += 1
         return self._clock
 
-    def _enforce_budget(self, keep: str) -> list[Entry]:
-        total = self.total_bytes
-        if total <= self.budget_bytes or len(self._entries) <= 1:
+    def enforce_budget(self) -> list[Entry]:
+        return self._enforce_budget(keep=None)
+
+    def _enforce_budget(self, keep: Entry | None) -> list[Entry]:
+        if self._bytes <= self.budget_bytes or len(self._entries) <= 1:
             return []
         target = int(self.budget_bytes * 0.8)
         evicted: list[Entry] = []
-        for entry in sorted(self._entries.values(), key=lambda e: e.last_use):
-            if total <= target or len(self._entries) <= 1:
+        for entry in sorted(self._entries, key=lambda e: (e.tier, e.last_use)):
+            if self._bytes <= target or len(self._entries) <= 1:
                 break
-            if self.pinned(entry.key) or entry.key == keep:
+            if entry is keep or entry.pins or (entry.key and self.name_pinned(entry.key)):
                 continue
-            del self._entries[entry.key]
-            total -= entry.nbytes
+            if entry not in self._entries:
+                continue  # removed by an earlier victim's hook
+            self._before_evict(entry)
+            self.remove(entry)
             evicted.append(entry)
         return evicted

@@ -37,7 +37,7 @@ from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, Sl
 from .events import Event, Failed, Finished, Parked, Progress, Queued, Resumed
 from .host_thread import HostCommand, Observer, Orders, StepReport, run_host, run_host_inline
 from .prompt import RenderedPrompt
-from .prompt_cache import CacheView
+from .prompt_cache import CacheSnapshot, CacheTotals, CacheView
 from .request import GenerationRequest
 from .scheduler import Scheduler
 
@@ -193,7 +193,7 @@ class Engine:
         self._commands: list[tuple[int, HostCommand]] = []
         self._calls: dict[int, _Call] = {}
         self._next_call = 0
-        self._cache_view: tuple[CacheView, ...] = ()
+        self._cache_view = CacheSnapshot()
         self._memory = 0
         self.counters: Counter[str] = Counter()
 
@@ -338,7 +338,12 @@ class Engine:
     @property
     def cache_view(self) -> tuple[CacheView, ...]:
         """The prompt cache's entries as of the last engine step."""
-        return self._cache_view
+        return self._cache_view.entries
+
+    @property
+    def cache_totals(self) -> CacheTotals:
+        """The prompt cache's totals (bytes, blocks, hits) as of the last step."""
+        return self._cache_view.totals
 
     def cache_ids_in_use(self) -> set[str]:
         """Cache ids named by requests that are queued or running."""

@@ -43,7 +43,7 @@ from .config import EngineConfig
 from .errors import EngineFailure
 from .events import Delta, Event, Failed, Finished, FinishReason, Progress, TokenLogprob, Usage
 from .persist import DiskCache
-from .prompt_cache import CacheView, PromptCache
+from .prompt_cache import CacheSnapshot, PromptCache
 from .request import GenerationRequest, Priority
 from .text import TextFilter
 
@@ -92,7 +92,7 @@ class StepReport:
     events: tuple[tuple[int, Event], ...] = ()
     ended: tuple[int, ...] = ()
     replies: tuple[tuple[int, Any], ...] = ()
-    cache_view: tuple[CacheView, ...] | None = None
+    cache_view: CacheSnapshot | None = None
     memory: int | None = None
 
 

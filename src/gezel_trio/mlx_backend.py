@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -87,6 +87,14 @@ def resolve_model_dir(config: EngineConfig) -> Path:
     """The local directory to load: the model directory, the converted GGUF,
     or the default model (fetched and converted on first use)."""
     return resolve_model(config.model)
+
+
+def _copy_layer(layer: Any) -> Any:
+    """An independent copy of one cache layer (extracted layers may be views
+    of the batch's arrays)."""
+    out = copy.copy(layer)
+    out.state = tree_map(lambda a: mx.array(a) if isinstance(a, mx.array) else a, layer.state)
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -276,9 +284,14 @@ class MlxBackend:
             for t in getattr(tokenizer, "all_special_tokens", [])
             if not any(m in t for m in _CONTENT_MARKERS)
         ]
-        # Only plain KV layers can always rewind; a sliding window can while it
-        # has not wrapped, linear attention never can.
-        trimmable = all(type(c) in _ALWAYS_TRIMMABLE for c in make_prompt_cache(model))
+        # Plain KV layers grow by appending, so the prompt cache can cut them
+        # into shared token blocks and any prefix is a valid state; a sliding
+        # window or linear attention is kept whole per checkpoint.
+        layout = make_prompt_cache(model)
+        self._layer_count = len(layout)
+        self._blockable = [i for i, c in enumerate(layout) if type(c) is KVCache]
+        self._rest = [i for i, c in enumerate(layout) if type(c) is not KVCache]
+        trimmable = not self._rest
         self._info = ModelInfo(
             model_id=model_dir.name,
             context_length=context,
@@ -295,7 +308,9 @@ class MlxBackend:
             tool_format=fmt.name if (fmt := resolve_format(tokenizer.chat_template)) else None,
         )
         self._renderer = ChatTemplateRenderer(
-            tokenizer, generic_tools=self._info.tool_format == GENERIC.name
+            tokenizer,
+            boundaries=not trimmable,
+            generic_tools=self._info.tool_format == GENERIC.name,
         )
         self._vocab_width = int(text_cfg.get("vocab_size") or model_cfg.get("vocab_size") or 0)
         self._grammar_tok: GrammarTokenizer | None = None
@@ -450,25 +465,55 @@ class MlxBackend:
             return None
         return Captured(list(got[0]), tuple(got[1]))
 
-    def state_nbytes(self, state: Any) -> int:
-        return int(sum(c.nbytes for c in state))
-
     def state_offsets(self, state: Any) -> list[int | None]:
         return [getattr(c, "offset", None) if type(c) in _ALWAYS_TRIMMABLE else None for c in state]
 
-    def can_trim(self, state: Any) -> bool:
-        return all(c.is_trimmable() for c in state)
-
-    def trimmed(self, state: Any, n: int) -> Any:
-        # A shallow copy with a smaller offset: the arrays are shared, and they
-        # are never written in place because BatchGenerator merges seeds into
-        # fresh batch arrays.
-        out = []
-        for layer in state:
-            c = copy.copy(layer)
-            c.trim(n)
-            out.append(c)
+    def state_blocks(self, state: Any, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
+        out: list[tuple[Any, int]] = []
+        arrays: list[Any] = []
+        with mx.stream(self._stream):
+            for start, end in ranges:
+                layers = []
+                nbytes = 0
+                for i in self._blockable:
+                    c = state[i]
+                    # mx.array() copies: a slice would keep the whole source buffer alive.
+                    k = mx.array(c.keys[..., start:end, :])
+                    v = mx.array(c.values[..., start:end, :])
+                    layers.append((k, v))
+                    arrays += (k, v)
+                    nbytes += k.nbytes + v.nbytes
+                out.append((tuple(layers), nbytes))
+            mx.eval(arrays)
         return out
+
+    def state_rest(self, state: Any) -> tuple[Any, int]:
+        if not self._rest:
+            return None, 0
+        with mx.stream(self._stream):
+            rest = {i: _copy_layer(state[i]) for i in self._rest}
+            mx.eval([c.state for c in rest.values()])
+        return rest, int(sum(c.nbytes for c in rest.values()))
+
+    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any:
+        layers: list[Any] = [None] * self._layer_count
+        with mx.stream(self._stream):
+            for j, i in enumerate(self._blockable):
+                keys = [b[j][0] for b in blocks]
+                values = [b[j][1] for b in blocks]
+                k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
+                v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
+                c = KVCache()
+                c.keys, c.values = k[..., :length, :], v[..., :length, :]
+                c.offset = length
+                layers[i] = c
+        for i, layer in (rest or {}).items():
+            # A shallow copy: BatchGenerator merges seeds into fresh batch
+            # arrays, so the stored arrays are never written.
+            layers[i] = copy.copy(layer)
+        if any(c is None for c in layers):
+            raise ValueError("the rest state does not cover this model's unblockable layers")
+        return layers
 
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
         with mx.stream(self._stream):

@@ -1,13 +1,19 @@
-"""Prompt-cache files on disk (SPEC C5).
+"""Prompt-cache files on disk (SPEC C5, C9).
 
-Layout: ``<persist_dir>/<model fingerprint>-v<FORMAT_VERSION>/<sha256(cache id)>.gzc``.
-A cache id is never used as a path: it is hashed, so ``../../etc/passwd``,
-NUL bytes or 10 kB ids all become the same 64 hex characters. Entries are
-segmented by the model fingerprint, so another model can never load foreign
-KV, and by format version, so an old layout is simply never read.
+Layout: ``<persist_dir>/<model fingerprint>-v<FORMAT_VERSION>/<sha256(file key)>.gzc``.
+A file key (the prompt cache's ``name:<cache id>`` or ``anon:<token hash>``)
+is never used as a path: it is hashed, so ``../../etc/passwd``, NUL bytes
+or 10 kB ids all become the same 64 hex characters. Entries are segmented
+by the model fingerprint, so another model can never load foreign KV, and by
+format version, so an old layout is simply never read.
 
-A file is the backend's serialized state followed by a trailer:
-``MAGIC | format version (4 bytes, big endian) | sha256 of everything before``.
+A file is the backend's serialized state, then the entry's metadata as JSON
+(its file key, tokens, kind, owner, tool roster), then a trailer:
+``meta length (4 bytes) | MAGIC | format version (4 bytes) | sha256 of
+everything before``, all big endian. Opening the directory reads only the
+metadata of each file (from its end) into ``index``, so an anonymous request
+can find the longest cached prefix on disk without loading any state.
+
 Writes are atomic: temp file in the same directory, fsync, rename, fsync of
 the directory. A truncated, bit-flipped, foreign or mismatched file is a clean
 miss (logged, and the bad file removed); a temp file left by a process killed
@@ -35,6 +41,7 @@ import attrs
 __all__ = [
     "FORMAT_VERSION",
     "DiskCache",
+    "DiskEntry",
     "Loaded",
     "StateCodec",
     "fingerprint_model_dir",
@@ -43,9 +50,11 @@ __all__ = [
 
 log = logging.getLogger("gezel_trio.persist")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"GZTC"
-_TRAILER = len(MAGIC) + 4 + 32
+_SEAL = len(MAGIC) + 4 + 32  # magic, version, sha256 of everything before it
+_TAIL = 4 + _SEAL  # the metadata length, then the seal
+_MAX_META = 64 * 1024 * 1024
 _SUFFIX = ".gzc"
 _TMP_SUFFIX = ".tmp.safetensors"
 _SAFE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -59,11 +68,25 @@ class StateCodec(Protocol):
 
 
 @attrs.frozen
+class DiskEntry:
+    """What the index knows of one file without loading its state."""
+
+    file_key: str
+    tokens: tuple[int, ...]
+    kind: str
+    roster: str = ""
+    owner: str | None = None
+    size: int = 0
+    mtime: float = 0.0
+
+
+@attrs.frozen
 class Loaded:
     state: Any
     tokens: tuple[int, ...]
     kind: str
     roster: str
+    owner: str | None = None
 
 
 def fingerprint_model_dir(model_dir: Path) -> str:
@@ -98,36 +121,52 @@ class DiskCache:
         self.dir = Path(root) / f"{self.fingerprint}-v{FORMAT_VERSION}"
         self._codec = codec
         self.writable = True
+        # file key -> what its file holds, read from the files' metadata.
+        self.index: dict[str, DiskEntry] = {}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._sweep_temp_files()
         except OSError as exc:
             self.writable = False
             log.warning("persist dir %s unusable (%s): disk cache disabled", self.dir, exc)
+            return
+        self._read_index()
 
-    def path_for(self, cache_id: str) -> Path:
-        return self.dir / (_file_key(cache_id) + _SUFFIX)
+    def path_for(self, file_key: str) -> Path:
+        return self.dir / (_file_key(file_key) + _SUFFIX)
 
     # --- write -------------------------------------------------------------
 
     def save(
-        self, cache_id: str, tokens: Iterable[int], state: Any, *, kind: str, roster: str
+        self,
+        file_key: str,
+        tokens: Iterable[int],
+        state: Any,
+        *,
+        kind: str,
+        roster: str,
+        owner: str | None = None,
     ) -> bool:
         """Write atomically; ``False`` (logged) on any failure."""
         if not self.writable:
             return False
-        final = self.path_for(cache_id)
+        final = self.path_for(file_key)
         tmp = self.dir / f".{final.stem}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        tokens = tuple(tokens)
         meta = {
-            "gezel_cache_id": cache_id,
-            "gezel_tokens": json.dumps(list(tokens)),
-            "gezel_fingerprint": self.fingerprint,
-            "gezel_format": str(FORMAT_VERSION),
-            "gezel_kind": kind,
-            "gezel_roster": roster,
+            "file_key": file_key,
+            "tokens": list(tokens),
+            "fingerprint": self.fingerprint,
+            "format": FORMAT_VERSION,
+            "kind": kind,
+            "roster": roster,
+            "owner": owner,
         }
         try:
-            self._codec.dump_state(state, meta, tmp)
+            self._codec.dump_state(state, {"gezel_file_key": file_key}, tmp)
+            blob = json.dumps(meta, separators=(",", ":")).encode()
+            with tmp.open("ab") as f:
+                f.write(blob + len(blob).to_bytes(4, "big"))
             digest = hashlib.sha256()
             with tmp.open("rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
@@ -138,19 +177,24 @@ class DiskCache:
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             self._fsync_dir()
+            st = final.stat()
         except Exception as exc:  # OSError, or the codec's own errors
-            log.warning("cache save failed cache_id=%r: %s", _short(cache_id), exc)
+            log.warning("cache save failed key=%r: %s", _short(file_key), exc)
             tmp.unlink(missing_ok=True)
             return False
+        self.index[file_key] = DiskEntry(
+            file_key, tokens, kind, roster, owner, st.st_size, st.st_mtime
+        )
         return True
 
     # --- read --------------------------------------------------------------
 
-    def load(self, cache_id: str) -> Loaded | None:
-        path = self.path_for(cache_id)
+    def load(self, file_key: str) -> Loaded | None:
+        path = self.path_for(file_key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
+            self.index.pop(file_key, None)
             return None
         except OSError as exc:
             log.warning("cache read failed %s: %s", path.name, exc)
@@ -158,8 +202,9 @@ class DiskCache:
         reason = self._check(data)
         if reason is None:
             try:
-                state, meta = self._codec.load_state(data[:-_TRAILER])
-                loaded = self._accept(cache_id, state, meta)
+                meta, payload = _split(data)
+                state, _ = self._codec.load_state(payload)
+                loaded = self._accept(file_key, state, meta)
             except Exception as exc:  # a malformed payload is a miss, whatever raised
                 reason = f"unreadable payload: {type(exc).__name__}: {exc}"
             else:
@@ -169,11 +214,13 @@ class DiskCache:
                     return loaded
         log.warning("cache file %s rejected (%s): treated as a miss", path.name, reason)
         path.unlink(missing_ok=True)
+        self.index.pop(file_key, None)
         return None
 
-    def delete(self, cache_id: str) -> bool:
+    def delete(self, file_key: str) -> bool:
+        self.index.pop(file_key, None)
         try:
-            self.path_for(cache_id).unlink()
+            self.path_for(file_key).unlink()
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -181,8 +228,8 @@ class DiskCache:
             return False
         return True
 
-    def exists(self, cache_id: str) -> bool:
-        return self.path_for(cache_id).is_file()
+    def exists(self, file_key: str) -> bool:
+        return self.path_for(file_key).is_file()
 
     def files(self) -> list[tuple[str, int, float]]:
         """``(file name, bytes, mtime)`` of every entry, oldest first."""
@@ -201,7 +248,7 @@ class DiskCache:
     def prune(self, budget_bytes: int, protect: Iterable[str] = ()) -> list[str]:
         """Delete the oldest files until under 80% of ``budget_bytes``, never
         the newest file (the last save, maybe the shutdown flush) nor the files
-        of ``protect``ed cache ids. Returns the deleted file names."""
+        of ``protect``ed file keys. Returns the deleted file names."""
         files = self.files()
         total = sum(size for _, size, _ in files)
         if budget_bytes <= 0 or total <= budget_bytes or not files:
@@ -221,38 +268,91 @@ class DiskCache:
                 continue
             total -= size
             deleted.append(name)
+        if deleted:
+            gone = set(deleted)
+            for key in [k for k in self.index if _file_key(k) + _SUFFIX in gone]:
+                del self.index[key]
         return deleted
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.index.values())
 
     # --- internals ---------------------------------------------------------
 
     @staticmethod
     def _check(data: bytes) -> str | None:
-        if len(data) < _TRAILER + 8:
+        if len(data) < _TAIL + 8:
             return "truncated"
-        trailer = data[-_TRAILER:]
+        trailer = data[-_SEAL:]
         if trailer[: len(MAGIC)] != MAGIC:
             return "no trailer (truncated or foreign)"
         version = int.from_bytes(trailer[len(MAGIC) : len(MAGIC) + 4], "big")
         if version != FORMAT_VERSION:
             return f"format version {version}, expected {FORMAT_VERSION}"
-        if hashlib.sha256(data[:-_TRAILER]).digest() != trailer[-32:]:
+        if hashlib.sha256(data[:-_SEAL]).digest() != trailer[-32:]:
             return "checksum mismatch"
         return None
 
-    def _accept(self, cache_id: str, state: Any, meta: dict[str, str]) -> Loaded | str:
-        if meta.get("gezel_fingerprint") != self.fingerprint:
-            return f"fingerprint {meta.get('gezel.fingerprint')!r} is another model's"
-        if meta.get("gezel_cache_id") != cache_id:
+    def _accept(self, file_key: str, state: Any, meta: dict[str, Any]) -> Loaded | str:
+        if meta.get("fingerprint") != self.fingerprint:
+            return f"fingerprint {meta.get('fingerprint')!r} is another model's"
+        if meta.get("file_key") != file_key:
             return "belongs to another cache id"
-        tokens = json.loads(meta.get("gezel_tokens", "null"))
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        tokens = _tokens(meta)
+        if tokens is None:
             return "token list malformed"
+        owner = meta.get("owner")
         return Loaded(
             state=state,
-            tokens=tuple(tokens),
-            kind=meta.get("gezel_kind", "session"),
-            roster=meta.get("gezel_roster", ""),
+            tokens=tokens,
+            kind=str(meta.get("kind", "session")),
+            roster=str(meta.get("roster", "")),
+            owner=owner if isinstance(owner, str) else None,
         )
+
+    def _read_index(self) -> None:
+        """Every file's metadata, read from its end; checksums are verified
+        when a file is loaded, so a damaged one costs a miss then."""
+        for path in self.dir.glob("*" + _SUFFIX):
+            try:
+                with path.open("rb") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    if size < _TAIL + 8:
+                        continue
+                    f.seek(size - _TAIL)
+                    tail = f.read(_TAIL)
+                    n = int.from_bytes(tail[:4], "big")
+                    if tail[4 : 4 + len(MAGIC)] != MAGIC or not 0 < n <= min(
+                        _MAX_META, size - _TAIL
+                    ):
+                        continue
+                    f.seek(size - _TAIL - n)
+                    meta = json.loads(f.read(n))
+                mtime = path.stat().st_mtime
+            except (OSError, ValueError) as exc:
+                log.warning("cache file %s unreadable (%s): skipped", path.name, exc)
+                continue
+            key, tokens = meta.get("file_key"), _tokens(meta)
+            if (
+                not isinstance(key, str)
+                or tokens is None
+                or meta.get("fingerprint") != self.fingerprint
+                or path.name != _file_key(key) + _SUFFIX
+            ):
+                continue
+            owner = meta.get("owner")
+            self.index[key] = DiskEntry(
+                key,
+                tokens,
+                str(meta.get("kind", "session")),
+                str(meta.get("roster", "")),
+                owner if isinstance(owner, str) else None,
+                size,
+                mtime,
+            )
+        if self.index:
+            log.info("disk cache %s: %d entries indexed", self.dir, len(self.index))
 
     def _sweep_temp_files(self) -> None:
         for p in self.dir.glob(".*" + _TMP_SUFFIX):
@@ -265,6 +365,27 @@ class DiskCache:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _split(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """A checked file's metadata and state payload."""
+    body = data[:-_SEAL]
+    n = int.from_bytes(body[-4:], "big")
+    if not 0 < n <= len(body) - 4:
+        raise ValueError("metadata length out of range")
+    meta = json.loads(body[-4 - n : -4])
+    if not isinstance(meta, dict):
+        raise ValueError("metadata is not an object")
+    return meta, body[: -4 - n]
+
+
+def _tokens(meta: dict[str, Any]) -> tuple[int, ...] | None:
+    tokens = meta.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        return None
+    return tuple(tokens)
 
 
 def _short(cache_id: str) -> str:

@@ -6,6 +6,7 @@ thread beside the event loop, never on the engine's host thread.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import logging
@@ -14,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from .cache_plan import common_prefix
 from .errors import InvalidRequest
 
 log = logging.getLogger("gezel_trio.prompt")
@@ -24,10 +26,15 @@ __all__ = ["ChatTemplateRenderer", "RenderedPrompt", "generic_tool_messages"]
 @attrs.frozen
 class RenderedPrompt:
     """Prompt tokens, and where the shared band ends in them (the first
-    ``band_chars`` characters of the system message), when asked for."""
+    ``band_chars`` characters of the system message), when asked for.
+    ``boundaries`` are token indices where a message ends and every later
+    turn of the same conversation shares the tokens before it (the end of
+    the system turn, the end of the history), for renderers asked to find
+    them: models whose caches cannot rewind keep checkpoints there."""
 
     tokens: tuple[int, ...]
     band_end: int | None = None
+    boundaries: tuple[int, ...] = ()
 
 
 def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -51,6 +58,7 @@ def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
 # rejects the kwargs it was given.
 _REASONING_DEPTH_KEYS = ("reasoning_effort", "reasoning_budget", "thinking_budget", "thinking")
 _PROBE_RESULT = "gezel-probe-tool-result-7f3a"
+_PROBE_USER = "gezel-probe-next-turn-5c1e"
 
 
 def _strip_linkage(message: dict[str, Any]) -> dict[str, Any]:
@@ -146,10 +154,13 @@ class ChatTemplateRenderer:
     (``generic_tool_messages``) and the template never sees ``tools``.
     """
 
-    def __init__(self, tokenizer: Any, *, generic_tools: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Any, *, boundaries: bool = False, generic_tools: bool = False
+    ) -> None:
         self._tokenizer = tokenizer
         self._generic_tools = generic_tools
         self._needs_linkage: dict[str, bool] = {}
+        self._find_boundaries = boundaries
 
     def render(
         self,
@@ -184,6 +195,7 @@ class ChatTemplateRenderer:
         ]
         first_error: Exception | None = None
         text: str | None = None
+        used: tuple[dict[str, Any], Sequence[dict[str, Any]] | None] = (kwargs, tools)
         for rung_kwargs, rung_tools, label in rungs:
             if label and rung_kwargs == kwargs and rung_tools == tools:
                 continue
@@ -197,6 +209,7 @@ class ChatTemplateRenderer:
             if label:
                 level = logging.WARNING if rung_tools is None else logging.INFO
                 log.log(level, "chat template rejected the request's kwargs; rendered %s", label)
+            used = (rung_kwargs, rung_tools)
             break
         if text is None:
             error = first_error or RuntimeError("no render")
@@ -205,10 +218,65 @@ class ChatTemplateRenderer:
                 f"{type(error).__name__}: {error}",
                 param="messages",
             ) from error
-        if not band_chars:
+        if not band_chars and not self._find_boundaries:
             ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
             return RenderedPrompt(tuple(ids))
-        return self._with_band(text, messages, band_chars)
+        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        tokens = tuple(enc["input_ids"])
+        ends = [stop for _, stop in enc["offset_mapping"]]
+        band_end = _band_end(text, messages, band_chars, ends) if band_chars else None
+        bounds: tuple[int, ...] = ()
+        if self._find_boundaries:
+            bounds = self._boundaries(prepared, text, ends, *used, template_override)
+        return RenderedPrompt(tokens, band_end, bounds)
+
+    def _boundaries(
+        self,
+        messages: Sequence[dict[str, Any]],
+        text: str,
+        ends: Sequence[int],
+        kwargs: dict[str, Any],
+        tools: Sequence[dict[str, Any]] | None,
+        template_override: str | None,
+    ) -> tuple[int, ...]:
+        """Token indices where later turns of this conversation will still
+        share the prompt, found by rendering what a later turn could look like
+        and comparing texts - whatever the template's markup:
+
+        * the system turn followed by another user turn (where conversations
+          that share a system prompt part);
+        * the history without the generation prompt (a tool loop continues
+          the same history);
+        * the history followed by another user turn (templates that re-render
+          earlier turns once a user speaks again, e.g. dropping reasoning).
+
+        Each cut backs off one token from the shared text, since the token
+        that touches the boundary may merge differently with other text.
+        Costs a few template renders; the prompt is tokenized once."""
+        probe = {"role": "user", "content": _PROBE_USER}
+        n_system = 0
+        while n_system < len(messages) and messages[n_system].get("role") in (
+            "system",
+            "developer",
+        ):
+            n_system += 1
+        probes: list[tuple[list[dict[str, Any]], bool]] = [
+            (list(messages), False),
+            ([*messages, probe], True),
+        ]
+        if 0 < n_system < len(messages):
+            probes.insert(0, ([*messages[:n_system], probe], True))
+        out: list[int] = []
+        for head, generation_prompt in probes:
+            try:
+                other = self._apply(head, tools, kwargs, template_override, generation_prompt)
+            except Exception:  # a template that refuses the probe: no checkpoint there
+                continue
+            cut = bisect.bisect_right(ends, common_prefix(text, other)) - 1
+            if 0 < cut < len(ends) - 1 and cut not in out:
+                out.append(cut)
+        return tuple(sorted(out))
 
     def _apply(
         self,
@@ -216,6 +284,7 @@ class ChatTemplateRenderer:
         tools: Sequence[dict[str, Any]] | None,
         kwargs: dict[str, Any],
         template_override: str | None,
+        generation_prompt: bool = True,
     ) -> str:
         extra = dict(kwargs)
         if template_override is not None:
@@ -223,7 +292,7 @@ class ChatTemplateRenderer:
         text = self._template_owner().apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
-            add_generation_prompt=True,
+            add_generation_prompt=generation_prompt,
             tokenize=False,
             **extra,
         )
@@ -268,22 +337,18 @@ class ChatTemplateRenderer:
         self._needs_linkage[template] = needed
         return needed
 
-    def _with_band(
-        self, text: str, messages: Sequence[dict[str, Any]], band_chars: int
-    ) -> RenderedPrompt:
-        """Locate the band's end as a token index: the number of tokens that
-        end at or before the band's last character in the rendered text."""
-        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
-        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = tuple(enc["input_ids"])
-        system = next((m for m in messages if m.get("role") in ("system", "developer")), None)
-        content = system.get("content") if system else None
-        if not isinstance(content, str) or not content:
-            return RenderedPrompt(ids)
-        band = content[:band_chars]
-        start = text.find(band)
-        if start < 0:
-            return RenderedPrompt(ids)
-        end_char = start + len(band)
-        band_end = sum(1 for _, stop in enc["offset_mapping"] if stop <= end_char)
-        return RenderedPrompt(ids, band_end)
+
+def _band_end(
+    text: str, messages: Sequence[dict[str, Any]], band_chars: int, ends: Sequence[int]
+) -> int | None:
+    """The band's end as a token index: the number of tokens that end at or
+    before the band's last character in the rendered text."""
+    system = next((m for m in messages if m.get("role") in ("system", "developer")), None)
+    content = system.get("content") if system else None
+    if not isinstance(content, str) or not content:
+        return None
+    band = content[:band_chars]
+    start = text.find(band)
+    if start < 0:
+        return None
+    return bisect.bisect_right(ends, start + len(band))

@@ -1,27 +1,37 @@
-"""The prompt-cache service: lookup cascade, seeding, snapshots, saves.
+"""The prompt-cache service: seeding, checkpoints, saves, names, disk.
 
 Lives on the engine's host thread beside the backend whose opaque states it
 keeps; it touches those states only through the backend's cache operations,
 so the same logic serves the MLX backend and the scripted testing backend.
+The entries themselves live in ``cache_store.CacheStore``, one
+content-addressed store for every request (SPEC C9): a request without any
+cache id is cached exactly like a named session, and a name is only a handle
+onto an entry that lives longer.
 
 For each admitted sequence it decides (SPEC C1-C9):
 
-* where to start: memory -> disk (same id) -> prefix ids in order -> the
-  longest cached prefix of any entry (C9) -> fresh. The lookup runs at
-  admission, on this thread, so a prefix a sibling published while this
-  request waited is already seen (the "late re-check" of C2 is structural).
-* where to cut: on models whose caches cannot rewind, a session snapshot at
-  ``len(prompt) - SNAPSHOT_MARGIN`` (see ``cache_plan``) and, on a turn that
-  starts below the shared band, a band snapshot at ``band_end - margin``.
-* what to save when it ends: the post-generation state where caches rewind,
-  else the proven snapshot; on cancellation (C7) the best proven state it
-  reached, if that extends what it was seeded with.
+* where to start: the deepest position of the store the prompt shares (any
+  prefix of a stored path on models whose caches rewind; an entry end on the
+  others), or a longer one from disk, which is loaded into the store first.
+  The lookup runs at admission, on this thread, so whatever a sibling saved
+  while this request waited is already seen (C2's late re-check).
+* where to cut (models whose caches cannot rewind): at the message
+  boundaries the renderer found (end of the system turn, end of the
+  history), at ``len(prompt) - 1`` so a retried request resumes at once,
+  and at the shared band's end. Each cut is saved as an entry the moment it
+  is captured, so a later failure cannot lose it and a sibling can use it.
+* what to save when it ends: the final state, whatever the ending - a
+  finished turn its post-generation state, a cancelled one (C7) whatever it
+  had computed beyond its seed (a chunk edge of its prefill, or the prompt
+  plus the tokens generated before the client left). A state whose layer
+  offsets disagree with its tokens is never saved.
 
 Every decision is one log line on ``gezel_trio.cache`` (O4).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -30,32 +40,28 @@ from typing import Any, Protocol
 import attrs
 
 from .backend import Admission, Captured
-from .cache_plan import (
-    SNAPSHOT_MARGIN,
-    SeedPlan,
-    plan_seed,
-    snapshot_cut,
-    snapshot_is_sound,
-    split_segments,
-)
-from .cache_store import CacheStore, Entry, EntryKind
-from .persist import DiskCache
+from .cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
+from .cache_store import CacheStore, Entry, EntryKind, Seed
+from .persist import DiskCache, DiskEntry
 from .request import CacheRequest, GenerationRequest
 
-__all__ = ["CacheOps", "CacheView", "PromptCache", "SeedInfo"]
+__all__ = ["CacheOps", "CacheSnapshot", "CacheTotals", "CacheView", "PromptCache", "SeedInfo"]
 
 log = logging.getLogger("gezel_trio.cache")
 
-# Anonymous (no cache id) states kept for C9 reuse; each conversation's
-# lineage reuses one key, and the oldest beyond this count are dropped.
-MAX_ANONYMOUS = 16
-
 
 class CacheOps(Protocol):
-    def state_nbytes(self, state: Any) -> int: ...
+    """The backend's operations on its opaque cache states."""
+
     def state_offsets(self, state: Any) -> list[int | None]: ...
-    def can_trim(self, state: Any) -> bool: ...
-    def trimmed(self, state: Any, n: int) -> Any: ...
+
+    def state_blocks(
+        self, state: Any, ranges: Sequence[tuple[int, int]]
+    ) -> list[tuple[Any, int]]: ...
+
+    def state_rest(self, state: Any) -> tuple[Any, int]: ...
+
+    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any: ...
 
 
 @attrs.frozen
@@ -69,7 +75,8 @@ class SeedInfo:
 
 @attrs.frozen
 class CacheView:
-    """One entry as ``/v1/cache/stats`` shows it."""
+    """One entry as ``/v1/cache/stats`` shows it. ``bytes`` is what it would
+    cost alone; blocks shared with other entries are counted in each."""
 
     cache_id: str
     tokens: int
@@ -78,45 +85,62 @@ class CacheView:
     last_used: float
     dirty: bool
     pinned: bool
+    hits: int = 0
+
+
+@attrs.frozen
+class CacheTotals:
+    """The store as a whole: ``bytes`` really held (shared blocks once),
+    ``logical_bytes`` the sum of the entries' own sizes, and the hit
+    counters since start."""
+
+    entries: int = 0
+    named: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    logical_bytes: int = 0
+    budget_bytes: int = 0
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evictions: int = 0
+
+
+@attrs.frozen
+class CacheSnapshot:
+    entries: tuple[CacheView, ...] = ()
+    totals: CacheTotals = CacheTotals()
 
 
 @attrs.define
 class _Seq:
     prompt: tuple[int, ...]
     cache: CacheRequest
-    save_key: str | None
     reuse: int
-    pins: list[str]
+    seed: Entry | None
     cuts: dict[int, set[str]]
-    snapshot: Captured | None = None
-    band: Captured | None = None
+    snapshot: Entry | None = None
     warned: bool = False
-
-
-MAX_ALTERNATES = 3
-
-
-def _spread(main: Captured, alternates: Sequence[Captured]) -> list[Captured]:
-    """Up to ``MAX_ALTERNATES`` distinct alternates shorter than ``main``: the
-    longest ones (this turn's snapshot) and the shortest (the oldest turn)."""
-    seen = {len(main.tokens)}
-    unique = []
-    for alt in sorted(alternates, key=lambda a: -len(a.tokens)):
-        if len(alt.tokens) not in seen and len(alt.tokens) < len(main.tokens):
-            seen.add(len(alt.tokens))
-            unique.append(alt)
-    if len(unique) <= MAX_ALTERNATES:
-        return unique
-    return [*unique[: MAX_ALTERNATES - 1], unique[-1]]
-
-
-def _companion(key: str) -> str:
-    """The disk id of an entry's snapshot alternate (hashed like any id)."""
-    return key + "\x00snapshot"
 
 
 def _short(key: str) -> str:
     return key if len(key) <= 64 else key[:61] + "..."
+
+
+def _sound(cap: Captured, ops: CacheOps) -> bool:
+    """Every layer that tracks a position agrees with the tokens."""
+    n = len(cap.tokens)
+    return n > 0 and all(off is None or off == n for off in ops.state_offsets(cap.state))
+
+
+def _file_key(entry: Entry) -> str:
+    if entry.key is not None:
+        return "name:" + entry.key
+    digest = hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in entry.tokens))
+    return "anon:" + digest.hexdigest()[:32]
 
 
 class PromptCache:
@@ -129,17 +153,21 @@ class PromptCache:
         disk: DiskCache | None = None,
         disk_budget_bytes: int = 0,
         decode: Any = None,
+        block_tokens: int | None = None,
     ) -> None:
         self._ops = ops
-        self._model_trimmable = model_trimmable
-        self.store = CacheStore(budget_bytes)
+        self._trimmable = model_trimmable
+        extra = {} if block_tokens is None else {"block_tokens": block_tokens}
+        self.store = CacheStore(
+            budget_bytes, trimmable=model_trimmable, before_evict=self._before_evict, **extra
+        )
         self.disk = disk
         self._disk_budget = disk_budget_bytes
         self._seqs: dict[int, _Seq] = {}
         self._seeded_prefixes: set[str] = set()
-        self._used_at: dict[str, float] = {}
         # Token decoder for divergence previews in logs (optional).
         self._decode = decode
+        self._counts = {"lookups": 0, "hits": 0, "prompt": 0, "cached": 0, "evictions": 0}
         self.version = 0
 
     # --- admission ---------------------------------------------------------
@@ -147,106 +175,133 @@ class PromptCache:
     def admit(self, rid: int, request: GenerationRequest) -> tuple[Admission, SeedInfo]:
         cr = request.cache or CacheRequest()
         prompt = request.prompt
-        entry, plan, source, variant = self._choose(cr, prompt)
-        pins = [k for k in {cr.cache_id, entry.key if entry else None} if k]
-        for key in pins:
-            self.store.pin(key)
-        if pins:
+        seed, where = self._find_seed(cr, prompt)
+        state: Any = None
+        if seed is not None:
+            try:
+                state = self._ops.join_state(
+                    [n.block for n in seed.nodes], seed.reuse, seed.entry.rest
+                )
+            except Exception:  # a seed that cannot be assembled is a miss, not a failure
+                log.exception("seed assembly failed; prefilling from scratch")
+                seed = None
+        reuse = seed.reuse if seed is not None else 0
+        if seed is not None:
+            self.store.pin(seed.entry)
+            self.store.touch(seed.entry, hit=True)
+            seed.entry.used_at = time.time()
+        if cr.cache_id:
+            self.store.pin_name(cr.cache_id)
+        if seed is not None or cr.cache_id:
             self.version += 1
-        seed_state: Any = None
-        seed_tokens: tuple[int, ...] = ()
-        reuse = plan.reuse if entry is not None else 0
-        if entry is not None and reuse > 0:
-            seed_state = variant if plan.trim == 0 else self._ops.trimmed(variant, plan.trim)
-            seed_tokens = prompt[:reuse]
+        self._counts["lookups"] += 1
+        self._counts["hits"] += reuse > 0
+        self._counts["prompt"] += len(prompt)
+        self._counts["cached"] += reuse
         cuts = self._plan_cuts(cr, prompt, reuse)
-        save_key = cr.cache_id
-        if save_key is None and entry is not None and entry.kind == "anonymous":
-            save_key = entry.key  # the same conversation keeps one anonymous entry
-        self._seqs[rid] = _Seq(prompt, cr, save_key, reuse, pins, cuts)
+        self._seqs[rid] = _Seq(prompt, cr, reuse, seed.entry if seed else None, cuts)
         segments = tuple(tuple(s) for s in split_segments(prompt, reuse, cuts))
-        mode = plan.mode if entry is not None else "fresh"
-        if cr.cache_id or reuse:
-            log.info(
-                "seed cache_id=%s source=%s mode=%s reused=%d prefill=%d cuts=%s",
-                _short(cr.cache_id or "-"),
-                source,
-                mode,
-                reuse,
-                len(prompt) - reuse,
-                sorted(cuts) or "-",
-            )
+        source, mode = "fresh", "fresh"
+        if seed is not None:
+            source = f"{where}:{self._role(seed.entry, cr)}"
+            mode = "extend" if seed.reuse == seed.entry.end else "trim"
+        log.info(
+            "seed cache_id=%s source=%s mode=%s reused=%d prefill=%d cuts=%s",
+            _short(cr.cache_id or "-"),
+            source,
+            mode,
+            reuse,
+            len(prompt) - reuse,
+            sorted(cuts) or "-",
+        )
         return (
-            Admission(rid, request, segments, seed_state, seed_tokens),
+            Admission(rid, request, segments, state, prompt[:reuse]),
             SeedInfo(reuse, source, mode),
         )
 
-    def _choose(
-        self, cr: CacheRequest, prompt: tuple[int, ...]
-    ) -> tuple[Entry | None, SeedPlan, str, Any]:
-        """The entry, plan, source and state variant to seed from."""
-        best: tuple[Entry | None, SeedPlan, str, Any] = (None, SeedPlan("fresh"), "fresh", None)
-        if cr.cache_id:
-            entry, source = self._lookup(cr.cache_id)
-            if entry is not None:
-                plan, variant = self._plan(entry, prompt)
-                best = (entry, plan, source, variant)
-                if plan.mode == "divergent":
-                    self._log_divergence(cr.cache_id, entry.tokens, prompt, plan)
-        for pid in cr.prefix_ids:
-            if best[1].reuse > 0 and best[1].mode != "divergent" and best[1].trim == 0:
-                break  # the session entry extends cleanly: nothing beats it here
-            entry, source = self._lookup(pid)
-            if entry is None:
-                continue
-            plan, variant = self._plan(entry, prompt)
-            if plan.reuse > best[1].reuse:
-                if best[0] is not None:
-                    log.info(
-                        "seed fallback cache_id=%s session-mode=%s -> prefix=%s reused=%d",
-                        _short(cr.cache_id or "-"),
-                        best[1].mode,
-                        _short(pid),
-                        plan.reuse,
-                    )
-                best = (entry, plan, f"prefix:{source}", variant)
-            break  # the most specific existing prefix decides
-        if best[1].reuse == 0:
-            found = self.store.longest_prefix(prompt, whole_entry=not self._model_trimmable)
-            if found is not None:
-                entry = self.store.get(found[0].key)
-                assert entry is not None
-                plan, variant = self._plan(entry, prompt)
-                if plan.reuse > 0:
-                    best = (entry, plan, "shared-prefix", variant)
+    @staticmethod
+    def _role(entry: Entry, cr: CacheRequest) -> str:
+        if cr.cache_id is not None and cr.cache_id in (entry.key, entry.owner):
+            return "session"
+        return "prefix" if entry.kind == "prefix" else "shared"
+
+    def _find_seed(self, cr: CacheRequest, prompt: tuple[int, ...]) -> tuple[Seed | None, str]:
+        """The deepest seed in memory, or on disk when that reaches further."""
+        seed = self.store.seed(prompt)
+        where = "memory"
+        found = self._disk_best(prompt, seed.reuse if seed is not None else 0)
+        if found is not None and self._load(found) is not None:
+            better = self.store.seed(prompt)
+            if better is not None and (seed is None or better.reuse > seed.reuse):
+                seed, where = better, "disk"
+        if cr.cache_id and not self._trimmable:
+            named = self.store.named(cr.cache_id)
+            if named is not None and (seed is None or seed.reuse < named.end):
+                self._log_divergence(cr.cache_id, named.tokens, prompt)
+        return seed, where
+
+    def _disk_best(self, prompt: tuple[int, ...], beat: int) -> DiskEntry | None:
+        """The disk entry that would seed ``prompt`` deeper than ``beat``."""
+        if self.disk is None:
+            return None
+        limit = len(prompt) - 1
+        best, reach = None, beat
+        for entry in self.disk.index.values():
+            if entry.file_key.startswith("name:") and self.store.named(entry.file_key[5:]):
+                continue  # memory holds that name's newer state
+            n = len(entry.tokens)
+            if self._trimmable:
+                usable = min(limit, common_prefix(entry.tokens, prompt))
+            else:
+                usable = n if n <= limit and prompt[:n] == entry.tokens else 0
+            if usable > reach:
+                best, reach = entry, usable
         return best
 
-    def _plan(self, entry: Entry, prompt: tuple[int, ...]) -> tuple[SeedPlan, Any]:
-        """The best way to seed ``prompt`` from ``entry``: its main state or,
-        for states that cannot rewind, an alternate that is still a prefix."""
-        best: tuple[SeedPlan, Any] | None = None
-        for tokens, state in ((entry.tokens, entry.state), *entry.alternates):
-            plan = plan_seed(tokens, prompt, trimmable=self._ops.can_trim(state))
-            if best is None or plan.reuse > best[0].reuse:
-                best = (plan, state)
-        assert best is not None
-        return best
+    def _load(self, found: DiskEntry) -> Entry | None:
+        assert self.disk is not None
+        loaded = self.disk.load(found.file_key)
+        if loaded is None:
+            return None
+        cap = Captured(loaded.state, loaded.tokens)
+        if not _sound(cap, self._ops):
+            log.warning("disk entry %s: offsets disagree with its tokens", found.file_key)
+            self.disk.delete(found.file_key)
+            return None
+        named = found.file_key.startswith("name:")
+        kind: EntryKind = "anonymous"
+        if named:
+            kind = "prefix" if loaded.kind == "prefix" else "session"
+        entry = self._save(
+            loaded.tokens,
+            loaded.state,
+            key=found.file_key[5:] if named else None,
+            kind=kind,
+            owner=loaded.owner,
+            roster=loaded.roster,
+            dirty=False,
+        )
+        if entry is not None:
+            log.info("disk-load %s tokens=%d", _short(found.file_key), len(loaded.tokens))
+        return entry
 
     def _plan_cuts(
         self, cr: CacheRequest, prompt: tuple[int, ...], reuse: int
     ) -> dict[int, set[str]]:
         cuts: dict[int, set[str]] = {}
-        session = None
+
+        def cut(pos: int | None, role: str) -> None:
+            if pos is not None and reuse < pos < len(prompt):
+                cuts.setdefault(pos, set()).add(role)
+
         if cr.snapshot_at is not None:
-            session = cr.snapshot_at if reuse < cr.snapshot_at < len(prompt) else None
-        elif not self._model_trimmable:
-            session = snapshot_cut(len(prompt), reuse)
-        if session is not None:
-            cuts.setdefault(session, set()).add("session")
-        if cr.band_end is not None and cr.prefix_ids:
-            band = cr.band_end - SNAPSHOT_MARGIN
-            if reuse < band < len(prompt):
-                cuts.setdefault(band, set()).add("band")
+            cut(cr.snapshot_at, "warm")
+        elif not self._trimmable:
+            for boundary in cr.boundaries or (snapshot_cut(len(prompt), 0),):
+                cut(boundary, "boundary")
+            cut(len(prompt) - 1, "retry")
+            if cr.band_end is not None and cr.prefix_ids:
+                cut(cr.band_end - SNAPSHOT_MARGIN, "band")
         return cuts
 
     # --- during a sequence -------------------------------------------------
@@ -256,14 +311,13 @@ class PromptCache:
         return seq is not None and (seq.reuse + done) in seq.cuts
 
     def captured(self, rid: int, done: int, cap: Captured) -> None:
+        """A cut was reached: save it at once, as the entry its role asks for."""
         seq = self._seqs.get(rid)
         if seq is None:
             return
         boundary = seq.reuse + done
         roles = seq.cuts.get(boundary, set())
-        if not snapshot_is_sound(
-            cap.tokens, seq.prompt, boundary, self._ops.state_offsets(cap.state)
-        ):
+        if tuple(cap.tokens) != seq.prompt[:boundary] or not _sound(cap, self._ops):
             if not seq.warned:
                 seq.warned = True
                 log.warning(
@@ -274,10 +328,22 @@ class PromptCache:
                     self._ops.state_offsets(cap.state),
                 )
             return
-        if "session" in roles:
-            seq.snapshot = cap
+        cr = seq.cache
+        if "warm" in roles and cr.cache_id is not None:
+            self._save(
+                cap.tokens,
+                cap.state,
+                key=cr.cache_id,
+                kind="session",
+                roster=cr.roster,
+                persist=cr.persist,
+            )
+        if roles & {"boundary", "retry"}:
+            entry = self._save(cap.tokens, cap.state, owner=cr.cache_id)
+            if "boundary" in roles and entry is not None:
+                seq.snapshot = entry
         if "band" in roles:
-            seq.band = cap
+            self._publish_prefix(cr, cap.tokens, cap.state)
 
     # --- endings -----------------------------------------------------------
 
@@ -287,196 +353,204 @@ class PromptCache:
         if seq is None:
             return
         try:
-            self._save_finished(rid, seq, cap)
+            cr = seq.cache
+            if cap is None or cr.snapshot_at is not None:
+                return  # a warm keeps only its cut, never the synthetic turn
+            if not _sound(cap, self._ops):
+                log.warning("final state of request %d disagrees with its tokens: not saved", rid)
+                return
+            saved = self._save(
+                cap.tokens,
+                cap.state,
+                key=cr.cache_id,
+                kind="session" if cr.cache_id else "anonymous",
+                roster=cr.roster,
+                persist=cr.persist,
+            )
+            self._prune_lineage(seq, saved)
+            if not cr.prefix_ids:
+                return
+            if self._trimmable:
+                band = cr.band_end - SNAPSHOT_MARGIN if cr.band_end is not None else None
+                tokens = cap.tokens[:band] if band is not None and band > 0 else cap.tokens
+                self._publish_prefix(cr, tokens, cap.state)
+            elif cr.band_end is None and seq.snapshot is not None:
+                self._publish_prefix(cr, seq.snapshot.tokens, None, entry=seq.snapshot)
         finally:
             self._release(seq)
 
     def cancelled(self, rid: int, cap: Captured | None) -> None:
-        """The caller left (or the engine shut down): keep what was paid for."""
+        """The caller left (or the engine shut down, or the request failed):
+        keep what was computed beyond the seed, if it is sound."""
         seq = self._seqs.pop(rid, None)
         if seq is None:
             return
         try:
-            self._save_cancelled(seq, cap)
+            cr = seq.cache
+            if cap is None or len(cap.tokens) <= seq.reuse or not _sound(cap, self._ops):
+                log.info(
+                    "cancelled cache_id=%s: nothing beyond the %d seeded tokens to save",
+                    _short(cr.cache_id or "-"),
+                    seq.reuse,
+                )
+                return
+            named = cr.cache_id is not None and cr.snapshot_at is None
+            saved = self._save(
+                cap.tokens,
+                cap.state,
+                key=cr.cache_id if named else None,
+                kind="session" if named else "anonymous",
+                owner=None if named else cr.cache_id,
+                roster=cr.roster,
+            )
+            log.info(
+                "saved cancelled cache_id=%s tokens=%d (was seeded with %d)",
+                _short(cr.cache_id or "-"),
+                len(cap.tokens),
+                seq.reuse,
+            )
+            self._prune_lineage(seq, saved)
         finally:
             self._release(seq)
 
-    def _save_finished(self, rid: int, seq: _Seq, cap: Captured | None) -> None:
-        cr = seq.cache
-        key = cr.cache_id if cr.cache_id is not None else (seq.save_key or f"anonymous-{rid}")
-        kind: EntryKind = "session" if cr.cache_id is not None else "anonymous"
-        main: Captured | None
-        alternates: list[Captured] = []
-        if cr.snapshot_at is not None:
-            main = seq.snapshot  # a warm: the entry is the shared boundary
-        elif cap is not None and self._ops.can_trim(cap.state):
-            main = cap  # rewinds: the next turn trims it to whatever it shares
-        else:
-            # Cannot rewind: the post-generation state serves a next prompt that
-            # replays this reply exactly (a tool loop); the prompt snapshot, and
-            # older proven states, serve one that re-renders it differently.
-            main = cap or seq.snapshot
-            if seq.snapshot is not None and main is not seq.snapshot:
-                alternates.append(seq.snapshot)
-            alternates += self._older_prefixes(key, seq.prompt)
-        if main is not None:
-            self._save(key, main, kind, cr, alternates=alternates)
-        trimmable = cap is not None and self._ops.can_trim(cap.state)
-        self._publish_prefix(seq, main if trimmable else seq.snapshot)
-
-    def _older_prefixes(self, key: str, prompt: tuple[int, ...]) -> list[Captured]:
-        """The states already saved under ``key`` that are still prefixes of
-        ``prompt``: older turns' snapshots stay useful when a later turn
-        re-renders history (a new user message drops earlier reasoning)."""
-        entry = self.store.peek(key)
-        if entry is None:
-            return []
-        return [
-            Captured(state, tokens)
-            for tokens, state in ((entry.tokens, entry.state), *entry.alternates)
-            if len(tokens) < len(prompt) and tokens == prompt[: len(tokens)]
-        ]
-
-    def _save_cancelled(self, seq: _Seq, cap: Captured | None) -> None:
-        key = seq.cache.cache_id
-        if key is None:
-            return
-        best = seq.snapshot
-        if cap is not None and len(cap.tokens) > (len(best.tokens) if best else 0):
-            n = len(cap.tokens)
-            if self._ops.can_trim(cap.state):
-                if (
-                    tuple(cap.tokens[: min(n, len(seq.prompt))])
-                    == seq.prompt[: min(n, len(seq.prompt))]
-                ):
-                    best = cap
-            elif snapshot_is_sound(cap.tokens, seq.prompt, n, self._ops.state_offsets(cap.state)):
-                best = cap  # stopped mid-prefill at a chunk edge, proven above
-        if best is None or len(best.tokens) <= seq.reuse:
-            log.info(
-                "cancelled cache_id=%s: nothing beyond the %d seeded tokens to save",
-                _short(key),
-                seq.reuse,
-            )
-            return
-        older = [] if self._ops.can_trim(best.state) else self._older_prefixes(key, seq.prompt)
-        self._save(key, best, "session", seq.cache, alternates=older)
-        log.info(
-            "saved cancelled cache_id=%s tokens=%d (was seeded with %d)",
-            _short(key),
-            len(best.tokens),
-            seq.reuse,
-        )
-
-    def _publish_prefix(self, seq: _Seq, state: Captured | None) -> None:
+    def _publish_prefix(
+        self,
+        cr: CacheRequest,
+        tokens: Sequence[int],
+        state: Any,
+        entry: Entry | None = None,
+    ) -> None:
         """Seed the most specific prefix id from this session (C6), once per
         process; a prefix entry is never replaced by a longer one."""
-        cr = seq.cache
         if not cr.prefix_ids:
             return
         pid = cr.prefix_ids[0]
         if pid in self._seeded_prefixes:
             return
-        candidate = seq.band
-        if candidate is None:
-            if cr.band_end is not None and not self._model_trimmable:
-                return  # a longer untrimmable entry is no use to siblings
-            candidate = state
-        if candidate is None:
-            return
-        existing, _ = self._lookup(pid)
-        if existing is not None and len(existing.tokens) <= len(candidate.tokens):
-            self._seeded_prefixes.add(pid)
+        self._seeded_prefixes.add(pid)
+        existing = self._named_tokens(pid)
+        if existing is not None and len(existing) <= len(tokens):
             log.info(
                 "prefix-keep %s: existing %d tokens, not replaced by %d",
                 _short(pid),
-                len(existing.tokens),
-                len(candidate.tokens),
+                len(existing),
+                len(tokens),
             )
             return
-        self._seeded_prefixes.add(pid)
-        self._save(pid, candidate, "prefix", cr, persist_now=True)
-        log.info("prefix-seeded %s tokens=%d", _short(pid), len(candidate.tokens))
+        if entry is not None:
+            self.store.rename(entry, pid, "prefix", cr.roster)
+            self.version += 1
+            self._write(entry)
+        else:
+            self._save(tokens, state, key=pid, kind="prefix", roster=cr.roster, persist=True)
+        log.info("prefix-seeded %s tokens=%d", _short(pid), len(tokens))
 
     def _release(self, seq: _Seq) -> None:
-        for key in seq.pins:
-            self.store.unpin(key)
-        if seq.pins:
-            self.version += 1  # the published view shows pins
-        seq.pins = []
+        if seq.seed is not None:
+            self.store.unpin(seq.seed)
+        if seq.cache.cache_id:
+            self.store.unpin_name(seq.cache.cache_id)
+        self.version += 1  # the published view shows pins
+
+    def _prune_lineage(self, seq: _Seq, saved: Entry | None) -> None:
+        """Untrimmable models: once this turn saved its state, the older
+        checkpoints inside its prompt that it did not plan itself are
+        superseded - the previous turn's post-generation state, retry and
+        history cuts. What the renderer still calls a boundary (the system
+        turn's end, where a new user turn would rewrite the history) stays,
+        as do named entries and anything a live request holds. Without this a
+        hybrid model kept four fixed-size recurrent states per turn for the
+        whole conversation (33.7 MiB after 10 agent turns on the bench model,
+        against 31.1 MiB for mlx_lm.server's ten-entry LRU)."""
+        cr, prompt = seq.cache, seq.prompt
+        if self._trimmable or saved is None or not cr.boundaries:
+            return  # a request that does not know its message boundaries prunes nothing
+        keep = {*cr.boundaries, *seq.cuts, len(prompt) - 1}
+        if cr.band_end is not None:
+            keep.add(cr.band_end - SNAPSHOT_MARGIN)
+        dropped = 0
+        for entry in self.store.prefixes(prompt, limit=len(prompt) - 1):
+            held = entry.pins - (1 if entry is seq.seed else 0)
+            if entry is saved or entry.key is not None or held > 0 or entry.end in keep:
+                continue
+            self.store.remove(entry)
+            dropped += 1
+        if dropped:
+            self.version += 1
+            log.info("pruned %d superseded checkpoints", dropped)
 
     # --- storage -----------------------------------------------------------
 
     def _save(
         self,
-        key: str,
-        cap: Captured,
-        kind: EntryKind,
-        cr: CacheRequest,
+        tokens: Sequence[int],
+        state: Any,
         *,
-        persist_now: bool = False,
-        alternates: Sequence[Captured] = (),
-    ) -> None:
-        kept = _spread(cap, alternates)
-        entry = Entry(
-            key=key,
-            tokens=tuple(cap.tokens),
-            state=cap.state,
-            nbytes=self._ops.state_nbytes(cap.state)
-            + sum(self._ops.state_nbytes(a.state) for a in kept),
-            alternates=tuple((tuple(a.tokens), a.state) for a in kept),
-            kind=kind,
-            roster=cr.roster,
-            dirty=kind != "anonymous",
-        )
-        evicted = self.store.put(entry)
-        self._used_at[key] = time.time()
+        key: str | None = None,
+        kind: EntryKind = "anonymous",
+        owner: str | None = None,
+        roster: str = "",
+        persist: bool = False,
+        dirty: bool = True,
+    ) -> Entry | None:
+        """Put a state holding exactly ``tokens`` into the store; ``None``
+        (logged) when the backend could not copy it."""
+        try:
+            rest, rest_nbytes = self._ops.state_rest(state)
+            entry, evicted = self.store.add(
+                tokens,
+                lambda ranges: self._ops.state_blocks(state, ranges),
+                key=key,
+                kind=kind,
+                owner=owner if key is None else None,
+                rest=rest,
+                rest_nbytes=rest_nbytes,
+                roster=roster,
+                dirty=dirty,
+            )
+        except Exception:  # a state that cannot be copied is not saved, nothing else
+            log.exception("cache save failed cache_id=%s", _short(key or owner or "-"))
+            return None
+        entry.used_at = time.time()
+        self._counts["evictions"] += len(evicted)
         self.version += 1
         log.info(
-            "save cache_id=%s kind=%s tokens=%d bytes=%d",
-            _short(key),
+            "save cache_id=%s kind=%s tokens=%d bytes=%d store=%d",
+            _short(key or (f"(alternate of {owner})" if owner else "-")),
             kind,
             len(entry.tokens),
             entry.nbytes,
+            self.store.total_bytes,
         )
-        if (persist_now or cr.persist) and kind != "anonymous":
+        if persist:
             self._write(entry)
-        self._drop(evicted)
-        if kind == "anonymous":
-            self._limit_anonymous()
+        return entry
 
-    def _drop(self, evicted: Sequence[Entry]) -> None:
-        for victim in evicted:
-            self._used_at.pop(victim.key, None)
-            if victim.dirty:
-                self._write(victim)
-            log.info(
-                "evicted cache_id=%s tokens=%d bytes=%d (LRU, memory budget)",
-                _short(victim.key),
-                len(victim.tokens),
-                victim.nbytes,
-            )
-        if evicted:
-            self.version += 1
-
-    def _limit_anonymous(self) -> None:
-        anon = sorted((e for e in self.store if e.kind == "anonymous"), key=lambda e: e.last_use)
-        for entry in anon[: max(0, len(anon) - MAX_ANONYMOUS)]:
-            if not self.store.pinned(entry.key):
-                self.store.remove(entry.key)
-                self._used_at.pop(entry.key, None)
+    def _before_evict(self, victim: Entry) -> None:
+        """The store is about to drop ``victim``: write it first if dirty."""
+        if victim.dirty and self.disk is not None:
+            self._write(victim)
+        log.info(
+            "evicted %s tokens=%d (memory budget)",
+            _short(victim.key or "anonymous"),
+            len(victim.tokens),
+        )
 
     def _write(self, entry: Entry) -> None:
-        if self.disk is None:
+        if self.disk is None or not entry.path:
             return
-        if entry.alternates:
-            # The longest alternate (this turn's snapshot) goes first, under a
-            # companion id, so a restart keeps the fallback too; the main file
-            # is written last.
-            tokens, state = entry.alternates[0]
-            self.disk.save(_companion(entry.key), tokens, state, kind="snapshot", roster="")
+        try:
+            state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
+        except Exception:
+            log.exception("cache write failed: the state could not be assembled")
+            return
         if self.disk.save(
-            entry.key, entry.tokens, entry.state, kind=entry.kind, roster=entry.roster
+            _file_key(entry),
+            entry.tokens,
+            state,
+            kind=entry.kind,
+            roster=entry.roster,
+            owner=entry.owner,
         ):
             entry.dirty = False
             self.version += 1
@@ -485,62 +559,36 @@ class PromptCache:
     def _prune_disk(self) -> None:
         if self.disk is None or self._disk_budget <= 0:
             return
-        pinned = [e.key for e in self.store if self.store.pinned(e.key)]
-        pinned += [_companion(k) for k in pinned]
-        for name in self.disk.prune(self._disk_budget, protect=pinned):
+        protect = [_file_key(e) for e in self.store if e.pins or (e.key and self.pinned(e.key))]
+        for name in self.disk.prune(self._disk_budget, protect=protect):
             log.info("disk-evicted %s (disk budget)", name)
 
-    def _lookup(self, key: str) -> tuple[Entry | None, str]:
-        entry = self.store.get(key)
+    def _named_tokens(self, key: str) -> tuple[int, ...] | None:
+        entry = self.store.named(key)
         if entry is not None:
-            self._used_at[key] = time.time()
-            return entry, "memory"
-        if self.disk is None:
-            return None, "miss"
-        loaded = self.disk.load(key)
-        if loaded is None:
-            return None, "miss"
-        alternates: tuple[tuple[tuple[int, ...], Any], ...] = ()
-        companion = self.disk.load(_companion(key)) if self.disk.exists(_companion(key)) else None
-        if companion is not None and loaded.tokens[: len(companion.tokens)] == companion.tokens:
-            alternates = ((companion.tokens, companion.state),)
-        entry = Entry(
-            key=key,
-            tokens=loaded.tokens,
-            state=loaded.state,
-            nbytes=self._ops.state_nbytes(loaded.state)
-            + sum(self._ops.state_nbytes(st) for _, st in alternates),
-            kind="prefix" if loaded.kind == "prefix" else "session",
-            roster=loaded.roster,
-            dirty=False,
-            alternates=alternates,
-        )
-        self._drop(self.store.put(entry))
-        self._used_at[key] = time.time()
-        self.version += 1
-        log.info("disk-load cache_id=%s tokens=%d", _short(key), len(entry.tokens))
-        return entry, "disk"
+            return entry.tokens
+        found = self.disk.index.get("name:" + key) if self.disk is not None else None
+        return found.tokens if found is not None else None
 
-    def _log_divergence(
-        self, key: str, cached: Sequence[int], prompt: Sequence[int], plan: SeedPlan
-    ) -> None:
+    def _log_divergence(self, key: str, cached: Sequence[int], prompt: Sequence[int]) -> None:
         """Name the churn: the decoded text on both sides of the divergence is
         the only thing that says whether the prompt or the boundary is wrong."""
-        lo = max(0, plan.lcp - 6)
+        lcp = common_prefix(cached, prompt)
+        lo = max(0, lcp - 6)
         if self._decode is not None:
             try:
-                left = self._decode(list(cached[lo : plan.lcp + 24]))
-                right = self._decode(list(prompt[lo : plan.lcp + 24]))
+                left = self._decode(list(cached[lo : lcp + 24]))
+                right = self._decode(list(prompt[lo : lcp + 24]))
             except Exception as exc:  # diagnostics never break a turn
                 left = right = f"<preview unavailable: {exc}>"
         else:
-            left, right = list(cached[lo : plan.lcp + 8]), list(prompt[lo : plan.lcp + 8])
+            left, right = list(cached[lo : lcp + 8]), list(prompt[lo : lcp + 8])
         log.warning(
-            "full prefill: cache_id=%s untrimmable entry diverges at token %d of %d; "
-            "cached=%r prompt=%r",
+            "session entry cannot seed: cache_id=%s untrimmable entry diverges at token %d "
+            "of %d; cached=%r prompt=%r",
             _short(key),
-            plan.lcp,
-            plan.cached_len,
+            lcp,
+            len(cached),
             left,
             right,
         )
@@ -548,24 +596,42 @@ class PromptCache:
     # --- commands from the Trio side ---------------------------------------
 
     def flush(self) -> int:
-        """Write every dirty entry to disk; returns how many were written."""
+        """Write dirty entries to disk - every named one, then anonymous ones
+        from the most recently used while the disk budget has room; returns
+        how many were written."""
+        if self.disk is None:
+            return 0
         written = 0
-        for entry in list(self.store):
-            if entry.dirty and entry.kind != "anonymous" and self.disk is not None:
-                self._write(entry)
-                written += 0 if entry.dirty else 1
+        order = sorted(self.store, key=lambda e: (e.key is None, -e.last_use))
+        for entry in order:
+            if not entry.dirty:
+                continue
+            if (
+                entry.key is None
+                and self._disk_budget > 0
+                and self.disk.total_bytes >= 0.8 * self._disk_budget
+            ):
+                continue  # the cold part of the store is not worth a restart's disk
+            self._write(entry)
+            written += 0 if entry.dirty else 1
         if written:
             log.info("flushed %d dirty entries to disk", written)
         return written
 
     def evict(self, key: str) -> tuple[bool, bool]:
-        """Drop ``key`` from memory and disk: ``(in_memory, on_disk)``."""
-        mem = self.store.remove(key) is not None
-        self._used_at.pop(key, None)
+        """Drop the name ``key`` and its alternates from memory and disk:
+        ``(in_memory, on_disk)``. Blocks other entries share stay."""
+        entry = self.store.named(key)
+        mem = entry is not None
+        for victim in [entry, *self.store.owned(key)]:
+            if victim is not None:
+                self.store.remove(victim)
         on_disk = False
         if self.disk is not None:
-            on_disk = self.disk.delete(key)
-            self.disk.delete(_companion(key))
+            on_disk = self.disk.delete("name:" + key)
+            for found in list(self.disk.index.values()):
+                if found.owner == key:
+                    self.disk.delete(found.file_key)
         self._seeded_prefixes.discard(key)
         if mem or on_disk:
             self.version += 1
@@ -573,28 +639,48 @@ class PromptCache:
         return mem, on_disk
 
     def inspect(self, key: str) -> tuple[int, str] | None:
-        """``(tokens, roster)`` of the entry under ``key`` (memory, then disk)."""
-        entry = self.store.peek(key)
-        if entry is None and self.disk is not None and self.disk.exists(key):
-            entry, _ = self._lookup(key)
-        return None if entry is None else (len(entry.tokens), entry.roster)
+        """``(tokens, roster)`` of the entry named ``key`` (memory, then disk)."""
+        entry = self.store.named(key)
+        if entry is not None:
+            return len(entry.tokens), entry.roster
+        found = self.disk.index.get("name:" + key) if self.disk is not None else None
+        return None if found is None else (len(found.tokens), found.roster)
 
     def pinned(self, key: str) -> bool:
-        return self.store.pinned(key)
+        return self.store.name_pinned(key)
 
-    def view(self) -> tuple[CacheView, ...]:
-        return tuple(
+    def view(self) -> CacheSnapshot:
+        entries = sorted(self.store, key=lambda e: (e.key is None, -e.last_use))
+        rows = tuple(
             CacheView(
-                cache_id=e.key,
+                cache_id=e.key if e.key is not None else _file_key(e),
                 tokens=len(e.tokens),
                 bytes=e.nbytes,
                 kind=e.kind,
-                last_used=self._used_at.get(e.key, 0.0),
+                last_used=e.used_at,
                 dirty=e.dirty,
-                pinned=self.store.pinned(e.key),
+                pinned=bool(e.pins) or (e.key is not None and self.pinned(e.key)),
+                hits=e.hits,
             )
-            for e in sorted(self.store, key=lambda e: -e.last_use)
+            for e in entries
         )
+        c = self._counts
+        totals = CacheTotals(
+            entries=len(rows),
+            named=sum(1 for e in entries if e.key is not None),
+            blocks=self.store.block_count,
+            bytes=self.store.total_bytes,
+            logical_bytes=sum(r.bytes for r in rows),
+            budget_bytes=self.store.budget_bytes,
+            disk_entries=len(self.disk.index) if self.disk is not None else 0,
+            disk_bytes=self.disk.total_bytes if self.disk is not None else 0,
+            lookups=c["lookups"],
+            hits=c["hits"],
+            prompt_tokens=c["prompt"],
+            cached_tokens=c["cached"],
+            evictions=c["evictions"],
+        )
+        return CacheSnapshot(rows, totals)
 
     @property
     def live_sequences(self) -> int:

@@ -47,15 +47,18 @@ class CacheRequest:
     (most specific first) are shared entries to fall back on and to seed.
     Without any of this a request still reuses the longest cached prefix of
     any entry (C9). ``band_end`` is the token index where the shared band
-    (``stable_prefix_chars``) ends; ``snapshot_at`` overrides the session's
-    snapshot cut (cache warming); ``persist`` writes the saved entry to disk
-    at once; ``roster`` fingerprints the tool list the prompt was rendered
-    with.
+    (``stable_prefix_chars``) ends; ``boundaries`` are token indices where a
+    message ends (``RenderedPrompt.boundaries``): on models whose caches
+    cannot rewind, checkpoints are kept there. ``snapshot_at`` overrides the
+    session's snapshot cut (cache warming); ``persist`` writes the saved
+    entry to disk at once; ``roster`` fingerprints the tool list the prompt
+    was rendered with.
     """
 
     cache_id: str | None = None
     prefix_ids: tuple[str, ...] = ()
     band_end: int | None = None
+    boundaries: tuple[int, ...] = ()
     snapshot_at: int | None = None
     persist: bool = False
     roster: str = ""

@@ -156,6 +156,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
     async def metrics() -> Response:
         state = engine.state()
         c = engine.counters
+        totals = engine.cache_totals
         lines = [
             "# TYPE gezel_requests_total counter",
             *(
@@ -174,9 +175,15 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             f'gezel_sequences{{state="running"}} {len(state.running)}',
             f'gezel_sequences{{state="parked"}} {len(state.parked)}',
             "# TYPE gezel_cache_entries gauge",
-            f"gezel_cache_entries {len(engine.cache_view)}",
+            f"gezel_cache_entries {totals.entries}",
+            "# TYPE gezel_cache_blocks gauge",
+            f"gezel_cache_blocks {totals.blocks}",
             "# TYPE gezel_cache_bytes gauge",
-            f"gezel_cache_bytes {sum(e.bytes for e in engine.cache_view)}",
+            f"gezel_cache_bytes {totals.bytes}",
+            "# TYPE gezel_cache_tokens_total counter",
+            f'gezel_cache_tokens_total{{result="hit"}} {totals.cached_tokens}',
+            f'gezel_cache_tokens_total{{result="miss"}} '
+            f"{totals.prompt_tokens - totals.cached_tokens}",
             "# TYPE gezel_engine_steps_total counter",
             f"gezel_engine_steps_total {state.step}",
         ]
@@ -232,6 +239,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
                 cache_id=req.cache_id,
                 prefix_ids=req.prefix_ids,
                 band_end=rendered.band_end,
+                boundaries=rendered.boundaries,
                 roster=roster_fingerprint(req.tools),
             ),
             constraint=constraint,

@@ -44,6 +44,7 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
     @app.route("/v1/cache/stats")
     async def cache_stats() -> dict[str, Any]:
         entries = engine.cache_view
+        t = engine.cache_totals
         return {
             "object": "list",
             "data": [
@@ -55,10 +56,31 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
                     "last_used": e.last_used,
                     "dirty": e.dirty,
                     "pinned": e.pinned,
+                    "hits": e.hits,
                 }
                 for e in entries
             ],
-            "total_bytes": sum(e.bytes for e in entries),
+            # Bytes really held: blocks shared by several entries count once.
+            "total_bytes": t.bytes,
+            "totals": {
+                "entries": t.entries,
+                "named_entries": t.named,
+                "blocks": t.blocks,
+                "bytes": t.bytes,
+                "logical_bytes": t.logical_bytes,
+                "budget_bytes": t.budget_bytes,
+                "disk_entries": t.disk_entries,
+                "disk_bytes": t.disk_bytes,
+                "lookups": t.lookups,
+                "hits": t.hits,
+                "hit_rate": round(t.hits / t.lookups, 4) if t.lookups else 0.0,
+                "prompt_tokens": t.prompt_tokens,
+                "cached_tokens": t.cached_tokens,
+                "token_hit_rate": (
+                    round(t.cached_tokens / t.prompt_tokens, 4) if t.prompt_tokens else 0.0
+                ),
+                "evictions": t.evictions,
+            },
         }
 
     @app.route("/v1/cache/<path:cache_id>", methods=["DELETE"])

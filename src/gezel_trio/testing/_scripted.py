@@ -7,7 +7,9 @@ characters, cycled), so tests know every token in advance. Prefill advances
 ``prefill_step`` tokens per step and honours segment boundaries exactly as
 mlx-lm's ``BatchGenerator`` does; decode emits one token per sequence per
 step. A cache state is a ``ScriptedState``: the tokens it holds and whether it
-can rewind, so both trimmable and untrimmable models can be scripted.
+can rewind, so both trimmable and untrimmable models can be scripted. Its
+blocks are the token tuples themselves, so assembling a seed from the prompt
+cache's blocks checks that the blocks hold exactly the seed's tokens.
 """
 
 from __future__ import annotations
@@ -82,15 +84,19 @@ class CharRenderer:
         if tools:
             text += "tools: " + json.dumps(list(tools), sort_keys=True) + "\n"
         band_end = None
-        for m in messages:
+        boundaries = []
+        for i, m in enumerate(messages):
             content = str(m.get("content") or "")
             if band_chars and band_end is None and m.get("role") == "system":
                 band_end = len(text) + len(f"{m['role']}: ") + min(band_chars, len(content))
+            if i and m.get("role") != "system" and messages[i - 1].get("role") == "system":
+                boundaries.append(len(text))  # where the system turn ends
             text += f"{m['role']}: {content}\n"
+        boundaries.append(len(text))  # where the history ends
         text += "assistant:"
         if any(ord(c) < 32 and c != "\n" for c in text):
             raise InvalidRequest("control characters are not renderable", param="messages")
-        return RenderedPrompt(tuple(ord(c) for c in text), band_end)
+        return RenderedPrompt(tuple(ord(c) for c in text), band_end, tuple(boundaries))
 
 
 @attrs.define
@@ -238,19 +244,23 @@ class ScriptedBackend:
 
     # --- cache operations ---------------------------------------------------
 
-    def state_nbytes(self, state: Any) -> int:
-        return 16 * len(state.tokens)
-
     def state_offsets(self, state: Any) -> list[int | None]:
         return [len(state.tokens) if state.trimmable else None]
 
-    def can_trim(self, state: Any) -> bool:
-        return bool(state.trimmable)
+    def state_blocks(self, state: Any, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
+        return [(tuple(state.tokens[s:e]), 16 * (e - s)) for s, e in ranges]
 
-    def trimmed(self, state: Any, n: int) -> Any:
-        if not state.trimmable:
-            raise ValueError("this state cannot rewind")
-        return ScriptedState(state.tokens[: len(state.tokens) - n], True)
+    def state_rest(self, state: Any) -> tuple[Any, int]:
+        # An untrimmable model's recurrent state: one fixed-size value.
+        return (None, 0) if self.trimmable else (ScriptedState(tuple(state.tokens), False), 64)
+
+    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any:
+        tokens = tuple(t for block in blocks for t in block)[:length]
+        if len(tokens) != length:
+            raise ValueError(f"blocks hold {len(tokens)} tokens, {length} asked")
+        if rest is not None and rest.tokens != tokens:
+            raise ValueError("the rest state holds other tokens than the blocks")
+        return ScriptedState(tokens, self.trimmable)
 
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
         data = {"tokens": list(state.tokens), "trimmable": state.trimmable, "meta": metadata}
