@@ -7,6 +7,15 @@ tail on errors, streaming SSE chat completions, the decode-throughput
 aggregate of one concurrent round, load-average reporting and writing a JSON
 report. Import it as ``bench._common``: every script puts the repository root
 on ``sys.path`` when it is run as ``python bench/X.py``.
+
+Every system measured runs on the same BLAS and the same weights, so a ratio
+measures the servers: gezel-trio binds MLX to OpenBLAS when it is imported
+(``gezel_trio.blas``), so ``mlx_lm server`` is started through
+``PRELOADED_PYTHON`` (which imports that module before mlx) and in-process
+``raw`` workers import ``gezel_trio`` first; and gezel-trio, which on the CPU
+holds quantized and half-precision weights as float32, is started with
+``--keep-quantized`` unless a script asks for its default
+(``float32_copy`` gives every system float32 weights instead).
 """
 
 from __future__ import annotations
@@ -29,6 +38,17 @@ from typing import Any, TypeVar
 import httpx2 as httpx
 
 HOST = "127.0.0.1"
+# `python -c` code that binds MLX to OpenBLAS as gezel-trio does, then runs
+# `python -m mlx_lm` with the arguments that follow ...
+PRELOADED_MLX_LM = (
+    "import gezel_trio.blas, runpy, sys; sys.argv[0] = 'mlx_lm'; "
+    "runpy.run_module('mlx_lm', run_name='__main__', alter_sys=True)"
+)
+# ... or the script named by the first argument, with the rest.
+PRELOADED_SCRIPT = (
+    "import gezel_trio.blas, runpy, sys; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 STARTUP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
 _LISTENING = "gezel-trio listening on "
@@ -172,16 +192,20 @@ def gezel_server(
     stop_signal: signal.Signals = signal.SIGINT,
     stop_timeout: float = STOP_TIMEOUT_S,
     full_log_path: bool = False,
+    stored_weights: bool = True,
 ) -> Iterator[Server]:
     """Start ``gezel-trio serve`` with ``flags`` on a free port, its stderr in
     ``log``; yield once it says it is listening (the line it prints on
     stdout); always stop it with ``stop_signal`` (SIGKILL after
-    ``stop_timeout``). ``label`` names it in the log tail shown on errors."""
+    ``stop_timeout``). ``label`` names it in the log tail shown on errors.
+    ``stored_weights``: ``--keep-quantized``, the weights the other systems
+    load (see the module docstring)."""
     cmd = [
         sys.executable, "-m", "gezel_trio", "serve",
         "--model", str(model_dir),
         "--host", HOST,
         "--port", "0",
+        *(["--keep-quantized"] if stored_weights else []),
         *flags,
     ]  # fmt: skip
     with log.open("w") as err:
@@ -226,14 +250,15 @@ def mlx_server(
     cache_stats: bool = False,
 ) -> Iterator[Server]:
     """Start ``mlx_lm server`` with ``flags`` on a free port, its output in
-    ``log``; yield once ``/health`` answers (bounded polling); always stop it
-    (SIGINT, then SIGKILL after ``stop_timeout``). ``cache_stats`` starts it
-    through ``bench/_mlx_lm_server.py``, which logs its prompt cache's bytes."""
+    ``log``, on gezel-trio's BLAS; yield once ``/health`` answers (bounded
+    polling); always stop it (SIGINT, then SIGKILL after ``stop_timeout``).
+    ``cache_stats`` starts it through ``bench/_mlx_lm_server.py``, which logs
+    its prompt cache's bytes."""
     port = free_port()
     launcher = (
-        [str(Path(__file__).with_name("_mlx_lm_server.py"))]
+        ["-c", PRELOADED_SCRIPT, str(Path(__file__).with_name("_mlx_lm_server.py"))]
         if cache_stats
-        else ["-m", "mlx_lm", "server"]
+        else ["-c", PRELOADED_MLX_LM, "server"]
     )
     cmd = [
         sys.executable, *launcher,
@@ -264,6 +289,51 @@ def mlx_server(
         box.append(Server("mlx_lm.server", url, log, proc))
         with log_on_error("mlx_lm.server", log, full_path=full_log_path):
             yield box[0]
+
+
+def prepare_default_model() -> Path:
+    """The model ``gezel-trio serve`` serves by default (SmolLM2, fetched and
+    converted on first use)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gezel_trio", "prepare-model"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+_FLOAT32_COPY = """
+import json, shutil, sys
+from pathlib import Path
+import gezel_trio
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load
+from gezel_trio.mlx_loading import hold_float32
+src, dest = Path(sys.argv[1]), Path(sys.argv[2])
+model, _ = load(str(src))
+hold_float32(model)
+mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+config = json.loads((src / "config.json").read_text())
+config.pop("quantization", None)
+config.pop("quantization_config", None)
+config["torch_dtype"] = "float32"
+(dest / "config.json").write_text(json.dumps(config, indent=2))
+for f in src.iterdir():
+    if f.suffix in (".json", ".jinja", ".txt") and not (dest / f.name).exists():
+        shutil.copy(f, dest / f.name)
+"""
+
+
+def float32_copy(model_dir: Path, root: Path) -> Path:
+    """``model_dir`` with float32 weights, in ``root`` (reused when there):
+    what gezel-trio computes with on the CPU, for every system to load."""
+    dest = root / f"{model_dir.name}-float32"
+    if not (dest / "model.safetensors").is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-c", _FLOAT32_COPY, str(model_dir), str(dest)], check=True)
+    return dest
 
 
 def build_default_model() -> Path:

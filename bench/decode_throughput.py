@@ -3,7 +3,22 @@
 Usage::
 
     python bench/decode_throughput.py [--streams 1 4] [--tokens 128] [--repeats 3]
-                                      [--model DIR] [--json OUT]
+                                      [--model DIR | --default-model]
+                                      [--prefill-tokens 1024] [--json OUT]
+
+``--default-model`` measures SmolLM2-135M-Instruct, what ``gezel-trio serve``
+serves by default. On the CPU gezel-trio holds its Q4_1 weights as float32,
+so every system gets the same float32 copy (``_common.float32_copy``), and
+one more system, ``gezel-q4``, serves the quantized directory with
+``--keep-quantized`` to show what holding float32 buys. All systems run on
+the same OpenBLAS (see ``bench/_common.py``).
+
+``--prefill-tokens N`` adds a prefill measurement per system, on a fresh
+server before any decode round: one greedy request whose prompt is about N
+tokens of English (``demo_data/corpus.txt``) and ``max_tokens: 1``; TTFT
+cold is its time to the first token and prefill tok/s its prompt tokens over
+that time (raw: time to the first token of ``BatchGenerator``); then the same
+request again gives TTFT warm, the prompt cache's share (raw has none).
 
 One run measures, side by side and on the same model, prompt and token budget:
 
@@ -50,7 +65,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -78,7 +92,9 @@ from bench._common import (
 )
 
 PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
-SYSTEMS = ("raw", "gezel", "mlx_lm.server")
+SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4")
+_CORPUS = Path(__file__).resolve().parent.parent / "src/gezel_trio/demo_data/corpus.txt"
+_CHARS_PER_TOKEN = 4.4  # English BPE, measured on the corpus with SmolLM2's tokenizer
 _REQUEST_TIMEOUT_S = 300.0
 # mlx_lm.server flags besides --model/--host/--port; the concurrency ones are
 # filled in to match gezel's --max-concurrency.
@@ -95,12 +111,38 @@ _MLX_SERVER_FLAGS = (
 # --- raw mlx-lm (runs in a child process) ----------------------------------
 
 
-def _raw_worker(model_dir: str, streams: list[int], max_tokens: int, repeats: int) -> None:
+def long_prompt(tokens: int) -> str:
+    """About ``tokens`` tokens of English prose."""
+    return _CORPUS.read_text("utf-8")[: int(tokens * _CHARS_PER_TOKEN)] + "\n\nSummarize."
+
+
+def _raw_worker(
+    model_dir: str, streams: list[int], max_tokens: int, repeats: int, prefill_tokens: int
+) -> None:
     """Child-process body: measure BatchGenerator, print JSON lines on stdout."""
+    from gezel_trio import blas
+
+    blas.preload()  # before mlx loads: the same OpenBLAS as the servers
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.utils import load
 
     model, tokenizer = load(model_dir)
+    if prefill_tokens:
+        long: list[int] = tokenizer.apply_chat_template(
+            [{"role": "user", "content": long_prompt(prefill_tokens)}],
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
+        gen = BatchGenerator(model, stop_tokens=None, prefill_step_size=512)
+        try:
+            t0 = time.perf_counter()
+            gen.insert([long], max_tokens=[1])
+            while not gen.next()[1]:
+                pass
+            ttft = time.perf_counter() - t0
+        finally:
+            gen.close()
+        print(json.dumps({"prefill": True, "prompt_tokens": len(long), "cold_s": ttft}))
     prompt: list[int] = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, enable_thinking=False
     )
@@ -135,6 +177,8 @@ def _raw_worker(model_dir: str, streams: list[int], max_tokens: int, repeats: in
         finally:
             gen.close()
 
+    if not streams:
+        return
     one_round(1, min(max_tokens, 32))  # warm-up
     for n in streams:
         for _ in range(repeats):
@@ -143,8 +187,8 @@ def _raw_worker(model_dir: str, streams: list[int], max_tokens: int, repeats: in
 
 
 def run_raw(
-    model_dir: Path, streams: list[int], max_tokens: int, repeats: int
-) -> list[Measurement]:
+    model_dir: Path, streams: list[int], max_tokens: int, repeats: int, prefill_tokens: int
+) -> tuple[list[Measurement], list[dict[str, Any]]]:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -155,28 +199,37 @@ def run_raw(
         str(max_tokens),
         "--repeats",
         str(repeats),
+        "--prefill-tokens",
+        str(prefill_tokens),
         "--streams",
         *map(str, streams),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"raw worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    out = []
+    out, prefill = [], []
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
-            out.append(Measurement(**json.loads(line)))
-    return out
+            row = json.loads(line)
+            if row.pop("prefill", False):
+                prefill.append({"system": "raw", **row, "warm_s": None})
+            else:
+                out.append(Measurement(**row))
+    return out, prefill
 
 
 # --- servers ---------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def gezel_server(model_dir: Path, max_concurrency: int, logdir: Path) -> Iterator[str]:
+def gezel_server(
+    model_dir: Path, max_concurrency: int, logdir: Path, *, stored_weights: bool = True
+) -> Iterator[str]:
     """Start gezel-trio on a free port; yield its base URL once it says it is
     listening (the line it prints on stdout); always stop it (SIGINT)."""
     flags = ["--max-concurrency", str(max_concurrency), "--log-level", "WARNING"]
-    with _common.gezel_server(model_dir, logdir / "gezel.log", flags) as server:
+    log = logdir / f"gezel-{int(stored_weights)}.log"
+    with _common.gezel_server(model_dir, log, flags, stored_weights=stored_weights) as server:
         yield server.url
 
 
@@ -208,9 +261,37 @@ def _request_body(system: str, max_tokens: int) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
         "chat_template_kwargs": {"enable_thinking": False},
     }
-    if system == "gezel":
+    if system.startswith("gezel"):
         body["ignore_eos"] = True
     return body
+
+
+def prefill_http(url: str, system: str, prompt: str) -> dict[str, Any]:
+    """TTFT of a long prompt on a fresh server (cold), then again (warm)."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    times, tokens = [], 0
+    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            first: float | None = None
+            for now, obj in _common.sse_chunks(client, url, body):
+                if first is None and any(
+                    (c.get("delta") or {}).get("content") or c.get("finish_reason")
+                    for c in obj.get("choices") or ()
+                ):
+                    first = now
+                if obj.get("usage"):
+                    tokens = int(obj["usage"]["prompt_tokens"])
+            if first is None:
+                raise RuntimeError(f"{system}: no token in the prefill stream")
+            times.append(first - t0)
+    return {"system": system, "prompt_tokens": tokens, "cold_s": times[0], "warm_s": times[1]}
 
 
 def _one_stream(url: str, body: dict[str, Any], barrier: threading.Barrier) -> StreamTiming:
@@ -290,42 +371,82 @@ def render_table(results: list[Measurement], streams: list[int], systems: Sequen
     return "\n".join(rows)
 
 
+def render_prefill(rows: list[dict[str, Any]]) -> str:
+    head = f"{'system':<15}{'prompt tok':>11}{'TTFT cold s':>13}"
+    out = [f"{head}{'prefill tok/s':>15}{'TTFT warm s':>13}"]
+    for r in rows:
+        warm = f"{r['warm_s']:>13.3f}" if r["warm_s"] is not None else f"{'-':>13}"
+        rate = r["prompt_tokens"] / r["cold_s"]
+        out.append(
+            f"{r['system']:<15}{r['prompt_tokens']:>11}{r['cold_s']:>13.3f}{rate:>15.1f}{warm}"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
     p.add_argument("--tokens", type=int, default=128, help="max_tokens per stream")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", type=Path, default=None, help="default: the bench demo model")
+    p.add_argument(
+        "--default-model",
+        action="store_true",
+        help="SmolLM2-135M-Instruct (gezel-trio's default), float32 for every system",
+    )
+    p.add_argument("--prefill-tokens", type=int, default=0, metavar="N")
     p.add_argument("--json", type=Path, default=None, metavar="OUT")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None)
     p.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
+    # One process per system: the raw worker gets the model it measures.
     args = p.parse_args(argv)
     streams: list[int] = sorted(set(args.streams))
     if min(streams) < 1 or args.tokens < 2 or args.repeats < 1:
         p.error("--streams >= 1, --tokens >= 2 and --repeats >= 1 are required")
 
-    model_dir: Path = args.model if args.model is not None else build_default_model()
     if args.raw_worker:
-        _raw_worker(str(model_dir), streams, args.tokens, args.repeats)
+        _raw_worker(str(args.model), streams, args.tokens, args.repeats, args.prefill_tokens)
         return 0
+    quantized: Path | None = None
+    if args.default_model:
+        quantized = _common.prepare_default_model()
+        model_dir = _common.float32_copy(quantized, quantized.parents[2] / "bench-float32")
+    else:
+        model_dir = args.model if args.model is not None else build_default_model()
+    systems = args.systems or [s for s in SYSTEMS if s != "gezel-q4" or quantized is not None]
+    if "gezel-q4" in systems and quantized is None:
+        p.error("gezel-q4 needs --default-model")
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     width = max(streams)
     results: list[Measurement] = []
+    prefill: list[dict[str, Any]] = []
+    prompt = long_prompt(args.prefill_tokens) if args.prefill_tokens else ""
     started = time.monotonic()
     load_before = _common.loadavg()[0]
     with tempfile.TemporaryDirectory(prefix="gezel-bench-") as tmp:
         logdir = Path(tmp)
-        for system in args.systems:
+        for system in systems:
             t0 = time.monotonic()
             if system == "raw":
-                results += run_raw(model_dir, streams, args.tokens, args.repeats)
-            elif system == "gezel":
-                with gezel_server(model_dir, width, logdir) as url:
-                    results += run_http(system, url, streams, args.tokens, args.repeats)
+                got, pre = run_raw(
+                    model_dir, streams, args.tokens, args.repeats, args.prefill_tokens
+                )
+                results += got
+                prefill += pre
+                print(f"[raw: {time.monotonic() - t0:.0f}s]", file=sys.stderr, flush=True)
+                continue
+            server: contextlib.AbstractContextManager[str]
+            if system == "gezel":
+                server = gezel_server(model_dir, width, logdir)
+            elif system == "gezel-q4":
+                assert quantized is not None
+                server = gezel_server(quantized, width, logdir, stored_weights=True)
             else:
-                with mlx_server(model_dir, width, logdir) as url:
-                    results += run_http(system, url, streams, args.tokens, args.repeats)
+                server = mlx_server(model_dir, width, logdir)
+            with server as url:
+                if prompt:
+                    prefill.append(prefill_http(url, system, prompt))
+                results += run_http(system, url, streams, args.tokens, args.repeats)
             print(f"[{system}: {time.monotonic() - t0:.0f}s]", file=sys.stderr, flush=True)
 
     print(f"model: {model_dir}")
@@ -337,7 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     print_load_1min(load_before, load_after)
     print("tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i")
     print()
-    print(render_table(results, streams, args.systems))
+    print(render_table(results, streams, systems))
+    if prefill:
+        print()
+        print(render_prefill(prefill))
     if any(m.short for m in results):
         print("\nSHORT: some stream ended before max_tokens (EOS); its tokens are still counted.")
     if args.json is not None:
@@ -351,9 +475,10 @@ def main(argv: list[str] | None = None) -> int:
             "metric": "sum(n_i - 1) / (max_i last_i - min_i first_i)",
             "mlx_lm_server_flags": _mlx_flags(width),
             "median_tok_s": {
-                s: {str(n): median_by(results, s, n) for n in streams} for s in args.systems
+                s: {str(n): median_by(results, s, n) for n in streams} for s in systems
             },
             "runs": [asdict(m) for m in results],
+            "prefill": prefill,
         }
         write_json(args.json, payload)
     return 0

@@ -214,6 +214,9 @@ def _stats_ms(seconds: Sequence[float]) -> dict[str, float]:
 
 def _mask_worker(model_dir: str, streams: list[int], modes: list[str], max_tokens: int) -> None:
     """Child-process body: one generation per (stream count, mode); JSON lines on stdout."""
+    from gezel_trio import blas
+
+    blas.preload()  # before mlx loads: the same OpenBLAS as the server
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.utils import load

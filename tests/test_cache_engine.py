@@ -224,7 +224,10 @@ async def test_cancelled_decode_is_saved_and_the_retry_reuses_it(kind: str, mode
     ]
     with trio.fail_after(HANG):
         async with open_engine(EngineConfig(model=model)) as engine:
-            rendered = await engine.render_chat(messages, tools=TOOLS)
+            # As turn() renders the retry: thinking on, explicitly.
+            rendered = await engine.render_chat(
+                messages, tools=TOOLS, template_kwargs={"enable_thinking": True}
+            )
             req = GenerationRequest(
                 rendered.tokens,
                 10_000,

@@ -479,3 +479,42 @@ def test_constraint_is_a_frozen_value_that_hides_its_grammar() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         c.kind = "json_schema"  # type: ignore[misc]
     assert c == must_build(response_format={"type": "json_object"})
+
+
+# --- the generic format (templates without tool syntax) -------------------
+
+
+def generic_call(name: str, args: Any) -> str:
+    return json.dumps({"tool_call": {"name": name, "arguments": args}})
+
+
+def test_generic_forced_call_is_one_json_object(byte_tok: Any) -> None:
+    c = must_build(tools=[WEATHER, SEARCH], tool_choice="required", tool_format="generic")
+    assert c.kind == "tool_call"
+    assert c.special_tokens == ()
+    assert accepts(byte_tok, c, generic_call("get_weather", {"city": "Paris", "days": 2}))
+    assert accepts(byte_tok, c, generic_call("search", {"q": "x"}))
+    assert not accepts(byte_tok, c, generic_call("get_weather", {"days": 2}))
+    assert not accepts(byte_tok, c, call("get_weather", {"city": "Paris"}))
+    named = must_build(
+        tools=[WEATHER, SEARCH],
+        tool_choice={"type": "function", "function": {"name": "search"}},
+        tool_format="generic",
+    )
+    assert not accepts(byte_tok, named, generic_call("get_weather", {"city": "Paris"}))
+
+
+def test_generic_json_or_call(byte_tok: Any) -> None:
+    c = must_build(
+        tools=[WEATHER],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+        tool_format="generic",
+    )
+    assert accepts(byte_tok, c, json.dumps({"name": "A", "age": 3, "color": "red"}))
+    assert accepts(byte_tok, c, generic_call("get_weather", {"city": "Oslo"}))
+
+
+def test_generic_name_only_is_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidRequest) as err:
+        build(tools=[WEATHER], tool_grammar={"mode": "name-only"}, tool_format="generic")
+    assert err.value.param == "tool_grammar"

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gezel_trio.toolcalls import (
+    GENERIC,
     HERMES,
     MISTRAL,
     QWEN3_CODER,
@@ -31,6 +32,7 @@ from gezel_trio.toolcalls import (
     ToolFormat,
     collect,
     detect_format,
+    resolve_format,
 )
 
 MiB = 1 << 20
@@ -112,6 +114,47 @@ def test_unknown_families_are_not_guessed() -> None:
     assert detect_format("<tool_call>{{ name }}<arg_key>k</arg_key>") is None
     # Mistral's older JSON-list form.
     assert detect_format("[TOOL_CALLS] [{{ calls | tojson }}]") is None
+
+
+def test_a_template_without_tool_syntax_gets_the_generic_format() -> None:
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endfor %}"
+    assert resolve_format(chatml) is GENERIC
+    assert resolve_format(QWEN25_TEMPLATE + "{% if tools %}{% endif %}") is HERMES
+    # Tool syntax of a family we do not parse: no splitter, not the generic one.
+    assert resolve_format("{% if tools %}{{ tools | tojson }}{% endif %}") is None
+    assert resolve_format(None) is None
+
+
+# --- the generic format (templates without tool syntax) ---------------------------
+
+
+def generic(name: str, args: Any) -> str:
+    # What the grammar generates: json.dumps separators, no other whitespace.
+    return json.dumps({"tool_call": {"name": name, "arguments": args}}, ensure_ascii=False)
+
+
+def test_generic_call_in_any_chunking() -> None:
+    text = generic("get_weather", {"city": "Paris", "unit": {"c": [1, "}}"]}})
+    expected = call(0, "get_weather", '{"city": "Paris", "unit": {"c": [1, "}}"]}}')
+    assert whole(GENERIC, text) == expected
+    # Closing braces that end arguments, call and wrapper may come as one token.
+    assert merged(run(GENERIC, list(text))) == expected
+    assert merged(run(GENERIC, [text[:-3], text[-3:]])) == expected
+
+
+def test_generic_calls_among_text() -> None:
+    text = f"Sure. {generic('a', {})}\n{generic('b', {'x': 1})} done"
+    assert whole(GENERIC, text) == [
+        Content("Sure. "),
+        *call(0, "a", "{}"),
+        *call(1, "b", '{"x": 1}'),
+        Content(" done"),
+    ]
+
+
+def test_json_that_is_not_a_generic_call_stays_content() -> None:
+    text = '{"answer": 42} and {"tool_call": "not an object"}'
+    assert whole(GENERIC, text) == [Content(text)]
 
 
 # --- Hermes ------------------------------------------------------------------------

@@ -199,9 +199,14 @@ def test_streamed_reasoning_matches_non_streamed(server: Server) -> None:
         messages=MSG,
         max_tokens=16,
         temperature=0,
-        extra_body={"max_thinking_tokens": 5, "ignore_eos": True},
+        extra_body={
+            "max_thinking_tokens": 5,
+            "ignore_eos": True,
+            "chat_template_kwargs": {"enable_thinking": True},
+        },
     )
     whole = server.client.chat.completions.create(**kw).choices[0].message.model_dump()
+    assert whole["reasoning_content"]
     reasoning, content = "", ""
     for chunk in server.client.chat.completions.create(**kw, stream=True):
         if chunk.choices:
@@ -210,6 +215,29 @@ def test_streamed_reasoning_matches_non_streamed(server: Server) -> None:
             content += delta.get("content") or ""
     assert reasoning == whole["reasoning_content"]
     assert content == whole["content"]
+
+
+def test_thinking_is_off_by_default_on_the_demo_models(server: Server) -> None:
+    r = server.client.chat.completions.create(
+        model="demo", messages=MSG, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    msg = r.choices[0].message.model_dump()
+    assert msg["content"]
+    assert not msg.get("reasoning_content")
+
+
+def test_a_budget_spent_thinking_leaves_content_empty_and_says_length(server: Server) -> None:
+    r = server.client.chat.completions.create(
+        model="demo",
+        messages=MSG,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": True}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content == ""
+    assert choice.message.model_dump()["reasoning_content"]
 
 
 def test_logprobs(server: Server) -> None:

@@ -11,7 +11,14 @@ The public API for Trio programs (no HTTP involved)::
                     case Finished(reason=reason): ...
 
 Cancelling the scope around the ``with`` block withdraws the request.
+
+Importing the package binds MLX to OpenBLAS on Linux (see ``gezel_trio.blas``),
+so import it before anything imports ``mlx``.
 """
+
+from . import blas
+
+blas.preload()  # before any of our modules (or yours) imports mlx
 
 from .backend import ModelInfo
 from .config import EngineConfig

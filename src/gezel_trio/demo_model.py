@@ -49,14 +49,12 @@ changes so that stale directories are not reused.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, cast, get_args
+
+from .model_source import cache_root, materialize
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -64,7 +62,7 @@ if TYPE_CHECKING:
 DemoKind = Literal["dense", "hybrid"]
 DemoSize = Literal["tiny", "bench"]
 
-BUILDER_VERSION: Final = "v1"
+BUILDER_VERSION: Final = "v2"
 
 # Added tokens with special=True: skipped by decode(skip_special_tokens=True).
 SPECIAL_TOKENS: Final = ("<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -94,7 +92,6 @@ _QWEN_SPLIT: Final = (
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DATA_DIR: Final = Path(__file__).resolve().parent / "demo_data"
-_MANIFEST: Final = "demo_model.json"  # written last: marks a complete build
 
 
 @dataclass(frozen=True)
@@ -153,11 +150,8 @@ def _check(kind: str, size: str) -> None:
 
 
 def default_root() -> Path:
-    """``$GEZEL_TRIO_HOME/demo-models``, else ``~/.cache/gezel-trio/demo-models``."""
-    home = os.environ.get("GEZEL_TRIO_HOME")
-    if home:
-        return Path(home) / "demo-models"
-    return Path.home() / ".cache" / "gezel-trio" / "demo-models"
+    """``demo-models`` in the cache (``model_source.cache_root()``)."""
+    return cache_root() / "demo-models"
 
 
 def demo_model_path(
@@ -173,39 +167,19 @@ def ensure_demo_model(
 ) -> Path:
     """Build the demo model if it is missing and return its directory.
 
-    Idempotent and safe against concurrent builders: the model is written to a
-    temporary directory beside the target and renamed into place, and a
-    builder that loses the race discards its copy.
+    Idempotent and safe against concurrent builders (``model_source.materialize``).
     """
     target = demo_model_path(kind, size, root)
-    if (target / _MANIFEST).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from others
-        _build(kind, size, tmp)
-        if target.exists() and not (target / _MANIFEST).is_file():
-            # Not ours to trust (an interrupted copy, say): move it aside
-            # first, as renaming over a non-empty directory fails.
-            _discard(target)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / _MANIFEST).is_file():
-                raise
-            # Another process finished first; its build is identical.
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _discard(path: Path) -> None:
-    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
-    with contextlib.suppress(FileNotFoundError):  # somebody else removed it
-        os.replace(path, trash / "x")
-    shutil.rmtree(trash, ignore_errors=True)
+    return materialize(
+        target,
+        lambda tmp: _build(kind, size, tmp),
+        {
+            "kind": kind,
+            "size": size,
+            "builder_version": BUILDER_VERSION,
+            "seed": _SEED,
+        },
+    )
 
 
 def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
@@ -221,16 +195,6 @@ def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
         },
     )
     _write_weights(kind, dims, config, dest / "model.safetensors")
-    _write_json(
-        dest / _MANIFEST,
-        {
-            "kind": kind,
-            "size": size,
-            "builder_version": BUILDER_VERSION,
-            "seed": _SEED,
-            "vocab_size": vocab_size,
-        },
-    )
 
 
 def _write_json(path: Path, obj: object) -> None:

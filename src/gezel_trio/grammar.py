@@ -29,7 +29,14 @@ How each kind is expressed:
   ``tool_choice`` ``"auto"``: either the JSON answer or one constrained call,
   which is what the OpenAI API allows in that case.
 
-The tool tags are the tokenizer's ``<tool_call>`` / ``</tool_call>`` special
+With ``tool_format="generic"`` (models whose chat template has no tool
+syntax; see ``toolcalls.GENERIC``) a call is the JSON object
+``{"tool_call": {"name": "f", "arguments": ARGS}}`` instead, spelled with
+ordinary tokens; ``json_or_tool_call`` is then one JSON grammar (``anyOf``
+the answer and the call), and ``tool_name`` is refused (free text cannot be
+stopped before a plain-text opener).
+
+The Hermes tool tags are the tokenizer's ``<tool_call>`` / ``</tool_call>`` special
 tokens (``Constraint.special_tokens`` lists them), not the same characters
 spelled with ordinary tokens: that is what Hermes-format models emit, and it
 keeps generated ids identical to what the chat template renders for the
@@ -88,6 +95,10 @@ MAX_SCHEMA_DEPTH: Final = 64
 
 TOOL_CALL_OPEN: Final = "<tool_call>"
 TOOL_CALL_CLOSE: Final = "</tool_call>"
+# The generic format's call opener (toolcalls.GENERIC.start), as generated.
+GENERIC_CALL_OPEN: Final = '{"tool_call": '
+
+ToolFormatName = Literal["hermes", "generic"]
 
 # OpenAI's own rule for function names; it also keeps names safe to splice
 # into Lark string literals.
@@ -157,7 +168,7 @@ def build_constraint(
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: str | Mapping[str, Any] | None,
     tool_grammar: Mapping[str, Any] | None,
-    tool_format: Literal["hermes"] = "hermes",
+    tool_format: ToolFormatName = "hermes",
     llg_tokenizer: Any = None,
 ) -> Constraint | None:
     """The constraint a chat request asks for, compiled, or ``None``.
@@ -170,8 +181,9 @@ def build_constraint(
     vocabulary; without it the engine repeats that check when it builds the
     matcher. CPU-bound, no I/O; see the module docstring for timings.
     """
-    if tool_format != "hermes":
+    if tool_format not in ("hermes", "generic"):
         raise InvalidRequest(f"unsupported tool format {tool_format!r}", param="tool_format")
+    fmt = _Syntax(tool_format)
     response = _response_schema(response_format)
     choice = _tool_choice(tool_choice)
     name_only = _name_only(tool_grammar)
@@ -193,17 +205,22 @@ def build_constraint(
                 )
         else:
             chosen = all_tools
-        lark = _forced_call_lark(chosen)
-        return _compile_lark("tool_call", lark, chosen, param="tool_choice", tok=llg_tokenizer)
+        lark = _forced_call_lark(chosen, fmt)
+        return _compile_lark("tool_call", lark, chosen, fmt, param="tool_choice", tok=llg_tokenizer)
 
     tools_active = bool(tools) and choice != "none"
     if response is not None:
         kind, schema = response
         if tools_active:
             all_tools = _tools(tools, param="tools")
-            lark = _json_or_call_lark(schema, all_tools)
+            lark = _json_or_call_lark(schema, all_tools, fmt)
             return _compile_lark(
-                "json_or_tool_call", lark, all_tools, param="response_format", tok=llg_tokenizer
+                "json_or_tool_call",
+                lark,
+                all_tools,
+                fmt,
+                param="response_format",
+                tok=llg_tokenizer,
             )
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
             _dump(schema, param="response_format")
@@ -219,11 +236,21 @@ def build_constraint(
             )
         if not tools_active:
             return None  # tool_choice "none": the model is not to call tools at all
+        if fmt.name == "generic":
+            # Free text must end where a call begins; with a special token as
+            # the opener that is decided per token, but llguidance's greedy
+            # lexer cannot stop free text before a plain-text opener.
+            raise InvalidRequest(
+                'tool_grammar {"mode": "name-only"} needs a model with a Hermes '
+                "tool-call template (this one uses the generic JSON format)",
+                param="tool_grammar",
+            )
         all_tools = _tools(tools, param="tools")
         return _compile_lark(
             "tool_name",
-            _name_only_lark(all_tools),
+            _name_only_lark(all_tools, fmt),
             all_tools,
+            fmt,
             param="tool_grammar",
             tok=llg_tokenizer,
         )
@@ -424,35 +451,81 @@ def _call_rules(tools: Sequence[_Tool]) -> list[str]:
     return rules
 
 
-def _tagged(body: str) -> str:
-    return f'{TOOL_CALL_OPEN} "\\n" {body} "\\n" {TOOL_CALL_CLOSE}'
+@attrs.frozen
+class _Syntax:
+    """How a call is wrapped, per tool format."""
+
+    name: ToolFormatName
+
+    def wrapped(self, body: str) -> str:
+        if self.name == "generic":
+            return f'{_lit(GENERIC_CALL_OPEN)} {body} "}}"'
+        return f'{TOOL_CALL_OPEN} "\\n" {body} "\\n" {TOOL_CALL_CLOSE}'
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return () if self.name == "generic" else (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
 
-def _forced_call_lark(tools: Sequence[_Tool]) -> str:
-    return "\n".join([f"start: {_tagged('call')}", *_call_rules(tools)])
+def _forced_call_lark(tools: Sequence[_Tool], fmt: _Syntax) -> str:
+    return "\n".join([f"start: {fmt.wrapped('call')}", *_call_rules(tools)])
 
 
-def _json_or_call_lark(schema: Mapping[str, Any], tools: Sequence[_Tool]) -> str:
+def _json_or_call_lark(schema: Mapping[str, Any], tools: Sequence[_Tool], fmt: _Syntax) -> str:
+    if fmt.name == "generic":
+        # Both alternatives are JSON objects: one JSON grammar with anyOf, as
+        # an answer and a call that both open with "{" cannot be told apart
+        # by llguidance's lexer when they are separate lexemes.
+        call = {
+            "type": "object",
+            "properties": {
+                "tool_call": {
+                    "anyOf": [
+                        {
+                            "type": "object",
+                            "properties": {
+                                "name": {"const": t.name},
+                                "arguments": _without_options(t.parameters),
+                            },
+                            "required": ["name", "arguments"],
+                            "additionalProperties": False,
+                        }
+                        for t in tools
+                    ]
+                }
+            },
+            "required": ["tool_call"],
+            "additionalProperties": False,
+        }
+        combined = {
+            "anyOf": [_without_options(schema), call],
+            "x-guidance": schema.get("x-guidance", _JSON_OPTIONS),
+        }
+        return f"start: %json {_dump(combined, param='response_format')}"
     return "\n".join(
         [
-            f"start: answer | {_tagged('call')}",
+            f"start: answer | {fmt.wrapped('call')}",
             f"answer: %json {_dump(schema, param='response_format')}",
             *_call_rules(tools),
         ]
     )
 
 
-def _name_only_lark(tools: Sequence[_Tool]) -> str:
+def _without_options(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in schema.items() if k != "x-guidance"}
+
+
+def _name_only_lark(tools: Sequence[_Tool], fmt: _Syntax) -> str:
     heads = " | ".join(_call_head(t.name) for t in tools)
     args = _dump(
         {"type": "object", "x-guidance": {**_JSON_OPTIONS, "lenient": True}}, param="tools"
     )
-    # TEXT is any text that does not spell the open tag (the and/not regex
-    # operators are llguidance extensions); the special token is the only way in.
+    # TEXT is any text that does not spell the opener (the and/not regex
+    # operators are llguidance extensions); the grammar's call is the only way in.
     return "\n".join(
         [
             "start: segment* TEXT",
-            f"segment: TEXT {_tagged('call')}",
+            f"segment: TEXT {fmt.wrapped('call')}",
             f'call: CALL_HEAD %json {args} "}}"',
             f"CALL_HEAD: {heads}",
             f"TEXT: /(?s:.*)/ & ~/(?s:.*){TOOL_CALL_OPEN}(?s:.*)/",
@@ -461,7 +534,13 @@ def _name_only_lark(tools: Sequence[_Tool]) -> str:
 
 
 def _compile_lark(
-    kind: ConstraintKind, lark: str, tools: Sequence[_Tool], *, param: str, tok: Any
+    kind: ConstraintKind,
+    lark: str,
+    tools: Sequence[_Tool],
+    fmt: _Syntax,
+    *,
+    param: str,
+    tok: Any,
 ) -> Constraint:
     if len(lark) > MAX_GRAMMAR_BYTES:
         raise InvalidRequest(
@@ -475,7 +554,7 @@ def _compile_lark(
         kind,
         grammar,
         tool_names=tuple(t.name for t in tools),
-        special_tokens=(TOOL_CALL_OPEN, TOOL_CALL_CLOSE),
+        special_tokens=fmt.special_tokens,
     )
 
 

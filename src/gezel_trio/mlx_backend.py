@@ -11,7 +11,6 @@ import copy
 import io
 import json
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -37,7 +36,6 @@ from mlx_lm.sample_utils import (
     make_presence_penalty,
     make_repetition_penalty,
 )
-from mlx_lm.utils import load
 
 from .backend import (
     Admission,
@@ -49,15 +47,17 @@ from .backend import (
     TokenOut,
 )
 from .config import EngineConfig
-from .errors import GezelError, InvalidRequest, ModelLoadError
-from .grammar import Constraint, build_constraint
+from .errors import GezelError, InvalidRequest
+from .grammar import Constraint, ToolFormatName, build_constraint
 from .mlx_constraints import GrammarTokenizer, make_grammar_processor
+from .mlx_loading import load_model
+from .model_source import resolve_model
 from .persist import fingerprint_model_dir
 from .prompt import ChatTemplateRenderer
 from .reasoning import prompt_opens_thinking_tokens
 from .request import GenerationRequest, Priority, SamplingParams
 from .text import COMMON_FRAMING_MARKERS
-from .toolcalls import detect_format
+from .toolcalls import GENERIC, resolve_format
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
 
@@ -84,16 +84,9 @@ _CONTENT_MARKERS = ("tool_call", "tool_response", "think", "TOOL_CALLS", "ARGS")
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
-    """The local directory to load; builds the demo model when none is given."""
-    if config.model is None:
-        from .demo_model import ensure_demo_model
-
-        return ensure_demo_model("dense", "tiny")
-    path = Path(config.model).expanduser()
-    if not (path / "config.json").is_file():
-        # mlx-lm would treat a missing path as a hub id and try to download it.
-        raise ModelLoadError(f"{path} is not a local model directory (no config.json)")
-    return path
+    """The local directory to load: the model directory, the converted GGUF,
+    or the default model (fetched and converted on first use)."""
+    return resolve_model(config.model)
 
 
 def _copy_layer(layer: Any) -> Any:
@@ -228,16 +221,19 @@ def _think_ids(tokenizer: Any) -> tuple[int, int] | None:
 class _Compiler:
     """``backend.ConstraintCompiler`` over llguidance with this model's vocabulary."""
 
-    def __init__(self, grammar_tok: GrammarTokenizer, *, hermes: bool) -> None:
+    def __init__(self, grammar_tok: GrammarTokenizer, *, tool_format: str | None) -> None:
         self._llg = grammar_tok.llg
-        self._hermes = hermes
+        self._format: ToolFormatName | None = (
+            "hermes" if tool_format == "hermes" else "generic" if tool_format == "generic" else None
+        )
 
     def compile(
         self, *, response_format: Any, tools: Any, tool_choice: Any, tool_grammar: Any
     ) -> Constraint | None:
-        if not self._hermes and (tool_choice not in (None, "auto", "none") or tool_grammar):
+        if self._format is None and (tool_choice not in (None, "auto", "none") or tool_grammar):
             raise InvalidRequest(
-                "tool-call constraints need a model with a Hermes tool-call template",
+                "tool-call constraints need a model whose chat template has Hermes "
+                "tool calls or no tool syntax at all (the generic format)",
                 param="tool_choice",
             )
         return build_constraint(
@@ -245,6 +241,7 @@ class _Compiler:
             tools=tools,
             tool_choice=tool_choice,
             tool_grammar=tool_grammar,
+            tool_format=self._format or "hermes",
             llg_tokenizer=self._llg,
         )
 
@@ -262,14 +259,8 @@ class MlxBackend:
     """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
 
     def __init__(self, config: EngineConfig) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        model_dir = resolve_model_dir(config)
-        try:
-            model, tokenizer = load(str(model_dir))
-        except Exception as exc:
-            raise ModelLoadError(
-                f"could not load {model_dir}: {type(exc).__name__}: {exc}"
-            ) from exc
+        loaded = load_model(config)
+        model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
         self._model = model
         self._tokenizer = tokenizer
         self._config = config
@@ -314,9 +305,13 @@ class MlxBackend:
                 if tokenizer.has_thinking and tokenizer.think_end
                 else None
             ),
-            tool_format=fmt.name if (fmt := detect_format(tokenizer.chat_template)) else None,
+            tool_format=fmt.name if (fmt := resolve_format(tokenizer.chat_template)) else None,
         )
-        self._renderer = ChatTemplateRenderer(tokenizer, boundaries=not trimmable)
+        self._renderer = ChatTemplateRenderer(
+            tokenizer,
+            boundaries=not trimmable,
+            generic_tools=self._info.tool_format == GENERIC.name,
+        )
         self._vocab_width = int(text_cfg.get("vocab_size") or model_cfg.get("vocab_size") or 0)
         self._grammar_tok: GrammarTokenizer | None = None
         try:
@@ -324,7 +319,7 @@ class MlxBackend:
         except (TypeError, ValueError) as exc:
             log.warning("constrained decoding unavailable for this tokenizer: %s", exc)
         self._compiler = (
-            _Compiler(self._grammar_tok, hermes=self._info.tool_format == "hermes")
+            _Compiler(self._grammar_tok, tool_format=self._info.tool_format)
             if self._grammar_tok is not None
             else None
         )

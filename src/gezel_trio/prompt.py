@@ -20,7 +20,7 @@ from .errors import InvalidRequest
 
 log = logging.getLogger("gezel_trio.prompt")
 
-__all__ = ["ChatTemplateRenderer", "RenderedPrompt"]
+__all__ = ["ChatTemplateRenderer", "RenderedPrompt", "generic_tool_messages"]
 
 
 @attrs.frozen
@@ -70,6 +70,75 @@ def _strip_linkage(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_GENERIC_INSTRUCTIONS = (
+    "You can call the tools described by these JSON schemas:\n{tools}\n\n"
+    "To call a tool, reply with only one JSON object of this form and nothing else:\n"
+    '{{"tool_call": {{"name": "<tool name>", "arguments": {{<the arguments>}}}}}}\n'
+    "A tool's result comes back in the next user turn as "
+    '{{"tool_response": {{"name": "<tool name>", "content": "<result>"}}}}. '
+    "When no tool is needed, answer in plain text."
+)
+
+
+def _dumps(value: Any) -> str:
+    # The separators and the raw Unicode the tool grammar generates, so a
+    # replayed call renders to the tokens the model produced.
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _with_text(content: Any, text: str) -> Any:
+    if isinstance(content, str) and content:
+        return f"{content}\n\n{text}"
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return text
+
+
+def generic_tool_messages(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """The conversation in the generic tool format, for a template with no
+    tool syntax (``toolcalls.GENERIC``): the tools are described at the end of
+    the system turn (one is added when there is none), an assistant's calls
+    become its text, one ``{"tool_call": ...}`` object per call, and a tool
+    result becomes a user turn holding ``{"tool_response": ...}``.
+    """
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
+    for message in messages:
+        role = message.get("role")
+        if role == "assistant" and message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                fn = call.get("function") or {}
+                name = fn.get("name", "")
+                if call.get("id"):
+                    names[call["id"]] = name
+                calls.append(
+                    _dumps({"tool_call": {"name": name, "arguments": fn.get("arguments", {})}})
+                )
+            text = message.get("content")
+            body = "\n".join(calls)
+            content = f"{text}\n{body}" if isinstance(text, str) and text else body
+            rest = {k: v for k, v in message.items() if k != "tool_calls"}
+            out.append({**rest, "content": content})
+        elif role == "tool":
+            response: dict[str, Any] = {"content": message.get("content") or ""}
+            name = names.get(message.get("tool_call_id") or "") or message.get("name")
+            if name:
+                response = {"name": name, **response}
+            out.append({"role": "user", "content": _dumps({"tool_response": response})})
+        else:
+            out.append(dict(message))
+    if tools:
+        text = _GENERIC_INSTRUCTIONS.format(tools="\n".join(_dumps(t) for t in tools))
+        if out and out[0].get("role") in ("system", "developer"):
+            out[0] = {**out[0], "content": _with_text(out[0].get("content"), text)}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
 class ChatTemplateRenderer:
     """Implements ``backend.PromptRenderer`` over a tokenizer with a chat template.
 
@@ -79,10 +148,17 @@ class ChatTemplateRenderer:
     rejects the kwargs, rendering falls back in rungs - without the
     reasoning-depth kwargs, without any kwargs, and last, logged loudly,
     without the tools - rather than failing the turn.
+
+    ``generic_tools``: the model's template has no tool syntax, so tools,
+    calls and results are written into the messages in the generic format
+    (``generic_tool_messages``) and the template never sees ``tools``.
     """
 
-    def __init__(self, tokenizer: Any, *, boundaries: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Any, *, boundaries: bool = False, generic_tools: bool = False
+    ) -> None:
         self._tokenizer = tokenizer
+        self._generic_tools = generic_tools
         self._needs_linkage: dict[str, bool] = {}
         self._find_boundaries = boundaries
 
@@ -102,9 +178,14 @@ class ChatTemplateRenderer:
                 param="chat_template_override",
             )
         prepared = [_prepare_message(m) for m in messages]
-        if not self._linkage_needed(template, template_override):
+        if self._generic_tools:
+            prepared = generic_tool_messages(prepared, tools)
+            tools = None
+        elif not self._linkage_needed(template, template_override):
             prepared = [_strip_linkage(m) for m in prepared]
-        kwargs: dict[str, Any] = {"enable_thinking": True, **template_kwargs}
+        # No enable_thinking unless the request sends one: every template
+        # follows its own default (T1).
+        kwargs: dict[str, Any] = dict(template_kwargs)
         depthless = {k: v for k, v in kwargs.items() if k not in _REASONING_DEPTH_KEYS}
         rungs: list[tuple[dict[str, Any], Sequence[dict[str, Any]] | None, str]] = [
             (kwargs, tools, ""),
@@ -208,7 +289,7 @@ class ChatTemplateRenderer:
         extra = dict(kwargs)
         if template_override is not None:
             extra["chat_template"] = template_override
-        text = self._tokenizer.apply_chat_template(
+        text = self._template_owner().apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=generation_prompt,
@@ -218,6 +299,19 @@ class ChatTemplateRenderer:
         if not isinstance(text, str):
             raise TypeError("the chat template did not produce text")
         return text
+
+    def _template_owner(self) -> Any:
+        """Who renders: the Hugging Face tokenizer itself, unless mlx-lm's
+        wrapper brings a renderer of its own. The wrapper sets
+        ``enable_thinking`` to whether the vocabulary has think tokens when a
+        request names none; the template's own default must decide (T1)."""
+        hf = getattr(self._tokenizer, "_tokenizer", None)
+        if (
+            not hasattr(hf, "apply_chat_template")  # a Hugging Face tokenizer itself
+            or getattr(self._tokenizer, "_chat_template", None) is not None
+        ):
+            return self._tokenizer
+        return hf
 
     def _linkage_needed(self, template: str, override: str | None) -> bool:
         """Render a tool round without ids once per template: if the result

@@ -5,9 +5,13 @@ host thread like :mod:`gezel_trio.text`: the detokenized text of each step
 goes into :meth:`ToolCallSplitter.feed`, typed events come out. Argument text
 is streamed as it is generated, not handed over as one whole call at the end.
 
-Formats are resolved from the chat template (:func:`detect_format`), never
-guessed from what the model writes; an unknown family gets no splitter and its
-output stays content.
+Formats are resolved from the chat template (:func:`resolve_format`), never
+guessed from what the model writes; a template with tool syntax of an unknown
+family gets no splitter and its output stays content. A template with no tool
+syntax at all gets :data:`GENERIC`, as llama.cpp's generic handler does: the
+tools are described in the system turn (``prompt.generic_tool_messages``)
+and a call is one JSON object, ``{"tool_call": {"name": ..., "arguments":
+...}}``, constrained by a grammar when the request forces one.
 
 For every call the events are, in order: one :class:`CallStart` (index, id,
 name), sent once the name is known and the markup so far is valid; zero or
@@ -50,6 +54,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 import attrs
 
 __all__ = [
+    "GENERIC",
     "HERMES",
     "MISTRAL",
     "QWEN3_CODER",
@@ -63,6 +68,7 @@ __all__ = [
     "collect",
     "detect_format",
     "new_call_id",
+    "resolve_format",
 ]
 
 
@@ -90,6 +96,12 @@ class ToolFormat:
 HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "json")
 QWEN3_CODER = ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", "xml")
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", "name_args")
+# For templates without tool syntax: '{"tool_call": ' + the Hermes-style call
+# object + '}'. The body scanner reads the inner object; the trailer the "}".
+GENERIC = ToolFormat("generic", '{"tool_call":', "}", "json")
+
+# A template that mentions the tool definitions teaches its own syntax.
+_TEMPLATE_TOOLS = re.compile(r"\btools\b")
 
 
 def detect_format(chat_template: str | None) -> ToolFormat | None:
@@ -109,6 +121,15 @@ def detect_format(chat_template: str | None) -> ToolFormat | None:
     if "[TOOL_CALLS]" in t and "[ARGS]" in t:
         return MISTRAL
     return None
+
+
+def resolve_format(chat_template: str | None) -> ToolFormat | None:
+    """:func:`detect_format`, or :data:`GENERIC` for a template that has no
+    tool syntax at all; None for no template, or an unsupported family."""
+    found = detect_format(chat_template)
+    if found is None and chat_template and not _TEMPLATE_TOOLS.search(chat_template):
+        return GENERIC
+    return found
 
 
 @attrs.frozen
@@ -1069,6 +1090,8 @@ class _Trailer:
 
 # --- the splitter -------------------------------------------------------------
 
+_JSON_STRUCTURE = frozenset('{}[],:"')
+
 # The characters a call body can begin with (a Mistral name is never empty).
 _FIRST_CHARS = {
     "json": frozenset("{" + _WS),
@@ -1170,7 +1193,11 @@ class ToolCallSplitter:
         fmt = self._fmt
         body: _Body
         if fmt.body == "json":
-            body = _JsonBody(self, fmt.end, root_args=False)
+            # The body watches for a closing marker written before the JSON
+            # is complete, unless the marker is JSON itself (GENERIC's "}"):
+            # then only the trailer after the complete body reads it.
+            early_end = "" if fmt.end[:1] in _JSON_STRUCTURE else fmt.end
+            body = _JsonBody(self, early_end, root_args=False)
         elif fmt.body == "xml":
             body = _XmlBody(self, fmt.end)
         else:

@@ -17,6 +17,7 @@ from ..backend import ModelInfo
 from ..events import TokenLogprob
 from ..reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
 from ..toolcalls import (
+    GENERIC,
     HERMES,
     MISTRAL,
     QWEN3_CODER,
@@ -31,7 +32,7 @@ from ..toolcalls import (
 
 __all__ = ["Shaper", "logprobs_body"]
 
-_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL)}
+_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC)}
 
 
 class Shaper:

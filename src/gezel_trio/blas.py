@@ -1,0 +1,186 @@
+"""Which BLAS MLX's CPU kernels run on, decided before anything imports MLX.
+
+The ``mlx[cpu]`` wheel for Linux links Netlib's reference BLAS
+(``mlx_cpu.libs/libblas-*.so.3.*``): a 1024x1024 float32 matmul runs at
+about 5 GFLOP/s there against 140 with OpenBLAS on the same 2 cores. A
+library loaded into the global symbol scope *before* ``libmlx.so`` wins the
+dynamic linker's lookup of ``cblas_sgemm`` and the LAPACK routines, so
+preloading OpenBLAS with ``RTLD_GLOBAL`` makes MLX use it.
+
+The OpenBLAS comes from the ``ngsolve-openblas`` wheel (a dependency on Linux
+x86-64 only): plain, unprefixed symbols and a ``DYNAMIC_ARCH`` build that
+picks its kernels for the CPU at run time. ``cmeel-openblas`` 0.3.31 was
+tried first; it is built for Skylake-X only and dies with an illegal
+instruction on an AVX2 CPU. ``scipy-openblas32`` prefixes its symbols
+(``scipy_cblas_sgemm``), so MLX cannot bind to it.
+
+OpenBLAS needs ``libgfortran.so.5``. When the system has none, the copy that
+MLX's own wheel bundles is used: auditwheel renamed its soname
+(``libgfortran-<hash>.so.5.0.0``), so the dynamic linker would not match it
+to OpenBLAS's ``NEEDED`` entry; a copy with the soname restored is loaded
+from an anonymous memory file (``memfd_create``), so nothing is written to
+disk.
+
+``preload()`` runs once, when ``gezel_trio`` is imported (its ``__init__``
+calls it before importing anything else). It does nothing:
+
+* off Linux (macOS MLX uses Accelerate and Metal);
+* when ``GEZEL_TRIO_PRELOAD_BLAS=0`` (the switch to turn it off);
+* when MLX's wheel does not ship the reference BLAS (a build against
+  another BLAS needs no help);
+* when ``mlx`` is already imported: too late to change the binding, so it
+  warns the embedding program to import ``gezel_trio`` first.
+
+Only ``ctypes``, ``os`` and ``importlib.metadata`` are used: importing this
+module must never import MLX. ``describe()`` says, for the startup log line,
+which library provides ``cblas_sgemm`` to libraries loaded from then on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import importlib.metadata
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Final
+
+__all__ = ["ENV_SWITCH", "describe", "preload"]
+
+ENV_SWITCH: Final = "GEZEL_TRIO_PRELOAD_BLAS"
+_OPENBLAS_DIST: Final = "ngsolve-openblas"
+_GFORTRAN_SONAME: Final = "libgfortran.so.5"
+
+# What preload() did, for describe(); set once, at import time.
+_outcome: list[str] = []
+
+
+def _wheel_file(dist: str, parent: str, prefix: str) -> Path | None:
+    """A shared library that the installed distribution ``dist`` ships in ``parent``."""
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.parent.name == parent and f.name.startswith(prefix) and ".so" in f.name:
+            path = Path(str(f.locate()))
+            if path.is_file():
+                return path
+    return None
+
+
+def preload() -> str:
+    """Bind MLX to OpenBLAS when that helps and is still possible; says what was done.
+
+    Idempotent; ``gezel_trio/__init__.py`` calls it first thing.
+    """
+    if not _outcome:
+        _outcome.append(_decide())
+    return _outcome[0]
+
+
+def _decide() -> str:
+    if not sys.platform.startswith("linux"):
+        return "MLX's own (not Linux)"
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"MLX's reference BLAS (preload off: {ENV_SWITCH}=0)"
+    if _wheel_file("mlx-cpu", "mlx_cpu.libs", "libblas") is None:
+        return "MLX's own (its wheel ships no reference BLAS)"
+    if "mlx.core" in sys.modules:
+        warnings.warn(
+            "mlx was imported before gezel_trio, so MLX stays bound to the reference "
+            "BLAS its wheel ships (about 30x slower matmuls on CPU); import gezel_trio first",
+            RuntimeWarning,
+            stacklevel=4,  # _decide, preload, the package __init__, the importer
+        )
+        return "MLX's reference BLAS (mlx was imported before gezel_trio)"
+    library = _wheel_file(_OPENBLAS_DIST, "ngsolve_openblas", "libopenblas")
+    if library is None:
+        return f"MLX's reference BLAS ({_OPENBLAS_DIST} is not installed for this platform)"
+    try:
+        _load_gfortran()
+        openblas = ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL)
+    except OSError as exc:
+        return f"MLX's reference BLAS (OpenBLAS did not load: {exc})"
+    threads = _threads(openblas)
+    return f"OpenBLAS ({_OPENBLAS_DIST}, preloaded, {threads})"
+
+
+def _threads(openblas: ctypes.CDLL) -> str:
+    """One OpenBLAS thread unless the environment says otherwise.
+
+    OpenBLAS's workers spin while they wait; on 2 cores shared with other
+    work, SmolLM2 ran at 50 prompt / 1.5 generated tokens/s with 2 threads and
+    128 / 6.4 with 1. ``OPENBLAS_NUM_THREADS`` (read by OpenBLAS itself)
+    chooses another count.
+    """
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        return f"{os.environ['OPENBLAS_NUM_THREADS']} threads (OPENBLAS_NUM_THREADS)"
+    try:
+        openblas.openblas_set_num_threads(1)
+    except AttributeError:
+        return "its default threads"
+    return "1 thread"
+
+
+def _load_gfortran() -> None:
+    """Make ``libgfortran.so.5`` resolvable for OpenBLAS (see the module docstring)."""
+    try:
+        ctypes.CDLL(_GFORTRAN_SONAME, mode=os.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    bundled = _wheel_file("mlx-cpu", "mlx_cpu.libs", "libgfortran")
+    if bundled is None:
+        raise OSError(f"no {_GFORTRAN_SONAME} on the system or in MLX's wheel")
+    # Its own dependency (libquadmath-<hash>) keeps the renamed soname that
+    # libgfortran's NEEDED entry asks for: loading it by path satisfies that.
+    quadmath = _wheel_file("mlx-cpu", "mlx_cpu.libs", "libquadmath")
+    if quadmath is not None:
+        ctypes.CDLL(str(quadmath), mode=os.RTLD_GLOBAL)
+    old = bundled.name.encode() + b"\0"
+    data = bundled.read_bytes()
+    if data.count(old) != 1:
+        raise OSError(f"cannot find the soname of {bundled.name} to restore")
+    new = _GFORTRAN_SONAME.encode().ljust(len(old), b"\0")
+    fd = os.memfd_create(_GFORTRAN_SONAME)
+    try:
+        os.write(fd, data.replace(old, new))
+        # The library stays mapped after the descriptor is closed.
+        ctypes.CDLL(f"/proc/self/fd/{fd}", mode=os.RTLD_GLOBAL)
+    finally:
+        os.close(fd)
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = (
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    )
+
+
+def _cblas_provider() -> str | None:
+    """The file of the library that now provides ``cblas_sgemm`` globally."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        address = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except (AttributeError, OSError):
+        return None
+    info = _DlInfo()
+    if not libc.dladdr(address, ctypes.byref(info)):
+        return None
+    fname: bytes | None = info.dli_fname
+    return os.path.basename(fname.decode(errors="replace")) if fname else None
+
+
+def describe() -> str:
+    """One phrase for the startup log: the decision, and who provides ``cblas_sgemm``."""
+    outcome = preload()
+    provider = _cblas_provider()
+    return f"{outcome}, cblas_sgemm from {provider}" if provider else outcome
