@@ -22,3 +22,19 @@ def test_embedding_example_runs(dense_model: Path) -> None:
     ).stdout
     assert "[length: 24 tokens]" in out
     assert "[cancelled after 5 tokens" in out
+
+
+@pytest.mark.slow
+def test_agent_loop_example_runs_on_the_default_model(smollm2_model: Path) -> None:
+    """No arguments: the default model, already fetched and converted into
+    this session's home by the fixture, as a first ``serve`` would."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "agent_loop.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
+    assert "[tool call: get_weather(" in out
+    assert "[tool result: It is 18 degrees Celsius and sunny in" in out
+    assert "[summary: " in out

@@ -21,6 +21,7 @@ from . import blas
 blas.preload()  # before any of our modules (or yours) imports mlx
 
 from .backend import ModelInfo
+from .chat import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, ChatRequest, PreparedChat
 from .config import EngineConfig
 from .engine import Engine, EngineState, RequestHandle, open_engine, run_engine
 from .errors import (
@@ -45,9 +46,15 @@ from .events import (
     Usage,
 )
 from .request import CacheRequest, GenerationRequest, Priority, SamplingParams
+from .shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 
 __all__ = [
     "CacheRequest",
+    "ChatEvent",
+    "ChatFinished",
+    "ChatHandle",
+    "ChatLogprobs",
+    "ChatRequest",
     "Delta",
     "Engine",
     "EngineClosed",
@@ -63,15 +70,20 @@ __all__ = [
     "ModelInfo",
     "ModelLoadError",
     "Parked",
+    "PreparedChat",
     "Priority",
     "Progress",
     "QueueFull",
     "Queued",
+    "ReasoningDelta",
     "RequestHandle",
     "Resumed",
     "SamplingParams",
     "SlowConsumer",
+    "TextDelta",
     "TokenLogprob",
+    "ToolCallDelta",
+    "ToolCallDone",
     "Usage",
     "open_engine",
     "run_engine",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -32,14 +32,16 @@ import attrs
 import trio
 
 from .backend import Backend, ConstraintCompiler, ModelInfo, PromptRenderer
+from .chat import ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
 from .config import EngineConfig
 from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, SlowConsumer
 from .events import Event, Failed, Finished, Parked, Progress, Queued, Resumed
 from .host_thread import HostCommand, Observer, Orders, StepReport, run_host, run_host_inline
 from .prompt import RenderedPrompt
 from .prompt_cache import CacheSnapshot, CacheTotals, CacheView
-from .request import GenerationRequest
+from .request import CacheRequest, GenerationRequest
 from .scheduler import Scheduler
+from .shaping.shaper import Shaper
 
 if TYPE_CHECKING:
     from .grammar import Constraint
@@ -264,6 +266,61 @@ class Engine:
             )
         )
         return result
+
+    async def prepare_chat(self, chat: ChatRequest) -> PreparedChat:
+        """Render ``chat`` with the model's template and compile what it
+        constrains (worker threads; never the MLX thread), bounded by the
+        context window. Raises ``InvalidRequest`` naming the field, before
+        anything is queued. Cancelling it queues nothing."""
+        rendered = await self.render_chat(
+            [dict(m) for m in chat.messages],
+            tools=[dict(t) for t in chat.tools] if chat.tools else None,
+            template_kwargs=dict(chat.template_kwargs),
+            template_override=chat.template_override,
+            band_chars=chat.stable_prefix_chars,
+        )
+        prompt = rendered.tokens
+        max_tokens = self.bound_max_tokens(len(prompt), chat.max_tokens)
+        constraint = await self.compile_constraint(
+            response_format=dict(chat.response_format) if chat.response_format else None,
+            tools=[dict(t) for t in chat.tools] if chat.tools else None,
+            tool_choice=chat.tool_choice,
+            tool_grammar=dict(chat.tool_grammar) if chat.tool_grammar else None,
+        )
+        request = GenerationRequest(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            sampling=chat.sampling,
+            stop=chat.stop,
+            ignore_eos=chat.ignore_eos,
+            min_tokens=min(chat.min_tokens, max_tokens),
+            priority=chat.priority,
+            cache=CacheRequest(
+                cache_id=chat.cache_id,
+                prefix_ids=chat.prefix_ids,
+                band_end=rendered.band_end,
+                boundaries=rendered.boundaries,
+                roster=roster_fingerprint(chat.tools),
+            ),
+            constraint=constraint,
+            max_thinking_tokens=chat.max_thinking_tokens,
+            top_logprobs=chat.top_logprobs,
+        )
+        return PreparedChat(chat, request)
+
+    def submit_chat_nowait(self, prepared: PreparedChat) -> ChatHandle:
+        """Queue a prepared chat and return its handle (``submit_nowait``'s
+        rules: never blocks; leaving the handle's ``with`` block withdraws
+        it). Raises ``EngineClosed`` or ``QueueFull``."""
+        handle = self.submit_nowait(prepared.request)
+        shaper = Shaper(self.info, prepared.request.prompt, tools=prepared.chat.parses_tools)
+        return ChatHandle(handle, prepared, shaper)
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatHandle:
+        """``prepare_chat`` then ``submit_chat_nowait``: ``options`` are
+        ``ChatRequest``'s fields. Use the handle in a ``with`` block."""
+        prepared = await self.prepare_chat(ChatRequest(messages, **options))
+        return self.submit_chat_nowait(prepared)
 
     def check_admission(self) -> None:
         """Raise ``EngineClosed`` or ``QueueFull`` if a request would be refused now."""

@@ -1,0 +1,172 @@
+"""A sequence's text, shaped: the answer, the reasoning and the tool calls.
+
+Per request, in the task that reads it: the reasoning splitter takes the
+think block out of the text, then the tool-call splitter turns the model's
+tool markup into calls - a call's first delta carries its index, id and name,
+later ones argument fragments as they are generated, and a ``ToolCallDone``
+carries the whole call once its markup closed. Both hold back only what could
+still be a marker, so any chunking of the same output gives the same events.
+Every protocol (chat completions, Responses, Messages) and every embedder
+gets these same events (``Engine.chat``); none shapes text itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ..backend import ModelInfo
+from ..reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
+from ..toolcalls import (
+    GENERIC,
+    HERMES,
+    MISTRAL,
+    QWEN3_CODER,
+    CallArgs,
+    CallEnd,
+    CallStart,
+    Content,
+    ToolCallSplitter,
+    ToolEvent,
+    ToolFormat,
+)
+
+__all__ = [
+    "ReasoningDelta",
+    "ShapedEvent",
+    "Shaper",
+    "TextDelta",
+    "ToolCallDelta",
+    "ToolCallDone",
+]
+
+
+@attrs.frozen
+class TextDelta:
+    """Answer text."""
+
+    text: str
+
+
+@attrs.frozen
+class ReasoningDelta:
+    """Text of the think block."""
+
+    text: str
+
+
+@attrs.frozen
+class ToolCallDelta:
+    """Part of tool call ``index``: the first one has ``id`` and ``name`` and
+    no arguments; later ones add ``arguments`` text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@attrs.frozen
+class ToolCallDone:
+    """Tool call ``index`` is complete: ``arguments`` is its whole JSON text."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+ShapedEvent = TextDelta | ReasoningDelta | ToolCallDelta | ToolCallDone
+
+_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC)}
+
+
+class Shaper:
+    """Text in, shaped events out; ``message()`` is the assistant message so far."""
+
+    def __init__(self, info: ModelInfo, prompt: tuple[int, ...], *, tools: bool) -> None:
+        self._reasoning: ReasoningSplitter | None = None
+        if info.think_markers is not None and info.think_ids is not None:
+            start, end = info.think_markers
+            inside = prompt_opens_thinking_tokens(prompt, info.think_ids)
+            self._reasoning = ReasoningSplitter(start, end, starts_inside=inside)
+        fmt = _FORMATS.get(info.tool_format or "") if tools else None
+        # Unknown template families stream content untouched: markers are
+        # resolved from the template, never guessed from output.
+        self._tools = ToolCallSplitter(fmt) if fmt is not None else None
+        self.calls: list[ToolCallDone] = []
+        self._open: dict[int, list[Any]] = {}  # index -> [id, name, argument parts]
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+
+    def feed(self, text: str) -> list[ShapedEvent]:
+        if not text:
+            return []
+        return self._shape(self._split(text, final=False))
+
+    def finish(self) -> list[ShapedEvent]:
+        """The text held back at the end, and any call left open, closed."""
+        return self._shape(self._split("", final=True))
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.calls else reason
+
+    def message(self) -> dict[str, Any]:
+        """The OpenAI-shaped assistant message: ``content``,
+        ``reasoning_content`` (and ``reasoning``), ``tool_calls``."""
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        if not self.calls:
+            msg["content"] = msg["content"] or ""
+        if self.reasoning:
+            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.calls
+            ]
+        return msg
+
+    def _split(self, text: str, *, final: bool) -> list[Reasoning | ToolEvent]:
+        if self._reasoning is None:
+            pieces: list[Reasoning | Content] = [Content(text)] if text else []
+        else:
+            pieces = list(self._reasoning.feed(text)) if text else []
+            if final:
+                pieces += self._reasoning.finish()
+        out: list[Reasoning | ToolEvent] = []
+        for piece in pieces:
+            if isinstance(piece, Reasoning) or self._tools is None:
+                out.append(piece)
+            else:
+                out += self._tools.feed(piece.text)
+        if final and self._tools is not None:
+            out += self._tools.finish()
+        return out
+
+    def _shape(self, events: list[Reasoning | ToolEvent]) -> list[ShapedEvent]:
+        out: list[ShapedEvent] = []
+        for event in events:
+            match event:
+                case Reasoning(text=text) if text:
+                    self.reasoning.append(text)
+                    out.append(ReasoningDelta(text))
+                case Content(text=text) if text:
+                    self.content.append(text)
+                    out.append(TextDelta(text))
+                case CallStart(index=index, id=cid, name=name):
+                    self._open[index] = [cid, name, []]
+                    out.append(ToolCallDelta(index, cid, name))
+                case CallArgs(index=index, fragment=fragment) if fragment:
+                    self._open[index][2].append(fragment)
+                    out.append(ToolCallDelta(index, arguments=fragment))
+                case CallEnd(index=index):
+                    cid, name, parts = self._open.pop(index)
+                    done = ToolCallDone(index, cid, name, "".join(parts))
+                    self.calls.append(done)
+                    out.append(done)
+        return out
