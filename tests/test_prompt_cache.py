@@ -190,16 +190,31 @@ def test_a_shared_system_prompt_is_stored_once(trimmable: bool) -> None:
 
 def test_hybrid_keeps_checkpoints_at_boundaries_and_before_the_last_token() -> None:
     h = Harness(trimmable=False)
-    rid, adm, _ = h.start(request(P1, boundaries=(40, 90)))
-    assert [len(s) for s in adm.segments] == [40, 50, 9, 1]
+    rid, adm, _ = h.start(request(P1, boundaries=(40, 80)))
+    assert [len(s) for s in adm.segments] == [40, 40, 19, 1]
     h.prefill(rid, adm)
     h.cache.finished(rid, cap((*P1, 900), False))
     ends = sorted(e.end for e in h.cache.store)
-    assert ends == [40, 90, 99, 101]
+    assert ends == [40, 80, 99, 101]
     # The same prompt again (a retry, a regenerate): all but the last token.
-    assert h.run(request(P1, boundaries=(40, 90))) == 99
+    assert h.run(request(P1, boundaries=(40, 80))) == 99
     # A next turn re-rendering the reply: the end of the history.
-    assert h.run(request((*P1[:90], 7, 7, 7, *range(300, 320)), boundaries=(40, 110))) == 90
+    assert h.run(request((*P1[:80], 7, 7, 7, *range(300, 320)), boundaries=(40, 110))) == 80
+
+
+@pytest.mark.parametrize("finish", [True, False])
+def test_a_retry_checkpoint_next_to_a_boundary_is_kept_only_for_a_cancel(finish: bool) -> None:
+    h = Harness(trimmable=False)
+    rid, adm, _ = h.start(request(P1, boundaries=(40, 95)))
+    h.prefill(rid, adm)
+    if finish:
+        h.cache.finished(rid, cap((*P1, 900), False))
+    else:
+        h.cache.cancelled(rid, cap((*P1, 900), False))
+    ends = sorted(e.end for e in h.cache.store)
+    # A finished turn's regenerate prefills 4 more tokens from the boundary;
+    # a client that left gets its retry at once.
+    assert ends == ([40, 95, 101] if finish else [40, 95, 99, 101])
 
 
 def test_hybrid_turns_prune_the_checkpoints_they_supersede() -> None:
@@ -395,11 +410,29 @@ def test_evict_removes_a_name_its_alternates_and_their_files(tmp_path: Path) -> 
 
 def test_a_restart_keeps_the_session_and_its_fallbacks(tmp_path: Path) -> None:
     h = Harness(trimmable=False, disk=tmp_path)
-    h.run(request(P1, cache_id="s", boundaries=(84,)))
+    h.run(request(P1, cache_id="s", boundaries=(70,)))
     h.cache.flush()
     restarted = Harness(trimmable=False, disk=tmp_path)
     # The last turn is re-rendered differently: the history checkpoint fits.
-    assert restarted.run(request((*P1[:90], 4242, 4243), cache_id="s")) == 84
+    assert restarted.run(request((*P1[:90], 4242, 4243), cache_id="s")) == 70
     # The retry checkpoint came back too.
     assert restarted.run(request(P2, cache_id="s")) == 99
     assert restarted.cache.inspect("s") is not None
+
+
+def test_a_rewritten_history_drops_the_abandoned_branch() -> None:
+    """A new user message that re-renders the history (reasoning dropped)
+    leaves the conversation's old branch: its checkpoints, never seeded
+    from, go once the rewritten turn saved its own."""
+    h = Harness(trimmable=False)
+    first = conversation(0, 1)
+    for t in range(1, 5):
+        prompt = conversation(0, t)
+        h.run(request(prompt, boundaries=(len(SYSTEM), len(first) - 1, len(prompt) - 1)))
+    old = {e.tokens for e in h.cache.store}
+    assert any(len(t) > 120 for t in old)  # the old branch's latest states
+    rewrite = (*first[:-1], 4242, *range(3000, 3040), *HEADER)
+    reused = h.run(request(rewrite, boundaries=(len(SYSTEM), len(first) - 1, len(rewrite) - 1)))
+    assert reused == len(first) - 1
+    left = sorted(e.end for e in h.cache.store)
+    assert left == [len(SYSTEM), len(first) - 1, len(rewrite) - 1, len(rewrite) + 1]

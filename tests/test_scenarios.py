@@ -460,9 +460,11 @@ def test_interleaved_plain_conversations_each_resume_their_own_turn(trimmable: b
                     done = await finished(t, request)
                     if turn:
                         previous = chat_request(history[:-1], history[-1][0])
-                        # At least the whole previous prompt but its last
-                        # character ("assistant:" is re-rendered with a reply).
-                        assert done.usage.cached_tokens >= len(previous.prompt) - 1, (turn, i)
+                        assert previous.cache is not None
+                        # At least up to the end of the previous turn's history
+                        # (its reply is re-rendered from the text).
+                        history_end = previous.cache.boundaries[-1]
+                        assert done.usage.cached_tokens >= history_end, (turn, i)
                     history.append((f"question {turn} of {i}", "answer"))
             await assert_clean(t)
             return t.breakpoints.points

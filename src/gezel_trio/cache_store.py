@@ -241,6 +241,23 @@ class CacheStore:
             node, pos = below, pos + b
         return out
 
+    def extensions(self, entry: Entry) -> list[Entry]:
+        """Every other entry whose tokens start with ``entry``'s."""
+        if not entry.path:
+            return []
+        last = entry.path[-1]
+        assert last.parent is not None
+        cut = entry.end - last.start
+        out: list[Entry] = []
+        # Blocks that hold the same tokens up to the entry's end: its own and
+        # siblings that diverge after it.
+        stack = [n for n in last.parent.children.values() if n.tokens[:cut] == last.tokens[:cut]]
+        while stack:
+            node = stack.pop()
+            out += (e for e in node.ends if e is not entry and e.end >= entry.end)
+            stack.extend(node.children.values())
+        return out
+
     def _covering(self, node: Node, pos: int) -> Entry | None:
         """The most recently used entry whose path passes position ``pos``
         inside ``node`` (one must exist: ``node`` is referenced)."""

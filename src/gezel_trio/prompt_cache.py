@@ -367,7 +367,7 @@ class PromptCache:
                 roster=cr.roster,
                 persist=cr.persist,
             )
-            self._prune_lineage(seq, saved)
+            self._prune_lineage(seq, saved, finished=True)
             if not cr.prefix_ids:
                 return
             if self._trimmable:
@@ -409,7 +409,7 @@ class PromptCache:
                 len(cap.tokens),
                 seq.reuse,
             )
-            self._prune_lineage(seq, saved)
+            self._prune_lineage(seq, saved, finished=False)
         finally:
             self._release(seq)
 
@@ -452,32 +452,53 @@ class PromptCache:
             self.store.unpin_name(seq.cache.cache_id)
         self.version += 1  # the published view shows pins
 
-    def _prune_lineage(self, seq: _Seq, saved: Entry | None) -> None:
-        """Untrimmable models: once this turn saved its state, the older
-        checkpoints inside its prompt that it did not plan itself are
-        superseded - the previous turn's post-generation state, retry and
-        history cuts. What the renderer still calls a boundary (the system
-        turn's end, where a new user turn would rewrite the history) stays,
-        as do named entries and anything a live request holds. Without this a
-        hybrid model kept four fixed-size recurrent states per turn for the
-        whole conversation (33.7 MiB after 10 agent turns on the bench model,
-        against 31.1 MiB for mlx_lm.server's ten-entry LRU)."""
+    def _prune_lineage(self, seq: _Seq, saved: Entry | None, *, finished: bool) -> None:
+        """Untrimmable models keep a fixed-size recurrent state per checkpoint
+        (0.8 MiB on the bench hybrid model), so once a turn saved its state,
+        what it superseded goes:
+
+        * the older checkpoints inside its prompt that it does not still call
+          a boundary - the previous turn's post-generation state, retry and
+          history cuts. For each boundary (the system turn's end, where a new
+          user turn would rewrite the history) the deepest checkpoint at or
+          before it stays;
+        * a finished turn's retry checkpoint, when a boundary lies within the
+          snapshot margin before it (a regenerate then prefills those few
+          tokens; a cancelled turn keeps it, for the retry that follows);
+        * when the turn left its conversation's own path after the system
+          turn (a new user message re-rendered the history), the abandoned
+          branch's checkpoints that nobody ever seeded from.
+
+        Named entries and anything a live request holds always stay. Without
+        this, four agents of ten turns held 47 MiB of checkpoints and KV on the
+        bench hybrid model, where mlx_lm.server's ten-entry LRU holds 34 MiB
+        (and re-prefills 2.3 times more)."""
         cr, prompt = seq.cache, seq.prompt
         if self._trimmable or saved is None or not cr.boundaries:
             return  # a request that does not know its message boundaries prunes nothing
-        marks = {*cr.boundaries, *seq.cuts, len(prompt) - 1}
+        retry = len(prompt) - 1
+        marks = {*cr.boundaries, *(pos for pos, roles in seq.cuts.items() if roles != {"retry"})}
         if cr.band_end is not None:
             marks.add(cr.band_end - SNAPSHOT_MARGIN)
-        entries = self.store.prefixes(prompt, limit=len(prompt) - 1)
-        # For each boundary, the checkpoint a prompt diverging there would use:
-        # the deepest one at or before it (the boundary itself may lie inside
+        if not (finished and any(retry - SNAPSHOT_MARGIN <= b < retry for b in marks)):
+            marks.add(retry)
+        entries = self.store.prefixes(prompt, limit=retry)
+        # For each mark, the checkpoint a prompt diverging there would use:
+        # the deepest one at or before it (the mark itself may lie inside
         # what this turn reused, where no new checkpoint was cut).
         ends = sorted({e.end for e in entries})
         keep = {max((n for n in ends if n <= mark), default=0) for mark in marks}
+        victims = [e for e in entries if e is not saved and e.end not in keep]
+        seed = seq.seed
+        if seed is not None and seed.end > min(cr.boundaries):
+            on_path = set(map(id, self.store.prefixes(saved.tokens)))
+            victims += [
+                e for e in self.store.extensions(seed) if id(e) not in on_path and e.hits == 0
+            ]
         dropped = 0
-        for entry in entries:
+        for entry in victims:
             held = entry.pins - (1 if entry is seq.seed else 0)
-            if entry is saved or entry.key is not None or held > 0 or entry.end in keep:
+            if entry.key is not None or held > 0:
                 continue
             self.store.remove(entry)
             dropped += 1
