@@ -23,6 +23,7 @@ from .errors import (
     InvalidRequest,
     ModelLoadError,
     QueueFull,
+    RequestFailed,
     SlowConsumer,
 )
 from .events import (
@@ -60,6 +61,7 @@ __all__ = [
     "Progress",
     "QueueFull",
     "Queued",
+    "RequestFailed",
     "RequestHandle",
     "Resumed",
     "SamplingParams",

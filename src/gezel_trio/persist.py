@@ -20,6 +20,7 @@ as a miss or a failed save, never raised into a request.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -98,11 +99,14 @@ class DiskCache:
         self.dir = Path(root) / f"{self.fingerprint}-v{FORMAT_VERSION}"
         self._codec = codec
         self.writable = True
+        # The current write trouble, logged once per cause (/health shows it).
+        self.problem: str | None = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._sweep_temp_files()
         except OSError as exc:
             self.writable = False
+            self.problem = f"persist dir unusable: {exc}"
             log.warning("persist dir %s unusable (%s): disk cache disabled", self.dir, exc)
 
     def path_for(self, cache_id: str) -> Path:
@@ -127,6 +131,7 @@ class DiskCache:
             "gezel_roster": roster,
         }
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)  # removed while serving: recreate
             self._codec.dump_state(state, meta, tmp)
             digest = hashlib.sha256()
             with tmp.open("rb") as f:
@@ -139,10 +144,21 @@ class DiskCache:
             os.replace(tmp, final)
             self._fsync_dir()
         except Exception as exc:  # OSError, or the codec's own errors
-            log.warning("cache save failed cache_id=%r: %s", _short(cache_id), exc)
-            tmp.unlink(missing_ok=True)
+            self._trouble(exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             return False
+        if self.problem is not None:
+            log.warning("cache saves work again (after: %s)", self.problem)
+            self.problem = None
         return True
+
+    def _trouble(self, exc: Exception) -> None:
+        """A failed save: logged when its cause is new, not once per entry."""
+        cause = f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
+        if cause != self.problem:
+            log.warning("cache saves failing in %s: %s", self.dir, cause)
+        self.problem = cause
 
     # --- read --------------------------------------------------------------
 

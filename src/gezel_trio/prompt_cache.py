@@ -547,11 +547,15 @@ class PromptCache:
 
     # --- commands from the Trio side ---------------------------------------
 
-    def flush(self) -> int:
-        """Write every dirty entry to disk; returns how many were written."""
+    def flush(self, deadline: float | None = None) -> int:
+        """Write every dirty entry to disk; returns how many were written.
+        Stops once ``time.monotonic()`` passes ``deadline`` (shutdown)."""
         written = 0
         for entry in list(self.store):
             if entry.dirty and entry.kind != "anonymous" and self.disk is not None:
+                if deadline is not None and time.monotonic() > deadline:
+                    log.warning("flush stopped at its deadline; dirty entries left unwritten")
+                    break
                 self._write(entry)
                 written += 0 if entry.dirty else 1
         if written:
