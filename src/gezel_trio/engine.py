@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -236,7 +236,6 @@ class Engine:
         self._next_call = 0
         self._cache_view: tuple[CacheView, ...] = ()
         self._memory = 0
-        self.counters: Counter[str] = Counter()
         self.metrics = EngineMetrics()
         self.metrics.watch(self._snapshot)
         # Consecutive failed model steps, and the last failure (time, reason).
@@ -542,8 +541,6 @@ class Engine:
         for rid, event in report.events:
             self._observe(rid, event, now)
             self._deliver(rid, event)
-            if isinstance(event, Finished | Failed):
-                self._count(event)
         for rid in report.ended:
             self._scheduler.finished(rid)
             # A request withdrawn in the step it finished in leaves here.
@@ -574,8 +571,6 @@ class Engine:
             live = self._live[rid]
             live.admitted_at = live.drained_at = now
             self.metrics.queue.observe(now - live.submitted_at)
-        self.counters["admitted"] += len(admit)
-        self.counters["preempted"] += len(plan.parked)
         self.metrics.preemptions.inc(len(plan.parked))
         for rid, request in admit:
             log.info(
@@ -718,16 +713,6 @@ class Engine:
             self._withdraw(rid)
         except trio.BrokenResourceError:
             self._withdraw(rid)  # the reader closed its end: the client left
-
-    def _count(self, event: Finished | Failed) -> None:
-        """Totals for ``/metrics``."""
-        if isinstance(event, Failed):
-            self.counters["failed"] += 1
-            return
-        self.counters[f"finished_{event.reason}"] += 1
-        self.counters["prompt_tokens"] += event.usage.input_tokens
-        self.counters["cached_tokens"] += event.usage.cached_tokens
-        self.counters["generated_tokens"] += event.usage.output_tokens
 
     def _log_liveness(self, rid: int, live: _Live, event: Event) -> None:
         """The same liveness the stream shows, in the log (E6); prefill
