@@ -63,6 +63,8 @@ class ServerConfig:
     # Drain and exit once this process's parent is no longer this pid
     # (--exit-with-parent where the kernel cannot signal it: macOS).
     watch_parent: int | None = None
+    # Seconds a failed engine's server keeps answering before it drains.
+    dead_linger: float = DEAD_LINGER
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -87,6 +89,7 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
     config: EngineConfig,
     shutdown: trio.Event,
     died: list[EngineFailure],
+    linger: float,
     *,
     backend_factory: Callable[[EngineConfig], Backend] | None = None,
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
@@ -96,7 +99,7 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
     except EngineFailure as failure:  # only raised once the engine was ready
         died.append(failure)
         log.critical("the engine failed (%s): exiting after a drain", failure.message)
-        await trio.sleep(DEAD_LINGER)  # /health answers 503 with the reason meanwhile
+        await trio.sleep(linger)  # /health answers 503 with the reason meanwhile
         shutdown.set()
 
 
@@ -137,7 +140,11 @@ async def serve(
     died: list[EngineFailure] = []
     async with trio.open_nursery() as nursery:
         engine: Engine = await nursery.start(
-            partial(_run_engine, backend_factory=backend_factory), config.engine, shutdown, died
+            partial(_run_engine, backend_factory=backend_factory),
+            config.engine,
+            shutdown,
+            died,
+            config.dead_linger,
         )
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
         nursery.start_soon(_watch_signals, shutdown)
@@ -171,11 +178,14 @@ def exit_with_parent() -> int | None:
     return None
 
 
-def main_serve(config: ServerConfig) -> int:
-    """Run ``serve`` in a fresh Trio loop; a load failure is one clean line."""
+def main_serve(
+    config: ServerConfig, *, backend_factory: Callable[[EngineConfig], Backend] | None = None
+) -> int:
+    """Run ``serve`` in a fresh Trio loop; a load failure or an engine
+    failure is one clean line and exit status 1."""
     status = 0
     try:
-        trio.run(serve, config)
+        trio.run(partial(serve, config, backend_factory=backend_factory))
     except* GezelError as group:
         for err in group.exceptions:
             print(f"gezel-trio: {err}", file=sys.stderr)

@@ -537,7 +537,8 @@ def _describe(exc: BaseException, path: str = "") -> tuple[str, str | None]:
     if isinstance(exc, IterableValidationError):
         with_idx, without_idx = exc.group_exceptions()
         for sub, inote in with_idx:
-            return _describe(sub, f"{path}[{inote.index}]")
+            key = inote.index
+            return _describe(sub, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
         for sub in without_idx:
             return _describe(sub, path)
     if isinstance(exc, _FieldInvalid):
