@@ -111,6 +111,10 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
 
     @app.before_request
     async def guard() -> Response | None:
+        # Every body is read, whatever the route does with it: hypercorn can
+        # stall the next request on a keep-alive connection when a response
+        # goes out before the body was received (a GET with a body, a 404).
+        await request.get_data(cache=True)
         try:
             # DNS rebinding: a page on evil.example resolving to 127.0.0.1 must
             # not reach a loopback-bound server.
