@@ -216,6 +216,9 @@ def _bounded(body: Any) -> Any:
     return body
 
 
+_GET_ROUTES = ["/v1/models", "/health", "/metrics", "/openapi.json", "/v1/cache/stats"]
+
+
 @st.composite
 def requests(draw: st.DrawFn) -> Request:
     """One request to any route, well-formed or not."""
