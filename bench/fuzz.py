@@ -27,11 +27,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import httpx2 as httpx  # noqa: E402 - after the path set-up above
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-
-from bench._common import gezel_server, write_json  # noqa: E402
-from tests.fuzzing import (  # noqa: E402
+import httpx2 as httpx
+from bench._common import gezel_server, write_json
+from hypothesis import HealthCheck, given, settings
+from tests.fuzzing import (
     FUZZ_SERVER_ARGS,
     HealthyStream,
     Request,
