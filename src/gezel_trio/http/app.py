@@ -141,7 +141,11 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             return refuse(NotFound(f"no route {request.method} {request.path}"))
         if status == 405:
             message = f"method {request.method} is not allowed on {request.path}"
-            return refuse(HttpError(405, "method_not_allowed", message))
+            resp = refuse(HttpError(405, "method_not_allowed", message))
+            allowed = getattr(exc, "valid_methods", None)
+            if allowed:
+                resp.headers["Allow"] = ", ".join(sorted(allowed))
+            return resp
         if status == 413:
             message = f"the request body exceeds {settings.max_body_bytes} bytes"
             return refuse(HttpError(413, "body_too_large", message))
@@ -217,7 +221,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             response_format=attrs.asdict(req.response_format) if req.response_format else None,
             tools=tools,
             tool_choice=req.tool_choice,
-            tool_grammar=req.tool_grammar,
+            tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
         )
         gen = GenerationRequest(
             prompt=prompt,

@@ -129,6 +129,21 @@ def _constrain(prop: dict[str, Any], field: attrs.Attribute[Any]) -> None:
     if field.name == "messages":
         target["minItems"] = 1
         target["maxItems"] = wire.MAX_MESSAGES
+    if field.name in _CACHE_ID_FIELDS:
+        target.update(_CACHE_ID)
+    if field.name == "prefix_cache_ids":
+        target["items"] = dict(_CACHE_ID)
+        target["maxItems"] = wire.MAX_PREFIX_IDS
+
+
+_CACHE_ID_FIELDS = ("cache_id", "prefix_cache_id", "prompt_cache_key")
+# What ``wire.check_cache_id`` accepts: 1..4096 characters, no control characters.
+_CACHE_ID = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": wire.MAX_CACHE_ID_CHARS,
+    "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$",
+}
 
 
 def _error_response(description: str) -> dict[str, Any]:
@@ -200,7 +215,7 @@ def document(model_id: str) -> dict[str, Any]:
         "chat.completion.chunk events ending in data: [DONE].",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"schema": {}},
         },
     }
     chat_op = {
@@ -260,7 +275,7 @@ def document(model_id: str) -> dict[str, Any]:
                         "name": "cache_id",
                         "in": "path",
                         "required": True,
-                        "schema": {"type": "string", "minLength": 1},
+                        "schema": dict(_CACHE_ID),
                     }
                 ],
                 "responses": _responses(_json_ok("What was deleted."), "400"),

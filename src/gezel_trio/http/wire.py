@@ -264,6 +264,13 @@ class WarmRequest:
 
 
 @attrs.frozen
+class ToolGrammar:
+    """gezel: constrain what the model may call (T3)."""
+
+    mode: Literal["name-only"]
+
+
+@attrs.frozen
 class StreamOptions:
     include_usage: bool = False
     include_obfuscation: bool | None = None
@@ -345,7 +352,7 @@ class ChatCompletionRequest:
     chat_template_override: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     max_thinking_tokens: int | None = attrs.field(default=None, validator=_range(0, None))
-    tool_grammar: dict[str, Any] | None = None
+    tool_grammar: ToolGrammar | None = None
     disable_speculation: bool = False
 
     @messages.validator
