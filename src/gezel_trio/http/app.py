@@ -171,6 +171,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             "model": engine.info.model_id,
             "queued": len(state.queued),
             "running": len(state.running),
+            "live": state.live,
             "step": state.step,
         }
         status = 503 if h.status in ("failed", "shutting_down") else 200
