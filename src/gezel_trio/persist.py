@@ -154,8 +154,13 @@ class DiskCache:
         return True
 
     def _trouble(self, exc: Exception) -> None:
-        """A failed save: logged when its cause is new, not once per entry."""
-        cause = f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
+        """A failed save: logged when its cause is new, not once per entry.
+        The codec's own error may not say why (MLX reports a full disk as
+        "Unable to write N bytes"): a small probe write names the OS's reason."""
+        cause = self._probe() if not isinstance(exc, OSError) else None
+        if cause is None:
+            detail = str(getattr(exc, "strerror", None) or exc)
+            cause = re.sub(r"/\S+|\d+", "_", detail)  # paths and sizes vary per entry
         if cause != self.problem:
             log.warning("cache saves failing in %s: %s", self.dir, cause)
         self.problem = cause
@@ -274,6 +279,21 @@ class DiskCache:
         for p in self.dir.glob(".*" + _TMP_SUFFIX):
             p.unlink(missing_ok=True)
             log.info("removed a temp file left by an interrupted write: %s", p.name)
+
+    def _probe(self) -> str | None:
+        """The OS's reason a write in the directory fails now, if it does."""
+        probe = self.dir / ".gezel-write-probe"
+        try:
+            with probe.open("wb") as f:
+                f.write(bytes(1 << 16))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+        return None
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)
