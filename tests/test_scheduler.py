@@ -189,3 +189,28 @@ def test_invariants_hold_under_any_event_sequence(
         assert not set(s.running) & set(s.queued)
         if interactive:
             assert set(s.parked) == set(background), "background never steps beside interactive"
+
+
+def test_a_parked_wave_takes_turns_once_parked_for_max_park() -> None:
+    s = Scheduler(max_running=2, max_queue=4, max_park=10.0)
+    s.enqueue(0, "background")
+    assert s.plan(now=0.0).lane == "background"
+    s.enqueue(1, "interactive")
+    plan = s.plan(now=1.0)
+    assert (plan.lane, plan.parked) == ("interactive", (0,))
+    assert s.plan(now=10.9).lane == "interactive", "parked for less than max_park"
+    plan = s.plan(now=11.0)
+    assert (plan.lane, plan.resumed) == ("background", (0,))
+    assert [s.plan(now=12.0 + i).lane for i in range(4)] == [
+        "interactive",
+        "background",
+        "interactive",
+        "background",
+    ]
+    s.finished(0)  # the starved wave drained: parking applies again
+    s.enqueue(2, "background")
+    s.enqueue(3, "interactive")
+    assert s.plan(now=20.0).lane == "interactive"
+    s.finished(1)
+    s.finished(3)
+    assert s.plan(now=21.0).lane == "background"

@@ -219,20 +219,26 @@ def test_non_json_content_type_is_refused(server: Server) -> None:
 
 
 def test_metrics_count_what_was_served(server: Server) -> None:
-    before = _metric(server, 'gezel_tokens_total{kind="generated"}')
+    before = _metric(server, "gezel_generation_tokens_total")
+    ttfts = _metric(server, "gezel_time_to_first_token_seconds_count")
+    lengths = _metric(server, 'gezel_requests_total{error="",outcome="length"}', missing=0.0)
     server.client.chat.completions.create(
         model="demo", messages=MSG, max_tokens=3, extra_body=FIXED
     )
-    after = _metric(server, 'gezel_tokens_total{kind="generated"}')
-    assert after == before + 3
-    assert _metric(server, 'gezel_sequences{state="running"}') == 0
+    assert _metric(server, "gezel_generation_tokens_total") == before + 3
+    assert _metric(server, "gezel_time_to_first_token_seconds_count") == ttfts + 1
+    assert _metric(server, 'gezel_requests_total{error="",outcome="length"}') == lengths + 1
+    assert _metric(server, "gezel_num_requests_running") == 0
+    assert _metric(server, "gezel_mlx_active_memory_bytes") > 0
 
 
-def _metric(server: Server, name: str) -> float:
+def _metric(server: Server, name: str, missing: float | None = None) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
+    if missing is not None:
+        return missing
     raise AssertionError(f"{name} missing from /metrics")
 
 

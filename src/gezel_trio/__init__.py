@@ -31,6 +31,7 @@ from .errors import (
     InvalidRequest,
     ModelLoadError,
     QueueFull,
+    RequestFailed,
     SlowConsumer,
 )
 from .events import (
@@ -76,6 +77,7 @@ __all__ = [
     "QueueFull",
     "Queued",
     "ReasoningDelta",
+    "RequestFailed",
     "RequestHandle",
     "Resumed",
     "SamplingParams",

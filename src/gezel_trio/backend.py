@@ -14,7 +14,6 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from .errors import GezelError
 from .prompt import RenderedPrompt
 from .request import GenerationRequest, Priority
 
@@ -74,6 +73,9 @@ class ModelInfo:
     think_markers: tuple[str, str] | None = None
     # The tool-call markup family of the chat template (``toolcalls.resolve_format``).
     tool_format: str | None = None
+    # Width of the model's logits: every token id a request names (logit_bias)
+    # must be below it. 0: unknown (no such check).
+    vocab_size: int = 0
 
 
 @attrs.frozen
@@ -127,8 +129,14 @@ class Captured:
 
 @attrs.frozen
 class StepOutput:
+    """One step's results. ``failed`` names sequences whose own code (a
+    sampler, a logits processor) raised during the step: the backend gave
+    them a harmless value so the batch could finish the step, and the host
+    fails and removes them before the next one."""
+
     prefill: tuple[PrefillOut, ...] = ()
     tokens: tuple[TokenOut, ...] = ()
+    failed: tuple[tuple[int, Exception], ...] = ()
 
 
 class ConstraintCompiler(Protocol):
@@ -164,7 +172,7 @@ class Backend(Protocol):
         """A fresh streaming detokenizer for one sequence."""
         ...
 
-    def insert(self, admissions: Sequence[Admission]) -> dict[int, GezelError]:
+    def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:
         """Queue sequences into the batch; they prefill on later steps.
         Returns the admissions refused (for example a grammar this model's
         tokenizer cannot serve), which were not inserted."""
@@ -223,8 +231,9 @@ class Backend(Protocol):
         """Return cached buffers to the system (between turns, under pressure)."""
         ...
 
-    def reset(self) -> None:
-        """Forget every sequence (after a failed step left the batch unknown)."""
+    def reset(self, lane: Priority) -> None:
+        """Forget every sequence of ``lane`` (after its step failed and left
+        the batch unknown); the other lane is untouched."""
         ...
 
     def close(self) -> None: ...

@@ -84,6 +84,31 @@ def _parser() -> argparse.ArgumentParser:
         help="on the CPU, keep quantized and half-precision weights as stored "
         "(default: float32, which MLX's CPU kernels multiply many times faster)",
     )
+    s.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=30.0,
+        help="withdraw a running request whose client read nothing for this many seconds "
+        "(0: never)",
+    )
+    s.add_argument(
+        "--max-park-seconds",
+        type=float,
+        default=30.0,
+        help="a parked background wave resumes (taking turns) after this many seconds",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="bound on the shutdown flush of dirty cache entries to disk",
+    )
+    s.add_argument(
+        "--max-step-failures",
+        type=int,
+        default=3,
+        help="exit non-zero after this many consecutive failed model steps",
+    )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
@@ -95,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--exit-with-parent",
         action="store_true",
-        help="drain and exit when the parent process dies (sidecar use; Linux)",
+        help="drain and exit when the parent process dies (sidecar use)",
     )
     s.add_argument("--log-level", default="INFO")
 
@@ -158,10 +183,21 @@ def main(argv: list[str] | None = None) -> int:
             cache_budget_mb=args.cache_budget_mb,
             disk_cache_budget_mb=args.disk_cache_budget_mb,
             memory_limit_mb=args.memory_limit_mb,
+            stall_timeout=args.stall_timeout or None,
+            max_park_seconds=args.max_park_seconds,
+            shutdown_timeout=args.shutdown_timeout,
+            max_step_failures=args.max_step_failures,
         )
     except ValueError as exc:
         print(f"gezel-trio: {exc}", file=sys.stderr)
         return 2
+    watch_parent = None
+    if args.exit_with_parent:
+        try:
+            watch_parent = exit_with_parent()
+        except OSError as exc:
+            print(f"gezel-trio: {exc}", file=sys.stderr)
+            return 2
     config = ServerConfig(
         engine=engine,
         http=HttpSettings(
@@ -171,11 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         ),
         port=args.port,
         graceful_timeout=args.graceful_timeout,
+        watch_parent=watch_parent,
     )
-    if args.exit_with_parent:
-        try:
-            exit_with_parent()
-        except (OSError, RuntimeError) as exc:
-            print(f"gezel-trio: {exc}", file=sys.stderr)
-            return 2
     return main_serve(config)

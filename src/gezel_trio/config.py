@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -12,6 +13,11 @@ __all__ = ["EngineConfig"]
 def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attr.name} must be >= 1, got {value}")
+
+
+def _optional_positive(_: object, attr: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attr.name} must be > 0, got {value}")
 
 
 @attrs.frozen
@@ -45,3 +51,14 @@ class EngineConfig:
     # Overrides the fingerprint computed from the model directory.
     model_fingerprint: str | None = None
     keep_quantized: bool = False
+    # A running request whose reader drained nothing for this long is
+    # withdrawn (its cache saved like any cancellation); ``None``: never.
+    stall_timeout: float | None = attrs.field(default=30.0, validator=_optional_positive)
+    # A parked background wave waits at most this long for interactive work;
+    # after it, the two lanes take turns until the wave drains (E3).
+    max_park_seconds: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    # Bound on the shutdown flush of dirty cache entries to disk.
+    shutdown_timeout: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    # After this many consecutive failed model steps the engine stops with
+    # ``EngineFailure`` (the process exits non-zero for its supervisor).
+    max_step_failures: int = attrs.field(default=3, validator=_positive)

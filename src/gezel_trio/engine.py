@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
@@ -34,9 +34,26 @@ import trio
 from .backend import Backend, ConstraintCompiler, ModelInfo, PromptRenderer
 from .chat import ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
 from .config import EngineConfig
-from .errors import EngineClosed, GezelError, InvalidRequest, ModelLoadError, SlowConsumer
-from .events import Event, Failed, Finished, Parked, Progress, Queued, Resumed
-from .host_thread import HostCommand, Observer, Orders, StepReport, run_host, run_host_inline
+from .errors import (
+    EngineClosed,
+    EngineFailure,
+    GezelError,
+    InvalidRequest,
+    ModelLoadError,
+    RequestFailed,
+    SlowConsumer,
+)
+from .events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed
+from .host_thread import (
+    CommandFailed,
+    HostCommand,
+    Observer,
+    Orders,
+    StepReport,
+    run_host,
+    run_host_inline,
+)
+from .metrics import EngineMetrics, Snapshot
 from .prompt import RenderedPrompt
 from .prompt_cache import CacheSnapshot, CacheTotals, CacheView
 from .request import CacheRequest, GenerationRequest
@@ -46,7 +63,7 @@ from .shaping.shaper import Shaper
 if TYPE_CHECKING:
     from .grammar import Constraint
 
-__all__ = ["Engine", "EngineState", "RequestHandle", "open_engine", "run_engine"]
+__all__ = ["Engine", "EngineState", "Health", "RequestHandle", "open_engine", "run_engine"]
 
 log = logging.getLogger("gezel_trio.engine")
 
@@ -54,6 +71,11 @@ log = logging.getLogger("gezel_trio.engine")
 # final event. A reader that falls further behind than this is dropped rather
 # than allowed to stall the engine (docs/architecture.md, "Backpressure").
 _EVENT_SLACK = 256
+# How long /health keeps saying "degraded" after a failed model step.
+DEGRADED_FOR = 60.0
+# Bounds on what a request may ask of the model (W2, O3).
+MAX_TOP_LOGPROBS = 20
+MAX_REPETITION_CONTEXT = 8192
 
 
 @attrs.frozen
@@ -63,6 +85,16 @@ class Removal:
     rid: int
     withdrawn_at_step: int
     removed_at_step: int
+
+
+@attrs.frozen
+class Health:
+    """What ``/health`` says: ``ok``, ``degraded`` (serving, with
+    ``reasons``), ``shutting_down``, or ``failed`` (the engine stopped
+    working; ``reasons`` says why)."""
+
+    status: str
+    reasons: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -100,8 +132,16 @@ class _Live:
     request: GenerationRequest
     send: trio.MemorySendChannel[Event]
     ticket: _Ticket
+    submitted_at: float
     position: int | None = None
     logged_at: float = float("-inf")
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # Stall detection: events buffered after the last exchange, and when the
+    # reader was last seen draining.
+    buffered: int = 0
+    drained_at: float = 0.0
 
 
 _LIVENESS_LOG_EVERY = 5.0
@@ -181,6 +221,7 @@ class Engine:
             max_running=config.max_concurrency,
             max_queue=config.max_queue,
             continuous=config.continuous_batching,
+            max_park=config.max_park_seconds,
         )
         self._live: dict[int, _Live] = {}
         # Running sequences whose caller left, with the step at which it left.
@@ -197,7 +238,14 @@ class Engine:
         self._next_call = 0
         self._cache_view = CacheSnapshot()
         self._memory = 0
-        self.counters: Counter[str] = Counter()
+        self.metrics = EngineMetrics()
+        self.metrics.watch(self._snapshot)
+        # Consecutive failed model steps, and the last failure (time, reason).
+        self._step_failures = 0
+        self._last_step_failure: tuple[float, str] | None = None
+        self._persistence: str | None = None
+        # Why the engine stopped working, once it has (EngineFailure).
+        self._failure: EngineFailure | None = None
 
     # --- public API --------------------------------------------------------
 
@@ -323,10 +371,78 @@ class Engine:
         return self.submit_chat_nowait(prepared)
 
     def check_admission(self) -> None:
-        """Raise ``EngineClosed`` or ``QueueFull`` if a request would be refused now."""
+        """Raise ``EngineFailure``, ``EngineClosed`` or ``QueueFull`` if a
+        request would be refused now."""
+        if self._failure is not None:
+            raise EngineFailure(self._failure.message)
         if self._closing:
             raise EngineClosed("the server is shutting down")
         self._scheduler.check_room()
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """Raise ``InvalidRequest`` (naming the field) unless ``request`` is
+        something this model can serve: token ids inside the vocabulary,
+        finite sampling numbers in range, ``max_tokens`` inside the context
+        window. ``submit_nowait`` runs it; the HTTP layer runs it before a
+        stream starts, so a bad request is a 400, never an error frame."""
+        if not request.prompt:
+            raise InvalidRequest("the prompt is empty", param="messages")
+        if request.max_tokens < 1:
+            raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
+        self.bound_max_tokens(len(request.prompt), request.max_tokens)
+        vocab = self.info.vocab_size
+        if vocab and not all(0 <= t < vocab for t in request.prompt):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        p = request.sampling
+        for name, value, lo, hi in (
+            ("temperature", p.temperature, 0.0, math.inf),
+            ("top_p", p.top_p, 0.0, 1.0),
+            ("min_p", p.min_p, 0.0, 1.0),
+            ("presence_penalty", p.presence_penalty, -math.inf, math.inf),
+            ("frequency_penalty", p.frequency_penalty, -math.inf, math.inf),
+            ("repetition_penalty", p.repetition_penalty, 0.0, math.inf),
+        ):
+            if value is not None and not (math.isfinite(value) and lo <= value <= hi):
+                raise InvalidRequest(f"{name} must be a finite number in [{lo}, {hi}]", param=name)
+        if p.top_k < -1:
+            raise InvalidRequest("top_k must be >= -1 (-1 or 0: no top-k)", param="top_k")
+        if not 1 <= p.repetition_context_size <= MAX_REPETITION_CONTEXT:
+            raise InvalidRequest(
+                f"repetition_context_size must be in [1, {MAX_REPETITION_CONTEXT}]",
+                param="repetition_context_size",
+            )
+        for token, bias in p.logit_bias:
+            if not (0 <= token < vocab or (not vocab and token >= 0)):
+                raise InvalidRequest(
+                    f"logit_bias names token {token}, outside the vocabulary [0, {vocab})",
+                    param="logit_bias",
+                )
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise InvalidRequest(
+                    "logit_bias values must be finite numbers in [-100, 100]", param="logit_bias"
+                )
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
+            )
+        if request.min_tokens < 0:
+            raise InvalidRequest("min_tokens must be >= 0", param="min_tokens")
+        if request.max_thinking_tokens is not None and request.max_thinking_tokens < 0:
+            raise InvalidRequest("max_thinking_tokens must be >= 0", param="max_thinking_tokens")
+
+    def health(self) -> Health:
+        """The engine's condition for ``/health``."""
+        if self._failure is not None:
+            return Health("failed", (self._failure.message,))
+        if self._closing:
+            return Health("shutting_down")
+        reasons = []
+        last = self._last_step_failure
+        if last is not None and trio.current_time() - last[0] < DEGRADED_FOR:
+            reasons.append(f"a model step failed: {last[1]}")
+        if self._persistence is not None:
+            reasons.append(f"persistence: {self._persistence}")
+        return Health("degraded" if reasons else "ok", tuple(reasons))
 
     def bound_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """The ``max_tokens`` a request may have: at most what the context
@@ -356,17 +472,13 @@ class Engine:
         leaving it, by any path including cancellation, withdraws the request.
         """
         self.check_admission()
-        if not request.prompt:
-            raise InvalidRequest("the prompt is empty", param="messages")
-        if request.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
-        self.bound_max_tokens(len(request.prompt), request.max_tokens)
+        self.check_request(request)
         rid = self._next_rid
         self._next_rid += 1
         send, receive = trio.open_memory_channel[Event](request.max_tokens + _EVENT_SLACK)
         self._scheduler.enqueue(rid, request.priority)
         ticket = _Ticket()
-        self._live[rid] = _Live(request, send, ticket)
+        self._live[rid] = _Live(request, send, ticket, submitted_at=trio.current_time())
         self._wake.set()
         self._notify()
         return RequestHandle(self, rid, receive, ticket)
@@ -429,6 +541,8 @@ class Engine:
             self._calls.pop(cid, None)
         if call.result is _NO_RESULT:
             raise EngineClosed("the engine stopped before the command ran")
+        if isinstance(call.result, CommandFailed):
+            raise RequestFailed(f"the cache command failed: {call.result.error}")
         return call.result
 
     async def settle(self) -> None:
@@ -441,16 +555,27 @@ class Engine:
         ``EngineClosed``. The host thread stops at its next exchange."""
         if self._closing:
             return
+        self._fail_everything(EngineClosed("the engine shut down"))
+
+    def _fail_everything(self, error: GezelError) -> None:
+        """Stop admitting; fail every queued and running request with ``error``."""
         self._closing = True
         queued, running = self._scheduler.withdraw_all()
         for rid in running:
             self._withdrawn.setdefault(rid, self._step)
         for rid in (*queued, *running):
-            self._end(rid, Failed(EngineClosed("the engine shut down")))
+            self._end(rid, Failed(error))
         for call in self._calls.values():
             call.done.set()  # result stays _NO_RESULT: the caller gets EngineClosed
         self._wake.set()
         self._notify()
+
+    def _die(self, error: EngineFailure) -> None:
+        """The engine stopped working: ``/health`` fails with the reason and
+        every request, queued or running, fails with ``error``."""
+        if self._failure is None:
+            self._failure = error
+        self._fail_everything(error)
 
     # --- the host thread's side (called through trio.from_thread) ----------
 
@@ -465,22 +590,28 @@ class Engine:
         self._task_status = None
 
     def exchange(self, report: StepReport) -> Orders:
+        now = trio.current_time()
         if report.cache_view is not None:
             self._cache_view = report.cache_view
+        self._persistence = report.persistence
         for cid, result in report.replies:
             call = self._calls.pop(cid, None)
             if call is not None:
                 call.result = result
                 call.done.set()
+        self._check_stalls(now)
         for rid, event in report.events:
+            self._observe(rid, event, now)
             self._deliver(rid, event)
-            if isinstance(event, Finished | Failed):
-                self._count(event)
         for rid in report.ended:
             self._scheduler.finished(rid)
+            # A request withdrawn in the step it finished in leaves here.
+            self._withdrawn.pop(rid, None)
             self._end(rid, None)
         if report.events or report.ended:
             self._step += 1
+        if self._failed_step(report, now):
+            return Orders(stop=True)
         # Anything submitted after this point wakes an idle host thread.
         self._wake = trio.Event()
         cancelled = trio.current_effective_deadline() == -math.inf
@@ -488,7 +619,7 @@ class Engine:
             self.close_nowait()
         if report.memory is not None:
             self._memory = report.memory
-        plan = self._scheduler.plan(memory_tight=self.memory_tight)
+        plan = self._scheduler.plan(memory_tight=self.memory_tight, now=now)
         for rid in plan.parked:
             self._deliver(rid, Parked())
         for rid in plan.resumed:
@@ -498,8 +629,11 @@ class Engine:
             left_at = self._withdrawn.pop(rid, self._step)
             self._removals.append(Removal(rid, left_at, self._step))
         admit = tuple((rid, self._live[rid].request) for rid in plan.admit)
-        self.counters["admitted"] += len(admit)
-        self.counters["preempted"] += len(plan.parked)
+        for rid in plan.admit:
+            live = self._live[rid]
+            live.admitted_at = live.drained_at = now
+            self.metrics.queue.observe(now - live.submitted_at)
+        self.metrics.preemptions.inc(len(plan.parked))
         for rid, request in admit:
             log.info(
                 "admit request %d priority=%s prompt=%d max_tokens=%d running=%d queued=%d",
@@ -512,6 +646,8 @@ class Engine:
             )
         stop = cancelled or (self._closing and self._scheduler.idle)
         commands, self._commands = tuple(self._commands), []
+        for live in self._live.values():
+            live.buffered = live.send.statistics().current_buffer_used
         self._notify()
         return Orders(
             stop=stop,
@@ -525,6 +661,90 @@ class Engine:
 
     async def wait_for_work(self) -> None:
         await self._wake.wait()
+
+    def _failed_step(self, report: StepReport, now: float) -> bool:
+        """Count consecutive failed model steps; at ``max_step_failures`` the
+        engine dies (True: the host must stop)."""
+        if report.step_failure is None:
+            if report.stepped:
+                self._step_failures = 0
+            return False
+        self._step_failures += 1
+        self._last_step_failure = (now, report.step_failure)
+        self.metrics.step_failures.inc()
+        limit = self.config.max_step_failures
+        if self._step_failures < limit:
+            return False
+        self._die(
+            EngineFailure(f"{limit} consecutive model steps failed; last: {report.step_failure}")
+        )
+        return True
+
+    def _check_stalls(self, now: float) -> None:
+        """Withdraw running requests whose reader drained nothing for
+        ``stall_timeout`` seconds (docs/architecture.md, "Backpressure")."""
+        limit = self.config.stall_timeout
+        if limit is None:
+            return
+        for rid in self._scheduler.running:
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            used = live.send.statistics().current_buffer_used
+            if used == 0 or used < live.buffered:
+                live.drained_at = now
+            elif now - live.drained_at >= limit:
+                log.warning(
+                    "request %d: the client drained nothing for %.0f s; withdrawn", rid, limit
+                )
+                live.ticket.error = SlowConsumer(
+                    f"the client read nothing for {limit:g} s; the request was withdrawn"
+                )
+                self.metrics.requests.labels("failed", SlowConsumer.code).inc()
+                self._withdraw(rid)
+
+    def _observe(self, rid: int, event: Event, now: float) -> None:
+        """Request timings for the latency histograms."""
+        live = self._live.get(rid)
+        if live is None:
+            return
+        m = self.metrics
+        match event:
+            case Delta(usage=usage):
+                if live.first_token_at is None:
+                    live.first_token_at = now
+                    m.ttft.observe(now - live.submitted_at)
+                    prefill = usage.input_tokens - usage.cached_tokens
+                    if live.admitted_at is not None and now > live.admitted_at and prefill > 0:
+                        m.prefill_rate.observe(prefill / (now - live.admitted_at))
+                elif live.last_token_at is not None:
+                    m.itl.observe(now - live.last_token_at)
+                live.last_token_at = now
+            case Finished(reason=reason, usage=usage):
+                m.e2e.observe(now - live.submitted_at)
+                m.requests.labels(reason, "").inc()
+                m.prompt_tokens.inc(usage.input_tokens)
+                m.cached_tokens.inc(usage.cached_tokens)
+                m.prefilled_tokens.inc(usage.input_tokens - usage.cached_tokens)
+                m.generation_tokens.inc(usage.output_tokens)
+            case Failed(error=error):
+                m.e2e.observe(now - live.submitted_at)
+                m.requests.labels("failed", error.code or "").inc()
+
+    def _snapshot(self) -> Snapshot:
+        state = self.state()
+        return Snapshot(
+            running=len(state.running),
+            waiting=len(state.queued),
+            parked=len(state.parked),
+            steps=state.step,
+            cache_entries=self.cache_totals.entries,
+            cache_bytes=self.cache_totals.bytes,
+            cache_blocks=self.cache_totals.blocks,
+            cache_lookups=self.cache_totals.lookups,
+            cache_hits=self.cache_totals.hits,
+            memory_bytes=self._memory,
+        )
 
     @property
     def memory_tight(self) -> bool:
@@ -559,16 +779,6 @@ class Engine:
         except trio.BrokenResourceError:
             self._withdraw(rid)  # the reader closed its end: the client left
 
-    def _count(self, event: Finished | Failed) -> None:
-        """Totals for ``/metrics``."""
-        if isinstance(event, Failed):
-            self.counters["failed"] += 1
-            return
-        self.counters[f"finished_{event.reason}"] += 1
-        self.counters["prompt_tokens"] += event.usage.input_tokens
-        self.counters["cached_tokens"] += event.usage.cached_tokens
-        self.counters["generated_tokens"] += event.usage.output_tokens
-
     def _log_liveness(self, rid: int, live: _Live, event: Event) -> None:
         """The same liveness the stream shows, in the log (E6); prefill
         progress at most every few seconds per request."""
@@ -586,6 +796,8 @@ class Engine:
             self._withdrawn.setdefault(rid, self._step)
         live = self._live.pop(rid, None)
         if live is not None:
+            if live.ticket.error is None:
+                self.metrics.requests.labels("withdrawn", "").inc()
             live.send.close()
         self._wake.set()
         self._notify()
@@ -631,6 +843,10 @@ async def run_engine(  # noqa: ASYNC128 - Engine.ready() calls started() from th
     loop as a Trio task instead, for backends that need no thread (tests). Cancelling this task
     fails every live request with ``EngineClosed``; the host thread finishes
     its current step, closes the backend and returns.
+
+    Raises ``ModelLoadError`` before ready; after it, ``EngineFailure`` when
+    the engine stops working (its host thread died, or ``max_step_failures``
+    model steps failed in a row) - every live request was failed with it.
     """
     make = backend_factory or _default_backend
     engine = Engine(config)
@@ -643,14 +859,20 @@ async def run_engine(  # noqa: ASYNC128 - Engine.ready() calls started() from th
             await trio.to_thread.run_sync(
                 run_host, engine, lambda: make(config), config, thread_name="gezel-mlx-host"
             )
-    except GezelError:
-        raise
     except Exception as exc:
         if engine._info is None:
+            if isinstance(exc, GezelError):
+                raise
             raise ModelLoadError(f"could not load the model: {type(exc).__name__}: {exc}") from exc
-        raise
+        # The host thread died: every request hears why, and so does the caller.
+        log.critical("the engine's host thread died", exc_info=exc)
+        death = EngineFailure(f"the engine's host thread died: {type(exc).__name__}: {exc}")
+        engine._die(death)
+        raise death from exc
     finally:
         engine.close_nowait()
+    if engine._failure is not None:
+        raise engine._failure  # too many failed model steps
 
 
 @asynccontextmanager

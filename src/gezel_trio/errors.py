@@ -15,6 +15,7 @@ __all__ = [
     "InvalidRequest",
     "ModelLoadError",
     "QueueFull",
+    "RequestFailed",
     "SlowConsumer",
 ]
 
@@ -67,11 +68,22 @@ class SlowConsumer(GezelError):
 
 
 class EngineFailure(GezelError):
-    """MLX raised while stepping; the affected sequences were failed."""
+    """The shared model step failed (the sequences in it were failed), or
+    the engine itself stopped working (every request fails with this)."""
 
     status = 500
     error_type = "server_error"
     code = "engine_failure"
+
+
+class RequestFailed(GezelError):
+    """Something built or done for this one request raised on the host thread
+    (its sampler, a logits processor, its detokenizer, a cache save); the
+    request was failed alone and every other request went on."""
+
+    status = 500
+    error_type = "server_error"
+    code = "request_failed"
 
 
 class ModelLoadError(GezelError):

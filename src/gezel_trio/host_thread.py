@@ -40,7 +40,7 @@ from .backend import (
     TokenOut,
 )
 from .config import EngineConfig
-from .errors import EngineFailure
+from .errors import EngineFailure, GezelError, RequestFailed
 from .events import Delta, Event, Failed, Finished, FinishReason, Progress, TokenLogprob, Usage
 from .persist import DiskCache
 from .prompt_cache import CacheSnapshot, PromptCache
@@ -51,6 +51,7 @@ __all__ = [
     "CacheEvict",
     "CacheFlush",
     "CacheInspect",
+    "CommandFailed",
     "EngineLink",
     "HostCommand",
     "Observer",
@@ -87,13 +88,36 @@ class StepReport:
     """What one step produced, per request id; ``ended`` lists sequences that
     left the backend by themselves (their last event is in ``events``).
     ``cache_view`` is set when the prompt cache changed; ``replies`` answer
-    the previous orders' commands."""
+    the previous orders' commands. ``stepped`` says a model step ran and
+    ``step_failure`` why it failed, if it did; ``persistence`` names the
+    disk cache's current trouble (``None``: fine, or no disk cache)."""
 
     events: tuple[tuple[int, Event], ...] = ()
     ended: tuple[int, ...] = ()
     replies: tuple[tuple[int, Any], ...] = ()
     cache_view: CacheSnapshot | None = None
     memory: int | None = None
+    stepped: bool = False
+    step_failure: str | None = None
+    persistence: str | None = None
+
+    @property
+    def has_news(self) -> bool:
+        """Something the Trio side must hear before the host may sleep."""
+        return bool(
+            self.events
+            or self.ended
+            or self.replies
+            or self.cache_view is not None
+            or self.step_failure
+        )
+
+
+@attrs.frozen
+class CommandFailed:
+    """A host command raised; ``Engine.host_call`` re-raises it as ``RequestFailed``."""
+
+    error: str
 
 
 @attrs.frozen
@@ -124,6 +148,7 @@ class EngineLink(Protocol):
 
 @attrs.define
 class _Sequence:
+    lane: Priority
     prompt_len: int
     cached: int
     detok: Detokenizer
@@ -165,13 +190,29 @@ def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
 
 
 class _Host:
-    """Per-sequence text and cache state around a backend, on the host thread."""
+    """Per-sequence text and cache state around a backend, on the host thread.
+
+    The failure boundaries live here (docs/architecture.md, "Failure
+    boundaries"). Whatever is built or done for one sequence - its cache
+    seed, detokenizer and text filter, its sampler and logits processors
+    (the backend reports those in ``StepOutput.failed``), snapshot captures
+    and its final save - runs inside ``_fail``'s boundary: an exception fails
+    that request alone and takes it out of the batch. Only the shared model
+    step (``Backend.step``) fails the sequences of its lane. Anything else
+    that raises is a bug in the host itself: the thread dies, and the engine
+    fails every request with ``EngineFailure``.
+    """
 
     def __init__(
-        self, backend: Backend, cache: PromptCache, memory_limit_bytes: int | None = None
+        self,
+        backend: Backend,
+        cache: PromptCache,
+        memory_limit_bytes: int | None = None,
+        shutdown_timeout: float | None = None,
     ) -> None:
         self.backend = backend
         self.memory_limit = memory_limit_bytes
+        self.shutdown_timeout = shutdown_timeout
         self.cache = cache
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
@@ -179,11 +220,43 @@ class _Host:
         self._reported_version = -1
         self._replies: list[tuple[int, Any]] = []
         self._captures: list[int] = []
-        self._refused: list[tuple[int, Event]] = []
+        self._events: list[tuple[int, Event]] = []
+        self._ended: list[int] = []
+        self._stepped = False
+        self._step_failure: str | None = None
 
     def take_captures(self) -> list[int]:
         out, self._captures = self._captures, []
         return out
+
+    # --- the per-request failure boundary ------------------------------------
+
+    def _fail(self, rid: int, where: str, exc: Exception) -> None:
+        """``rid`` fails alone: out of the batch, its pins released, a
+        ``Failed`` event for its caller, and a log line with the traceback."""
+        log.error("request %d failed in %s; the batch goes on", rid, where, exc_info=exc)
+        if self.seqs.pop(rid, None) is not None:
+            self.backend.remove([rid])  # still in the batch: its state is not saved
+        self._quietly(rid, "releasing its cache pins", self.cache.cancelled, rid, None)
+        err = (
+            exc
+            if isinstance(exc, GezelError)
+            else RequestFailed(
+                f"this request failed on the engine ({where}): {type(exc).__name__}: {exc}"
+            )
+        )
+        self._events.append((rid, Failed(err)))
+        self._ended.append(rid)
+
+    def _quietly(self, rid: int, where: str, fn: Callable[..., object], *args: Any) -> None:
+        """Work for a request that already ended (its caller left): a failure
+        is logged with the request id and harms nobody."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("request %d: %s failed; ignored", rid, where)
+
+    # --- orders -------------------------------------------------------------
 
     def apply(self, orders: Orders) -> None:
         if orders.remove:
@@ -191,29 +264,44 @@ class _Host:
             if gone:
                 states = self.backend.remove(gone)
                 for rid in gone:
-                    self.cache.cancelled(rid, states.get(rid))
+                    self._quietly(
+                        rid, "its cancellation save", self.cache.cancelled, rid, states.get(rid)
+                    )
         for cid, command in orders.commands:
-            self._replies.append((cid, self._run(command)))
+            try:
+                reply = self._run(command)
+            except Exception as exc:
+                log.exception("host command %s failed", type(command).__name__)
+                reply = CommandFailed(f"{type(exc).__name__}: {exc}")
+            self._replies.append((cid, reply))
         if orders.admit:
-            now = time.perf_counter()
-            admissions = []
-            for rid, request in orders.admit:
+            self._admit(orders.admit)
+
+    def _admit(self, admit: tuple[tuple[int, GenerationRequest], ...]) -> None:
+        now = time.perf_counter()
+        admissions = []
+        for rid, request in admit:
+            try:
                 admission, seed = self.cache.admit(rid, request)
-                admissions.append(admission)
-                self.seqs[rid] = _Sequence(
+                seq = _Sequence(
+                    lane=request.priority,
                     prompt_len=len(request.prompt),
                     cached=seed.reuse,
                     detok=self.backend.detokenizer(),
                     text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
                 )
-            refused = self.backend.insert(admissions)
-            for rid, err in refused.items():
-                # Refused at insertion (a grammar this tokenizer cannot
-                # serve): the request fails alone, the batch goes on.
-                self.seqs.pop(rid, None)
-                self.cache.cancelled(rid, None)
-                self._refused.append((rid, Failed(err)))
+            except Exception as exc:
+                self._fail(rid, "admission", exc)
+                continue
+            self.seqs[rid] = seq
+            admissions.append(admission)
+        refused = self.backend.insert(admissions) if admissions else {}
+        for rid, err in refused.items():
+            # Refused at insertion (a sampler or processor that could not be
+            # built): the request fails alone, the batch goes on.
+            self.seqs.pop(rid, None)
+            self._fail(rid, "insertion", err)
 
     def _run(self, command: HostCommand) -> Any:
         match command:
@@ -224,67 +312,96 @@ class _Host:
             case CacheInspect(cache_id=cache_id):
                 return (self.cache.inspect(cache_id), self.cache.pinned(cache_id))
 
-    def report(
-        self, events: tuple[tuple[int, Event], ...] = (), ended: tuple[int, ...] = ()
-    ) -> StepReport:
+    def report(self) -> StepReport:
         view = None
         if self.cache.version != self._reported_version:
             self._reported_version = self.cache.version
             view = self.cache.view()
         replies, self._replies = tuple(self._replies), []
-        memory = self.backend.memory_in_use() if self.memory_limit is not None else None
-        if memory is not None and self.memory_limit and memory > 0.85 * self.memory_limit:
+        memory = self.backend.memory_in_use()
+        if self.memory_limit and memory > 0.85 * self.memory_limit:
             self.backend.reclaim()  # under pressure: give cached buffers back now
-        if self._refused:
-            events = (*self._refused, *events)
-            ended = (*(rid for rid, _ in self._refused), *ended)
-            self._refused = []
-        return StepReport(events, ended, replies, view, memory)
+        events, self._events = tuple(self._events), []
+        ended, self._ended = tuple(self._ended), []
+        stepped, self._stepped = self._stepped, False
+        failure, self._step_failure = self._step_failure, None
+        disk = self.cache.disk
+        return StepReport(
+            events,
+            ended,
+            replies,
+            view,
+            memory,
+            stepped=stepped,
+            step_failure=failure,
+            persistence=disk.problem if disk is not None else None,
+        )
+
+    # --- one step -----------------------------------------------------------
 
     def step(self, lane: Priority) -> StepReport:
         try:
             out = self.backend.step(lane)
-        except Exception as exc:  # mapped: every sequence in the batch fails
-            return self._fail_all(exc)
-        events: list[tuple[int, Event]] = []
+        except Exception as exc:  # the shared step: every sequence in it fails
+            self._fail_lane(lane, exc)
+            return self.report()
+        self._stepped = True
+        for rid, error in out.failed:
+            if rid in self.seqs:
+                self._fail(rid, "its sampler or logits processors", error)
         for p in out.prefill:
             if p.rid not in self.seqs:
                 continue
-            events.append((p.rid, Progress(p.done, p.total)))
-            if p.segment_end and self.cache.wants_capture(p.rid, p.done):
-                cap = self.backend.capture(p.rid)
-                if cap is not None:
-                    self.cache.captured(p.rid, p.done, cap)
-                    self._captures.append(p.rid)
-        ended: list[int] = []
-        stopped_by_text: list[int] = []
+            self._events.append((p.rid, Progress(p.done, p.total)))
+            if p.segment_end:
+                try:
+                    self._capture(p.rid, p.done)
+                except Exception as exc:
+                    self._fail(p.rid, "a snapshot capture", exc)
+        stopped_by_text: list[tuple[int, _Sequence, FinishReason]] = []
         now = time.perf_counter()
         for tok in out.tokens:
             seq = self.seqs.get(tok.rid)
             if seq is None:
                 continue
-            reason = self._advance(seq, tok, now, events)
+            try:
+                reason = self._advance(seq, tok, now)
+            except Exception as exc:
+                self._fail(tok.rid, "turning its tokens into text", exc)
+                continue
             if reason is None:
                 continue
-            events.append((tok.rid, Finished(reason, seq.usage())))
-            ended.append(tok.rid)
             del self.seqs[tok.rid]
             if tok.finish is None:
-                stopped_by_text.append(tok.rid)
+                stopped_by_text.append((tok.rid, seq, reason))
             else:
                 cap = Captured(tok.state, tok.state_tokens) if tok.state is not None else None
-                self.cache.finished(tok.rid, cap)
+                self._finish(tok.rid, seq, reason, cap)
         if stopped_by_text:
-            states = self.backend.remove(stopped_by_text)
-            for rid in stopped_by_text:
-                self.cache.finished(rid, states.get(rid))
-        if ended and not self.seqs:
+            states = self.backend.remove([rid for rid, _, _ in stopped_by_text])
+            for rid, seq, reason in stopped_by_text:
+                self._finish(rid, seq, reason, states.get(rid))
+        if self._ended and not self.seqs:
             self.backend.reclaim()  # a turn ended and nothing runs: give buffers back
-        return self.report(tuple(events), tuple(ended))
+        return self.report()
 
-    def _advance(
-        self, seq: _Sequence, tok: TokenOut, now: float, events: list[tuple[int, Event]]
-    ) -> FinishReason | None:
+    def _capture(self, rid: int, done: int) -> None:
+        if self.cache.wants_capture(rid, done):
+            cap = self.backend.capture(rid)
+            if cap is not None:
+                self.cache.captured(rid, done, cap)
+                self._captures.append(rid)
+
+    def _finish(self, rid: int, seq: _Sequence, reason: FinishReason, cap: Captured | None) -> None:
+        try:
+            self.cache.finished(rid, cap)
+        except Exception as exc:
+            self._fail(rid, "saving its cache entry", exc)
+            return
+        self._events.append((rid, Finished(reason, seq.usage())))
+        self._ended.append(rid)
+
+    def _advance(self, seq: _Sequence, tok: TokenOut, now: float) -> FinishReason | None:
         seq.generated += 1
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -301,28 +418,40 @@ class _Host:
         if tok.logprob is not None:
             top = tuple((self.backend.token_text(t), lp) for t, lp in tok.top)
             logprobs = (TokenLogprob(self.backend.token_text(tok.token), tok.logprob, top),)
-        events.append((tok.rid, Delta(text, (tok.token,), seq.usage(), logprobs)))
+        self._events.append((tok.rid, Delta(text, (tok.token,), seq.usage(), logprobs)))
         return reason
 
-    def _fail_all(self, exc: Exception) -> StepReport:
-        log.exception("backend step failed; failing %d sequences", len(self.seqs))
+    def _fail_lane(self, lane: Priority, exc: Exception) -> None:
+        rids = [rid for rid, seq in self.seqs.items() if seq.lane == lane]
+        log.error(
+            "the %s lane's model step failed; failing its %d sequences",
+            lane,
+            len(rids),
+            exc_info=exc,
+        )
+        self._step_failure = f"{type(exc).__name__}: {exc}"
         err = EngineFailure(f"the model step failed: {type(exc).__name__}: {exc}")
-        rids = tuple(self.seqs)
-        self.seqs.clear()
-        self.backend.reset()
         for rid in rids:
-            self.cache.cancelled(rid, None)
-        return self.report(tuple((rid, Failed(err)) for rid in rids), rids)
+            del self.seqs[rid]
+        self.backend.reset(lane)
+        for rid in rids:
+            self._quietly(rid, "releasing its cache pins", self.cache.cancelled, rid, None)
+            self._events.append((rid, Failed(err)))
+            self._ended.append(rid)
 
     def shutdown(self) -> None:
-        """Last act on the thread: file what is still running, flush to disk."""
+        """Last act on the thread: file what is still running, flush to disk
+        within ``shutdown_timeout`` seconds."""
         if self.seqs:
             rids = list(self.seqs)
             self.seqs.clear()
             states = self.backend.remove(rids)
             for rid in rids:
-                self.cache.cancelled(rid, states.get(rid))
-        self.cache.flush()
+                self._quietly(
+                    rid, "its cancellation save", self.cache.cancelled, rid, states.get(rid)
+                )
+        timeout = self.shutdown_timeout
+        self.cache.flush(deadline=None if timeout is None else time.monotonic() + timeout)
 
 
 @attrs.frozen
@@ -345,17 +474,24 @@ class Observer(Protocol):
         ...
 
 
-def _memory_limit(config: EngineConfig) -> int | None:
+def _make_host(backend: Backend, config: EngineConfig) -> _Host:
     limit = config.memory_limit_mb
-    return None if limit is None else int(limit * 1024 * 1024)
+    return _Host(
+        backend,
+        make_prompt_cache(backend, config),
+        None if limit is None else int(limit * 1024 * 1024),
+        config.shutdown_timeout,
+    )
 
 
 def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
-    """Body of the host thread; returns when the engine orders ``stop``."""
+    """Body of the host thread; returns when the engine orders ``stop``.
+    Anything that escapes it kills the engine (``run_engine`` fails every
+    request with ``EngineFailure``)."""
     backend = make_backend()
     host: _Host | None = None
     try:
-        host = _Host(backend, make_prompt_cache(backend, config), _memory_limit(config))
+        host = _make_host(backend, config)
         trio.from_thread.run_sync(link.ready, backend.info, backend.renderer, backend.compiler)
         report = host.report()
         while True:
@@ -365,10 +501,11 @@ def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: Engi
                 return
             if host.seqs and orders.lane is not None:
                 report = host.step(orders.lane)
-            elif orders.commands or host.cache.version != host._reported_version:
-                report = host.report()
-            else:
-                report = host.report()
+                continue
+            report = host.report()
+            if not report.has_news:
+                # Only an empty report may wait: news (a request refused at
+                # insertion, a command's reply) is delivered first.
                 trio.from_thread.run(link.wait_for_work)
     finally:
         try:
@@ -394,7 +531,7 @@ async def run_host_inline(
     host: _Host | None = None
     chunks: dict[int, int] = {}
     try:
-        host = _Host(backend, make_prompt_cache(backend, config), _memory_limit(config))
+        host = _make_host(backend, config)
         link.ready(backend.info, backend.renderer, backend.compiler)
         report = host.report()
         while True:
@@ -411,8 +548,9 @@ async def run_host_inline(
                 report = host.step(orders.lane)
                 points += _points(report, host, chunks)
             else:
-                idle = not orders.commands and host.cache.version == host._reported_version
                 report = host.report()
+                points += _points(report, host, chunks)
+                idle = not report.has_news
             if observer is not None:
                 for point in points:
                     await observer.at(point)

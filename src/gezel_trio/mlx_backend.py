@@ -47,7 +47,7 @@ from .backend import (
     TokenOut,
 )
 from .config import EngineConfig
-from .errors import GezelError, InvalidRequest
+from .errors import InvalidRequest
 from .grammar import Constraint, ToolFormatName, build_constraint
 from .mlx_constraints import GrammarTokenizer, make_grammar_processor
 from .mlx_loading import load_model
@@ -114,21 +114,76 @@ def _ids(value: Any) -> set[int]:
     return set()
 
 
+_SEED_MASK = (1 << 64) - 1
+
+
+class _Faults:
+    """The per-sequence failure boundary inside ``BatchGenerator.next()``.
+
+    mlx-lm calls each sequence's sampler and logits processors while it
+    builds the whole batch's step. Each one is wrapped: if it raises, the
+    sequence is marked failed and gets a harmless value (the logits
+    unchanged, the greedy token), so the step completes for everyone; the
+    host then fails and removes the marked sequence before the next step.
+    MLX evaluates lazily, so this catches what raises while a sequence's
+    operations are built; an error that only surfaces when the batch is
+    evaluated is the shared step's - which is why token ids are checked
+    against the vocabulary before admission.
+    """
+
+    def __init__(self) -> None:
+        self.failed: dict[int, Exception] = {}
+
+    def take(self) -> tuple[tuple[int, Exception], ...]:
+        out = tuple(self.failed.items())
+        self.failed.clear()
+        return out
+
+    def sampler(self, rid: int, fn: Sampler) -> Sampler:
+        def guarded_sampler(logprobs: mx.array) -> mx.array:
+            if rid not in self.failed:
+                try:
+                    sampled: mx.array = fn(logprobs)
+                    return sampled
+                except Exception as exc:
+                    self.failed[rid] = exc
+            greedy: mx.array = mx.argmax(logprobs, axis=-1)
+            return greedy
+
+        return guarded_sampler
+
+    def processor(self, rid: int, fn: LogitsProcessor) -> LogitsProcessor:
+        def guarded_processor(tokens: mx.array, logits: mx.array) -> mx.array:
+            if rid not in self.failed:
+                try:
+                    out: mx.array = fn(tokens, logits)
+                    return out
+                except Exception as exc:
+                    self.failed[rid] = exc
+            return logits
+
+        return guarded_processor
+
+
 def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def _make_sampler(p: SamplingParams) -> Sampler:
+def _make_sampler(p: SamplingParams, vocab: int) -> Sampler:
     if p.temperature == 0:
         # One shared function object: BatchGenerator batches the sampling of
         # sequences whose sampler is the same object.
         return _greedy
-    key = [mx.random.key(p.seed)] if p.seed is not None else None
+    # Any integer seeds: its low 64 bits are the key (OpenAI's negative
+    # int64 seeds included).
+    key = [mx.random.key(p.seed & _SEED_MASK)] if p.seed is not None else None
     inv_temp = 1.0 / p.temperature
+    # top_k at or above the vocabulary keeps every token: no filter at all.
+    top_k = p.top_k if 0 < p.top_k < vocab or not vocab else 0
 
     def sample(logprobs: mx.array) -> mx.array:
-        if p.top_k > 0:
-            logprobs = apply_top_k(logprobs, p.top_k)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
         if 0 < p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p > 0:
@@ -178,10 +233,18 @@ def _thinking_budget(budget: int, think_ids: tuple[int, int], inside: bool) -> L
 
 
 def _make_processors(
-    p: SamplingParams, min_tokens: int, eos_ids: Sequence[int]
+    p: SamplingParams, min_tokens: int, eos_ids: Sequence[int], vocab: int
 ) -> list[LogitsProcessor]:
     procs: list[LogitsProcessor] = []
     if p.logit_bias:
+        # An index past the logits is not an error in MLX but a wild write
+        # (SIGSEGV): never build one.
+        bad = [i for i, _ in p.logit_bias if not 0 <= i < (vocab or i + 1)]
+        if bad:
+            raise InvalidRequest(
+                f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                param="logit_bias",
+            )
         idx = mx.array([i for i, _ in p.logit_bias])
         vals = mx.array([b for _, b in p.logit_bias])
 
@@ -292,6 +355,7 @@ class MlxBackend:
         self._blockable = [i for i, c in enumerate(layout) if type(c) is KVCache]
         self._rest = [i for i, c in enumerate(layout) if type(c) is not KVCache]
         trimmable = not self._rest
+        self._vocab_width = int(text_cfg.get("vocab_size") or model_cfg.get("vocab_size") or 0)
         self._info = ModelInfo(
             model_id=model_dir.name,
             context_length=context,
@@ -306,13 +370,13 @@ class MlxBackend:
                 else None
             ),
             tool_format=fmt.name if (fmt := resolve_format(tokenizer.chat_template)) else None,
+            vocab_size=self._vocab_width or len(tokenizer.get_vocab()),
         )
         self._renderer = ChatTemplateRenderer(
             tokenizer,
             boundaries=not trimmable,
             generic_tools=self._info.tool_format == GENERIC.name,
         )
-        self._vocab_width = int(text_cfg.get("vocab_size") or model_cfg.get("vocab_size") or 0)
         self._grammar_tok: GrammarTokenizer | None = None
         try:
             self._grammar_tok = GrammarTokenizer(tokenizer._tokenizer, eos_ids=eos)
@@ -332,6 +396,7 @@ class MlxBackend:
         self._lane_of: dict[int, _Lane] = {}
         # Requests that asked for logprobs: how many alternatives each wants.
         self._logprobs: dict[int, int] = {}
+        self._faults = _Faults()
 
     def _new_generator(self) -> BatchGenerator:
         n = self._config.max_concurrency
@@ -371,18 +436,15 @@ class MlxBackend:
             lane = self._lanes[priority] = _Lane(self._new_generator())
         return lane
 
-    def insert(self, admissions: Sequence[Admission]) -> dict[int, GezelError]:
-        failed: dict[int, GezelError] = {}
-        by_lane: dict[Priority, list[tuple[Admission, list[LogitsProcessor]]]] = {}
+    def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:
+        """Each admission on its own: one whose sampler, processors or seed
+        state cannot be built or queued is refused alone."""
+        failed: dict[int, Exception] = {}
         for a in admissions:
             try:
-                procs = self._processors(a.request)
-            except GezelError as err:
-                failed[a.rid] = err
-                continue
-            by_lane.setdefault(a.request.priority, []).append((a, procs))
-        for priority, group in by_lane.items():
-            self._insert(self._lane(priority), group)
+                self._insert(self._lane(a.request.priority), a)
+            except Exception as exc:
+                failed[a.rid] = exc
         return failed
 
     def _processors(self, r: GenerationRequest) -> list[LogitsProcessor]:
@@ -390,7 +452,7 @@ class MlxBackend:
         # A grammar decides when the output may end; holding EOS back would
         # leave it nothing to allow once the grammar is complete.
         min_tokens = 0 if r.constraint is not None else r.min_tokens
-        procs = _make_processors(r.sampling, min_tokens, eos)
+        procs = _make_processors(r.sampling, min_tokens, eos, self._info.vocab_size)
         think = self._info.think_ids
         inside = think is not None and prompt_opens_thinking_tokens(r.prompt, think)
         if r.max_thinking_tokens is not None and think is not None:
@@ -411,31 +473,31 @@ class MlxBackend:
             )
         return procs
 
-    def _insert(
-        self, lane: _Lane, group: Sequence[tuple[Admission, list[LogitsProcessor]]]
-    ) -> None:
-        admissions = [a for a, _ in group]
-        reqs = [a.request for a in admissions]
-        uids = lane.gen.insert_segments(
-            [[list(seg) for seg in a.segments] for a in admissions],
-            max_tokens=[r.max_tokens for r in reqs],
-            caches=[a.seed_state for a in admissions],
-            all_tokens=[list(a.seed_tokens) for a in admissions],
-            samplers=[_make_sampler(r.sampling) for r in reqs],
-            logits_processors=[procs for _, procs in group],
+    def _insert(self, lane: _Lane, adm: Admission) -> None:
+        r = adm.request
+        rid = adm.rid
+        sampler = _make_sampler(r.sampling, self._info.vocab_size)
+        if sampler is not _greedy:  # the shared greedy sampler cannot fail per sequence
+            sampler = self._faults.sampler(rid, sampler)
+        procs = [self._faults.processor(rid, p) for p in self._processors(r)]
+        (uid,) = lane.gen.insert_segments(
+            [[list(seg) for seg in adm.segments]],
+            max_tokens=[r.max_tokens],
+            caches=[adm.seed_state],
+            all_tokens=[list(adm.seed_tokens)],
+            samplers=[sampler],
+            logits_processors=[procs],
             # A grammar decides where the output ends, and then allows only
             # EOS: ignore_eos must not keep a finished constrained output going.
             stop_sequences=[
                 self._no_stops if r.ignore_eos and r.constraint is None else self._eos_stops
-                for r in reqs
             ],
         )
-        for adm, uid in zip(admissions, uids, strict=True):
-            lane.uid_of[adm.rid] = uid
-            lane.rid_of[uid] = adm.rid
-            self._lane_of[adm.rid] = lane
-            if adm.request.top_logprobs is not None:
-                self._logprobs[adm.rid] = adm.request.top_logprobs
+        lane.uid_of[rid] = uid
+        lane.rid_of[uid] = rid
+        self._lane_of[rid] = lane
+        if r.top_logprobs is not None:
+            self._logprobs[rid] = r.top_logprobs
 
     def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
         out = {}
@@ -449,6 +511,7 @@ class MlxBackend:
                 rid = lane.rid_of.pop(uid)
                 self._lane_of.pop(rid, None)
                 self._logprobs.pop(rid, None)
+                self._faults.failed.pop(rid, None)
                 if uid in got:
                     state, tokens = got[uid]
                     out[rid] = Captured(list(state), tuple(tokens))
@@ -551,8 +614,11 @@ class MlxBackend:
         lane = self._lanes.get(lane_name)
         if lane is None:
             return StepOutput()
-        with mx.stream(self._stream):
-            prompt_responses, gen_responses = lane.gen.next()
+        try:
+            with mx.stream(self._stream):
+                prompt_responses, gen_responses = lane.gen.next()
+        finally:
+            failed = self._faults.take()
         rid_of = lane.rid_of
         prefill = tuple(
             PrefillOut(
@@ -579,7 +645,7 @@ class MlxBackend:
             del rid_of[r.uid]
             del lane.uid_of[rid]
             self._lane_of.pop(rid, None)
-        return StepOutput(prefill, tuple(tokens))
+        return StepOutput(prefill, tuple(tokens), failed)
 
     def _token_logprobs(
         self, rid: int, token: int, logprobs: Any
@@ -602,12 +668,15 @@ class MlxBackend:
     def reclaim(self) -> None:
         mx.clear_cache()
 
-    def reset(self) -> None:
-        for lane in self._lanes.values():
+    def reset(self, lane_name: Priority) -> None:
+        lane = self._lanes.pop(lane_name, None)
+        if lane is not None:
+            for rid in lane.uid_of:
+                self._lane_of.pop(rid, None)
+                self._logprobs.pop(rid, None)
             lane.gen.close()
-        self._lanes.clear()
-        self._lane_of.clear()
         mx.clear_cache()
 
     def close(self) -> None:
-        self.reset()
+        for name in list(self._lanes):
+            self.reset(name)

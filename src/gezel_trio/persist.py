@@ -26,6 +26,7 @@ as a miss or a failed save, never raised into a request.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -123,11 +124,14 @@ class DiskCache:
         self.writable = True
         # file key -> what its file holds, read from the files' metadata.
         self.index: dict[str, DiskEntry] = {}
+        # The current write trouble, logged once per cause (/health shows it).
+        self.problem: str | None = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._sweep_temp_files()
         except OSError as exc:
             self.writable = False
+            self.problem = f"persist dir unusable: {exc}"
             log.warning("persist dir %s unusable (%s): disk cache disabled", self.dir, exc)
             return
         self._read_index()
@@ -163,6 +167,7 @@ class DiskCache:
             "owner": owner,
         }
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)  # removed while serving: recreate
             self._codec.dump_state(state, {"gezel_file_key": file_key}, tmp)
             blob = json.dumps(meta, separators=(",", ":")).encode()
             with tmp.open("ab") as f:
@@ -179,13 +184,29 @@ class DiskCache:
             self._fsync_dir()
             st = final.stat()
         except Exception as exc:  # OSError, or the codec's own errors
-            log.warning("cache save failed key=%r: %s", _short(file_key), exc)
-            tmp.unlink(missing_ok=True)
+            self._trouble(exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             return False
         self.index[file_key] = DiskEntry(
             file_key, tokens, kind, roster, owner, st.st_size, st.st_mtime
         )
+        if self.problem is not None:
+            log.warning("cache saves work again (after: %s)", self.problem)
+            self.problem = None
         return True
+
+    def _trouble(self, exc: Exception) -> None:
+        """A failed save: logged when its cause is new, not once per entry.
+        The codec's own error may not say why (MLX reports a full disk as
+        "Unable to write N bytes"): a small probe write names the OS's reason."""
+        cause = self._probe() if not isinstance(exc, OSError) else None
+        if cause is None:
+            detail = str(getattr(exc, "strerror", None) or exc)
+            cause = re.sub(r"/\S+|\d+", "_", detail)  # paths and sizes vary per entry
+        if cause != self.problem:
+            log.warning("cache saves failing in %s: %s", self.dir, cause)
+        self.problem = cause
 
     # --- read --------------------------------------------------------------
 
@@ -358,6 +379,21 @@ class DiskCache:
         for p in self.dir.glob(".*" + _TMP_SUFFIX):
             p.unlink(missing_ok=True)
             log.info("removed a temp file left by an interrupted write: %s", p.name)
+
+    def _probe(self) -> str | None:
+        """The OS's reason a write in the directory fails now, if it does."""
+        probe = self.dir / ".gezel-write-probe"
+        try:
+            with probe.open("wb") as f:
+                f.write(bytes(1 << 16))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+        return None
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)

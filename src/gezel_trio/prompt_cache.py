@@ -622,10 +622,11 @@ class PromptCache:
 
     # --- commands from the Trio side ---------------------------------------
 
-    def flush(self) -> int:
+    def flush(self, deadline: float | None = None) -> int:
         """Write dirty entries to disk - every named one, then anonymous ones
         from the most recently used while the disk budget has room; returns
-        how many were written."""
+        how many were written. Stops once ``time.monotonic()`` passes
+        ``deadline`` (shutdown)."""
         if self.disk is None:
             return 0
         written = 0
@@ -633,6 +634,9 @@ class PromptCache:
         for entry in order:
             if not entry.dirty:
                 continue
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("flush stopped at its deadline; dirty entries left unwritten")
+                break
             if (
                 entry.key is None
                 and self._disk_budget > 0

@@ -21,6 +21,9 @@ Policy:
 * When memory is tight (``plan(memory_tight=True)``) nothing is preempted and
   a lane admits only into an empty batch, one request at a time (E4).
 * Background arrivals wait while interactive work runs over a parked wave.
+* A parked wave is never starved: once it has been parked ``max_park``
+  seconds (``plan(now=...)``; the caller owns the clock), the two lanes take
+  turns step by step until that wave drains, then parking applies again.
 * ``continuous`` admission lets a queued request join a running batch with
   free slots; without it a lane runs static waves and admission waits for it
   to drain.
@@ -65,6 +68,11 @@ class Scheduler:
     _running: dict[int, Priority] = attrs.field(factory=dict)
     _to_remove: list[int] = attrs.field(factory=list)
     _background_parked: bool = False
+    max_park: float | None = None
+    _parked_since: float | None = None
+    # The wave parked longer than ``max_park``: lanes alternate until it drains.
+    _starved: bool = False
+    _last_lane: Priority | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.max_running < 1:
@@ -136,7 +144,9 @@ class Scheduler:
 
     # --- the decision ------------------------------------------------------
 
-    def plan(self, *, memory_tight: bool = False) -> Plan:
+    def plan(self, *, memory_tight: bool = False, now: float | None = None) -> Plan:
+        """The next step's decisions. ``now`` (any monotonic clock) bounds how
+        long a background wave stays parked; without it, parking is unbounded."""
         remove = tuple(self._to_remove)
         for rid in remove:
             del self._running[rid]
@@ -162,14 +172,28 @@ class Scheduler:
         lane: Priority | None = (
             "interactive" if has_interactive else "background" if has_background else None
         )
-        park_now = has_background and lane == "interactive"
+        if not has_background:
+            self._starved = False
+        elif (
+            self._background_parked
+            and now is not None
+            and self.max_park is not None
+            and self._parked_since is not None
+            and now - self._parked_since >= self.max_park
+        ):
+            self._starved = True
+        if self._starved and has_interactive and self._last_lane == "interactive":
+            lane = "background"  # its turn: a parked wave waits at most max_park
+        park_now = has_background and lane == "interactive" and not self._starved
         parked: tuple[int, ...] = ()
         resumed: tuple[int, ...] = ()
         if park_now and not self._background_parked:
             parked = tuple(r for r, c in self._running.items() if c == "background")
+            self._parked_since = now
         elif not park_now and was_parked:
             resumed = tuple(r for r in self._running if r in was_parked)
         self._background_parked = park_now
+        self._last_lane = lane
         return Plan(tuple(admit), remove, lane, parked, resumed)
 
     def _admit(self, cls: Priority, running: int, memory_tight: bool) -> list[int]:

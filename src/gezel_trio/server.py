@@ -11,7 +11,15 @@
 Shutdown: a signal stops hypercorn from accepting and lets in-flight requests
 finish for up to ``graceful_timeout`` seconds; then the nursery is cancelled,
 which closes the engine (remaining requests fail with ``EngineClosed``) and
-the host thread stops after its current step.
+the host thread stops after its current step and a flush bounded by
+``EngineConfig.shutdown_timeout``.
+
+Engine failure: when the engine stops working (its host thread died, or too
+many model steps failed in a row) every request has already failed with
+``EngineFailure``; ``/health`` answers 503 with the reason for
+``DEAD_LINGER`` seconds, then the server drains like a SIGTERM and
+``serve`` raises the failure, so the process exits non-zero and a
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -20,20 +28,30 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from .backend import Backend
 from .config import EngineConfig
-from .engine import run_engine
-from .errors import GezelError
+from .engine import Engine, run_engine
+from .errors import EngineFailure, GezelError
 from .http.app import HttpSettings, create_app
 
 __all__ = ["ServerConfig", "serve"]
 
 log = logging.getLogger("gezel_trio.server")
+
+
+# Seconds a failed engine's server keeps answering (503 with the reason)
+# before it drains and exits: a probe sees why, not a refused connection.
+DEAD_LINGER = 1.0
+# How often the parent is checked where the kernel cannot signal its death.
+PARENT_POLL = 1.0
 
 
 @attrs.frozen
@@ -42,6 +60,11 @@ class ServerConfig:
     http: HttpSettings = attrs.field(factory=HttpSettings)
     port: int = 8080
     graceful_timeout: float = 10.0
+    # Drain and exit once this process's parent is no longer this pid
+    # (--exit-with-parent where the kernel cannot signal it: macOS).
+    watch_parent: int | None = None
+    # Seconds a failed engine's server keeps answering before it drains.
+    dead_linger: float = DEAD_LINGER
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -50,6 +73,34 @@ async def _watch_signals(shutdown: trio.Event) -> None:
             log.info("received %s: draining", signal.Signals(signum).name)
             shutdown.set()
             return
+
+
+async def _watch_parent(parent: int, shutdown: trio.Event) -> None:
+    """Polls ``getppid``: without ``PR_SET_PDEATHSIG`` (macOS) nothing tells a
+    process its parent died except being re-parented."""
+    # No event exists to wait on (ASYNC110): re-parenting is only seen by looking.
+    while os.getppid() == parent:  # noqa: ASYNC110
+        await trio.sleep(PARENT_POLL)
+    log.info("the parent process %d is gone: draining", parent)
+    shutdown.set()
+
+
+async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the model loaded
+    config: EngineConfig,
+    shutdown: trio.Event,
+    died: list[EngineFailure],
+    linger: float,
+    *,
+    backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        await run_engine(config, backend_factory=backend_factory, task_status=task_status)
+    except EngineFailure as failure:  # only raised once the engine was ready
+        died.append(failure)
+        log.critical("the engine failed (%s): exiting after a drain", failure.message)
+        await trio.sleep(linger)  # /health answers 503 with the reason meanwhile
+        shutdown.set()
 
 
 async def _serve_http(  # noqa: ASYNC128 - hypercorn.serve calls started()
@@ -71,8 +122,12 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run the server until SIGINT/SIGTERM drains it (or until cancelled)."""
+async def serve(
+    config: ServerConfig, *, backend_factory: Callable[[EngineConfig], Backend] | None = None
+) -> None:
+    """Run the server until SIGINT/SIGTERM drains it (or until cancelled).
+    Raises ``EngineFailure`` after draining if the engine stopped working.
+    ``backend_factory`` replaces the MLX backend (fault-injection tests)."""
     hc = HypercornConfig()
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout
@@ -81,24 +136,36 @@ async def serve(config: ServerConfig) -> None:
     hc.accesslog = None
     # Route hypercorn through our logging config (its default adds a second handler).
     hc.errorlog = logging.getLogger("hypercorn.error")
+    shutdown = trio.Event()
+    died: list[EngineFailure] = []
     async with trio.open_nursery() as nursery:
-        engine = await nursery.start(run_engine, config.engine)
+        engine: Engine = await nursery.start(
+            partial(_run_engine, backend_factory=backend_factory),
+            config.engine,
+            shutdown,
+            died,
+            config.dead_linger,
+        )
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
-        shutdown = trio.Event()
         nursery.start_soon(_watch_signals, shutdown)
+        if config.watch_parent is not None:
+            nursery.start_soon(_watch_parent, config.watch_parent, shutdown)
         app = create_app(engine, config.http)
         binds = await nursery.start(_serve_http, app, hc, shutdown, nursery.cancel_scope)
         for bind in binds:
             # Tests and supervisors read this line to learn the port.
             print(f"gezel-trio listening on {bind}", flush=True)
+    if died:
+        raise died[0]
 
 
-def exit_with_parent() -> None:
-    """Ask the kernel to send us SIGTERM when our parent dies (O2), so a
-    sidecar whose app crashed drains and exits like any other SIGTERM - no
-    watchdog loop. Linux only (prctl PR_SET_PDEATHSIG)."""
+def exit_with_parent() -> int | None:
+    """Drain and exit when our parent dies (O2). On Linux the kernel sends
+    SIGTERM (prctl PR_SET_PDEATHSIG), so a sidecar whose app crashed drains
+    like any other SIGTERM, and this returns ``None``. Elsewhere (macOS) it
+    returns the parent's pid, for ``ServerConfig.watch_parent`` to poll."""
     if not sys.platform.startswith("linux"):
-        raise RuntimeError("--exit-with-parent is supported on Linux only")
+        return os.getppid()
     import ctypes
 
     pr_set_pdeathsig = 1
@@ -108,13 +175,17 @@ def exit_with_parent() -> None:
     if os.getppid() == 1:
         # The parent died before the request took effect: act on it now.
         os.kill(os.getpid(), signal.SIGTERM)
+    return None
 
 
-def main_serve(config: ServerConfig) -> int:
-    """Run ``serve`` in a fresh Trio loop; a load failure is one clean line."""
+def main_serve(
+    config: ServerConfig, *, backend_factory: Callable[[EngineConfig], Backend] | None = None
+) -> int:
+    """Run ``serve`` in a fresh Trio loop; a load failure or an engine
+    failure is one clean line and exit status 1."""
     status = 0
     try:
-        trio.run(serve, config)
+        trio.run(partial(serve, config, backend_factory=backend_factory))
     except* GezelError as group:
         for err in group.exceptions:
             print(f"gezel-trio: {err}", file=sys.stderr)

@@ -19,8 +19,10 @@ from typing import Any
 
 import attrs
 import trio
+from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
 
 from ..engine import Engine, RequestHandle
 from ..errors import GezelError, InvalidRequest
@@ -38,10 +40,11 @@ from ..events import (
 )
 from ..request import CacheRequest, GenerationRequest, SamplingParams
 from .cache_api import add_cache_routes, roster_fingerprint
-from .edge import Forbidden, NotFound, Unauthorized, error_response, json_body
+from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response, json_body
+from .openapi import openapi_json
 from .shaping import Shaper, logprobs_body
 from .sse import DONE, chunk, comment, completion, error_body, frame
-from .wire import ChatCompletionRequest, parse_chat_request
+from .wire import ChatCompletionRequest, parse_chat_request, tool_dicts
 
 __all__ = ["HttpSettings", "create_app"]
 
@@ -59,19 +62,18 @@ class HttpSettings:
 
 
 def _sampling(req: ChatCompletionRequest) -> SamplingParams:
-    bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,
         min_p=req.min_p or 0.0,
-        seed=req.seed,
+        seed=req.random_seed,
         repetition_penalty=req.repetition_penalty,
         repetition_context_size=req.repetition_context_size or 20,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias=bias,
+        logit_bias=req.bias,
     )
 
 
@@ -103,8 +105,16 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     loopback_bound = settings.host in _LOOPBACK_HOSTS
 
+    def refuse(err: GezelError) -> Response:
+        engine.metrics.http_errors.labels(str(err.status), err.code or "").inc()
+        return error_response(err)
+
     @app.before_request
     async def guard() -> Response | None:
+        # Every body is read, whatever the route does with it: hypercorn can
+        # stall the next request on a keep-alive connection when a response
+        # goes out before the body was received (a GET with a body, a 404).
+        await request.get_data(cache=True)
         try:
             # DNS rebinding: a page on evil.example resolving to 127.0.0.1 must
             # not reach a loopback-bound server.
@@ -116,78 +126,64 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
                 if not hmac.compare_digest(given.encode(), expected.encode()):
                     raise Unauthorized("missing or wrong API key")
         except GezelError as err:
-            return error_response(err)
+            return refuse(err)
         return None
 
+    # Every error leaves as the OpenAI JSON envelope, never an HTML page.
     @app.errorhandler(GezelError)
     async def on_gezel_error(err: GezelError) -> Response:
-        return error_response(err)
+        return refuse(err)
 
-    @app.errorhandler(404)
-    async def on_404(_: Any) -> Response:
-        return error_response(NotFound(f"no route {request.method} {request.path}"))
+    @app.errorhandler(HTTPException)
+    async def on_http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        if status == 404:
+            return refuse(NotFound(f"no route {request.method} {request.path}"))
+        if status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+            resp = refuse(HttpError(405, "method_not_allowed", message))
+            allowed = getattr(exc, "valid_methods", None)
+            if allowed:
+                resp.headers["Allow"] = ", ".join(sorted(allowed))
+            return resp
+        if status == 413:
+            message = f"the request body exceeds {settings.max_body_bytes} bytes"
+            return refuse(HttpError(413, "body_too_large", message))
+        name = (exc.name or "error").lower().replace(" ", "_")
+        return refuse(HttpError(status, name, exc.description or exc.name or "HTTP error"))
 
-    @app.errorhandler(405)
-    async def on_405(_: Any) -> Response:
-        err = NotFound(f"method {request.method} is not allowed on {request.path}")
-        err.status = 405
-        return error_response(err)
-
-    @app.errorhandler(413)
-    async def on_413(_: Any) -> Response:
-        err = InvalidRequest(f"the request body exceeds {settings.max_body_bytes} bytes")
-        err.status = 413
-        return error_response(err)
+    @app.errorhandler(Exception)
+    async def on_bug(exc: Exception) -> Response:
+        # A bug, not the client's fault: logged with its traceback, and
+        # answered in the envelope like everything else.
+        log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+        return refuse(GezelError(f"internal error: {type(exc).__name__}"))
 
     add_cache_routes(app, engine)
 
     @app.route("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Response:
+        h = engine.health()
         state = engine.state()
-        return {
-            "status": "shutting_down" if state.closing else "ok",
+        body = {
+            "status": h.status,
+            "reasons": list(h.reasons),
             "model": engine.info.model_id,
             "queued": len(state.queued),
             "running": len(state.running),
+            "live": state.live,
             "step": state.step,
         }
+        status = 503 if h.status in ("failed", "shutting_down") else 200
+        return Response(json.dumps(body), status=status, mimetype="application/json")
 
     @app.route("/metrics")
     async def metrics() -> Response:
-        state = engine.state()
-        c = engine.counters
-        totals = engine.cache_totals
-        lines = [
-            "# TYPE gezel_requests_total counter",
-            *(
-                f'gezel_requests_total{{outcome="{k}"}} {c[k]}'
-                for k in ("admitted", "finished_stop", "finished_length", "failed")
-            ),
-            "# TYPE gezel_tokens_total counter",
-            *(
-                f'gezel_tokens_total{{kind="{k}"}} {c[k + "_tokens"]}'
-                for k in ("prompt", "cached", "generated")
-            ),
-            "# TYPE gezel_preemptions_total counter",
-            f"gezel_preemptions_total {c['preempted']}",
-            "# TYPE gezel_sequences gauge",
-            f'gezel_sequences{{state="queued"}} {len(state.queued)}',
-            f'gezel_sequences{{state="running"}} {len(state.running)}',
-            f'gezel_sequences{{state="parked"}} {len(state.parked)}',
-            "# TYPE gezel_cache_entries gauge",
-            f"gezel_cache_entries {totals.entries}",
-            "# TYPE gezel_cache_blocks gauge",
-            f"gezel_cache_blocks {totals.blocks}",
-            "# TYPE gezel_cache_bytes gauge",
-            f"gezel_cache_bytes {totals.bytes}",
-            "# TYPE gezel_cache_tokens_total counter",
-            f'gezel_cache_tokens_total{{result="hit"}} {totals.cached_tokens}',
-            f'gezel_cache_tokens_total{{result="miss"}} '
-            f"{totals.prompt_tokens - totals.cached_tokens}",
-            "# TYPE gezel_engine_steps_total counter",
-            f"gezel_engine_steps_total {state.step}",
-        ]
-        return Response("\n".join(lines) + "\n", mimetype="text/plain; version=0.0.4")
+        return Response(engine.metrics.exposition(), mimetype=CONTENT_TYPE_LATEST)
+
+    @app.route("/openapi.json")
+    async def openapi() -> Response:
+        return Response(openapi_json(engine.info.model_id), mimetype="application/json")
 
     @app.route("/v1/models")
     async def models() -> dict[str, Any]:
@@ -212,10 +208,11 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         _refuse_unsupported(req)
         engine.check_admission()
         messages = [m.to_template() for m in req.messages]
+        tools = tool_dicts(req.tools)
         rendered = await engine.render_chat(
             messages,
-            tools=req.tools,
-            template_kwargs=req.chat_template_kwargs,
+            tools=tools,
+            template_kwargs=req.template_kwargs,
             template_override=req.chat_template_override,
             band_chars=req.stable_prefix_chars,
         )
@@ -223,9 +220,9 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         max_tokens = engine.bound_max_tokens(len(prompt), req.max_output_tokens)
         constraint = await engine.compile_constraint(
             response_format=attrs.asdict(req.response_format) if req.response_format else None,
-            tools=req.tools,
+            tools=tools,
             tool_choice=req.tool_choice,
-            tool_grammar=req.tool_grammar,
+            tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
         )
         gen = GenerationRequest(
             prompt=prompt,
@@ -236,17 +233,20 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             min_tokens=min(req.min_tokens, max_tokens),
             priority=req.priority,
             cache=CacheRequest(
-                cache_id=req.cache_id,
+                cache_id=req.session_id,
                 prefix_ids=req.prefix_ids,
                 band_end=rendered.band_end,
                 boundaries=rendered.boundaries,
-                roster=roster_fingerprint(req.tools),
+                roster=roster_fingerprint(tools),
             ),
             constraint=constraint,
-            max_thinking_tokens=req.max_thinking_tokens,
+            max_thinking_tokens=req.thinking_budget,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         )
-        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        # Against the model (token ids, numbers) before any byte is sent:
+        # a bad request is a 400, never an error frame in a 200 stream.
+        engine.check_request(gen)
+        parse_tools = bool(tools) and req.tool_choice != "none"
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         if req.stream:

@@ -22,7 +22,7 @@ from ..events import Failed, Finished
 from ..host_thread import CacheEvict, CacheFlush, CacheInspect
 from ..request import CacheRequest, GenerationRequest, SamplingParams
 from .edge import NotFound, json_body
-from .wire import WarmRequest, check_cache_id, structure
+from .wire import WarmRequest, check_cache_id, parse_warm_request, tool_dicts
 
 __all__ = ["add_cache_routes", "roster_fingerprint"]
 
@@ -111,15 +111,16 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
 
     @app.route("/v1/cache/warm", methods=["POST"])
     async def cache_warm() -> dict[str, Any]:
-        warm = structure(await json_body(), WarmRequest)
-        check_cache_id(warm.cache_id, "cache_id")
-        return await _warm(engine, warm)
+        return await _warm(engine, parse_warm_request(await json_body()))
 
 
 async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
     """Build a cache entry through the engine: one decode step at background
-    priority, snapshotted where two different synthetic user turns diverge."""
-    roster = roster_fingerprint(warm.tools)
+    priority. A history that ends awaiting the assistant (a user or tool turn)
+    is the next prompt itself and is warmed as it is; otherwise the entry is
+    snapshotted where two different synthetic user turns diverge."""
+    tools = tool_dicts(warm.tools)
+    roster = roster_fingerprint(tools)
     if warm.cache_id in engine.cache_ids_in_use():
         return {
             "status": "skipped",
@@ -140,19 +141,33 @@ async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
             "reason": "the saved entry was built with a different tool roster",
         }
     base = [m.to_template() for m in warm.messages]
-    renders = [
-        await engine.render_chat(
-            [*base, {"role": "user", "content": text}],
-            tools=warm.tools,
+    cut: int | None
+    if warm.messages[-1].role in ("user", "tool"):
+        # Appending a synthetic user turn here would break alternation
+        # (templates that enforce it refuse two user turns in a row).
+        rendered = await engine.render_chat(
+            base,
+            tools=tools,
             template_kwargs=warm.chat_template_kwargs,
             template_override=warm.chat_template_override,
         )
-        for text in _SYNTHETIC_USERS
-    ]
-    prompt = renders[0].tokens
-    cut = common_prefix(prompt, renders[1].tokens)
-    if cut < 1:
-        raise InvalidRequest("nothing in these messages is shared by a next turn", param="messages")
+        prompt, cut = rendered.tokens, None
+    else:
+        renders = [
+            await engine.render_chat(
+                [*base, {"role": "user", "content": text}],
+                tools=tools,
+                template_kwargs=warm.chat_template_kwargs,
+                template_override=warm.chat_template_override,
+            )
+            for text in _SYNTHETIC_USERS
+        ]
+        prompt = renders[0].tokens
+        cut = common_prefix(prompt, renders[1].tokens)
+        if cut < 1:
+            raise InvalidRequest(
+                "nothing in these messages is shared by a next turn", param="messages"
+            )
     gen = GenerationRequest(
         prompt=prompt,
         max_tokens=1,
@@ -166,7 +181,8 @@ async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
         async for event in handle:
             match event:
                 case Finished():
-                    return {"status": "warmed", "cache_id": warm.cache_id, "tokens": cut}
+                    tokens = len(prompt) if cut is None else cut
+                    return {"status": "warmed", "cache_id": warm.cache_id, "tokens": tokens}
                 case Failed(error=error):
                     raise error
     raise InvalidRequest("the warm request ended without a result")  # pragma: no cover

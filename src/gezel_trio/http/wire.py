@@ -3,18 +3,31 @@
 Validation is strict: a wrong type is an error, never coerced ("5" is not an
 int, ``true`` is not a number), unknown fields are refused so that a typo in a
 gezel extension (``cacheid``) cannot be silently ignored, and every error
-names the field path. Limits on sizes (stop lists, logit biases, template
-kwargs) keep hostile bodies from costing the engine anything.
+names the field path. Every number must be finite, every string valid text
+(no lone UTF-16 surrogates) and no value nested deeper than ``MAX_DEPTH``.
+Limits on sizes (stop lists, logit biases, tools, template kwargs) keep
+hostile bodies from costing the engine anything. The fields OpenAI's own API
+accepts are accepted (most are recorded nowhere: ``store``, ``metadata``,
+``service_tier``, ``prediction`` ...), so a proxy may forward what its callers
+send.
+
+The classes here are also the source of ``/openapi.json`` (``http.openapi``):
+a field's type, its ``Range`` and its ``Pattern`` become its schema.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
+import unicodedata
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import attrs
 import cattrs
+import jsonschema
 from cattrs.cols import list_structure_factory
 from cattrs.errors import (
     ClassValidationError,
@@ -22,19 +35,28 @@ from cattrs.errors import (
     IterableValidationError,
 )
 from cattrs.gen import make_dict_structure_fn
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import InvalidRequest
 
 __all__ = [
+    "MAX_DEPTH",
     "ChatCompletionRequest",
     "ContentPart",
     "Message",
+    "Pattern",
+    "Range",
     "StreamOptions",
+    "Tool",
     "ToolCall",
     "WarmRequest",
     "check_cache_id",
+    "check_text",
     "parse_chat_request",
+    "parse_warm_request",
     "structure",
+    "tool_dicts",
 ]
 
 T = TypeVar("T")
@@ -45,6 +67,12 @@ MAX_LOGIT_BIAS = 1024
 MAX_MESSAGES = 4096
 MAX_CACHE_ID_CHARS = 4096
 MAX_PREFIX_IDS = 16
+MAX_TOOLS = 128
+MAX_TEMPLATE_CHARS = 65_536
+MAX_DEPTH = 64
+MAX_METADATA = 16
+# OpenAI's seed is an int64; the engine keys its random stream by 64 bits.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -57,16 +85,39 @@ class _FieldInvalid(ValueError):
         self.field = field
 
 
-def _range(lo: float | None, hi: float | None) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    def check(_: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+@attrs.frozen
+class Range:
+    """A field validator: ``lo <= value <= hi`` (``None``: unbounded);
+    ``http.openapi`` reads the bounds into the schema."""
+
+    lo: float | None = None
+    hi: float | None = None
+
+    def __call__(self, _: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         if value is None:
             return
-        if lo is not None and value < lo:
-            raise _FieldInvalid(attr.name, f"{attr.name} must be >= {lo}, got {value}")
-        if hi is not None and value > hi:
-            raise _FieldInvalid(attr.name, f"{attr.name} must be <= {hi}, got {value}")
+        if self.lo is not None and value < self.lo:
+            raise _FieldInvalid(attr.name, f"{attr.name} must be >= {self.lo}, got {value}")
+        if self.hi is not None and value > self.hi:
+            raise _FieldInvalid(attr.name, f"{attr.name} must be <= {self.hi}, got {value}")
 
-    return check
+
+@attrs.frozen
+class Pattern:
+    """A field validator: the whole string matches ``regex``."""
+
+    regex: str
+
+    def __call__(self, _: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not re.fullmatch(self.regex, value):
+            raise _FieldInvalid(attr.name, f"{attr.name} must match {self.regex}, got {value!r}")
+
+
+def _range(lo: float | None, hi: float | None) -> Range:
+    return Range(lo, hi)
+
+
+_TOOL_NAME = r"[A-Za-z0-9_-]{1,64}"
 
 
 @attrs.frozen
@@ -80,6 +131,8 @@ class ToolCall:
     function: ToolCallFunction
     id: str | None = None
     type: Literal["function"] = "function"
+    # Streaming deltas carry it; an SDK's model_dump() of a message keeps it.
+    index: int | None = attrs.field(default=None, validator=_range(0, None))
 
 
 @attrs.frozen
@@ -90,9 +143,11 @@ class ImageUrl:
 
 @attrs.frozen
 class ContentPart:
-    type: Literal["text", "image_url", "input_text"]
+    type: Literal["text", "image_url", "input_text", "refusal"]
     text: str | None = None
     image_url: ImageUrl | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
 
 
 @attrs.frozen
@@ -105,32 +160,46 @@ class Message:
     reasoning_content: str | None = None
     reasoning: str | None = None
     images: list[str] | None = None
+    # What an OpenAI SDK's ``model_dump()`` of an assistant message carries;
+    # accepted and not rendered (a refusal is the assistant's text).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: ToolCallFunction | None = None
 
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
-            return self.content
-        return "".join(p.text or "" for p in self.content if p.type in ("text", "input_text"))
+            return self.content if self.content is not None else self.refusal
+        return "".join(
+            (p.text if p.type != "refusal" else p.refusal) or ""
+            for p in self.content
+            if p.type in ("text", "input_text", "refusal")
+        )
 
     def has_images(self) -> bool:
         parts = self.content if isinstance(self.content, list) else []
         return bool(self.images) or any(p.type == "image_url" for p in parts)
 
     def to_template(self) -> dict[str, Any]:
-        """The mapping a chat template sees: ``developer`` becomes ``system``."""
+        """The mapping a chat template sees: ``developer`` becomes ``system``;
+        a legacy ``function_call`` becomes a tool call."""
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
             "content": self.text() or "",
         }
         if self.name is not None:
             out["name"] = self.name
-        if self.tool_calls:
+        calls = self.tool_calls or []
+        if not calls and self.function_call is not None:
+            calls = [ToolCall(self.function_call)]
+        if calls:
             out["tool_calls"] = [
                 {
                     "id": c.id,
                     "type": c.type,
                     "function": {"name": c.function.name, "arguments": c.function.arguments},
                 }
-                for c in self.tool_calls
+                for c in calls
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
@@ -141,12 +210,47 @@ class Message:
 
 
 @attrs.frozen
+class FunctionDef:
+    """A tool's function: ``parameters`` must be a JSON schema (checked against
+    its metaschema, once per distinct schema)."""
+
+    name: str = attrs.field(validator=Pattern(_TOOL_NAME))
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen
+class Tool:
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as the plain mappings templates and grammars read (unset fields dropped)."""
+    if tools is None:
+        return None
+    out = []
+    for t in tools:
+        fn: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            fn["description"] = t.function.description
+        if t.function.parameters is not None:
+            fn["parameters"] = t.function.parameters
+        if t.function.strict is not None:
+            fn["strict"] = t.function.strict
+        out.append({"type": t.type, "function": fn})
+    return out
+
+
+@attrs.frozen
 class WarmRequest:
     """``POST /v1/cache/warm`` (SPEC C8)."""
 
     cache_id: str
     messages: list[Message] = attrs.field()
-    tools: list[dict[str, Any]] | None = None
+    model: str | None = None
+    tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template_override: str | None = None
     persist: bool = False
@@ -155,17 +259,47 @@ class WarmRequest:
     def _check_messages(self, _: attrs.Attribute[Any], value: list[Message]) -> None:
         if not value:
             raise _FieldInvalid("messages", "messages must not be empty")
+        if len(value) > MAX_MESSAGES:
+            raise _FieldInvalid("messages", f"at most {MAX_MESSAGES} messages")
+
+
+@attrs.frozen
+class ToolGrammar:
+    """gezel: constrain what the model may call (T3)."""
+
+    mode: Literal["name-only"]
 
 
 @attrs.frozen
 class StreamOptions:
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
 @attrs.frozen
 class ResponseFormat:
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class Prediction:
+    """OpenAI's predicted output: accepted and ignored (no speculation on it)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# reasoning_effort -> (thinking on, thinking budget in tokens; None: unbounded).
+REASONING_EFFORT: dict[str, tuple[bool, int | None]] = {
+    "none": (False, None),
+    "minimal": (False, None),
+    "low": (True, 512),
+    "medium": (True, 2048),
+    "high": (True, None),
+    "xhigh": (True, None),
+}
 
 
 @attrs.frozen
@@ -178,9 +312,11 @@ class ChatCompletionRequest:
     max_completion_tokens: int | None = attrs.field(default=None, validator=_range(1, None))
     temperature: float | None = attrs.field(default=None, validator=_range(0, 2))
     top_p: float | None = attrs.field(default=None, validator=_range(0, 1))
+    # Any size: at or above the vocabulary it keeps every token (no filter).
     top_k: int | None = attrs.field(default=None, validator=_range(-1, None))
     min_p: float | None = attrs.field(default=None, validator=_range(0, 1))
-    seed: int | None = None
+    # -1: random; any other int64 (or uint64) seeds the request's own stream.
+    seed: int | None = attrs.field(default=None, validator=_range(SEED_MIN, SEED_MAX))
     stop: str | list[str] | None = None
     n: int = attrs.field(default=1, validator=_range(1, 1))
     presence_penalty: float | None = attrs.field(default=None, validator=_range(-2, 2))
@@ -193,10 +329,20 @@ class ChatCompletionRequest:
     ignore_eos: bool = False
     min_tokens: int = attrs.field(default=0, validator=_range(0, None))
     user: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI's own fields, accepted as clients forward them (W6).
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Prediction | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     # gezel extensions (W3)
     cache_id: str | None = None
     prefix_cache_id: str | None = None
@@ -206,7 +352,7 @@ class ChatCompletionRequest:
     chat_template_override: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     max_thinking_tokens: int | None = attrs.field(default=None, validator=_range(0, None))
-    tool_grammar: dict[str, Any] | None = None
+    tool_grammar: ToolGrammar | None = None
     disable_speculation: bool = False
 
     @messages.validator
@@ -230,8 +376,42 @@ class ChatCompletionRequest:
         return (self.prefix_cache_id,) if self.prefix_cache_id else ()
 
     @property
+    def session_id(self) -> str | None:
+        """``cache_id``, else OpenAI's ``prompt_cache_key``."""
+        return self.cache_id if self.cache_id is not None else self.prompt_cache_key
+
+    @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+    @property
+    def random_seed(self) -> int | None:
+        """The seed for the engine: ``-1`` (OpenAI clients' "random") is none."""
+        return None if self.seed == -1 else self.seed
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with its keys parsed (validated by ``parse_chat_request``)."""
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs`` with ``reasoning_effort`` folded in: it
+        switches thinking (unless the kwargs say otherwise) and is passed on
+        for templates that read it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            thinking, _ = REASONING_EFFORT[self.reasoning_effort]
+            kwargs.setdefault("enable_thinking", thinking)
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """``max_thinking_tokens``, else what ``reasoning_effort`` implies."""
+        if self.max_thinking_tokens is not None or self.reasoning_effort is None:
+            return self.max_thinking_tokens
+        return REASONING_EFFORT[self.reasoning_effort][1]
 
 
 def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
@@ -240,9 +420,14 @@ def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
         if isinstance(value, bool) and kind is not bool:
             raise TypeError(f"expected {name}, got a boolean")
         if kind is float and isinstance(value, int):
-            return float(value)  # type: ignore[return-value]  # JSON 1 is a valid float
+            try:
+                value = float(value)  # JSON 1 is a valid float
+            except OverflowError:
+                raise ValueError("expected a finite number") from None
         if not isinstance(value, kind):
             raise TypeError(f"expected {name}, got {type(value).__name__}")
+        if kind is float and not math.isfinite(value):  # type: ignore[arg-type]
+            raise ValueError("expected a finite number")
         return value
 
     return hook
@@ -359,7 +544,8 @@ def _describe(exc: BaseException, path: str = "") -> tuple[str, str | None]:
     if isinstance(exc, IterableValidationError):
         with_idx, without_idx = exc.group_exceptions()
         for sub, inote in with_idx:
-            return _describe(sub, f"{path}[{inote.index}]")
+            key = inote.index
+            return _describe(sub, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
         for sub in without_idx:
             return _describe(sub, path)
     if isinstance(exc, _FieldInvalid):
@@ -369,6 +555,9 @@ def _describe(exc: BaseException, path: str = "") -> tuple[str, str | None]:
     if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         return _describe(exc.exceptions[0], path)
     return str(exc) or type(exc).__name__, path or None
+
+
+_LOGIT_BIAS_KEY = re.compile(r"[0-9]{1,10}", re.ASCII)
 
 
 def _check_limits(req: ChatCompletionRequest) -> None:
@@ -383,11 +572,12 @@ def _check_limits(req: ChatCompletionRequest) -> None:
         if len(req.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", param="logit_bias")
         for key, val in req.logit_bias.items():
-            if not key.isdigit():
+            # Parsed, not tested: "²".isdigit() is true and int("²") raises.
+            if not _LOGIT_BIAS_KEY.fullmatch(key):
                 raise InvalidRequest(
-                    f"logit_bias keys are token ids, got {key!r}", param="logit_bias"
+                    f"logit_bias keys are decimal token ids, got {key[:40]!r}", param="logit_bias"
                 )
-            if isinstance(val, bool) or not isinstance(val, int | float) or not -100 <= val <= 100:
+            if not -100 <= val <= 100:
                 raise InvalidRequest(
                     "logit_bias values must be numbers in [-100, 100]", param="logit_bias"
                 )
@@ -397,37 +587,172 @@ def _check_limits(req: ChatCompletionRequest) -> None:
                 f"messages[{i}].content is required for role {m.role!r}",
                 param=f"messages[{i}].content",
             )
-    for name, value in (("cache_id", req.cache_id), ("prefix_cache_id", req.prefix_cache_id)):
+    for name, value in (
+        ("cache_id", req.cache_id),
+        ("prefix_cache_id", req.prefix_cache_id),
+        ("prompt_cache_key", req.prompt_cache_key),
+    ):
         check_cache_id(value, name)
     if req.prefix_cache_ids is not None:
         if len(req.prefix_cache_ids) > MAX_PREFIX_IDS:
             raise InvalidRequest(f"at most {MAX_PREFIX_IDS} prefix ids", param="prefix_cache_ids")
         for i, pid in enumerate(req.prefix_cache_ids):
             check_cache_id(pid, f"prefix_cache_ids[{i}]")
-    if req.chat_template_kwargs is not None:
+    _check_kwargs(req.chat_template_kwargs)
+    _check_tools(req.tools)
+    check_template(req.chat_template_override)
+    if req.metadata is not None:
+        if len(req.metadata) > MAX_METADATA:
+            raise InvalidRequest(f"at most {MAX_METADATA} metadata pairs", param="metadata")
+        for key, value in req.metadata.items():
+            if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+                raise InvalidRequest(
+                    "metadata maps keys of at most 64 characters to strings of at most 512",
+                    param=f"metadata.{key[:64]}",
+                )
+
+
+def _check_kwargs(kwargs: dict[str, Any] | None) -> None:
+    if kwargs is None:
+        return
+    try:
+        size = len(json.dumps(kwargs))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(str(exc), param="chat_template_kwargs") from exc
+    if size > 16_384:
+        raise InvalidRequest("chat_template_kwargs is too large", param="chat_template_kwargs")
+
+
+def _check_tools(tools: list[Tool] | None) -> None:
+    if tools is None:
+        return
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
+    for i, tool in enumerate(tools):
+        params = tool.function.parameters
+        if params is None:
+            continue
+        where = f"tools[{i}].function.parameters"
         try:
-            size = len(json.dumps(req.chat_template_kwargs))
-        except (TypeError, ValueError) as exc:
-            raise InvalidRequest(str(exc), param="chat_template_kwargs") from exc
-        if size > 16_384:
-            raise InvalidRequest("chat_template_kwargs is too large", param="chat_template_kwargs")
+            problem = _schema_problem(json.dumps(params, sort_keys=True))
+        except (TypeError, ValueError, RecursionError) as exc:
+            problem = str(exc)
+        if problem is not None:
+            raise InvalidRequest(f"{where} is not a JSON schema: {problem}", param=where)
+
+
+@lru_cache(maxsize=256)
+def _schema_problem(canonical: str) -> str | None:
+    """Why a tool's ``parameters`` is not a JSON schema (``None``: it is).
+    Checked once per distinct schema: an agent sends the same tools each turn."""
+    schema = json.loads(canonical)
+    if not isinstance(schema, dict):
+        return "it must be an object"
+    if schema.get("type", "object") != "object":
+        return 'its "type" must be "object"'
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        return f"{exc.message[:200]}" + (f" (at {where})" if where else "")
+    except RecursionError:
+        return "it is nested too deeply"
+    return None
+
+
+def check_template(template: str | None) -> None:
+    """``chat_template_override`` must be a Jinja template that compiles in
+    the sandbox the renderer uses, within ``MAX_TEMPLATE_CHARS``."""
+    if template is None:
+        return
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise InvalidRequest(
+            f"chat_template_override is longer than {MAX_TEMPLATE_CHARS} characters",
+            param="chat_template_override",
+        )
+    problem = _template_problem(template)
+    if problem is not None:
+        raise InvalidRequest(
+            f"chat_template_override does not compile: {problem}", param="chat_template_override"
+        )
+
+
+_SANDBOX = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+
+@lru_cache(maxsize=32)
+def _template_problem(template: str) -> str | None:
+    """Compile once per distinct override (a bounded LRU: a client sending
+    new templates each time costs one compile each, never unbounded memory)."""
+    try:
+        _SANDBOX.from_string(template)
+    except TemplateError as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    except (RecursionError, MemoryError, ValueError) as exc:
+        return f"{type(exc).__name__}"
+    return None
 
 
 def check_cache_id(value: str | None, param: str) -> None:
-    """Any string is a valid id (ids are hashed, never used as paths), but
-    an empty or unbounded one is a client bug worth naming."""
+    """Any text is a valid id (ids are hashed, never used as paths), but an
+    empty or unbounded one, or one with control characters (NUL separates
+    internal keys), is a client bug worth naming."""
     if value is None:
         return
     if not value:
         raise InvalidRequest(f"{param} must not be empty", param=param)
     if len(value) > MAX_CACHE_ID_CHARS:
         raise InvalidRequest(f"{param} is longer than {MAX_CACHE_ID_CHARS} characters", param=param)
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        raise InvalidRequest(f"{param} must not contain control characters", param=param)
+
+
+def check_text(body: Any) -> None:
+    """Every string valid Unicode text (no lone UTF-16 surrogate, which JSON
+    escapes can carry and no tokenizer takes) and nothing nested deeper than
+    ``MAX_DEPTH``; ``InvalidRequest`` names the first offending field."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            raise InvalidRequest(f"nested more than {MAX_DEPTH} levels deep", param=_path(path))
+        if isinstance(value, str):
+            if not value.isascii() and _has_surrogate(value):
+                raise InvalidRequest(
+                    "the text holds a lone UTF-16 surrogate, which is not valid Unicode",
+                    param=_path(path) or None,
+                )
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not k.isascii() and _has_surrogate(k):
+                    raise InvalidRequest(
+                        "a key holds a lone UTF-16 surrogate", param=_path(path) or None
+                    )
+                stack.append((v, (*path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
 def structure(body: Any, cls: type[T]) -> T:
     """Validate a decoded JSON body into ``cls``; ``InvalidRequest`` names the field."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    check_text(body)
     try:
         return _CONVERTER.structure(body, cls)
     except (ClassValidationError, ForbiddenExtraKeysError, IterableValidationError) as exc:
@@ -443,3 +768,12 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     req = structure(body, ChatCompletionRequest)
     _check_limits(req)
     return req
+
+
+def parse_warm_request(body: Any) -> WarmRequest:
+    warm = structure(body, WarmRequest)
+    check_cache_id(warm.cache_id, "cache_id")
+    _check_kwargs(warm.chat_template_kwargs)
+    _check_tools(warm.tools)
+    check_template(warm.chat_template_override)
+    return warm

@@ -61,6 +61,10 @@ async def open_test_engine(
     persist_dir: Path | None = None,
     cache_budget_mb: float = 64.0,
     memory_limit_mb: float | None = None,
+    stall_timeout: float | None = 30.0,
+    max_park_seconds: float = 30.0,
+    shutdown_timeout: float = 30.0,
+    max_step_failures: int = 3,
 ) -> AsyncIterator[TestEngine]:
     """An engine over a scripted backend, its host loop a Trio task."""
     backend = backend or ScriptedBackend()
@@ -72,6 +76,10 @@ async def open_test_engine(
         persist_dir=persist_dir,
         cache_budget_mb=cache_budget_mb,
         memory_limit_mb=memory_limit_mb,
+        stall_timeout=stall_timeout,
+        max_park_seconds=max_park_seconds,
+        shutdown_timeout=shutdown_timeout,
+        max_step_failures=max_step_failures,
     )
     async with open_engine(
         config, backend_factory=lambda _: backend, inline=True, observer=breakpoints

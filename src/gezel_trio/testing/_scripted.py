@@ -30,7 +30,7 @@ from ..backend import (
     StepOutput,
     TokenOut,
 )
-from ..errors import GezelError, InvalidRequest
+from ..errors import InvalidRequest
 from ..prompt import RenderedPrompt
 from ..request import GenerationRequest, Priority
 
@@ -124,7 +124,11 @@ class ScriptedBackend:
     """``backend.Backend`` without MLX; see the module docstring.
 
     ``fail_at`` makes the ``n``-th call to ``step`` (1-based) raise
-    ``StepFailure``, as an MLX error would.
+    ``StepFailure``, as an MLX error would. ``poison(request)`` marks
+    requests whose own sampler "raises" at their first decode step (reported
+    in ``StepOutput.failed``, as the MLX backend's guarded samplers do).
+    ``crash_at`` makes the host's own code fail after that many steps
+    (``memory_in_use`` raises), as a bug outside every boundary would.
     """
 
     def __init__(
@@ -135,12 +139,16 @@ class ScriptedBackend:
         script: Script = _echo,
         context_length: int = 4096,
         fail_at: Sequence[int] = (),
+        poison: Callable[[GenerationRequest], bool] | None = None,
+        crash_at: int | None = None,
     ) -> None:
         self.trimmable = trimmable
         self.prefill_step = prefill_step
         self.script = script
         self.steps = 0
         self.fail_at = set(fail_at)
+        self.poison = poison
+        self.crash_at = crash_at
         self.closed = False
         # What ``memory_in_use`` reports; tests set it to simulate pressure.
         self.memory_bytes = 0
@@ -153,6 +161,7 @@ class ScriptedBackend:
             framing_markers=(),
             trimmable=trimmable,
             fingerprint="scripted-" + ("trim" if trimmable else "notrim"),
+            vocab_size=0x110000,  # a token is a code point
         )
         self._renderer = CharRenderer()
 
@@ -183,8 +192,8 @@ class ScriptedBackend:
     def token_text(self, token: int) -> str:
         return chr(token)
 
-    def insert(self, admissions: Sequence[Admission]) -> dict[int, GezelError]:
-        failed: dict[int, GezelError] = {}
+    def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:
+        failed: dict[int, Exception] = {}
         for a in admissions:
             if a.request.constraint is not None:
                 failed[a.rid] = InvalidRequest("the scripted backend has no grammar support")
@@ -221,23 +230,29 @@ class ScriptedBackend:
             raise StepFailure(f"scripted failure at step {self.steps}")
         prefill: list[PrefillOut] = []
         tokens: list[TokenOut] = []
+        failed: list[tuple[int, Exception]] = []
         for seq in list(self._seqs.values()):
             if seq.request.priority != lane:
                 continue  # the other lane is parked, or idle
             if seq.decoding:
+                if self.poison is not None and self.poison(seq.request):
+                    failed.append((seq.rid, StepFailure(f"poisoned sampler of {seq.rid}")))
                 tokens.append(self._decode(seq))
             else:
                 prefill.extend(self._prefill(seq))
-        return StepOutput(tuple(prefill), tuple(tokens))
+        return StepOutput(tuple(prefill), tuple(tokens), tuple(failed))
 
     def memory_in_use(self) -> int:
+        if self.crash_at is not None and self.steps >= self.crash_at:
+            raise StepFailure(f"the host's own code failed after step {self.steps}")
         return self.memory_bytes
 
     def reclaim(self) -> None:
         self.reclaims += 1
 
-    def reset(self) -> None:
-        self._seqs.clear()
+    def reset(self, lane: Priority) -> None:
+        for rid in [r for r, seq in self._seqs.items() if seq.request.priority == lane]:
+            del self._seqs[rid]
 
     def close(self) -> None:
         self.closed = True

@@ -1,0 +1,323 @@
+"""``GET /openapi.json``: the wire contract as an OpenAPI 3.1 document (W4).
+
+Request schemas are generated from the attrs classes in ``wire`` - the same
+classes that validate requests - so the document cannot drift from what the
+server accepts: a field's annotation is its type, a ``Range`` validator its
+``minimum``/``maximum``, a ``Pattern`` its ``pattern``, and every object
+refuses unknown properties, as the server does. Routes and responses are
+listed here, with the gezel extensions described.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from functools import lru_cache
+from typing import Any, Literal, Union, get_args, get_origin
+
+import attrs
+
+from . import wire
+
+__all__ = ["document", "openapi_json"]
+
+_SCALARS: dict[Any, dict[str, Any]] = {
+    str: {"type": "string"},
+    int: {"type": "integer"},
+    float: {"type": "number"},
+    bool: {"type": "boolean"},
+    type(None): {"type": "null"},
+    Any: {},
+}
+
+# What the gezel extensions and a few OpenAI fields mean here (W3, W6).
+_DOCS: dict[str, str] = {
+    "cache_id": "gezel: the prompt-cache session entry to reuse and save (C1).",
+    "prefix_cache_id": "gezel: a shared prefix entry to seed from and publish to (C6).",
+    "prefix_cache_ids": "gezel: shared prefix entries, most specific first (C2, C6).",
+    "stable_prefix_chars": "gezel: characters of the system message that siblings share (C6).",
+    "priority": "gezel: interactive (default) or background; background waves park (E2, E3).",
+    "chat_template_override": "gezel: a Jinja chat template used instead of the model's.",
+    "chat_template_kwargs": "gezel: extra variables for the chat template (enable_thinking ...).",
+    "max_thinking_tokens": "gezel: close the think block after this many tokens (T4).",
+    "tool_grammar": 'gezel: {"mode": "name-only"} constrains tool names with a grammar (T3).',
+    "disable_speculation": "gezel: opt out of speculative decoding (E8).",
+    "ignore_eos": "vLLM: generate exactly max_tokens tokens.",
+    "min_tokens": "vLLM: hold end-of-sequence back for this many tokens.",
+    "top_k": "Sample from the k most likely tokens; at or above the vocabulary: no filter.",
+    "seed": "A private random stream per request; -1: random.",
+    "logit_bias": "Token id (decimal string, inside the vocabulary) to a bias in [-100, 100].",
+    "prompt_cache_key": "OpenAI: used as cache_id when no cache_id is given.",
+    "reasoning_effort": "OpenAI: none/minimal turn thinking off; low/medium bound it.",
+    "repetition_penalty": "mlx-lm: penalize recently generated tokens.",
+    "persist": "gezel: write the warmed entry to disk at once.",
+}
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.components: dict[str, Any] = {}
+
+    def schema(self, tp: Any) -> dict[str, Any]:
+        if tp in _SCALARS:
+            return dict(_SCALARS[tp])
+        origin = get_origin(tp)
+        if origin is Literal:
+            values = list(get_args(tp))
+            return {"enum": values}
+        if origin in (Union, types.UnionType):
+            return {"anyOf": [self.schema(a) for a in get_args(tp)]}
+        if origin is list:
+            (item,) = get_args(tp)
+            return {"type": "array", "items": self.schema(item)}
+        if origin is dict:
+            _, value = get_args(tp)
+            return {"type": "object", "additionalProperties": self.schema(value)}
+        if attrs.has(tp):
+            return self.ref(tp)
+        raise TypeError(f"no schema for {tp!r}")
+
+    def ref(self, cls: type) -> dict[str, Any]:
+        name = cls.__name__
+        if name not in self.components:
+            self.components[name] = {}  # a placeholder stops recursion
+            self.components[name] = self.object(cls)
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def object(self, cls: type) -> dict[str, Any]:
+        hints = typing.get_type_hints(cls)
+        props: dict[str, Any] = {}
+        required = []
+        for field in attrs.fields(cls):
+            prop = self.schema(hints[field.name])
+            _constrain(prop, field)
+            if field.name in _DOCS:
+                prop["description"] = _DOCS[field.name]
+            props[field.name] = prop
+            if field.default is attrs.NOTHING:
+                required.append(field.name)
+        out: dict[str, Any] = {
+            "type": "object",
+            "properties": props,
+            "additionalProperties": False,
+        }
+        if cls.__doc__:
+            out["description"] = " ".join(cls.__doc__.split())
+        if required:
+            out["required"] = required
+        return out
+
+
+def _constrain(prop: dict[str, Any], field: attrs.Attribute[Any]) -> None:
+    """Copy the field's validators into its schema (on the non-null branch)."""
+    target = prop
+    if "anyOf" in prop:
+        branches = [b for b in prop["anyOf"] if b.get("type") != "null"]
+        if len(branches) == 1:
+            target = branches[0]
+    v = field.validator
+    checks = getattr(v, "_validators", (v,))
+    for check in checks:
+        if isinstance(check, wire.Range):
+            if check.lo is not None:
+                target["minimum"] = check.lo
+            if check.hi is not None:
+                target["maximum"] = check.hi
+        elif isinstance(check, wire.Pattern):
+            target["pattern"] = f"^{check.regex}$"
+    if field.name == "messages":
+        target["minItems"] = 1
+        target["maxItems"] = wire.MAX_MESSAGES
+    if field.name in _CACHE_ID_FIELDS:
+        target.update(_CACHE_ID)
+    if field.name == "prefix_cache_ids":
+        target["items"] = dict(_CACHE_ID)
+        target["maxItems"] = wire.MAX_PREFIX_IDS
+
+
+_CACHE_ID_FIELDS = ("cache_id", "prefix_cache_id", "prompt_cache_key")
+# What ``wire.check_cache_id`` accepts: 1..4096 characters, no control characters.
+_CACHE_ID = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": wire.MAX_CACHE_ID_CHARS,
+    "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$",
+}
+
+
+def _error_response(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "code": {"type": ["string", "null"]},
+                "param": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+_COMMON_ERRORS = {
+    "401": "Missing or wrong API key (with --api-key).",
+    "403": "A Host header that is not loopback while bound to loopback.",
+    "404": "No such route or entry.",
+    "405": "Method not allowed on this route.",
+    "500": "An internal error, in the error envelope.",
+    "503": "Shutting down, or the engine failed.",
+}
+
+
+def _responses(ok: dict[str, Any], *extra: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"200": ok}
+    descriptions = {
+        "400": "Invalid request; error.param names the field.",
+        "413": "The body exceeds --max-body-mb.",
+        "415": "The body is not application/json.",
+        "429": "The admission queue is full (Retry-After).",
+        **_COMMON_ERRORS,
+    }
+    for code in sorted({*extra, *_COMMON_ERRORS}):
+        out[code] = _error_response(descriptions[code])
+    return out
+
+
+def _json_ok(description: str, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": schema or {"type": "object"}}},
+    }
+
+
+def _body(ref: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": ref}}}
+
+
+@lru_cache(maxsize=8)
+def document(model_id: str) -> dict[str, Any]:
+    b = _Builder()
+    chat = b.ref(wire.ChatCompletionRequest)
+    warm = b.ref(wire.WarmRequest)
+    chat_ok = {
+        "description": "A chat.completion object, or with stream: true server-sent "
+        "chat.completion.chunk events ending in data: [DONE].",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {}},
+        },
+    }
+    chat_op = {
+        "summary": "Chat completion (OpenAI-compatible, with gezel extensions)",
+        "requestBody": _body(chat),
+        "responses": _responses(chat_ok, "400", "413", "415", "429"),
+    }
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {"post": {**chat_op, "operationId": "chatCompletions"}},
+        "/chat/completions": {"post": {**chat_op, "operationId": "chatCompletionsAlias"}},
+        "/v1/models": {
+            "get": {
+                "operationId": "listModels",
+                "summary": "The served model",
+                "responses": _responses(_json_ok("A list with the one served model.")),
+            }
+        },
+        "/health": {
+            "get": {
+                "operationId": "health",
+                "summary": "ok, degraded (with reasons), shutting_down or failed (503)",
+                "responses": _responses(_json_ok("The engine's condition.")),
+            }
+        },
+        "/metrics": {
+            "get": {
+                "operationId": "metrics",
+                "summary": "Prometheus metrics",
+                "responses": _responses(
+                    {
+                        "description": "Prometheus text exposition.",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                ),
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document",
+                "responses": _responses(_json_ok("OpenAPI 3.1.")),
+            }
+        },
+        "/v1/cache/stats": {
+            "get": {
+                "operationId": "cacheStats",
+                "summary": "Prompt-cache entries in memory (W5)",
+                "responses": _responses(_json_ok("Entries with id, tokens, bytes, last use.")),
+            }
+        },
+        "/v1/cache/{cache_id}": {
+            "delete": {
+                "operationId": "cacheDelete",
+                "summary": "Drop an entry from memory and disk (W5)",
+                "parameters": [
+                    {
+                        "name": "cache_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": dict(_CACHE_ID),
+                    }
+                ],
+                "responses": _responses(_json_ok("What was deleted."), "400"),
+            }
+        },
+        "/v1/cache/warm": {
+            "post": {
+                "operationId": "cacheWarm",
+                "summary": "Build a cache entry through the engine (C8)",
+                "requestBody": _body(warm),
+                "responses": _responses(
+                    _json_ok("warmed or skipped, with the reason."), "400", "413", "415", "429"
+                ),
+            }
+        },
+        "/admin/flush": {
+            "post": {
+                "operationId": "adminFlush",
+                "summary": "Persist every dirty entry, after settling cancellations (W5)",
+                "parameters": [
+                    {
+                        "name": "settle_ms",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 0, "maximum": 60_000},
+                    }
+                ],
+                "responses": _responses(_json_ok("How many entries were written."), "400"),
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "gezel-trio",
+            "version": "0.1.0",
+            "description": f"OpenAI-compatible MLX inference sidecar serving {model_id}.",
+        },
+        "paths": paths,
+        "components": {"schemas": {**b.components, "Error": _ERROR}},
+    }
+
+
+def openapi_json(model_id: str) -> str:
+    return json.dumps(document(model_id))

@@ -1,0 +1,156 @@
+"""Prometheus metrics of one engine (SPEC W4), through ``prometheus-client``.
+
+Each engine has its own ``CollectorRegistry`` - never the process-global one -
+so several engines (tests, an embedder running two models) never share or
+clash over a metric. Names follow vLLM's where they mean the same thing, in
+the ``gezel_`` namespace (``vllm:time_to_first_token_seconds`` is
+``gezel_time_to_first_token_seconds``), so existing dashboards translate by
+prefix.
+
+The engine records request timings in the Trio thread as it delivers
+events (``trio.current_time``, so ``MockClock`` tests see virtual time);
+gauges are read from the engine's state when ``/metrics`` is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import attrs
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["EngineMetrics", "Snapshot"]
+
+# Seconds; vLLM's TTFT buckets, trimmed to what a local sidecar sees.
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+_RATE_BUCKETS = (10.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 50000.0)
+
+
+@attrs.frozen
+class Snapshot:
+    """The engine's state as gauges show it, read at scrape time."""
+
+    running: int
+    waiting: int
+    parked: int
+    steps: int
+    cache_entries: int
+    cache_bytes: int
+    memory_bytes: int
+    cache_blocks: int = 0
+    cache_lookups: int = 0
+    cache_hits: int = 0
+
+
+class _StateCollector(Collector):
+    def __init__(self, read: Callable[[], Snapshot]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._read()
+        for name, doc, value in (
+            ("gezel_num_requests_running", "Requests in the batch (both lanes).", s.running),
+            ("gezel_num_requests_waiting", "Requests queued for a slot.", s.waiting),
+            ("gezel_num_requests_parked", "Background requests parked (E3).", s.parked),
+            ("gezel_cache_entries", "Prompt-cache entries in memory.", s.cache_entries),
+            (
+                "gezel_cache_bytes",
+                "Bytes of prompt-cache state in memory (shared blocks once).",
+                s.cache_bytes,
+            ),
+            ("gezel_cache_blocks", "Shared KV blocks in the prompt cache.", s.cache_blocks),
+            ("gezel_mlx_active_memory_bytes", "Live MLX memory.", s.memory_bytes),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("gezel_engine_steps", "Engine steps taken.", value=s.steps)
+        yield CounterMetricFamily(
+            "gezel_prefix_cache_queries", "Requests that looked up the cache.", s.cache_lookups
+        )
+        yield CounterMetricFamily(
+            "gezel_prefix_cache_hits", "Requests that reused a cached prefix.", s.cache_hits
+        )
+
+
+class EngineMetrics:
+    """The metrics of one engine; ``exposition()`` is the ``/metrics`` body."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "gezel_time_to_first_token_seconds",
+            "Time from submission to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gezel_time_per_output_token_seconds",
+            "Time between two generated tokens of one request (inter-token latency).",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "gezel_request_queue_time_seconds",
+            "Time a request waited for a slot.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "gezel_e2e_request_latency_seconds",
+            "Time from submission to the request's last event.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_rate = Histogram(
+            "gezel_request_prefill_tokens_per_second",
+            "Prompt tokens computed (not served from cache) per second of prefill.",
+            buckets=_RATE_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "gezel_requests",
+            "Requests that ended, by outcome (stop, length, failed, withdrawn) and error code.",
+            ["outcome", "error"],
+            registry=r,
+        )
+        self.http_errors = Counter(
+            "gezel_http_errors",
+            "Error responses the HTTP layer sent, by status and error code.",
+            ["status", "code"],
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "gezel_num_preemptions", "Background sequences parked for interactive work.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "gezel_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.cached_tokens = Counter(
+            "gezel_prompt_tokens_cached", "Prompt tokens served from the prompt cache.", registry=r
+        )
+        self.prefilled_tokens = Counter(
+            "gezel_prompt_tokens_prefilled", "Prompt tokens computed by prefill.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "gezel_generation_tokens", "Tokens generated by finished requests.", registry=r
+        )
+        self.step_failures = Counter(
+            "gezel_step_failures", "Model steps that failed (their lane's sequences failed).",
+            registry=r,
+        )  # fmt: skip
+
+    def watch(self, read: Callable[[], Snapshot]) -> None:
+        """Gauges read ``read()`` at every scrape."""
+        self.registry.register(_StateCollector(read))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)
