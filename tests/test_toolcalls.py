@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gezel_trio.toolcalls import (
+from gezel_trio.shaping.toolcalls import (
     GENERIC,
     HERMES,
     MISTRAL,
