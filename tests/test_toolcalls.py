@@ -319,6 +319,31 @@ def test_junk_after_complete_arguments_keeps_the_call() -> None:
     assert whole(HERMES, text) == [*call(0, "f", "{}"), Content("oops}</tool_call>")]
 
 
+def test_broken_arguments_end_the_call_at_the_offending_character() -> None:
+    # An unescaped quote, the commonest way a model breaks its JSON: the call
+    # stops at the character after it, and everything from there is read as
+    # output again - the answer after the call, and the next call.
+    text = (
+        '<tool_call>{"name": "f", "arguments": {"text": "say "hi""}}</tool_call>\nDone. '
+        + hermes("g", {})
+    )
+    expected = [
+        *call(0, "f", '{"text": "say "', malformed=True),
+        Content('hi""}}</tool_call>\nDone. '),
+        *call(1, "g", "{}"),
+    ]
+    assert whole(HERMES, text) == expected
+    assert merged(run(HERMES, text)) == expected
+
+
+def test_invalid_json_inside_the_arguments_stops_their_stream() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1 2, "b": tru}}</tool_call>'
+    assert whole(HERMES, text) == [
+        *call(0, "f", '{"a": 1 ', malformed=True),
+        Content('2, "b": tru}}</tool_call>'),
+    ]
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -485,6 +510,13 @@ def test_mistral_calls() -> None:
         *call(0, "get_weather", '{"city": "Paris"}'),
         *call(1, "now", "{}"),
     ]
+
+
+def test_mistral_broken_arguments_do_not_hide_the_next_call() -> None:
+    text = '[TOOL_CALLS]f[ARGS]{"a": "b"c"}[TOOL_CALLS]g[ARGS]{}'
+    expected = [*call(0, "f", '{"a": "b"', malformed=True), Content('c"}'), *call(1, "g", "{}")]
+    assert whole(MISTRAL, text) == expected
+    assert merged(run(MISTRAL, text)) == expected
 
 
 @pytest.mark.parametrize(
