@@ -2,15 +2,18 @@
 
 Every test feeds text the way the engine does, piece by piece, with ids from
 a counter so runs compare equal. The property tests cut the same text at
-random places and require the same events, merged, as one whole piece; the
-timing tests check that adversarial megabytes stay linear.
+random places and require the same events, merged, as one whole piece. The
+cost tests count work instead of timing it (every function call made, see
+``work``): text four times as long must cost four times as much, never
+sixteen. What that work takes in seconds is measured in
+``bench/toolcall_parsing.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import time
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gezel_trio.toolcalls import (
+from gezel_trio.shaping.toolcalls import (
     GENERIC,
     HERMES,
     MISTRAL,
@@ -316,6 +319,31 @@ def test_junk_after_complete_arguments_keeps_the_call() -> None:
     assert whole(HERMES, text) == [*call(0, "f", "{}"), Content("oops}</tool_call>")]
 
 
+def test_broken_arguments_end_the_call_at_the_offending_character() -> None:
+    # An unescaped quote, the commonest way a model breaks its JSON: the call
+    # stops at the character after it, and everything from there is read as
+    # output again - the answer after the call, and the next call.
+    text = (
+        '<tool_call>{"name": "f", "arguments": {"text": "say "hi""}}</tool_call>\nDone. '
+        + hermes("g", {})
+    )
+    expected = [
+        *call(0, "f", '{"text": "say "', malformed=True),
+        Content('hi""}}</tool_call>\nDone. '),
+        *call(1, "g", "{}"),
+    ]
+    assert whole(HERMES, text) == expected
+    assert merged(run(HERMES, text)) == expected
+
+
+def test_invalid_json_inside_the_arguments_stops_their_stream() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"a": 1 2, "b": tru}}</tool_call>'
+    assert whole(HERMES, text) == [
+        *call(0, "f", '{"a": 1 ', malformed=True),
+        Content('2, "b": tru}}</tool_call>'),
+    ]
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -482,6 +510,13 @@ def test_mistral_calls() -> None:
         *call(0, "get_weather", '{"city": "Paris"}'),
         *call(1, "now", "{}"),
     ]
+
+
+def test_mistral_broken_arguments_do_not_hide_the_next_call() -> None:
+    text = '[TOOL_CALLS]f[ARGS]{"a": "b"c"}[TOOL_CALLS]g[ARGS]{}'
+    expected = [*call(0, "f", '{"a": "b"', malformed=True), Content('c"}'), *call(1, "g", "{}")]
+    assert whole(MISTRAL, text) == expected
+    assert merged(run(MISTRAL, text)) == expected
 
 
 @pytest.mark.parametrize(
@@ -675,44 +710,70 @@ TOKEN_DENSE = {
 }  # fmt: skip
 
 
-def timed(fmt: ToolFormat, text: str, size: int) -> float:
+_ERROR_INIT = json.JSONDecodeError.__init__.__code__
+
+
+def work(fmt: ToolFormat, text: str, size: int) -> int:
+    """What splitting ``text`` fed in pieces of ``size`` costs, counted, not
+    timed: every Python and C function call made, plus the characters each
+    JSON error message counts (it numbers the lines before the error, which
+    once made each failure cost the length of everything before it).
+
+    The C calls are counted once each: each scans a bounded stretch by
+    construction (no pattern backtracks, searches start where the last one
+    stopped), so a cost that grows with what came before shows up as calls.
+    """
     s = splitter(fmt)
-    began = time.perf_counter()
-    for k in range(0, len(text), size):
-        s.feed(text[k : k + size])
-    s.finish()
-    return time.perf_counter() - began
+    pieces = [text[k : k + size] for k in range(0, len(text), size)]
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event == "call" or event == "c_call":
+            count += 1
+            if event == "call" and frame.f_code is _ERROR_INIT:
+                count += frame.f_locals["pos"]
+
+    sys.setprofile(profile)
+    try:
+        for piece in pieces:
+            s.feed(piece)
+        s.finish()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def assert_linear(fmt: ToolFormat, text: str, size: int | None) -> None:
+    """``text`` costs about four times what its first quarter costs (in
+    pieces of ``size``, or each in one piece): a cost that grew with what came
+    before would make it sixteen."""
+    quarter = text[: len(text) // 4]
+    small = work(fmt, quarter, size or len(quarter))
+    large = work(fmt, text, size or len(text))
+    assert large <= 4.1 * small + 200, (small, large)
 
 
 @pytest.mark.parametrize("case", ADVERSARIAL)
-def test_a_mebibyte_of_adversarial_output_in_one_piece_is_fast(case: str) -> None:
+def test_adversarial_output_in_one_piece_costs_linear_work(case: str) -> None:
     fmt, text = ADVERSARIAL[case]
-    assert timed(fmt, text, len(text)) < 1.0
+    assert_linear(fmt, text[: MiB // 4], None)
 
 
 @pytest.mark.parametrize("case", ADVERSARIAL)
-def test_a_mebibyte_of_adversarial_output_in_tokens_is_fast(case: str) -> None:
+def test_adversarial_output_in_tokens_costs_linear_work(case: str) -> None:
     fmt, text = ADVERSARIAL[case]
-    assert timed(fmt, text, 64) < 1.0
+    assert_linear(fmt, text[: MiB // 16], 64)
+
+
+@pytest.mark.parametrize("case", ADVERSARIAL)
+def test_adversarial_output_one_character_at_a_time_costs_linear_work(case: str) -> None:
+    fmt, text = ADVERSARIAL[case]
+    assert_linear(fmt, text[: MiB // 64], 1)
 
 
 @pytest.mark.parametrize("case", TOKEN_DENSE)
 def test_token_dense_markup_costs_the_same_per_byte(case: str) -> None:
     fmt, unit = TOKEN_DENSE[case]
     prefix = '<tool_call>{"name": "f", "arguments": {' if unit.startswith('"k') else ""
-    small = prefix + unit * (MiB // 8 // len(unit))
-    large = prefix + unit * (MiB // 2 // len(unit))
-    # Best of two, so a busy machine does not decide; cost that grew with what
-    # came before would make the 4x longer text take 16x as long.
-    t_small = min(timed(fmt, small, len(small)) for _ in range(2))
-    t_large = min(timed(fmt, large, len(large)) for _ in range(2))
-    assert t_large < 6 * t_small + 0.05
-
-
-@pytest.mark.parametrize("case", ADVERSARIAL)
-def test_adversarial_output_one_character_at_a_time_is_fast(case: str) -> None:
-    # Each feed() costs a few microseconds whatever it holds (building its
-    # events alone is about one), so a mebibyte of single characters takes
-    # seconds in CPython; 64 KiB shows that nothing grows with what came before.
-    fmt, text = ADVERSARIAL[case]
-    assert timed(fmt, text[: MiB // 16], 1) < 1.0
+    assert_linear(fmt, prefix + unit * (MiB // 16 // len(unit)), None)

@@ -71,7 +71,7 @@ class ModelInfo:
     # ``(<think>, </think>)`` token ids and texts when the model thinks in such blocks.
     think_ids: tuple[int, int] | None = None
     think_markers: tuple[str, str] | None = None
-    # The tool-call markup family of the chat template (``toolcalls.resolve_format``).
+    # The tool-call markup family of the chat template (``shaping.toolcalls.resolve_format``).
     tool_format: str | None = None
     # Width of the model's logits: every token id a request names (logit_bias)
     # must be below it. 0: unknown (no such check).

@@ -30,7 +30,7 @@ How each kind is expressed:
   which is what the OpenAI API allows in that case.
 
 With ``tool_format="generic"`` (models whose chat template has no tool
-syntax; see ``toolcalls.GENERIC``) a call is the JSON object
+syntax; see ``shaping.toolcalls.GENERIC``) a call is the JSON object
 ``{"tool_call": {"name": "f", "arguments": ARGS}}`` instead, spelled with
 ordinary tokens; ``json_or_tool_call`` is then one JSON grammar (``anyOf``
 the answer and the call), and ``tool_name`` is refused (free text cannot be
@@ -95,7 +95,7 @@ MAX_SCHEMA_DEPTH: Final = 64
 
 TOOL_CALL_OPEN: Final = "<tool_call>"
 TOOL_CALL_CLOSE: Final = "</tool_call>"
-# The generic format's call opener (toolcalls.GENERIC.start), as generated.
+# The generic format's call opener (shaping.toolcalls.GENERIC.start), as generated.
 GENERIC_CALL_OPEN: Final = '{"tool_call": '
 
 ToolFormatName = Literal["hermes", "generic"]

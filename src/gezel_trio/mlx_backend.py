@@ -56,8 +56,8 @@ from .persist import fingerprint_model_dir
 from .prompt import ChatTemplateRenderer
 from .reasoning import prompt_opens_thinking_tokens
 from .request import GenerationRequest, Priority, SamplingParams
+from .shaping.toolcalls import GENERIC, resolve_format
 from .text import COMMON_FRAMING_MARKERS
-from .toolcalls import GENERIC, resolve_format
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
 

@@ -98,7 +98,7 @@ def generic_tool_messages(
     messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
     """The conversation in the generic tool format, for a template with no
-    tool syntax (``toolcalls.GENERIC``): the tools are described at the end of
+    tool syntax (``shaping.toolcalls.GENERIC``): the tools are described at the end of
     the system turn (one is added when there is none), an assistant's calls
     become its text, one ``{"tool_call": ...}`` object per call, and a tool
     result becomes a user turn holding ``{"tool_response": ...}``.

@@ -33,7 +33,8 @@ import attrs
 
 # One Content class for both splitters, so a pipeline of the two matches one
 # type; the marker search is the same held-back search the tool splitter uses.
-from .toolcalls import Content, _MarkerSeeker
+from .shaping._markers import MarkerSeeker
+from .shaping.toolcalls import Content
 
 __all__ = [
     "Content",
@@ -101,7 +102,7 @@ class ReasoningSplitter:
         self._start = start
         self._matched = 0  # how much of the start marker the output began with
         self._lead: list[str] = []  # whitespace before a possible start marker
-        self._close = _MarkerSeeker(end)
+        self._close = MarkerSeeker(end)
         self._breaks: list[str] = []  # line breaks at the end of the reasoning so far
         self._phase = _THINK_LEAD if starts_inside else _LEAD
         self._events: list[ReasoningEvent] = []

@@ -16,7 +16,7 @@ from typing import Any
 from ..backend import ModelInfo
 from ..events import TokenLogprob
 from ..reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
-from ..toolcalls import (
+from ..shaping.toolcalls import (
     GENERIC,
     HERMES,
     MISTRAL,

@@ -18,7 +18,7 @@ import attrs
 
 from ..backend import ModelInfo
 from ..reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
-from ..toolcalls import (
+from .toolcalls import (
     GENERIC,
     HERMES,
     MISTRAL,

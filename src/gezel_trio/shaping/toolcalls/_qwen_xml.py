@@ -1,0 +1,180 @@
+"""Qwen3-Coder markup: ``<tool_call>`` + ``<function=NAME>``, then
+``<parameter=KEY>VALUE</parameter>`` blocks, then ``</function>`` +
+``</tool_call>``."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from .._markers import MarkerSeeker
+from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
+from ._format import ToolFormat
+
+__all__ = ["FIRST_CHARS", "QWEN3_CODER", "XmlBody", "open_body"]
+
+QWEN3_CODER = ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", "xml")
+
+FIRST_CHARS = frozenset("<" + WS)
+
+
+def open_body(owner: Owner, fmt: ToolFormat) -> Body:
+    return XmlBody(owner, fmt.end)
+
+
+_X_OPEN = 0  # before <function=
+_X_NAME = 1
+_X_BODY = 2  # between parameters
+_X_KEY = 3
+_X_VALUE = 4
+_FUNCTION_TAG = "<function="
+_PARAM_TAG = "<parameter="
+_PARAM_END = "</parameter>"
+_FUNCTION_END = "</function>"
+_WORD_STOP = re.compile(r"[>\n<]")
+_TAG_WINDOW = 32  # more than any tag, closing markers included
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(name)  # NaN and Infinity are not JSON
+
+
+def _param_json(raw: str) -> str:
+    """A parameter's value as JSON text.
+
+    The template writes strings bare and everything else as JSON, so a value
+    that parses as a JSON number, bool, null, array or object is taken as one,
+    and anything else is a string. Without the tool's schema, a string that
+    looks like a number (a zip code ``12345``) is taken as the number.
+    """
+    # The template puts the value on lines of its own.
+    value = raw[1:] if raw.startswith("\n") else raw
+    value = value[:-1] if value.endswith("\n") else value
+    try:
+        parsed = json.loads(value, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        parsed = value
+    if isinstance(parsed, str):
+        return json.dumps(value, ensure_ascii=False)
+    return value.strip()
+
+
+def _common_prefix(a: str, b: str) -> int:
+    k = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        k += 1
+    return k
+
+
+class XmlBody:
+    """Qwen3-Coder's ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``.
+
+    The arguments object is built as JSON text: ``{`` and the first member
+    when the first parameter closes, ``, "KEY": VALUE`` for each later one,
+    ``}`` at ``</function>``. A value is only known to be complete at its
+    closing tag, so each parameter is sent whole. The first ``</parameter>``
+    ends a value, whatever the value holds.
+    """
+
+    status = RUNNING
+    back = ""
+    complete = False
+    _state = _X_OPEN
+    _lit = ""  # a tag cut by the end of the text
+    _key = ""
+    _params = 0
+
+    def __init__(self, owner: Owner, end: str) -> None:
+        self._owner = owner
+        self._body_tags = tuple(t for t in (_PARAM_TAG, _FUNCTION_END, end) if t)
+        self._parts: list[str] = []
+        self._seeker = MarkerSeeker(_PARAM_END)
+
+    def closable_at_end(self) -> bool:
+        return False
+
+    def step(self, text: str, i: int) -> int:
+        n = len(text)
+        while i < n:
+            st = self._state
+            if st == _X_VALUE:
+                before, i, found = self._seeker.seek(text, i)
+                if before:
+                    self._parts.append(before)
+                if found:
+                    self._param_done()
+                    self._state = _X_BODY
+                continue
+            if st in (_X_NAME, _X_KEY):
+                i = self._word(text, i, st)
+            elif not self._lit and text[i] in WS:
+                i = skip_ws(text, i)
+                continue
+            else:
+                i = self._tag(text, i, (_FUNCTION_TAG,) if st == _X_OPEN else self._body_tags)
+            if self.status:
+                return i
+        return n
+
+    def _word(self, text: str, i: int, st: int) -> int:
+        """The function name or a parameter key, up to ``>``."""
+        m = _WORD_STOP.search(text, i)
+        if m is None:
+            self._parts.append(text[i:])
+            return len(text)
+        k = m.start()
+        self._parts.append(text[i:k])
+        if text[k] != ">":
+            return self._fail(k)
+        word = "".join(self._parts).strip()
+        self._parts.clear()
+        if not word:
+            return self._fail(k + 1)
+        if st == _X_NAME:
+            self._owner._start(word)
+            self._state = _X_BODY
+        else:
+            self._key = word
+            self._state = _X_VALUE
+        return k + 1
+
+    def _tag(self, text: str, i: int, tags: tuple[str, ...]) -> int:
+        lit = self._lit
+        cand = lit + text[i : i + _TAG_WINDOW]
+        best = 0
+        for tag in tags:
+            if cand.startswith(tag):
+                self._lit = ""
+                return self._tag_done(tag, i + len(tag) - len(lit))
+            best = max(best, _common_prefix(cand, tag))
+        if best == len(cand):  # a tag cut by the end of the text
+            self._lit = cand
+            return len(text)
+        return self._fail(i + best - len(lit), back=cand[:best])
+
+    def _tag_done(self, tag: str, i: int) -> int:
+        if tag == _FUNCTION_TAG:
+            self._state = _X_NAME
+        elif tag == _PARAM_TAG:
+            self._state = _X_KEY
+        else:
+            # </function>, or the closing marker with </function> missing.
+            self._owner._args("}" if self._params else "{}")
+            self.complete = True
+            self.status = DONE if tag == _FUNCTION_END else CLOSED
+        return i
+
+    def _param_done(self) -> None:
+        value = _param_json("".join(self._parts))
+        self._parts.clear()
+        key = json.dumps(self._key, ensure_ascii=False)
+        self._owner._args(("{" if not self._params else ", ") + key + ": " + value)
+        self._params += 1
+
+    def _fail(self, i: int, back: str = "") -> int:
+        self.status = FAILED
+        self.back = back
+        return i
