@@ -12,39 +12,20 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import time
-import uuid
-from collections import deque
 from typing import Any
 
 import attrs
-import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ..engine import Engine, RequestHandle
-from ..errors import GezelError, InvalidRequest
-from ..events import (
-    Delta,
-    Event,
-    Failed,
-    Finished,
-    Parked,
-    Progress,
-    Queued,
-    Resumed,
-    TokenLogprob,
-    Usage,
-)
-from ..request import CacheRequest, GenerationRequest, SamplingParams
-from .cache_api import add_cache_routes, roster_fingerprint
-from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response, json_body
+from ..engine import Engine
+from ..errors import GezelError
+from .cache_api import add_cache_routes
+from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
+from .openai_chat import add_chat_routes
 from .openapi import openapi_json
-from .shaping import Shaper, logprobs_body
-from .sse import DONE, chunk, comment, completion, error_body, frame
-from .wire import ChatCompletionRequest, parse_chat_request, tool_dicts
 
 __all__ = ["HttpSettings", "create_app"]
 
@@ -59,34 +40,6 @@ class HttpSettings:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
-
-
-def _sampling(req: ChatCompletionRequest) -> SamplingParams:
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-    return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k,
-        min_p=req.min_p or 0.0,
-        seed=req.random_seed,
-        repetition_penalty=req.repetition_penalty,
-        repetition_context_size=req.repetition_context_size or 20,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias=req.bias,
-    )
-
-
-def _refuse_unsupported(req: ChatCompletionRequest) -> None:
-    """Fields the wire contract names but this build does not serve yet are
-    refused loudly rather than ignored."""
-    if req.top_logprobs and not req.logprobs:
-        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    for i, m in enumerate(req.messages):
-        if m.has_images():
-            raise InvalidRequest(
-                "this server has no vision model loaded", param=f"messages[{i}].content"
-            )
 
 
 def _host_name(host: str) -> str:
@@ -200,203 +153,6 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             ],
         }
 
-    @app.route("/v1/chat/completions", methods=["POST"])
-    @app.route("/chat/completions", methods=["POST"])
-    async def chat_completions() -> Response:
-        body = await json_body()
-        req = parse_chat_request(body)
-        _refuse_unsupported(req)
-        engine.check_admission()
-        messages = [m.to_template() for m in req.messages]
-        tools = tool_dicts(req.tools)
-        rendered = await engine.render_chat(
-            messages,
-            tools=tools,
-            template_kwargs=req.template_kwargs,
-            template_override=req.chat_template_override,
-            band_chars=req.stable_prefix_chars,
-        )
-        prompt = rendered.tokens
-        max_tokens = engine.bound_max_tokens(len(prompt), req.max_output_tokens)
-        constraint = await engine.compile_constraint(
-            response_format=attrs.asdict(req.response_format) if req.response_format else None,
-            tools=tools,
-            tool_choice=req.tool_choice,
-            tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
-        )
-        gen = GenerationRequest(
-            prompt=prompt,
-            max_tokens=max_tokens,
-            sampling=_sampling(req),
-            stop=req.stop_list,
-            ignore_eos=req.ignore_eos,
-            min_tokens=min(req.min_tokens, max_tokens),
-            priority=req.priority,
-            cache=CacheRequest(
-                cache_id=req.session_id,
-                prefix_ids=req.prefix_ids,
-                band_end=rendered.band_end,
-                boundaries=rendered.boundaries,
-                roster=roster_fingerprint(tools),
-            ),
-            constraint=constraint,
-            max_thinking_tokens=req.thinking_budget,
-            top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        )
-        # Against the model (token ids, numbers) before any byte is sent:
-        # a bad request is a 400, never an error frame in a 200 stream.
-        engine.check_request(gen)
-        parse_tools = bool(tools) and req.tool_choice != "none"
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        model = req.model or engine.info.model_id
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            resp = Response(
-                _SseBody(engine, gen, cid, model, include_usage, parse_tools),
-                mimetype="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-            resp.timeout = None
-            return resp
-        return await _complete(engine, gen, cid, model, parse_tools)
+    add_chat_routes(app, engine)
 
     return app
-
-
-async def _complete(
-    engine: Engine, gen: GenerationRequest, cid: str, model: str, parse_tools: bool
-) -> Response:
-    shaper = Shaper(engine.info, gen.prompt, tools=parse_tools)
-    logprobs: list[TokenLogprob] = []
-    with engine.submit_nowait(gen) as handle:
-        async for event in handle:
-            match event:
-                case Delta(text=text, logprobs=lps):
-                    shaper.feed(text)
-                    logprobs += lps
-                case Finished(reason=reason, usage=usage):
-                    shaper.finish()
-                    body = completion(
-                        cid, model, shaper.message(), shaper.finish_reason(reason), usage
-                    )
-                    if gen.top_logprobs is not None:
-                        body["choices"][0]["logprobs"] = logprobs_body(logprobs)
-                    return Response(json.dumps(body), mimetype="application/json")
-                case Failed(error=error):
-                    raise error
-    raise GezelError("the request ended without a result")  # pragma: no cover
-
-
-class _SseBody:
-    """The SSE body as an explicit async iterator, not a generator, so its
-    cleanup never depends on when a suspended generator is finalized.
-
-    It submits the request on the first ``__anext__`` and withdraws it when
-    the stream ends, when ``__anext__`` is cancelled (quart-trio cancels it
-    about 1 ms after the client closes) and in ``aclose`` (Quart calls it when
-    the response ends by any path). Errors after the first byte become an
-    error frame and ``[DONE]``; ``Cancelled`` propagates untouched.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        gen: GenerationRequest,
-        cid: str,
-        model: str,
-        include_usage: bool,
-        parse_tools: bool,
-    ) -> None:
-        self._shaper = Shaper(engine.info, gen.prompt, tools=parse_tools)
-        self._logprobs: list[TokenLogprob] = []
-        self._engine = engine
-        self._gen = gen
-        self._cid = cid
-        self._model = model
-        self._include_usage = include_usage
-        self._created = int(time.time())
-        self._handle: RequestHandle | None = None
-        self._pending: deque[bytes] = deque()
-        self._started = False
-        self._ended = False
-
-    def __aiter__(self) -> _SseBody:
-        return self
-
-    async def __anext__(self) -> bytes:
-        while not self._pending:
-            if self._ended:
-                raise StopAsyncIteration
-            if not self._started:
-                self._start()
-                continue
-            assert self._handle is not None
-            try:
-                event = await self._handle.__anext__()
-            except BaseException:
-                self._close()
-                raise
-            self._render(event)
-        return self._pending.popleft()
-
-    async def aclose(self) -> None:
-        self._close()
-        await trio.lowlevel.checkpoint()
-
-    def _start(self) -> None:
-        self._started = True
-        try:
-            self._handle = self._engine.submit_nowait(self._gen)
-        except GezelError as err:
-            self._pending += (frame(error_body(err)), DONE)
-            self._ended = True
-            return
-        self._pending.append(self._chunk({"role": "assistant", "content": ""}, None, None))
-
-    def _render(self, event: Event) -> None:
-        match event:
-            case Progress(done=done, total=total):
-                self._pending.append(comment(f"prefill {done}/{total}"))
-            case Queued(position=position):
-                self._pending.append(comment(f"queued {position}"))
-            case Parked():
-                self._pending.append(comment("parked"))
-            case Resumed():
-                self._pending.append(comment("resumed"))
-            case Delta(text=text, usage=usage, logprobs=lps):
-                self._logprobs += lps
-                for delta in self._shaper.feed(text):
-                    self._pending.append(self._chunk(delta, None, usage))
-            case Finished(reason=reason, usage=usage):
-                for delta in self._shaper.finish():
-                    self._pending.append(self._chunk(delta, None, usage))
-                self._pending.append(self._chunk({}, self._shaper.finish_reason(reason), usage))
-                if self._include_usage:
-                    body = chunk(self._cid, self._model, self._created, {}, None, usage)
-                    body["choices"] = []
-                    self._pending.append(frame(body))
-                self._finish()
-            case Failed(error=error):
-                log.warning("stream %s failed: %s", self._cid, error.message)
-                self._pending.append(frame(error_body(error)))
-                self._finish()
-
-    def _chunk(self, delta: dict[str, Any], reason: str | None, usage: Usage | None) -> bytes:
-        body = chunk(self._cid, self._model, self._created, delta, reason, usage)
-        if self._gen.top_logprobs is not None and self._logprobs:
-            # Logprobs ride on the next chunk out: text held back (a possible
-            # marker) delays them, never drops them.
-            body["choices"][0]["logprobs"] = logprobs_body(self._logprobs)
-            self._logprobs = []
-        return frame(body)
-
-    def _finish(self) -> None:
-        self._pending.append(DONE)
-        self._ended = True
-        self._close()
-
-    def _close(self) -> None:
-        self._ended = True
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-            self._handle = None

@@ -7,8 +7,6 @@ steps with ``Engine.host_call``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 import trio
@@ -16,6 +14,7 @@ from quart import request
 from quart_trio import QuartTrio
 
 from ..cache_plan import common_prefix
+from ..chat import roster_fingerprint
 from ..engine import Engine
 from ..errors import InvalidRequest
 from ..events import Failed, Finished
@@ -24,20 +23,12 @@ from ..request import CacheRequest, GenerationRequest, SamplingParams
 from .edge import NotFound, json_body
 from .wire import WarmRequest, check_cache_id, parse_warm_request, tool_dicts
 
-__all__ = ["add_cache_routes", "roster_fingerprint"]
+__all__ = ["add_cache_routes"]
 
 # Two different synthetic user turns: where their renders diverge is a cut
 # that any real next turn shares too (C8).
 _SYNTHETIC_USERS = ("Hello.", "What can you help me with today?")
 MAX_SETTLE_MS = 60_000
-
-
-def roster_fingerprint(tools: list[dict[str, Any]] | None) -> str:
-    """A short id of the exact tool list a prompt was rendered with."""
-    if not tools:
-        return "none"
-    canon = json.dumps(tools, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
 def add_cache_routes(app: QuartTrio, engine: Engine) -> None:

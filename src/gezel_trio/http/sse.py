@@ -1,15 +1,39 @@
-"""Server-sent-event framing and the OpenAI response shapes."""
+"""Server-sent events: framing, the OpenAI response shapes, and the one
+streamed body every protocol's chat goes out through (``ChatStream``)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
-from typing import Any
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol
 
+import trio
+from quart import Response
+
+from ..chat import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, PreparedChat
 from ..errors import GezelError
-from ..events import Usage
+from ..events import Failed, TokenLogprob, Usage
 
-__all__ = ["DONE", "chunk", "comment", "completion", "error_body", "frame", "usage_body"]
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+__all__ = [
+    "DONE",
+    "ChatStream",
+    "Translator",
+    "chunk",
+    "comment",
+    "completion",
+    "error_body",
+    "event_stream",
+    "frame",
+    "run_chat",
+    "usage_body",
+]
+
+log = logging.getLogger("gezel_trio.http")
 
 DONE = b"data: [DONE]\n\n"
 
@@ -87,3 +111,116 @@ def completion(
         ],
         "usage": usage_body(usage),
     }
+
+
+class Translator(Protocol):
+    """How one protocol writes a chat's events as bytes on the wire."""
+
+    def opening(self) -> list[bytes]:
+        """Frames sent once the chat is queued."""
+        ...
+
+    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+        """Frames for one event; the terminal event's end the stream."""
+        ...
+
+    def failure(self, err: GezelError) -> list[bytes]:
+        """Frames for an error after the response began (the last frames)."""
+        ...
+
+
+class ChatStream:
+    """A streamed response body over one chat, for any protocol.
+
+    An explicit async iterator, not a generator, so its cleanup never depends
+    on when a suspended generator is finalized. It submits the prepared chat
+    on the first ``__anext__`` and withdraws it when the stream ends, when
+    ``__anext__`` is cancelled (quart-trio cancels it about 1 ms after the
+    client closes) and in ``aclose`` (Quart calls it when the response ends
+    by any path). Errors after the first byte become the protocol's error
+    frames; ``Cancelled`` propagates untouched.
+    """
+
+    def __init__(self, engine: Engine, prepared: PreparedChat, translator: Translator) -> None:
+        self._engine = engine
+        self._prepared = prepared
+        self._translator = translator
+        self._chat: ChatHandle | None = None
+        self._pending: deque[bytes] = deque()
+        self._started = False
+        self._ended = False
+
+    def __aiter__(self) -> ChatStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._pending:
+            if self._ended:
+                raise StopAsyncIteration
+            if not self._started:
+                self._start()
+                continue
+            assert self._chat is not None
+            try:
+                event = await self._chat.__anext__()
+            except StopAsyncIteration:
+                self._close()
+                continue
+            except BaseException:
+                self._close()
+                raise
+            self._pending += self._translator.render(event, self._chat)
+            if isinstance(event, ChatFinished | Failed):
+                if isinstance(event, Failed):
+                    log.warning("stream failed: %s", event.error.message)
+                self._close()
+        return self._pending.popleft()
+
+    async def aclose(self) -> None:
+        self._close()
+        await trio.lowlevel.checkpoint()
+
+    def _start(self) -> None:
+        self._started = True
+        try:
+            self._chat = self._engine.submit_chat_nowait(self._prepared)
+        except GezelError as err:
+            self._pending += self._translator.failure(err)
+            self._ended = True
+            return
+        self._pending += self._translator.opening()
+
+    def _close(self) -> None:
+        self._ended = True
+        if self._chat is not None:
+            self._chat.close()
+            self._chat = None
+
+
+async def run_chat(
+    engine: Engine, prepared: PreparedChat
+) -> tuple[ChatFinished, list[TokenLogprob]]:
+    """Run a chat to its end for a non-streamed response: its terminal event
+    and the logprobs it reported; raises its error. Cancellation (the client
+    left) withdraws it."""
+    logprobs: list[TokenLogprob] = []
+    with engine.submit_chat_nowait(prepared) as chat:
+        async for event in chat:
+            match event:
+                case ChatLogprobs(items=items):
+                    logprobs += items
+                case ChatFinished():
+                    return event, logprobs
+                case Failed(error=error):
+                    raise error
+    raise GezelError("the request ended without a result")  # pragma: no cover
+
+
+def event_stream(body: ChatStream) -> Response:
+    resp = Response(
+        body,
+        mimetype="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+    resp.timeout = None
+    return resp

@@ -1,0 +1,212 @@
+"""``POST /v1/chat/completions``: OpenAI chat completions (SPEC W1-W3).
+
+A thin translation: the wire body becomes a ``ChatRequest``, the engine
+prepares it (render, constraints, checks) before any byte is sent, so a bad
+request is a 400 and never an error frame in a 200 stream; then the chat's
+shaped events become ``chat.completion.chunk`` frames, or one
+``chat.completion`` body.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import attrs
+from quart import Response
+from quart_trio import QuartTrio
+
+from ..chat import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, ChatRequest
+from ..engine import Engine
+from ..errors import GezelError, InvalidRequest
+from ..events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
+from ..request import SamplingParams
+from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta
+from .edge import json_body
+from .sse import (
+    DONE,
+    ChatStream,
+    chunk,
+    comment,
+    completion,
+    error_body,
+    event_stream,
+    frame,
+    run_chat,
+)
+from .wire import ChatCompletionRequest, parse_chat_request, tool_dicts
+
+__all__ = ["add_chat_routes", "chat_request", "liveness_comment", "logprobs_body"]
+
+
+def _sampling(req: ChatCompletionRequest) -> SamplingParams:
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.random_seed,
+        repetition_penalty=req.repetition_penalty,
+        repetition_context_size=req.repetition_context_size or 20,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=req.bias,
+    )
+
+
+def _refuse_unsupported(req: ChatCompletionRequest) -> None:
+    """Fields the wire contract names but this build does not serve yet are
+    refused loudly rather than ignored."""
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    for i, m in enumerate(req.messages):
+        if m.has_images():
+            raise InvalidRequest(
+                "this server has no vision model loaded", param=f"messages[{i}].content"
+            )
+
+
+def chat_request(req: ChatCompletionRequest) -> ChatRequest:
+    """The engine's view of a validated chat-completions body."""
+    _refuse_unsupported(req)
+    return ChatRequest(
+        messages=[m.to_template() for m in req.messages],
+        tools=tool_dicts(req.tools),
+        tool_choice=req.tool_choice,
+        response_format=attrs.asdict(req.response_format) if req.response_format else None,
+        tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
+        sampling=_sampling(req),
+        max_tokens=req.max_output_tokens,
+        stop=req.stop_list,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        priority=req.priority,
+        cache_id=req.session_id,
+        prefix_ids=req.prefix_ids,
+        stable_prefix_chars=req.stable_prefix_chars,
+        template_kwargs=req.template_kwargs,
+        template_override=req.chat_template_override,
+        max_thinking_tokens=req.thinking_budget,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )
+
+
+def logprobs_body(items: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's ``logprobs.content`` list."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**entry(t.token, t.logprob), "top_logprobs": [entry(s, lp) for s, lp in t.top]}
+            for t in items
+        ]
+    }
+
+
+def liveness_comment(event: ChatEvent) -> bytes | None:
+    """The SSE comment that shows a slow stream is alive (E6), if any."""
+    match event:
+        case Progress(done=done, total=total):
+            return comment(f"prefill {done}/{total}")
+        case Queued(position=position):
+            return comment(f"queued {position}")
+        case Parked():
+            return comment("parked")
+        case Resumed():
+            return comment("resumed")
+    return None
+
+
+def _delta(event: ChatEvent) -> dict[str, Any] | None:
+    match event:
+        case TextDelta(text=text):
+            return {"content": text}
+        case ReasoningDelta(text=text):
+            return {"reasoning_content": text, "reasoning": text}
+        case ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments):
+            if name is not None:
+                call: dict[str, Any] = {
+                    "index": index,
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            else:
+                call = {"index": index, "function": {"arguments": arguments}}
+            return {"tool_calls": [call]}
+    return None
+
+
+class _Chunks:
+    """``sse.Translator`` for chat completions: one chunk per shaped delta,
+    usage on every chunk, logprobs riding on the next chunk out (text held
+    back as a possible marker delays them, never drops them)."""
+
+    def __init__(self, cid: str, model: str, include_usage: bool, logprobs: bool) -> None:
+        self._cid = cid
+        self._model = model
+        self._created = int(time.time())
+        self._include_usage = include_usage
+        self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
+
+    def opening(self) -> list[bytes]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+
+    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+        note = liveness_comment(event)
+        if note is not None:
+            return [note]
+        match event:
+            case ChatLogprobs(items=items):
+                if self._logprobs is not None:
+                    self._logprobs += items
+                return []
+            case ChatFinished(reason=reason, usage=usage):
+                out = [self._chunk({}, reason, usage)]
+                if self._include_usage:
+                    body = chunk(self._cid, self._model, self._created, {}, None, usage)
+                    body["choices"] = []
+                    out.append(frame(body))
+                return [*out, DONE]
+            case Failed(error=error):
+                return self.failure(error)
+        delta = _delta(event)
+        return [] if delta is None else [self._chunk(delta, None, chat.usage)]
+
+    def failure(self, err: GezelError) -> list[bytes]:
+        return [frame(error_body(err)), DONE]
+
+    def _chunk(self, delta: dict[str, Any], reason: str | None, usage: Usage | None) -> bytes:
+        body = chunk(self._cid, self._model, self._created, delta, reason, usage)
+        if self._logprobs:
+            body["choices"][0]["logprobs"] = logprobs_body(self._logprobs)
+            self._logprobs = []
+        return frame(body)
+
+
+def add_chat_routes(app: QuartTrio, engine: Engine) -> None:
+    @app.route("/v1/chat/completions", methods=["POST"])
+    @app.route("/chat/completions", methods=["POST"])
+    async def chat_completions() -> Response:
+        req = parse_chat_request(await json_body())
+        engine.check_admission()
+        prepared = await engine.prepare_chat(chat_request(req))
+        # Against the model (token ids, numbers) before any byte is sent.
+        engine.check_request(prepared.request)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        model = req.model or engine.info.model_id
+        logprobs = prepared.request.top_logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            translator = _Chunks(cid, model, include_usage, logprobs)
+            return event_stream(ChatStream(engine, prepared, translator))
+        finished, items = await run_chat(engine, prepared)
+        body = completion(cid, model, finished.message, finished.reason, finished.usage)
+        if logprobs:
+            body["choices"][0]["logprobs"] = logprobs_body(items)
+        return Response(json.dumps(body), mimetype="application/json")
