@@ -15,6 +15,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -151,22 +152,24 @@ def write_png(path: Path, title: str, plots: Sequence[Plot]) -> bool:
 
     cols = 1 if len(plots) == 1 else 2
     rows = math.ceil(len(plots) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(6.4 * cols, 4.2 * rows), squeeze=False, layout="constrained"
+    )
+    # One colour per system (or mode) across all panels of the figure.
+    groups = dict.fromkeys(s.group or s.label for plot in plots for s in plot.series)
+    colour = {g: f"C{i % 10}" for i, g in enumerate(groups)}
     for ax, plot in zip(axes.flat, plots, strict=False):
-        _panel(ax, plot)
+        _panel(ax, plot, colour)
     for ax in list(axes.flat)[len(plots) :]:
         ax.set_visible(False)
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.suptitle(textwrap.fill(title, 60 * cols), fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
 
-def _panel(ax: Any, plot: Plot) -> None:
-    groups = list(dict.fromkeys(s.group or s.label for s in plot.series))
-    colour = {g: f"C{i % 10}" for i, g in enumerate(groups)}
+def _panel(ax: Any, plot: Plot, colour: dict[str, str]) -> None:
     if plot.kind == "bar":
         cats = list(dict.fromkeys(x for s in plot.series for x in s.x))
         width = 0.8 / max(1, len(plot.series))
