@@ -21,5 +21,9 @@ The harness, one module per concern:
 ``_cli``       ``python -m bench``.
 
 A scenario is a module of ``bench/scenarios/`` that defines ``SCENARIO``;
-adding one needs no other change.
+adding one needs no other change. A stand-alone script becomes one by moving
+its argparse flags into ``Option`` declarations (with ``--quick`` values),
+its ``main`` into ``run(ctx) -> Result``, its servers and streams onto
+``_servers`` and ``_sse``, and its module docstring, unchanged, into the
+scenario's ``doc``; a long run (a soak) says ``in_default_run=False``.
 """
