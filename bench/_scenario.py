@@ -80,6 +80,13 @@ class Table:
     notes: tuple[str, ...] = ()
 
 
+def table(title: str, header: str, rows: Sequence[Sequence[Cell]], *notes: str) -> Table:
+    """A table declared like its markdown header: ``"system | streams:d | tok/s:.1f"``,
+    each column a name and, after ``:``, the format spec of its numbers."""
+    cols = [c.strip().partition(":") for c in header.split("|")]
+    return Table(title, tuple(c[0] for c in cols), rows, tuple(c[2] for c in cols), notes)
+
+
 @attrs.frozen
 class Series:
     label: str

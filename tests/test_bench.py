@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench import _cli, _report, scenarios
-from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def test_a_run_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.Monk
             pass
         return Result(
             {"runs": [1.5, float("nan")]},
-            [Table("T", ("system", "tok/s"), [("gezel", 12.345), ("raw", None)], ("", ".1f"))],
+            [table("T", "system | tok/s:.1f", [("gezel", 12.345), ("raw", None)], "a table note")],
             [Plot("P", "streams", "tok/s", (Series("gezel", [1, 2], [1.0, 2.0]),))],
             ["a note"],
         )
@@ -95,6 +95,8 @@ def test_a_run_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.Monk
     md = (tmp_path / "fake.md").read_text()
     assert "| gezel | 12.3 |" in md
     assert "| raw | - |" in md
+    assert "|---|--:|" in md  # numbers right-aligned
+    assert "a table note" in md
     assert "It measures nothing." in md
     assert not (tmp_path / "fake.png").exists()
 

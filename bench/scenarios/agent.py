@@ -115,7 +115,7 @@ import httpx2 as httpx
 
 from bench import _servers, _sse
 from bench._report import ratio
-from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
 from bench._servers import Server
 
 SYSTEMS = ("gezel", "mlx_lm.server")
@@ -730,16 +730,13 @@ _SHORT = {"gezel": "gezel", "mlx_lm.server": "mlx"}
 def turn_table(model: str, runs: dict[str, SystemRun]) -> Table:
     systems = [s for s in SYSTEMS if s in runs]
     n_max = max((t.turn for r in runs.values() for t in r.turns), default=0)
-    columns = ["turn", "request", "min"]
-    formats = ["d", "", "d"]
+    header = ["turn:d", "request", "min:d"]
     for s in systems:
         p = _SHORT[s]
-        columns += [f"{p} prompt", f"{p} cached", f"{p} prefill", f"{p} TTFT s", f"{p} total s",
-                    f"{p} gen"]  # fmt: skip
-        formats += ["", "d", "d", ".2f", ".2f", "d"]
+        header += [f"{p} prompt", f"{p} cached:d", f"{p} prefill:d", f"{p} TTFT s:.2f",
+                   f"{p} total s:.2f", f"{p} gen:d"]  # fmt: skip
         if s == "gezel":
-            columns.append("gezel cache")
-            formats.append("")
+            header.append("gezel cache")
     rows = []
     for n in range(1, n_max + 1):
         label, floor = "", None
@@ -756,16 +753,13 @@ def turn_table(model: str, runs: dict[str, SystemRun]) -> Table:
             if s == "gezel":
                 row.append(t.cache_decision)
         rows.append((n, label, floor, *row))
-    return Table(
+    return table(
         f"{model}: per turn",
-        tuple(columns),
+        " | ".join(header),
         rows,
-        tuple(formats),
-        (
-            "prefill = prompt - cached; min = prompt tokens after the common prefix with the "
-            "previous turn's prompt + reply (client-side rendering); * = the client-side prompt "
-            "length differs from the server's; gezel cache = its seed decision (source/mode).",
-        ),
+        "prefill = prompt - cached; min = prompt tokens after the common prefix with the "
+        "previous turn's prompt + reply (client-side rendering); * = the client-side prompt "
+        "length differs from the server's; gezel cache = its seed decision (source/mode).",
     )
 
 
@@ -798,17 +792,14 @@ def summary_table(model: str, runs: dict[str, SystemRun], turns: int) -> Table:
         per_turn = r["median_of_turn_ttft_ratios"]
         if per_turn is not None:
             notes.append(f"Median of the per-turn TTFT ratios, turns 2-{turns}: {per_turn:.3f}.")
-    return Table(
+    return table(
         f"{model}: summary",
-        (
-            "system", f"prefilled turns 2-{turns}", "min", f"median TTFT s turns 2-{turns}",
-            "restart cached/prompt", "restart TTFT s", f"cache MiB after turn {turns}",
-            "stop exit", "stop s", "startup s",
-        ),
+        f"system | prefilled turns 2-{turns} | min | median TTFT s turns 2-{turns}:.3f"
+        f" | restart cached/prompt | restart TTFT s:.3f | cache MiB after turn {turns}:.3f"
+        " | stop exit | stop s | startup s",
         rows,
-        ("", "", "", ".3f", "", ".3f", ".3f", "", "", ""),
-        tuple(notes),
-    )  # fmt: skip
+        *notes,
+    )
 
 
 def plots(results: dict[str, dict[str, SystemRun]]) -> list[Plot]:

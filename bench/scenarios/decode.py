@@ -68,7 +68,7 @@ import attrs
 
 from bench import _servers, _sse, _worker
 from bench._report import ratio
-from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
 from bench._sse import Measurement, StreamTiming, aggregate
 
 PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
@@ -315,20 +315,19 @@ def _tables(
                     )
                 )
     out = [
-        Table(
+        table(
             "Decode tok/s",
-            ("system", "streams", "tok/s (median)", "runs", "spread s", ""),
+            "system | streams:d | tok/s (median):.1f | runs | spread s:.2f | ",
             rows,
-            ("", "d", ".1f", "", ".2f", ""),
-            (_METRIC,),
+            _METRIC,
         )
     ]
     pairs = [(x, y) for x, y in _RATIOS if x in systems and y in systems]
     if pairs:
         out.append(
-            Table(
+            table(
                 "Ratios of the medians",
-                ("streams", *(f"{x} / {y}" for x, y in pairs)),
+                " | ".join(["streams:d", *(f"{x} / {y}:.3f" for x, y in pairs)]),
                 [
                     (
                         n,
@@ -339,14 +338,13 @@ def _tables(
                     )
                     for n in streams
                 ],
-                ("d", *(".3f" for _ in pairs)),
             )
         )
     if pre:
         out.append(
-            Table(
+            table(
                 "Prefill",
-                ("system", "prompt tok", "TTFT cold s", "prefill tok/s", "TTFT warm s"),
+                "system | prompt tok:d | TTFT cold s:.3f | prefill tok/s:.1f | TTFT warm s:.3f",
                 [
                     (
                         r["system"],
@@ -357,7 +355,6 @@ def _tables(
                     )
                     for r in pre
                 ],
-                ("", "d", ".3f", ".1f", ".3f"),
             )
         )
     return out

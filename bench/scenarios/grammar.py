@@ -81,7 +81,7 @@ import attrs
 
 from bench import _servers, _sse, _worker
 from bench._report import percentile, ratio
-from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
 from bench._sse import Measurement, StreamTiming, aggregate
 
 PROMPT: Final = "List some Greek letters, or describe them, as a JSON object."
@@ -453,22 +453,19 @@ def _inproc_table(runs: Sequence[InprocRun], streams: list[int], modes: list[str
                     r.per_step_ms(r.call_total_s), share, flags.strip(),
                 )
             )  # fmt: skip
-    setup = tuple(
+    setup = (
         f"{r.mode}: build_constraint {r.compile_ms:.2f} ms, "
         f"make_grammar_processor {r.processor_ms:.2f} ms/sequence"
         for r in runs
         if r.compile_ms is not None and r.processor_ms is not None and r.streams == streams[0]
     )
-    return Table(
+    return table(
         "In-process BatchGenerator (per constrained step and sequence)",
-        (
-            "mode", "streams", "tok/s", "vs none", "step ms", "mask ms med/p99/max", "masks",
-            "mask ms/step", "sync ms/step", "call ms/step", "mask share %", "",
-        ),
+        "mode | streams:d | tok/s:.1f | vs none:.3f | step ms:.1f | mask ms med/p99/max | masks:d"
+        " | mask ms/step:.2f | sync ms/step:.2f | call ms/step:.2f | mask share %:.2f | ",
         rows,
-        ("", "d", ".1f", ".3f", ".1f", "", "d", ".2f", ".2f", ".2f", ".2f", ""),
-        setup,
-    )  # fmt: skip
+        *setup,
+    )
 
 
 def _http_table(runs: Sequence[HttpRun], streams: list[int], modes: list[str], a: Any) -> Table:
@@ -489,11 +486,10 @@ def _http_table(runs: Sequence[HttpRun], streams: list[int], modes: list[str], a
                     statistics.median(m.spread_s for m in ms), ratio(med, base), flags.strip(),
                 )
             )  # fmt: skip
-    return Table(
+    return table(
         f"HTTP SSE, gezel-trio --max-concurrency {max(streams)}",
-        ("mode", "streams", "tok/s (median)", "runs", "spread s", "vs none", ""),
+        "mode | streams:d | tok/s (median):.1f | runs | spread s:.2f | vs none:.3f | ",
         rows,
-        ("", "d", ".1f", "", ".2f", ".3f", ""),
     )
 
 

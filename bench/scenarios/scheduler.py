@@ -81,7 +81,7 @@ import httpx2 as httpx
 from bench import _servers
 from bench._report import median as med
 from bench._report import percentile as pct
-from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
 from bench._sse import StreamLog, StreamThread
 from bench.scenarios.decode import PROMPT as BACKGROUND_TEXT
 
@@ -647,21 +647,12 @@ def _ttft_table(rounds: list[TtftRound], a: Any) -> Table:
                 " ".join(f"{x.loaded_ttft_s * 1e3:.0f}/{x.idle_ttft_s * 1e3:.0f}" for x in rs),
             )
         )  # fmt: skip
-    return Table(
+    return table(
         f"1. Interactive TTFT, idle vs {a.bg_streams} background streams (bg max_tokens "
         f"{a.bg_tokens}, interactive max_tokens {a.interactive_tokens}, median of {a.repeats})",
-        (
-            "system",
-            "idle ms",
-            "loaded ms",
-            "ratio",
-            "parked s",
-            "bg stall s",
-            "bg gap ms",
-            "runs loaded/idle ms",
-        ),
+        "system | idle ms:.0f | loaded ms:.0f | ratio:.2f | parked s:.2f | bg stall s:.2f"
+        " | bg gap ms:.0f | runs loaded/idle ms",
         rows,
-        ("", ".0f", ".0f", ".2f", ".2f", ".2f", ".0f", ""),
     )
 
 
@@ -673,15 +664,12 @@ def _health_table(h: HealthResult) -> Table:
             (f"during prefill ({h.prompt_tokens} tok, {h.prefill_s:.1f} s)", h.during_ms),
         )
     ]
-    return Table(
+    return table(
         "2. /health latency during a long prefill (gezel)",
-        ("/health latency ms", "samples", "p50", "p99", "max"),
+        "/health latency ms | samples:d | p50:.1f | p99:.1f | max:.1f",
         rows,
-        ("", "d", ".1f", ".1f", ".1f"),
-        (
-            f"Poll: sleep {h.interval_s * 1e3:.0f} ms between requests; "
-            f"{h.prefill_comments} `: prefill` comments on the long stream.",
-        ),
+        f"Poll: sleep {h.interval_s * 1e3:.0f} ms between requests; "
+        f"{h.prefill_comments} `: prefill` comments on the long stream.",
     )
 
 
@@ -696,12 +684,11 @@ def _admission_table(rounds: list[AdmissionRound], a: Any) -> Table:
                 " ".join(f"{x.total_s:.2f}" for x in rs),
             )
         )  # fmt: skip
-    return Table(
+    return table(
         f"3. Continuous vs static waves (gezel, 8 requests, max_tokens {list(ADMISSION_TOKENS)}, "
         f"every {a.stagger}s, median of {a.admission_repeats})",
-        ("mode", "total s", "mean TTFT s", "max TTFT s", "mean latency s", "runs total s"),
+        "mode | total s:.2f | mean TTFT s:.2f | max TTFT s:.2f | mean latency s:.2f | runs total s",
         rows,
-        ("", ".2f", ".2f", ".2f", ".2f", ""),
     )
 
 
@@ -710,27 +697,13 @@ def _disconnect_table(rounds: list[DisconnectRound], a: Any) -> Table:
     tok = med([x.close_to_token_s for x in rounds])
     ref = med([x.b_idle_ttft_s for x in rounds])
     kinds = sorted({x.first_frame.split()[0] for x in rounds})
-    return Table(
-        "4. Client disconnect -> next admission "
-        f"(gezel --max-concurrency 1, median of {a.repeats})",
-        (
-            "close->B first frame ms",
-            "close->B token ms",
-            "B idle TTFT ms",
-            "token - idle ms",
-            "runs close->token ms",
-        ),
-        [
-            (
-                frame * 1e3,
-                tok * 1e3,
-                ref * 1e3,
-                (tok - ref) * 1e3,
-                " ".join(f"{x.close_to_token_s * 1e3:.0f}" for x in rounds),
-            )
-        ],
-        (".0f", ".0f", ".0f", ".0f", ""),
-        (f"The first frame after the close was: {', '.join(kinds)}.",),
+    runs = " ".join(f"{x.close_to_token_s * 1e3:.0f}" for x in rounds)
+    return table(
+        f"4. Client disconnect -> next admission (gezel, max-concurrency 1, median of {a.repeats})",
+        "close->B first frame ms:.0f | close->B token ms:.0f | B idle TTFT ms:.0f"
+        " | token - idle ms:.0f | runs close->token ms",
+        [(frame * 1e3, tok * 1e3, ref * 1e3, (tok - ref) * 1e3, runs)],
+        f"The first frame after the close was: {', '.join(kinds)}.",
     )
 
 
