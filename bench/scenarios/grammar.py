@@ -1,19 +1,13 @@
 """Cost of grammar-constrained decoding: json_schema vs free decode, and mask time per step.
 
-Usage (from the repository root)::
-
-    python bench/grammar_overhead.py [--streams 1 4] [--tokens 128] [--repeats 3]
-                                     [--mask-tokens 256] [--schemas enum_array long_string]
-                                     [--model DIR] [--json OUT]
-
-(``python -m bench.grammar_overhead`` works too.) One run, on the bench demo
-model by default, has two phases, one after the other, never together:
+One run, on the dense demo model of ``--size`` by default (``--model DIR``
+for another), has two phases, one after the other, never together:
 
 in-process (first, in a child process that exits before the server starts)
-    mlx-lm's ``BatchGenerator`` driven by a tight ``next()`` loop, as
-    ``bench/decode_throughput.py``'s ``raw`` system does, once per mode and
-    stream count, ``--mask-tokens`` tokens per sequence. Constrained
-    sequences each get their own ``GrammarProcessor`` (``GrammarTokenizer`` +
+    mlx-lm's ``BatchGenerator`` driven by a tight ``next()`` loop, as the
+    decode scenario's ``raw`` system does, once per mode and stream count,
+    ``--mask-tokens`` tokens per sequence. Constrained sequences each get
+    their own ``GrammarProcessor`` (``GrammarTokenizer`` +
     ``make_grammar_processor`` over a ``grammar.build_constraint`` result, as
     the server builds them), wrapped in a timer. Per step and sequence it
     reports:
@@ -33,9 +27,8 @@ in-process (first, in a child process that exits before the server starts)
     ``mask`` is given per sequence and step (median / p99 / max over all of
     them); ``/step`` columns are means per decode step, all sequences of the
     batch together; ``step`` is the median wall time of one ``next()``, and
-    ``mask share`` = total mask time / total ``next()`` time.
-
-    Its tok/s (same metric as below) is from one run per row.
+    ``mask share`` = total mask time / total ``next()`` time. Its tok/s (the
+    decode metric below) is from one run per row.
 HTTP (second)
     ``python -m gezel_trio serve --max-concurrency MAX(streams)`` over HTTP
     SSE (one server for all modes). For every stream count and repeat the
@@ -48,7 +41,7 @@ Modes. All requests are greedy, carry the same user message rendered with
 ``enable_thinking=False`` and ask for ``max_tokens``:
 
 ``none``
-    no constraint, ``ignore_eos: true`` (as in decode_throughput.py).
+    no constraint, ``ignore_eos: true`` (as in the decode scenario).
 ``enum_array``
     ``{"words": [...]}`` with exactly 200 items from ``alpha|beta|gamma``
     (``minItems`` = ``maxItems``: with only ``maxItems`` the random-weight
@@ -66,41 +59,32 @@ default budgets, so every stream should run to ``max_tokens``; one that ends
 early is flagged ``SHORT``, and one whose text is not a prefix the schema
 allows is flagged ``BAD`` (the constraint was not applied).
 
-The metric (as in decode_throughput.py): per stream, ``first_i`` / ``last_i``
-= arrival of its first / last generated token (HTTP: first SSE chunk with
-content, the chunk with ``finish_reason``), ``n_i`` = tokens it generated
-(HTTP: ``usage.completion_tokens``); tok/s = ``sum_i(n_i - 1) / (max_i last_i
-- min_i first_i)``; ``spread`` = ``max_i first_i - min_i first_i``.
+The metric is the decode metric of ``bench/_sse.py``: per stream,
+``first_i`` / ``last_i`` = arrival of its first / last generated token (HTTP:
+first SSE chunk with content, the chunk with ``finish_reason``), ``n_i`` =
+tokens it generated (HTTP: ``usage.completion_tokens``); tok/s =
+``sum_i(n_i - 1) / (max_i last_i - min_i first_i)``; ``spread`` =
+``max_i first_i - min_i first_i``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import httpx2 as httpx
+import attrs
 
-if __package__ in (None, ""):  # run as a script: make the `bench` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import _common
-from bench._common import Measurement, StreamTiming, aggregate, build_default_model, write_json
-from bench.decode_throughput import gezel_server
+from bench import _servers, _sse, _worker
+from bench._report import percentile, ratio
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
+from bench._sse import Measurement, StreamTiming, aggregate
 
 PROMPT: Final = "List some Greek letters, or describe them, as a JSON object."
-_REQUEST_TIMEOUT_S: Final = 300.0
 _ENUM: Final = ("alpha", "beta", "gamma")
 SCHEMAS: Final[dict[str, dict[str, Any]]] = {
     "enum_array": {
@@ -156,26 +140,10 @@ def content_ok(mode: str, text: str) -> bool:
     return False
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+# --- in-process phase (in a child process, bench._worker) ----------------------
 
 
-def _load() -> tuple[float, float, float]:
-    return _common.loadavg()
-
-
-def _fmt_load(load: tuple[float, float, float]) -> str:
-    return _common.fmt_load(load, "/")
-
-
-# --- in-process phase (runs in a child process) ---------------------------
-
-
-@dataclass
+@attrs.define
 class InprocRun:
     mode: str
     streams: int
@@ -191,15 +159,18 @@ class InprocRun:
     processor_ms: float | None = None  # make_grammar_processor, mean per sequence
     mask_n: int = 0  # masks computed (sequence-steps)
     proc_steps: int = 0  # steps in which processors ran
-    mask_ms: dict[str, float] = field(default_factory=dict)  # median, p99, max
+    mask_ms: dict[str, float] = attrs.Factory(dict)  # median, p99, max
     mask_total_s: float = 0.0
     sync_total_s: float = 0.0
     call_total_s: float = 0.0
-    processor_errors: list[str] = field(default_factory=list)
+    processor_errors: list[str] = attrs.Factory(list)
 
     @property
     def short(self) -> bool:
         return any(n != self.tokens_per_stream for n in self.per_stream_tokens)
+
+    def per_step_ms(self, total_s: float) -> float | None:
+        return total_s * 1e3 / self.proc_steps if self.proc_steps else None
 
 
 def _stats_ms(seconds: Sequence[float]) -> dict[str, float]:
@@ -207,16 +178,15 @@ def _stats_ms(seconds: Sequence[float]) -> dict[str, float]:
         return {}
     return {
         "median": statistics.median(seconds) * 1e3,
-        "p99": _pct(seconds, 99) * 1e3,
+        "p99": percentile(seconds, 99) * 1e3,
         "max": max(seconds) * 1e3,
     }
 
 
-def _mask_worker(model_dir: str, streams: list[int], modes: list[str], max_tokens: int) -> None:
-    """Child-process body: one generation per (stream count, mode); JSON lines on stdout."""
-    from gezel_trio import blas
-
-    blas.preload()  # before mlx loads: the same OpenBLAS as the server
+def mask_worker(
+    model_dir: str, streams: list[int], modes: list[str], max_tokens: int
+) -> Iterator[dict[str, Any]]:
+    """One generation per (stream count, mode)."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.utils import load
@@ -310,7 +280,6 @@ def _mask_worker(model_dir: str, streams: list[int], modes: list[str], max_token
             gen.close()
         m = aggregate(mode, tokens, [StreamTiming(first[u], last[u], count[u]) for u in uids])
         masks = [s for t in timed for s in t.inner.mask_seconds]
-        proc_steps = max((len(t.call) for t in timed), default=0)
         return InprocRun(
             mode=mode,
             streams=n,
@@ -325,7 +294,7 @@ def _mask_worker(model_dir: str, streams: list[int], modes: list[str], max_token
             compile_ms=compile_ms,
             processor_ms=processor_ms,
             mask_n=len(masks),
-            proc_steps=proc_steps,
+            proc_steps=max((len(t.call) for t in timed), default=0),
             mask_ms=_stats_ms(masks),
             mask_total_s=sum(masks),
             sync_total_s=sum(s for t in timed for s in t.sync),
@@ -333,50 +302,28 @@ def _mask_worker(model_dir: str, streams: list[int], modes: list[str], max_token
             processor_errors=[t.inner.error for t in timed if t.inner.error is not None],
         )
 
-    for mode in dict.fromkeys(["none", *modes]):  # warm-up: kernels, llguidance
+    for mode in modes:  # warm-up: kernels, llguidance
         one_round(mode, 1, 16)
     for n in streams:
         for mode in modes:
-            print(json.dumps(asdict(one_round(mode, n, max_tokens))), flush=True)
+            yield attrs.asdict(one_round(mode, n, max_tokens))
 
 
-def run_inproc(
-    model_dir: Path, streams: list[int], modes: list[str], max_tokens: int
-) -> list[InprocRun]:
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--mask-worker",
-        "--model",
-        str(model_dir),
-        "--mask-tokens",
-        str(max_tokens),
-        "--schemas",
-        *[m for m in modes if m != "none"],
-        "--streams",
-        *map(str, streams),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"in-process worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [InprocRun(**json.loads(line)) for line in proc.stdout.splitlines() if line[:1] == "{"]
+# --- HTTP phase ----------------------------------------------------------------
 
 
-# --- HTTP phase ------------------------------------------------------------
-
-
-@dataclass
+@attrs.define
 class HttpRun(Measurement):
     repeat: int = 0
-    finish_reasons: list[str] = field(default_factory=list)
-    content_ok: list[bool] = field(default_factory=list)
+    finish_reasons: list[str] = attrs.Factory(list)
+    content_ok: list[bool] = attrs.Factory(list)
 
     @property
     def bad(self) -> bool:
         return not all(self.content_ok)
 
 
-def _request_body(mode: str, max_tokens: int) -> dict[str, Any]:
+def request_body(mode: str, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": max_tokens,
@@ -392,45 +339,14 @@ def _request_body(mode: str, max_tokens: int) -> dict[str, Any]:
     return body
 
 
-def _one_stream(
-    url: str, body: dict[str, Any], barrier: threading.Barrier
-) -> tuple[StreamTiming, str, str]:
-    """One SSE request: its timing, finish_reason and text (content + reasoning)."""
-    first: float | None = None
-    last: float | None = None
-    tokens: int | None = None
-    finish = ""
-    text: list[str] = []
-    with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
-        barrier.wait()
-        for now, obj in _common.sse_chunks(client, url, body):
-            for choice in obj.get("choices") or ():
-                delta = choice.get("delta") or {}
-                piece = delta.get("content") or delta.get("reasoning_content") or ""
-                text.append(piece)
-                if piece and first is None:
-                    first = now
-                if piece or choice.get("finish_reason"):
-                    last = now
-                finish = choice.get("finish_reason") or finish
-            usage = obj.get("usage")
-            if usage:
-                tokens = int(usage["completion_tokens"])
-    if first is None or last is None or tokens is None:
-        raise RuntimeError(f"incomplete stream: first={first} last={last} tokens={tokens}")
-    return StreamTiming(first, last, tokens), finish, "".join(text)
-
-
 def http_round(url: str, mode: str, n: int, max_tokens: int, repeat: int) -> HttpRun:
-    """N identical streaming requests released together; one thread each."""
-    body = _request_body(mode, max_tokens)
-    got = _common.released_together(n, lambda b: _one_stream(url, body, b), mode)
-    m = aggregate(mode, max_tokens, [g[0] for g in got])
+    logs = _sse.streams_together(url, request_body(mode, max_tokens), n, mode)
+    m = aggregate(mode, max_tokens, [StreamTiming.of(log) for log in logs])
     return HttpRun(
-        **asdict(m),
+        **attrs.asdict(m),
         repeat=repeat,
-        finish_reasons=[g[1] for g in got],
-        content_ok=[content_ok(mode, g[2]) for g in got],
+        finish_reasons=[log.finish_reason or "" for log in logs],
+        content_ok=[content_ok(mode, log.text) for log in logs],
     )
 
 
@@ -448,58 +364,112 @@ def run_http(
     return out
 
 
-# --- report ----------------------------------------------------------------
-
-
 def median_tok_s(runs: Sequence[HttpRun], mode: str, n: int) -> float | None:
     vals = [m.tok_s for m in runs if m.system == mode and m.streams == n]
     return statistics.median(vals) if vals else None
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.3f}" if a is not None and b else "-"
+# --- the run ---------------------------------------------------------------------
 
 
-def render_inproc(runs: Sequence[InprocRun], streams: list[int], modes: list[str]) -> str:
-    head = (
-        f"{'mode':<12}{'streams':>8}{'tok/s':>8}{'vs none':>8}{'step ms':>9}"
-        f"{'mask ms med/p99/max':>22}{'masks':>7}{'mask ms/step':>13}{'sync ms/step':>13}"
-        f"{'call ms/step':>13}{'mask share':>11}"
+def run(ctx: Context) -> Result:
+    a = ctx.args
+    streams: list[int] = sorted(set(a.streams))
+    if min(streams) < 1 or min(a.tokens, a.mask_tokens) < 2 or a.repeats < 1:
+        raise ValueError("--streams >= 1, --tokens/--mask-tokens >= 2, --repeats >= 1 required")
+    modes: list[str] = ["none", *dict.fromkeys(a.schemas)]
+    model_dir: Path = a.model if a.model is not None else ctx.demo_model("dense")
+    with ctx.phase("in-process"):
+        rows = _worker.run(
+            f"{__name__}:mask_worker",
+            model_dir=str(model_dir),
+            streams=streams,
+            modes=modes,
+            max_tokens=a.mask_tokens,
+        )
+        inproc = [InprocRun(**r) for r in rows]
+    with ctx.phase("HTTP"):
+        flags = ["--max-concurrency", str(max(streams)), "--log-level", "WARNING"]
+        with _servers.gezel_server(model_dir, ctx.workdir / "gezel.log", flags) as srv:
+            http = run_http(srv.url, modes, streams, a.tokens, a.repeats)
+    notes = []
+    if any(r.short for r in inproc) or any(m.short for m in http):
+        notes.append("SHORT: some stream ended before max_tokens; its tokens are still counted.")
+    if any(m.bad for m in http):
+        notes.append("BAD: some constrained output is not a prefix of its schema's language.")
+    if any(r.processor_errors for r in inproc):
+        notes.append(f"ERROR: a grammar processor failed: {[r.processor_errors for r in inproc]}")
+    data = {
+        "model": str(model_dir),
+        "prompt": PROMPT,
+        "schemas": {m: SCHEMAS[m] for m in modes if m != "none"},
+        "streams": streams,
+        "http_tokens_per_stream": a.tokens,
+        "http_repeats": a.repeats,
+        "inproc_tokens_per_sequence": a.mask_tokens,
+        "metric": "sum(n_i - 1) / (max_i last_i - min_i first_i)",
+        "http_median_tok_s": {
+            m: {str(n): median_tok_s(http, m, n) for n in streams} for m in modes
+        },
+        "http_ratio_vs_none": {
+            m: {
+                str(n): ratio(median_tok_s(http, m, n), median_tok_s(http, "none", n))
+                for n in streams
+            }
+            for m in modes
+            if m != "none"
+        },
+        "inproc": inproc,
+        "http_runs": http,
+    }
+    return Result(
+        data=data,
+        tables=[_inproc_table(inproc, streams, modes), _http_table(http, streams, modes, a)],
+        plots=_plots(inproc, http, streams, modes),
+        notes=notes,
+        title=(
+            f"model {model_dir.name}; HTTP {a.tokens} tokens/stream, median of {a.repeats}; "
+            f"in-process {a.mask_tokens} tokens/sequence, 1 run"
+        ),
     )
-    rows = [head]
+
+
+def _inproc_table(runs: Sequence[InprocRun], streams: list[int], modes: list[str]) -> Table:
+    rows = []
     for n in streams:
         base = next((r.tok_s for r in runs if r.mode == "none" and r.streams == n), None)
         for mode in modes:
             r = next((x for x in runs if x.mode == mode and x.streams == n), None)
             if r is None:
                 continue
-            mask = per_mask = sync = call = share = "-"
-            if r.mask_ms and r.proc_steps:
-                mk, k = r.mask_ms, 1e3 / r.proc_steps
-                mask = f"{mk['median']:.3f}/{mk['p99']:.3f}/{mk['max']:.2f}"
-                per_mask = f"{r.mask_total_s * k:.2f}"
-                sync = f"{r.sync_total_s * k:.2f}"
-                call = f"{r.call_total_s * k:.2f}"
-                share = f"{100 * r.mask_total_s / r.step_total_s:.2f}%"
-            flags = ("  SHORT" if r.short else "") + ("  ERROR" if r.processor_errors else "")
+            mk = r.mask_ms
+            mask = f"{mk['median']:.3f}/{mk['p99']:.3f}/{mk['max']:.2f}" if mk else None
+            share = 100 * r.mask_total_s / r.step_total_s if r.mask_ms else None
+            flags = ("SHORT " if r.short else "") + ("ERROR" if r.processor_errors else "")
             rows.append(
-                f"{mode:<12}{n:>8}{r.tok_s:>8.1f}{_ratio(r.tok_s, base):>8}{r.step_ms:>9.1f}"
-                f"{mask:>22}{r.mask_n:>7}{per_mask:>13}{sync:>13}{call:>13}{share:>11}{flags}"
-            )
-    setup = [
+                (
+                    mode, n, r.tok_s, ratio(r.tok_s, base), r.step_ms, mask, r.mask_n,
+                    r.per_step_ms(r.mask_total_s), r.per_step_ms(r.sync_total_s),
+                    r.per_step_ms(r.call_total_s), share, flags.strip(),
+                )
+            )  # fmt: skip
+    setup = (
         f"{r.mode}: build_constraint {r.compile_ms:.2f} ms, "
         f"make_grammar_processor {r.processor_ms:.2f} ms/sequence"
         for r in runs
         if r.compile_ms is not None and r.processor_ms is not None and r.streams == streams[0]
-    ]
-    return "\n".join([*rows, "", *setup])
+    )
+    return table(
+        "In-process BatchGenerator (per constrained step and sequence)",
+        "mode | streams:d | tok/s:.1f | vs none:.3f | step ms:.1f | mask ms med/p99/max | masks:d"
+        " | mask ms/step:.2f | sync ms/step:.2f | call ms/step:.2f | mask share %:.2f | ",
+        rows,
+        *setup,
+    )
 
 
-def render_http(runs: Sequence[HttpRun], streams: list[int], modes: list[str]) -> str:
-    rows = [
-        f"{'mode':<12}{'streams':>8}{'tok/s (median)':>16}{'runs':>24}{'spread s':>10}"
-        f"{'vs none':>9}"
-    ]
+def _http_table(runs: Sequence[HttpRun], streams: list[int], modes: list[str], a: Any) -> Table:
+    rows = []
     for n in streams:
         base = median_tok_s(runs, "none", n)
         for mode in modes:
@@ -507,106 +477,70 @@ def render_http(runs: Sequence[HttpRun], streams: list[int], modes: list[str]) -
             if not ms:
                 continue
             med = statistics.median(m.tok_s for m in ms)
-            line = " ".join(f"{m.tok_s:.1f}" for m in ms)
-            spread = statistics.median(m.spread_s for m in ms)
-            flags = ("  SHORT" if any(m.short for m in ms) else "") + (
-                "  BAD" if any(m.bad for m in ms) else ""
+            flags = ("SHORT " if any(m.short for m in ms) else "") + (
+                "BAD" if any(m.bad for m in ms) else ""
             )
             rows.append(
-                f"{mode:<12}{n:>8}{med:>16.1f}{line:>24}{spread:>10.2f}"
-                f"{_ratio(med, base):>9}{flags}"
-            )
-    return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--streams", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--tokens", type=int, default=128, help="HTTP max_tokens per stream")
-    p.add_argument("--repeats", type=int, default=3, help="HTTP repeats per mode and streams")
-    p.add_argument("--mask-tokens", type=int, default=256, help="in-process tokens per sequence")
-    p.add_argument("--schemas", nargs="+", choices=list(SCHEMAS), default=list(SCHEMAS))
-    p.add_argument("--model", type=Path, default=None, help="default: the bench demo model")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT")
-    p.add_argument("--mask-worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    streams: list[int] = sorted(set(args.streams))
-    if min(streams) < 1 or min(args.tokens, args.mask_tokens) < 2 or args.repeats < 1:
-        p.error("--streams >= 1, --tokens/--mask-tokens >= 2 and --repeats >= 1 are required")
-    modes: list[str] = ["none", *dict.fromkeys(args.schemas)]
-
-    model_dir: Path = args.model if args.model is not None else build_default_model()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.mask_worker:
-        _mask_worker(str(model_dir), streams, modes, args.mask_tokens)
-        return 0
-
-    started = time.monotonic()
-    loads = {"start": _load()}
-    inproc = run_inproc(model_dir, streams, modes, args.mask_tokens)
-    loads["after in-process"] = _load()
-    print(f"[in-process: {time.monotonic() - started:.0f}s]", file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gezel-bench-") as tmp:
-        with gezel_server(model_dir, max(streams), Path(tmp)) as url:
-            http = run_http(url, modes, streams, args.tokens, args.repeats)
-    loads["after HTTP"] = _load()
-    print(f"[HTTP: {time.monotonic() - t0:.0f}s]", file=sys.stderr, flush=True)
-
-    print(f"model: {model_dir}")
-    print(
-        f"HTTP: {args.tokens} tokens/stream, {args.repeats} repeats; in-process: "
-        f"{args.mask_tokens} tokens/sequence, 1 run; wall: {time.monotonic() - started:.0f}s"
+                (
+                    mode, n, med, " ".join(f"{m.tok_s:.1f}" for m in ms),
+                    statistics.median(m.spread_s for m in ms), ratio(med, base), flags.strip(),
+                )
+            )  # fmt: skip
+    return table(
+        f"HTTP SSE, gezel-trio --max-concurrency {max(streams)}",
+        "mode | streams:d | tok/s (median):.1f | runs | spread s:.2f | vs none:.3f | ",
+        rows,
     )
-    print(
-        "load average 1/5/15 min: "
-        + "; ".join(f"{k} {_fmt_load(v)}" for k, v in loads.items())
-        + "\n  (this run keeps about 1 core busy; much more means something else shared the CPUs)"
-    )
-    print("tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i")
-    print()
-    print("in-process BatchGenerator (per constrained step and sequence; see module docstring):")
-    print(render_inproc(inproc, streams, modes))
-    print()
-    print(f"HTTP SSE, gezel-trio --max-concurrency {max(streams)}:")
-    print(render_http(http, streams, modes))
-    if any(r.short for r in inproc) or any(m.short for m in http):
-        print("\nSHORT: some stream ended before max_tokens; its tokens are still counted.")
-    if any(m.bad for m in http):
-        print("BAD: some constrained output is not a prefix of its schema's language.")
-    if any(r.processor_errors for r in inproc):
-        print("ERROR: a grammar processor failed:", [r.processor_errors for r in inproc])
-    if args.json is not None:
-        payload = {
-            "model": str(model_dir),
-            "prompt": PROMPT,
-            "schemas": {m: SCHEMAS[m] for m in modes if m != "none"},
-            "streams": streams,
-            "http_tokens_per_stream": args.tokens,
-            "http_repeats": args.repeats,
-            "inproc_tokens_per_sequence": args.mask_tokens,
-            "loadavg": loads,
-            "metric": "sum(n_i - 1) / (max_i last_i - min_i first_i)",
-            "http_median_tok_s": {
-                m: {str(n): median_tok_s(http, m, n) for n in streams} for m in modes
-            },
-            "http_ratio_vs_none": {
-                m: {
-                    str(n): (a / b)
-                    if (a := median_tok_s(http, m, n)) is not None
-                    and (b := median_tok_s(http, "none", n))
-                    else None
-                    for n in streams
-                }
+
+
+def _plots(
+    inproc: Sequence[InprocRun], http: Sequence[HttpRun], streams: list[int], modes: list[str]
+) -> list[Plot]:
+    def inproc_at(mode: str, n: int) -> InprocRun | None:
+        return next((r for r in inproc if r.mode == mode and r.streams == n), None)
+
+    def tok_s(r: InprocRun | None) -> float | None:
+        return r.tok_s if r is not None else None
+
+    def mask_per_step(r: InprocRun | None) -> float | None:
+        return r.per_step_ms(r.mask_total_s) if r is not None else None
+
+    return [
+        Plot(
+            "HTTP decode tok/s, constrained vs free",
+            "concurrent streams",
+            "decode tok/s (median)",
+            tuple(Series(m, streams, [median_tok_s(http, m, n) for n in streams]) for m in modes),
+        ),
+        Plot(
+            "In-process BatchGenerator tok/s",
+            "concurrent streams",
+            "decode tok/s",
+            tuple(Series(m, streams, [tok_s(inproc_at(m, n)) for n in streams]) for m in modes),
+        ),
+        Plot(
+            "Mask time per decode step (all sequences)",
+            "concurrent streams",
+            "ms per step",
+            tuple(
+                Series(m, streams, [mask_per_step(inproc_at(m, n)) for n in streams])
                 for m in modes
                 if m != "none"
-            },
-            "inproc": [asdict(r) for r in inproc],
-            "http_runs": [asdict(m) for m in http],
-        }
-        write_json(args.json, payload)
-    return 0
+            ),
+        ),
+    ]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario(
+    name="grammar",
+    doc=__doc__ or "",
+    run=run,
+    options=(
+        Option("streams", [1, 4], "concurrent streams to measure", int, "+", quick=[1, 2]),
+        Option("tokens", 128, "HTTP max_tokens per stream", int, quick=32),
+        Option("repeats", 3, "HTTP repeats per mode and stream count", int, quick=1),
+        Option("mask_tokens", 256, "in-process tokens per sequence", int, quick=64),
+        Option("schemas", list(SCHEMAS), "constrained modes", str, "+", tuple(SCHEMAS)),
+        Option("model", None, "a model directory (default: the dense demo model)", Path),
+    ),
+)

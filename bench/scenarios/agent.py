@@ -1,13 +1,6 @@
 """Agent-style multi-turn session: prompt-cache reuse, gezel-trio vs ``mlx_lm.server``.
 
-Usage::
-
-    python bench/agent_session.py [--mode session|anonymous|interleaved] [--agents 4]
-                                  [--models dense hybrid] [--turns 10] [--tokens 16]
-                                  [--systems gezel mlx_lm.server] [--json OUT]
-                                  [--log-dir DIR]
-
-Modes
+Modes (``--mode``)
     ``session`` (default): one agent; gezel's requests carry a ``cache_id``.
     ``anonymous``: the same session, no gezel field at all - what every
     standard client (the OpenAI SDK, LangChain, the Agents SDK) sends.
@@ -15,12 +8,14 @@ Modes
     prompt and tools but each have their own user request, run turn by turn
     in turn (agent 1's turn n, agent 2's turn n, ...), no ids. Per turn the
     table sums the agents' prompt, cached, prefilled and ``min`` tokens and
-    shows the median TTFT. After the last turn before the restart, both
-    servers report the bytes their prompt cache holds (gezel:
-    ``/v1/cache/stats`` ``totals.bytes``, shared blocks counted once;
-    ``mlx_lm.server``: the ``nbytes`` of its ``LRUPromptCache``, logged by a
-    small wrapper that starts it - the one instrumented line is its own cache
-    statistics, logged exactly instead of in GB with two decimals).
+    shows the median TTFT.
+
+After the last turn before the restart, both servers report the bytes their
+prompt cache holds (gezel: ``/v1/cache/stats`` ``totals.bytes``, shared
+blocks counted once; ``mlx_lm.server``: the ``nbytes`` of its
+``LRUPromptCache``, logged by a small wrapper that starts it,
+``bench/_mlx_lm_server.py`` - the one instrumented line is its own cache
+statistics, logged exactly instead of in GB with two decimals).
 
 What one session is
     A coding agent's tool loop, replayed the way real clients do it. Turn 1 is
@@ -43,12 +38,14 @@ What one session is
     SIGINT, then SIGKILL after 10 s), and one more tool round is sent: the
     "restart" turn.
 
-Both systems, one after the other (never together), on the same model:
+Both systems, one after the other (never together), on the demo models of
+``--models`` at ``--size``:
 
 ``gezel``
     ``python -m gezel_trio serve --max-concurrency 4 --prefill-step-size 512
     --persist-dir D --log-level INFO`` (stderr to a log file); every request
-    carries ``cache_id`` (the session id) and ``ignore_eos: true``.
+    carries ``ignore_eos: true``, and in ``session`` mode ``cache_id`` (the
+    session id).
 ``mlx_lm.server``
     ``python -m mlx_lm server --decode-concurrency 4 --prompt-concurrency 4
     --prefill-step-size 512 --log-level WARNING``; it has its own automatic
@@ -71,7 +68,8 @@ history holds exactly the generated tokens, as it would with a trained model
 systems the previous reply's tokens on every turn.
 
 Per turn and system
-    ``prompt``  = ``usage.prompt_tokens``;
+    ``prompt``  = ``usage.prompt_tokens`` (``*``: the client-side rendering
+    has a different length);
     ``cached``  = ``usage.prompt_tokens_details.cached_tokens`` (both servers
     report it: gezel the tokens its cache seeded the sequence with,
     ``mlx_lm.server`` the length of the nearest cache entry it fetched);
@@ -97,40 +95,32 @@ every prompt, so either server may report 1 cached token on a cold turn.
 Summary ratios per model, all gezel / ``mlx_lm.server`` (below 1: gezel
 better): total prefilled tokens over turns 2..N; median TTFT over turns 2..N
 ("warm" turns) and the median of the per-turn TTFT ratios; the restart
-turn's TTFT. The 1-minute load average before and after is printed too: this
-script keeps about one core busy, more means something else shared the CPUs.
+turn's TTFT; prompt-cache bytes.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import os
 import re
 import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx2 as httpx
 
-if __package__ in (None, ""):  # run as a script: make the `bench` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import _common
-from bench._common import Server, print_load_1min, tail, write_json
+from bench import _servers, _sse
+from bench._report import ratio
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
+from bench._servers import Server
 
 SYSTEMS = ("gezel", "mlx_lm.server")
 MODELS = ("dense", "hybrid")
 SESSION_ID = "agent-session"
-_REQUEST_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 60.0  # gezel: drain + flush to disk
 _MLX_STOP_TIMEOUT_S = 10.0  # mlx_lm.server often hangs on SIGINT: then SIGKILL
 _MAX_BIAS = 1024  # gezel's MAX_LOGIT_BIAS
@@ -282,7 +272,7 @@ TOOL_ROUNDS: list[tuple[str, dict[str, str], str]] = [
 WARMUP_MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 
-@dataclass(frozen=True)
+@attrs.frozen
 class TurnSpec:
     turn: int
     thinking: bool
@@ -386,7 +376,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 # --- results ------------------------------------------------------------------
 
 
-@dataclass
+@attrs.define
 class TurnResult:
     turn: int
     label: str
@@ -399,7 +389,7 @@ class TurnResult:
     reply: str
     ref_prompt_tokens: int  # client-side rendering of the same messages
     min_prefill: int  # prompt tokens after the common prefix with previous prompt+reply
-    cache_log: list[str] = field(default_factory=list)  # gezel prompt-cache lines
+    cache_log: list[str] = attrs.Factory(list)  # gezel prompt-cache lines
     agent: int = 0
 
     @property
@@ -418,14 +408,14 @@ class TurnResult:
         return "-"
 
 
-@dataclass
+@attrs.define
 class SystemRun:
     model: str
     system: str
-    turns: list[TurnResult] = field(default_factory=list)
-    stop_exit_codes: list[int | None] = field(default_factory=list)
-    stop_seconds: list[float] = field(default_factory=list)
-    startup_seconds: list[float] = field(default_factory=list)
+    turns: list[TurnResult] = attrs.Factory(list)
+    stop_exit_codes: list[int | None] = attrs.Factory(list)
+    stop_seconds: list[float] = attrs.Factory(list)
+    startup_seconds: list[float] = attrs.Factory(list)
     wall_s: float = 0.0
 
     cache_bytes: int | None = None  # the prompt cache after the last turn before the restart
@@ -454,7 +444,7 @@ class SystemRun:
 # --- servers --------------------------------------------------------------------
 
 
-def gezel_flags(persist_dir: Path, args: argparse.Namespace) -> list[str]:
+def gezel_flags(persist_dir: Path, args: Any) -> list[str]:
     return [
         "--max-concurrency", str(args.concurrency),
         "--prefill-step-size", str(args.prefill_step_size),
@@ -463,7 +453,7 @@ def gezel_flags(persist_dir: Path, args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-def mlx_flags(args: argparse.Namespace) -> list[str]:
+def mlx_flags(args: Any) -> list[str]:
     return [
         "--decode-concurrency", str(args.concurrency),
         "--prompt-concurrency", str(args.concurrency),
@@ -472,63 +462,30 @@ def mlx_flags(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-@contextlib.contextmanager
-def gezel_server(
-    model_dir: Path, persist_dir: Path, log: Path, args: argparse.Namespace
+@contextmanager
+def serve(
+    system: str, model_dir: Path, persist_dir: Path, log: Path, args: Any
 ) -> Iterator[Server]:
-    """Start gezel-trio on a free port; yield once it says it is listening (the
-    line it prints on stdout); always stop it with SIGTERM (drain + flush)."""
-    with _common.gezel_server(
-        model_dir,
-        log,
-        gezel_flags(persist_dir, args),
-        stop_signal=signal.SIGTERM,
-        stop_timeout=_STOP_TIMEOUT_S,
-        full_log_path=True,
-    ) as server:
-        yield server
-
-
-@contextlib.contextmanager
-def mlx_server(model_dir: Path, log: Path, args: argparse.Namespace) -> Iterator[Server]:
-    """Start ``mlx_lm server`` on a free port; yield once ``/health`` answers
-    (bounded polling); always stop it (SIGINT, then SIGKILL after
-    ``_MLX_STOP_TIMEOUT_S``; its prompt cache lives in memory only)."""
-    with _common.mlx_server(
-        model_dir,
-        log,
-        mlx_flags(args),
-        stop_timeout=_MLX_STOP_TIMEOUT_S,
-        full_log_path=True,
-        cache_stats=True,
-    ) as server:
-        yield server
+    """gezel is stopped with SIGTERM (drain + flush to disk); ``mlx_lm.server``
+    with SIGINT, then SIGKILL (its prompt cache lives in memory only) and is
+    started through the launcher that logs its cache bytes."""
+    if system == "gezel":
+        with _servers.gezel_server(
+            model_dir,
+            log,
+            gezel_flags(persist_dir, args),
+            stop_signal=signal.SIGTERM,
+            stop_timeout=_STOP_TIMEOUT_S,
+        ) as srv:
+            yield srv
+    else:
+        with _servers.mlx_server(
+            model_dir, log, mlx_flags(args), stop_timeout=_MLX_STOP_TIMEOUT_S, cache_stats=True
+        ) as srv:
+            yield srv
 
 
 # --- one request ------------------------------------------------------------------
-
-
-@dataclass
-class Reply:
-    text: str
-    ttft_s: float
-    total_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
-def _delta_text(delta: dict[str, Any]) -> str:
-    """The generated text of one delta. gezel sends reasoning under both
-    ``reasoning_content`` and ``reasoning`` (the same text twice);
-    ``mlx_lm.server`` under ``reasoning``."""
-    reasoning = delta.get("reasoning_content")
-    if not isinstance(reasoning, str):
-        reasoning = delta.get("reasoning")
-    content = delta.get("content")
-    return (reasoning if isinstance(reasoning, str) else "") + (
-        content if isinstance(content, str) else ""
-    )
 
 
 def stream_chat(
@@ -541,7 +498,7 @@ def stream_chat(
     bias: dict[str, float] | None,
     tools: bool = True,
     session: bool = True,
-) -> Reply:
+) -> _sse.StreamLog:
     """One streaming chat request; times are from just before it is sent."""
     body: dict[str, Any] = {
         "messages": messages,
@@ -559,48 +516,22 @@ def stream_chat(
         body["ignore_eos"] = True
         if session:
             body["cache_id"] = SESSION_ID
-    first: float | None = None
-    end: float | None = None
-    usage: dict[str, Any] | None = None
-    text = ""
-    sent = time.perf_counter()
-    with client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            resp.read()
-            raise RuntimeError(f"{server.system}: HTTP {resp.status_code}: {resp.text[:500]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators and keep-alive comments
-            data = line[5:].strip()
-            now = time.perf_counter()
-            if data == "[DONE]":
-                end = now
-                break
-            obj = json.loads(data)
-            if "error" in obj:
-                raise RuntimeError(f"{server.system}: stream error: {obj['error']}")
-            for choice in obj.get("choices") or ():
-                piece = _delta_text(choice.get("delta") or {})
-                if piece and first is None:
-                    first = now
-                text += piece
-            if obj.get("usage"):
-                usage = obj["usage"]
-            end = now
-    if first is None or end is None or usage is None:
-        raise RuntimeError(f"{server.system}: incomplete stream: first={first} usage={usage}")
+    try:
+        log = _sse.stream(client, server.url, body)
+    except RuntimeError as exc:
+        raise RuntimeError(f"{server.system}: {exc}") from exc
+    if not log.content or log.end is None or log.usage is None:
+        raise RuntimeError(f"{server.system}: incomplete stream: {log.usage=} {log.content=}")
+    return log
+
+
+def cached_tokens(server: Server, log: _sse.StreamLog) -> int:
+    usage = log.usage or {}
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens", usage.get("cached_tokens"))
     if cached is None:
         raise RuntimeError(f"{server.system}: usage has no cached token count: {usage}")
-    return Reply(
-        text=text,
-        ttft_s=first - sent,
-        total_s=end - sent,
-        prompt_tokens=int(usage["prompt_tokens"]),
-        cached_tokens=int(cached),
-        completion_tokens=int(usage["completion_tokens"]),
-    )
+    return int(cached)
 
 
 # gezel's log format is "TIME LEVEL LOGGER: MESSAGE"; keep its prompt-cache and
@@ -608,16 +539,14 @@ def stream_chat(
 _CACHE_LOG = re.compile(r" (WARNING|ERROR) | gezel_trio\.(cache|persist): ")
 
 
-def _new_log_lines(log: Path, offset: int) -> tuple[list[str], int]:
+def _new_log_lines(log: Path, offset: int) -> list[str]:
     try:
         with log.open("rb") as f:
             f.seek(offset)
             data = f.read()
     except OSError:
-        return [], offset
-    lines = data.decode(errors="replace").splitlines()
-    keep = [ln for ln in lines if _CACHE_LOG.search(ln)]
-    return keep, offset + len(data)
+        return []
+    return [ln for ln in data.decode(errors="replace").splitlines() if _CACHE_LOG.search(ln)]
 
 
 _MLX_CACHE_LINE = re.compile(r"gezel-bench prompt cache: (\d+) sequences, (\d+) bytes")
@@ -630,15 +559,9 @@ def cache_bytes(client: httpx.Client, server: Server) -> int | None:
         return int(stats["totals"]["bytes"])
     # mlx_lm.server logs its cache statistics before serving a request: send a
     # one-token probe that shares nothing with the sessions, then read the line.
+    probe = [{"role": "user", "content": "Probe."}]
     stream_chat(
-        client,
-        server,
-        [{"role": "user", "content": "Probe."}],
-        thinking=False,
-        max_tokens=1,
-        bias=None,
-        tools=False,
-        session=False,
+        client, server, probe, thinking=False, max_tokens=1, bias=None, tools=False, session=False
     )
     found = _MLX_CACHE_LINE.findall(server.log.read_text(errors="replace"))
     return int(found[-1][1]) if found else None
@@ -647,24 +570,25 @@ def cache_bytes(client: httpx.Client, server: Server) -> int | None:
 # --- one session on one system ---------------------------------------------------
 
 
-@dataclass
+@attrs.define
 class _SessionState:
     messages: list[dict[str, Any]]
-    held: list[int] = field(default_factory=list)  # previous prompt + reply tokens
+    held: list[int] = attrs.Factory(list)  # previous prompt + reply tokens
     reply: str = ""
     thinking: bool = True
 
 
 def _run_turn(
+    ctx: Context,
     client: httpx.Client,
     server: Server,
     spec: TurnSpec,
     state: _SessionState,
     ref: Reference,
-    args: argparse.Namespace,
     agent: int = 0,
 ) -> TurnResult:
-    restore_space = not args.no_word_bias and not args.replay_as_returned
+    a = ctx.args
+    restore_space = not a.no_word_bias and not a.replay_as_returned
     if spec.turn > 1:
         state.messages += tool_round(spec.turn - 1, state.reply, state.thinking)
     if spec.add_user:
@@ -672,19 +596,17 @@ def _run_turn(
     prompt = ref.prompt(state.messages, spec.thinking)
     shared = min(common_prefix(state.held, prompt), len(prompt) - 1) if state.held else 0
     offset = server.log.stat().st_size if server.system == "gezel" else 0
-    reply = stream_chat(
+    log = stream_chat(
         client,
         server,
         state.messages,
         thinking=spec.thinking,
-        max_tokens=args.tokens,
-        bias=None if args.no_word_bias else ref.word_bias,
-        session=args.mode == "session",
+        max_tokens=a.tokens,
+        bias=None if a.no_word_bias else ref.word_bias,
+        session=a.mode == "session",
     )
-    cache_log: list[str] = []
-    if server.system == "gezel":
-        cache_log, _ = _new_log_lines(server.log, offset)
-    replay = reply.text
+    cache_log = _new_log_lines(server.log, offset) if server.system == "gezel" else []
+    replay = log.text
     if restore_space and replay and not replay[0].isspace():
         # Both servers strip the reply's leading whitespace, but with the word
         # bias the first generated token is " word": put the space back so the
@@ -693,68 +615,50 @@ def _run_turn(
         replay = " " + replay
     state.held = prompt + ref.encode(replay)
     state.reply, state.thinking = replay, spec.thinking
+    assert log.end is not None
     result = TurnResult(
         turn=spec.turn,
         label=spec.label,
         thinking=spec.thinking,
-        prompt_tokens=reply.prompt_tokens,
-        cached_tokens=reply.cached_tokens,
-        completion_tokens=reply.completion_tokens,
-        ttft_s=reply.ttft_s,
-        total_s=reply.total_s,
-        reply=reply.text,
+        prompt_tokens=log.usage_int("prompt_tokens") or 0,
+        cached_tokens=cached_tokens(server, log),
+        completion_tokens=log.usage_int("completion_tokens") or 0,
+        ttft_s=log.content[0] - log.sent,
+        total_s=log.end - log.sent,
+        reply=log.text,
         ref_prompt_tokens=len(prompt),
         min_prefill=len(prompt) - shared,
         cache_log=cache_log,
         agent=agent,
     )
-    who = f"{server.system} turn {spec.turn:>2}" + (f" agent {agent}" if args.agents > 1 else "")
-    print(
-        f"  [{who} {spec.label:<22}] prompt {result.prompt_tokens:>5}"
+    who = f"{server.system} turn {spec.turn:>2}" + (f" agent {agent}" if a.agents > 1 else "")
+    ctx.progress(
+        f"{who} {spec.label:<22} prompt {result.prompt_tokens:>5}"
         f" cached {result.cached_tokens:>5} prefill {result.prefilled:>5}"
         f" TTFT {result.ttft_s:6.2f}s total {result.total_s:6.2f}s gen {result.completion_tokens}"
-        + (f"  {result.cache_decision}" if server.system == "gezel" else ""),
-        file=sys.stderr,
-        flush=True,
+        + (f"  {result.cache_decision}" if server.system == "gezel" else "")
     )
     return result
 
 
-@contextlib.contextmanager
-def _server(
-    system: str, model_dir: Path, persist_dir: Path, log: Path, args: argparse.Namespace
-) -> Iterator[Server]:
-    if system == "gezel":
-        with gezel_server(model_dir, persist_dir, log, args) as srv:
-            yield srv
-    else:
-        with mlx_server(model_dir, log, args) as srv:
-            yield srv
-
-
 def run_session(
-    model: str,
-    model_dir: Path,
-    system: str,
-    specs: list[TurnSpec],
-    ref: Reference,
-    workdir: Path,
-    args: argparse.Namespace,
+    ctx: Context, model: str, model_dir: Path, system: str, specs: list[TurnSpec], ref: Reference
 ) -> SystemRun:
+    a = ctx.args
     run = SystemRun(model=model, system=system)
-    persist = workdir / f"{model}-{system}-persist"  # gezel's --persist-dir
+    persist = ctx.workdir / f"{model}-{system}-persist"  # gezel's --persist-dir
     if system == "gezel":
         persist.mkdir(parents=True, exist_ok=True)
-    states = [_SessionState(initial_messages(a)) for a in range(args.agents)]
+    states = [_SessionState(initial_messages(i)) for i in range(a.agents)]
     t_run = time.monotonic()
     phases = [[s for s in specs if not s.restart], [s for s in specs if s.restart]]
     for phase, phase_specs in enumerate(phases):
-        log = workdir / f"{model}-{system}-{'first' if phase == 0 else 'restart'}.log"
+        log = ctx.workdir / f"{model}-{system}-{'first' if phase == 0 else 'restart'}.log"
         t0 = time.monotonic()
-        with _server(system, model_dir, persist, log, args) as srv:
+        with serve(system, model_dir, persist, log, a) as srv:
             run.startup_seconds.append(time.monotonic() - t0)
-            with httpx.Client(timeout=_REQUEST_TIMEOUT_S) as client:
-                if not args.no_warmup:
+            with httpx.Client(timeout=_sse.REQUEST_TIMEOUT_S) as client:
+                if not a.no_warmup:
                     stream_chat(
                         client,
                         srv,
@@ -767,30 +671,20 @@ def run_session(
                     )
                 for spec in phase_specs:
                     for agent, state in enumerate(states):
-                        run.turns.append(_run_turn(client, srv, spec, state, ref, args, agent))
+                        run.turns.append(_run_turn(ctx, client, srv, spec, state, ref, agent))
                 if phase == 0:
                     run.cache_bytes = cache_bytes(client, srv)
         run.stop_exit_codes.append(srv.exit_code)
         run.stop_seconds.append(srv.stop_s)
         if srv.exit_code != 0:
-            print(
-                f"  [{system}: exit code {srv.exit_code} after stop]\n{tail(log, 15)}",
-                file=sys.stderr,
+            ctx.progress(
+                f"{system}: exit code {srv.exit_code} after stop\n{_servers.tail(log, 15)}"
             )
     run.wall_s = time.monotonic() - t_run
-    print(f"[{model} / {system}: {run.wall_s:.0f}s]", file=sys.stderr, flush=True)
     return run
 
 
 # --- report -------------------------------------------------------------------------
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
 def summary(runs: dict[str, SystemRun], turns: int) -> dict[str, Any]:
@@ -821,204 +715,227 @@ def summary(runs: dict[str, SystemRun], turns: int) -> dict[str, Any]:
         if tg and tm and tm.ttft_s > 0:
             turn_ratios.append(tg.ttft_s / tm.ttft_s)
     out["ratios"] = {
-        "prefilled_turns_2_n": _ratio(pg["prefilled_turns_2_n"], pm["prefilled_turns_2_n"]),
-        "median_ttft_turns_2_n": _ratio(pg["median_ttft_turns_2_n"], pm["median_ttft_turns_2_n"]),
+        "prefilled_turns_2_n": ratio(pg["prefilled_turns_2_n"], pm["prefilled_turns_2_n"]),
+        "median_ttft_turns_2_n": ratio(pg["median_ttft_turns_2_n"], pm["median_ttft_turns_2_n"]),
         "median_of_turn_ttft_ratios": statistics.median(turn_ratios) if turn_ratios else None,
-        "restart_ttft": _ratio(pg["restart_ttft"], pm["restart_ttft"]),
-        "cache_bytes": _ratio(pg["cache_bytes"], pm["cache_bytes"]),
+        "restart_ttft": ratio(pg["restart_ttft"], pm["restart_ttft"]),
+        "cache_bytes": ratio(pg["cache_bytes"], pm["cache_bytes"]),
     }
     return out
 
 
-def render_model(model: str, runs: dict[str, SystemRun], turns: int) -> str:
+_SHORT = {"gezel": "gezel", "mlx_lm.server": "mlx"}
+
+
+def turn_table(model: str, runs: dict[str, SystemRun]) -> Table:
     systems = [s for s in SYSTEMS if s in runs]
     n_max = max((t.turn for r in runs.values() for t in r.turns), default=0)
-    head1 = f"{'':<5}{'':<22}"
-    head2 = f"{'turn':<5}{'request':<22}"
+    header = ["turn:d", "request", "min:d"]
     for s in systems:
-        head1 += f" | {s:^44}"
-        head2 += f" | {'prompt':>6}{'cached':>7}{'prefill':>8}{'min':>6}{'TTFT s':>8}{'total s':>9}"
+        p = _SHORT[s]
+        header += [f"{p} prompt", f"{p} cached:d", f"{p} prefill:d", f"{p} TTFT s:.2f",
+                   f"{p} total s:.2f", f"{p} gen:d"]  # fmt: skip
         if s == "gezel":
-            head1 += f"{'':<26}"
-            head2 += f"{'gen':>4}  {'cache':<20}"
-        else:
-            head1 += f"{'':<4}"
-            head2 += f"{'gen':>4}"
-    head2 = head2.rstrip()
-    rows = [f"model: {model}", head1.rstrip(), head2, "-" * len(head2)]
+            header.append("gezel cache")
+    rows = []
     for n in range(1, n_max + 1):
-        label = ""
-        row = ""
+        label, floor = "", None
+        row: list[Any] = []
         for s in systems:
             t = runs[s].turn(n)
             if t is None:
-                row += f" | {'(not run)':<44}"
+                row += [None] * (7 if s == "gezel" else 6)
                 continue
-            label = t.label
-            mismatch = "*" if t.ref_prompt_tokens != t.prompt_tokens else " "
-            row += (
-                f" | {t.prompt_tokens:>5}{mismatch}{t.cached_tokens:>7}{t.prefilled:>8}"
-                f"{t.min_prefill:>6}{t.ttft_s:>8.2f}{t.total_s:>9.2f}{t.completion_tokens:>4}"
-            )
+            label, floor = t.label, t.min_prefill
+            mismatch = "*" if t.ref_prompt_tokens != t.prompt_tokens else ""
+            row += [f"{t.prompt_tokens}{mismatch}", t.cached_tokens, t.prefilled, t.ttft_s,
+                    t.total_s, t.completion_tokens]  # fmt: skip
             if s == "gezel":
-                row += f"  {t.cache_decision:<20}"
-        rows.append((f"{n:<5}{label:<22}" + row).rstrip())
+                row.append(t.cache_decision)
+        rows.append((n, label, floor, *row))
+    return table(
+        f"{model}: per turn",
+        " | ".join(header),
+        rows,
+        "prefill = prompt - cached; min = prompt tokens after the common prefix with the "
+        "previous turn's prompt + reply (client-side rendering); * = the client-side prompt "
+        "length differs from the server's; gezel cache = its seed decision (source/mode).",
+    )
+
+
+def summary_table(model: str, runs: dict[str, SystemRun], turns: int) -> Table:
     summ = summary(runs, turns)
-    rows.append("")
-    for system in systems:
+    rows = []
+    for system in [s for s in SYSTEMS if s in runs]:
         p = summ["per_system"][system]
-        rows.append(
-            f"{system}: prefilled turns 2-{turns} = {p['prefilled_turns_2_n']} "
-            f"(min {p['min_prefill_turns_2_n']}), median TTFT turns 2-{turns} = "
-            f"{_fmt(p['median_ttft_turns_2_n'])}s, restart turn: cached "
-            f"{p['restart_cached']}/{p['restart_prompt']}, TTFT {_fmt(p['restart_ttft'])}s, "
-            f"prompt cache {_fmt_bytes(p['cache_bytes'])} after turn {turns}"
-        )
         run = runs[system]
         codes = ", ".join("killed" if c is None else str(c) for c in run.stop_exit_codes)
+        cache = p["cache_bytes"] / 2**20 if p["cache_bytes"] is not None else None
         rows.append(
-            f"  {system} stops: exit {codes} after "
-            + ", ".join(f"{x:.1f}s" for x in run.stop_seconds)
-            + "; startups "
-            + ", ".join(f"{x:.1f}s" for x in run.startup_seconds)
-        )
+            (
+                system, p["prefilled_turns_2_n"], p["min_prefill_turns_2_n"],
+                p["median_ttft_turns_2_n"], f"{p['restart_cached']}/{p['restart_prompt']}",
+                p["restart_ttft"], cache, codes,
+                ", ".join(f"{x:.1f}" for x in run.stop_seconds),
+                ", ".join(f"{x:.1f}" for x in run.startup_seconds),
+            )
+        )  # fmt: skip
+    notes = ["The ratio row is gezel / mlx_lm.server (below 1: gezel better)."]
     r = summ.get("ratios")
     if r:
         rows.append(
-            f"gezel / mlx_lm.server: prefilled tokens turns 2-{turns} "
-            f"{_fmt(r['prefilled_turns_2_n'])}, median TTFT turns 2-{turns} "
-            f"{_fmt(r['median_ttft_turns_2_n'])} (median of per-turn ratios "
-            f"{_fmt(r['median_of_turn_ttft_ratios'])}), restart-turn TTFT "
-            f"{_fmt(r['restart_ttft'])}, prompt-cache bytes {_fmt(r['cache_bytes'])}"
+            (
+                "gezel / mlx_lm.server", r["prefilled_turns_2_n"], None,
+                r["median_ttft_turns_2_n"], None, r["restart_ttft"], r["cache_bytes"], "", "", "",
+            )
+        )  # fmt: skip
+        per_turn = r["median_of_turn_ttft_ratios"]
+        if per_turn is not None:
+            notes.append(f"Median of the per-turn TTFT ratios, turns 2-{turns}: {per_turn:.3f}.")
+    return table(
+        f"{model}: summary",
+        f"system | prefilled turns 2-{turns} | min | median TTFT s turns 2-{turns}:.3f"
+        f" | restart cached/prompt | restart TTFT s:.3f | cache MiB after turn {turns}:.3f"
+        " | stop exit | stop s | startup s",
+        rows,
+        *notes,
+    )
+
+
+def plots(results: dict[str, dict[str, SystemRun]]) -> list[Plot]:
+    out = []
+    for model, runs in results.items():
+        prefill: list[Series] = []
+        ttft: list[Series] = []
+        for system, run in runs.items():
+            turns = sorted({t.turn for t in run.turns})
+            ts = [run.turn(n) for n in turns]
+            prefill.append(Series(system, turns, [t.prefilled if t else None for t in ts]))
+            ttft.append(Series(system, turns, [t.ttft_s if t else None for t in ts]))
+        if runs:
+            ref = next(iter(runs.values()))
+            turns = sorted({t.turn for t in ref.turns})
+            floor = [t.min_prefill if (t := ref.turn(n)) else None for n in turns]
+            prefill.append(Series("min (client-side reference)", turns, floor, ":"))
+        last = max((t.turn for r in runs.values() for t in r.turns), default=0)
+        xlabel = f"turn ({last}: after the restart)"
+        out.append(Plot(f"{model}: prefilled tokens per turn", xlabel, "tokens", tuple(prefill)))
+        out.append(Plot(f"{model}: time to first token per turn", xlabel, "TTFT s", tuple(ttft)))
+    systems = list(dict.fromkeys(s for runs in results.values() for s in runs))
+    out.append(
+        Plot(
+            "Prompt-cache bytes after the last turn before the restart",
+            "model",
+            "MiB",
+            tuple(
+                Series(
+                    s,
+                    list(results),
+                    [
+                        (b / 2**20 if (b := runs[s].cache_bytes) is not None else None)
+                        if s in runs
+                        else None
+                        for runs in results.values()
+                    ],
+                )
+                for s in systems
+            ),
+            kind="bar",
         )
-    return "\n".join(rows)
-
-
-def _fmt_bytes(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:.2f} MiB"
-
-
-# --- driver ---------------------------------------------------------------------------
-
-
-def build_model(kind: str, size: str = "bench") -> Path:
-    proc = subprocess.run(
-        [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", size],
-        capture_output=True,
-        text=True,
-        check=True,
     )
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("session", "anonymous", "interleaved"), default="session")
-    p.add_argument("--agents", type=int, default=None, help="interleaved mode (default 4)")
-    p.add_argument("--size", choices=("bench", "tiny"), default="bench", help="demo model size")
-    p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--turns", type=int, default=10, help="turns before the restart (>= 2)")
-    p.add_argument("--tokens", type=int, default=16, help="max_tokens per turn")
-    p.add_argument("--think-off-turn", type=int, default=5, help="0: never")
-    p.add_argument("--user-turn", type=int, default=8, help="0: never")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--prefill-step-size", type=int, default=512)
-    p.add_argument("--gezel-log-level", default="INFO")
-    p.add_argument("--mlx-log-level", default="WARNING")
-    p.add_argument("--no-word-bias", action="store_true")
-    p.add_argument(
-        "--replay-as-returned",
-        action="store_true",
-        help="replay replies exactly as returned (no leading space restored)",
-    )
-    p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--log-dir", type=Path, default=None, help="keep server logs here")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT")
-    args = p.parse_args(argv)
-    if args.turns < 2 or args.tokens < 1:
-        p.error("--turns >= 2 and --tokens >= 1 are required")
-    if args.agents is None:
-        args.agents = 4 if args.mode == "interleaved" else 1
-    if args.agents > 1 and args.mode != "interleaved":
-        p.error("--agents > 1 needs --mode interleaved")
+# --- the run ---------------------------------------------------------------------
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    specs = turn_plan(args.turns, args.think_off_turn, args.user_turn)
-    started = time.monotonic()
-    load_before = _common.loadavg()[0]
+
+def run(ctx: Context) -> Result:
+    a = ctx.args
+    if a.turns < 2 or a.tokens < 1:
+        raise ValueError("--turns >= 2 and --tokens >= 1 are required")
+    agents = a.agents if a.agents is not None else (4 if a.mode == "interleaved" else 1)
+    if agents > 1 and a.mode != "interleaved":
+        raise ValueError("--agents > 1 needs --mode interleaved")
+    ctx.options = {**ctx.options, "agents": agents}
+    specs = turn_plan(a.turns, a.think_off_turn, a.user_turn)
     results: dict[str, dict[str, SystemRun]] = {}
     model_dirs: dict[str, Path] = {}
-    with contextlib.ExitStack() as stack:
-        if args.log_dir is not None:
-            workdir = args.log_dir
-            workdir.mkdir(parents=True, exist_ok=True)
-        else:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gezel-agent-")))
-        for model in args.models:
-            model_dirs[model] = build_model(model, args.size)
-            ref = Reference(model_dirs[model])
-            results[model] = {}
-            for system in args.systems:
+    for model in a.models:
+        model_dirs[model] = ctx.demo_model(model)
+        ref = Reference(model_dirs[model])
+        results[model] = {}
+        for system in a.systems:
+            with ctx.phase(f"{model} / {system}"):
                 results[model][system] = run_session(
-                    model, model_dirs[model], system, specs, ref, workdir, args
+                    ctx, model, model_dirs[model], system, specs, ref
                 )
-            if args.log_dir is not None:
-                for sub in workdir.glob(f"{model}-*-persist"):
-                    # The disk cache files are big and of no use afterwards.
-                    for f in sorted(sub.rglob("*"), reverse=True):
-                        if f.is_file():
-                            f.unlink()
-    load_after = _common.loadavg()[0]
-    wall = time.monotonic() - started
-
-    print(
-        f"mode: {args.mode}, agents: {args.agents}, "
-        f"turns: {args.turns} + restart, max_tokens: {args.tokens}, thinking off at turn "
-        f"{args.think_off_turn or '-'}, new user message at turn {args.user_turn or '-'}, "
-        f"word bias: {'off' if args.no_word_bias else 'on'}, wall: {wall:.0f}s"
+        for sub in ctx.workdir.glob(f"{model}-*-persist"):
+            # The disk cache files are big and of no use afterwards (--log-dir keeps the logs).
+            for f in sorted(sub.rglob("*"), reverse=True):
+                if f.is_file():
+                    f.unlink()
+    data = {
+        "models": {m: str(d) for m, d in model_dirs.items()},
+        "mode": a.mode,
+        "agents": agents,
+        "turns": a.turns,
+        "max_tokens": a.tokens,
+        "think_off_turn": a.think_off_turn,
+        "user_turn": a.user_turn,
+        "word_bias": not a.no_word_bias,
+        "warmup": not a.no_warmup,
+        "leading_space_restored": not a.no_word_bias and not a.replay_as_returned,
+        "gezel_flags": gezel_flags(Path("PERSIST_DIR"), ctx.args),
+        "mlx_lm_server_flags": mlx_flags(ctx.args),
+        "results": {
+            model: {
+                "summary": summary(runs, a.turns),
+                "systems": {
+                    system: {
+                        **attrs.asdict(run),
+                        "turns": [{**attrs.asdict(t), "prefilled": t.prefilled} for t in run.turns],
+                    }
+                    for system, run in runs.items()
+                },
+            }
+            for model, runs in results.items()
+        },
+    }
+    tables = []
+    for model, runs in results.items():
+        name = f"{model} ({model_dirs[model].name})"
+        tables += [turn_table(name, runs), summary_table(name, runs, a.turns)]
+    return Result(
+        data,
+        tables,
+        plots(results),
+        title=(
+            f"mode {a.mode}, {agents} agent(s), {a.turns} turns + restart, max_tokens {a.tokens}, "
+            f"thinking off at turn {a.think_off_turn or '-'}, new user message at turn "
+            f"{a.user_turn or '-'}, word bias {'off' if a.no_word_bias else 'on'}"
+        ),
     )
-    print_load_1min(load_before, load_after)
-    print("prefill = prompt - cached; min = prompt tokens after the common prefix with the")
-    print("  previous turn's prompt + reply (client-side rendering); * = client-side prompt")
-    print("  length differs from the server's; cache = gezel's seed decision (source/mode)")
-    for model in args.models:
-        print()
-        print(render_model(f"{model} ({model_dirs[model]})", results[model], args.turns))
-    if args.json is not None:
-        payload = {
-            "models": {m: str(d) for m, d in model_dirs.items()},
-            "mode": args.mode,
-            "agents": args.agents,
-            "turns": args.turns,
-            "max_tokens": args.tokens,
-            "think_off_turn": args.think_off_turn,
-            "user_turn": args.user_turn,
-            "word_bias": not args.no_word_bias,
-            "warmup": not args.no_warmup,
-            "leading_space_restored": not args.no_word_bias and not args.replay_as_returned,
-            "loadavg_1min": {"before": load_before, "after": load_after},
-            "wall_s": wall,
-            "gezel_flags": gezel_flags(Path("PERSIST_DIR"), args),
-            "mlx_lm_server_flags": mlx_flags(args),
-            "results": {
-                model: {
-                    "summary": summary(runs, args.turns),
-                    "systems": {
-                        system: {
-                            **asdict(run),
-                            "turns": [{**asdict(t), "prefilled": t.prefilled} for t in run.turns],
-                        }
-                        for system, run in runs.items()
-                    },
-                }
-                for model, runs in results.items()
-            },
-        }
-        write_json(args.json, payload)
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SCENARIO = Scenario(
+    name="agent",
+    doc=__doc__ or "",
+    run=run,
+    options=(
+        Option("mode", "session", "agent mode", str, None, ("session", "anonymous", "interleaved")),
+        Option("agents", None, "agents of the interleaved mode (default 4)", int),
+        Option("models", list(MODELS), "demo model kinds", str, "+", MODELS),
+        Option("systems", list(SYSTEMS), "systems to run", str, "+", SYSTEMS),
+        Option("turns", 10, "turns before the restart (>= 2)", int, quick=6),
+        Option("tokens", 16, "max_tokens per turn", int, quick=8),
+        Option("think_off_turn", 5, "turn sent with thinking off (0: never)", int, quick=3),
+        Option("user_turn", 8, "turn that adds a user message (0: never)", int, quick=5),
+        Option("concurrency", 4, "server concurrency", int),
+        Option("prefill_step_size", 512, "server prefill step size", int),
+        Option("gezel_log_level", "INFO", "gezel's log level (INFO: its cache decisions)"),
+        Option("mlx_log_level", "WARNING", "mlx_lm.server's log level"),
+        Option("no_word_bias", False, "no whole-word logit bias", kind="flag"),
+        Option("replay_as_returned", False, "replay replies as returned (no space)", kind="flag"),
+        Option("no_warmup", False, "no warm-up request after a start", kind="flag"),
+    ),
+)

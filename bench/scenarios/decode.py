@@ -1,0 +1,416 @@
+"""Steady decode throughput and prefill: raw mlx-lm vs gezel-trio vs ``mlx_lm.server``.
+
+One run measures, side by side and on the same model, prompt and token budget:
+
+``raw``
+    mlx-lm's ``BatchGenerator`` driven in-process by a tight ``next()`` loop,
+    with no stop sequences (so every sequence runs exactly ``--tokens``). It
+    runs in a child process that exits before any server starts, so it never
+    shares the CPU with a server.
+``gezel``
+    ``python -m gezel_trio serve --max-concurrency MAX(streams)`` over HTTP
+    SSE, with ``ignore_eos: true``.
+``mlx_lm.server``
+    ``python -m mlx_lm server --decode-concurrency N --prompt-concurrency N
+    --temp 0.0 --chat-template-args '{"enable_thinking": false}'`` over HTTP
+    SSE; it has no ``ignore_eos``, so every stream's token count is checked
+    and a short stream is flagged ``SHORT`` in the table.
+``gezel-q4`` (``--default-model`` only)
+    gezel-trio on the quantized weights with ``--keep-quantized``.
+
+All systems run on the same OpenBLAS (``bench/_servers.py``). The default
+model is the dense demo model of ``--size``; ``--model DIR`` measures another
+one; ``--default-model`` measures SmolLM2-135M-Instruct, what ``gezel-trio
+serve`` serves by default. On the CPU gezel-trio holds its Q4_1 weights as
+float32, so every system gets the same float32 copy, and ``gezel-q4`` shows
+what holding float32 buys.
+
+The systems run one after another, never together. Each gets one warm-up
+request first (a 32-token reply to the short prompt below). All requests are
+greedy (``temperature: 0``), carry the same single short user message
+rendered with ``enable_thinking=False``, and ask for ``max_tokens =
+--tokens``. N concurrent streams are N identical requests released together
+(a thread per stream behind a barrier; for ``raw``, N prompts inserted in one
+``insert`` call). Every stream count is measured ``--repeats`` times and the
+median is reported.
+
+Decode tok/s is the metric of ``bench/_sse.py``, identical for all systems:
+``sum_i(n_i - 1) / (max_i last_i - min_i first_i)``, where ``first_i`` is the
+arrival of stream i's first generated token (raw: the ``next()`` that
+returned it; HTTP: its first SSE chunk with text - the role-only chunk and
+keep-alive comments don't count), ``last_i`` the arrival of its last (HTTP:
+the chunk with ``finish_reason``) and ``n_i`` the tokens it generated (HTTP:
+``usage.completion_tokens``). Prefill and time-to-first-token are excluded;
+anything that stalls decode inside the window, including the prefill of a
+stream admitted after another has started, is included. ``spread`` is
+``max_i first_i - min_i first_i``: how staggered the streams' starts were.
+
+Prefill (``--prefill-tokens N ...``, after the warm-up and before any decode
+round): for each N, one greedy request whose user message is about N tokens
+of English (``demo_data/corpus.txt``, each length from its own place in the
+text, so no length shares a cached prefix with another) and ``max_tokens:
+1``. TTFT cold is its time to the first token, prefill tok/s its prompt
+tokens over that time (raw: time to the first token of a fresh
+``BatchGenerator``); the same request again gives TTFT warm, the prompt
+cache's share (raw has no cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from bench import _servers, _sse, _worker
+from bench._report import ratio
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
+from bench._sse import Measurement, StreamTiming, aggregate
+
+PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
+SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4")
+_CORPUS = Path(__file__).resolve().parents[2] / "src/gezel_trio/demo_data/corpus.txt"
+_CHARS_PER_TOKEN = 4.4  # English BPE, measured on the corpus with SmolLM2's tokenizer
+_METRIC = "tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i"
+_RATIOS = (("gezel", "raw"), ("mlx_lm.server", "raw"), ("gezel", "mlx_lm.server"))
+
+
+def long_prompt(tokens: int, part: int = 0) -> str:
+    """About ``tokens`` tokens of English prose, from the ``part``-th place of
+    the corpus (different parts share no prefix)."""
+    corpus = _CORPUS.read_text("utf-8")
+    start = (part * len(corpus) // 7) % len(corpus)
+    text = (corpus[start:] + "\n\n" + corpus)[: int(tokens * _CHARS_PER_TOKEN)]
+    return text + "\n\nSummarize."
+
+
+def chat_body(system: str, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    if system.startswith("gezel"):
+        body["ignore_eos"] = True
+    return body
+
+
+# --- raw mlx-lm (in a child process, bench._worker) ---------------------------
+
+
+def raw_worker(
+    model_dir: str, streams: list[int], max_tokens: int, repeats: int, prefill: list[int]
+) -> Iterator[dict[str, Any]]:
+    """Measure ``BatchGenerator``: prefill rows, then one row per round."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(model_dir)
+    prompt: list[int] = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, enable_thinking=False
+    )
+    width = max(streams)
+
+    def one_round(n: int, tokens: int) -> list[StreamTiming]:
+        # Fresh generator per round, sized like gezel's (batch = max streams);
+        # stop_tokens=None: no EOS stop, every sequence runs `tokens` tokens.
+        gen = BatchGenerator(
+            model,
+            stop_tokens=None,
+            completion_batch_size=width,
+            prefill_batch_size=width,
+            prefill_step_size=512,
+        )
+        try:
+            uids = gen.insert([list(prompt)] * n, max_tokens=[tokens] * n)
+            first: dict[int, float] = {}
+            last: dict[int, float] = {}
+            count = dict.fromkeys(uids, 0)
+            done: set[int] = set()
+            while len(done) < n:
+                _, responses = gen.next()
+                now = time.perf_counter()
+                for r in responses:
+                    first.setdefault(r.uid, now)
+                    last[r.uid] = now
+                    count[r.uid] += 1
+                    if r.finish_reason is not None:
+                        done.add(r.uid)
+            return [StreamTiming(first[u], last[u], count[u]) for u in uids]
+        finally:
+            gen.close()
+
+    one_round(1, min(max_tokens, 32))  # warm-up
+    for part, n_tokens in enumerate(prefill):
+        long: list[int] = tokenizer.apply_chat_template(
+            [{"role": "user", "content": long_prompt(n_tokens, part)}],
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
+        gen = BatchGenerator(model, stop_tokens=None, prefill_step_size=512)
+        try:
+            t0 = time.perf_counter()
+            gen.insert([long], max_tokens=[1])
+            while not gen.next()[1]:
+                pass
+            ttft = time.perf_counter() - t0
+        finally:
+            gen.close()
+        yield {"prefill": {"system": "raw", "prompt_tokens": len(long), "cold_s": ttft}}
+    for n in streams:
+        for _ in range(repeats):
+            m = aggregate("raw", max_tokens, one_round(n, max_tokens))
+            yield {"round": attrs.asdict(m)}
+
+
+def run_raw(
+    model_dir: Path, streams: list[int], max_tokens: int, repeats: int, prefill: list[int]
+) -> tuple[list[Measurement], list[dict[str, Any]]]:
+    rows = _worker.run(
+        f"{__name__}:raw_worker",
+        model_dir=str(model_dir),
+        streams=streams,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        prefill=prefill,
+    )
+    rounds = [Measurement(**r["round"]) for r in rows if "round" in r]
+    pre = [{**r["prefill"], "warm_s": None} for r in rows if "prefill" in r]
+    return rounds, pre
+
+
+# --- HTTP systems ---------------------------------------------------------------
+
+
+def prefill_http(url: str, system: str, prompt: str) -> dict[str, Any]:
+    """TTFT of a long prompt not in any cache (cold), then again (warm)."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    times, tokens = [], 0
+    for _ in range(2):
+        log = _sse.stream_once(url, body)
+        if log.first is None:
+            raise RuntimeError(f"{system}: no token in the prefill stream")
+        times.append(log.ttft)
+        tokens = log.usage_int("prompt_tokens") or 0
+    return {"system": system, "prompt_tokens": tokens, "cold_s": times[0], "warm_s": times[1]}
+
+
+def http_round(url: str, system: str, n: int, max_tokens: int) -> Measurement:
+    logs = _sse.streams_together(url, chat_body(system, max_tokens), n, system)
+    return aggregate(system, max_tokens, [StreamTiming.of(log) for log in logs])
+
+
+@contextlib.contextmanager
+def _serve(
+    system: str, model_dir: Path, quantized: Path | None, width: int, workdir: Path
+) -> Iterator[str]:
+    log = workdir / f"{system}.log"
+    if system == "mlx_lm.server":
+        with _servers.mlx_server(model_dir, log, _servers.mlx_decode_flags(width)) as srv:
+            yield srv.url
+        return
+    flags = ["--max-concurrency", str(width), "--log-level", "WARNING"]
+    model = quantized if system == "gezel-q4" and quantized is not None else model_dir
+    with _servers.gezel_server(model, log, flags, label=system) as srv:
+        yield srv.url
+
+
+# --- the run ----------------------------------------------------------------------
+
+
+def median_by(results: list[Measurement], system: str, n: int) -> float | None:
+    vals = [m.tok_s for m in results if m.system == system and m.streams == n]
+    return statistics.median(vals) if vals else None
+
+
+def run(ctx: Context) -> Result:
+    a = ctx.args
+    streams: list[int] = sorted(set(a.streams))
+    prefill: list[int] = [n for n in a.prefill_tokens or () if n > 0]
+    if min(streams) < 1 or a.tokens < 2 or a.repeats < 1:
+        raise ValueError("--streams >= 1, --tokens >= 2 and --repeats >= 1 are required")
+    quantized: Path | None = None
+    if a.default_model:
+        quantized = _servers.default_model()
+        model_dir = _servers.float32_copy(quantized, quantized.parents[2] / "bench-float32")
+    else:
+        model_dir = a.model if a.model is not None else ctx.demo_model("dense")
+    systems = list(a.systems or [s for s in SYSTEMS if s != "gezel-q4" or quantized is not None])
+    if "gezel-q4" in systems and quantized is None:
+        raise ValueError("gezel-q4 needs --default-model")
+
+    width = max(streams)
+    results: list[Measurement] = []
+    pre: list[dict[str, Any]] = []
+    for system in systems:
+        with ctx.phase(system):
+            if system == "raw":
+                got, rows = run_raw(model_dir, streams, a.tokens, a.repeats, prefill)
+                results += got
+                pre += rows
+                continue
+            with _serve(system, model_dir, quantized, width, ctx.workdir) as url:
+                http_round(url, system, 1, min(a.tokens, 32))  # warm-up
+                for part, n_tokens in enumerate(prefill):
+                    pre.append(prefill_http(url, system, long_prompt(n_tokens, part)))
+                for n in streams:
+                    for _ in range(a.repeats):
+                        results.append(http_round(url, system, n, a.tokens))
+
+    data = {
+        "model": str(model_dir),
+        "prompt": PROMPT,
+        "tokens_per_stream": a.tokens,
+        "repeats": a.repeats,
+        "streams": streams,
+        "systems": systems,
+        "metric": "sum(n_i - 1) / (max_i last_i - min_i first_i)",
+        "mlx_lm_server_flags": _servers.mlx_decode_flags(width),
+        "median_tok_s": {s: {str(n): median_by(results, s, n) for n in streams} for s in systems},
+        "runs": results,
+        "prefill": pre,
+    }
+    return Result(
+        data=data,
+        tables=_tables(results, pre, streams, systems),
+        plots=_plots(results, pre, streams, systems),
+        notes=(
+            ["SHORT: some stream ended before max_tokens (EOS); its tokens are still counted."]
+            if any(m.short for m in results)
+            else []
+        ),
+        title=f"model {model_dir.name}, {a.tokens} tokens per stream, median of {a.repeats}",
+    )
+
+
+def _tables(
+    results: list[Measurement], pre: list[dict[str, Any]], streams: list[int], systems: list[str]
+) -> list[Table]:
+    rows = []
+    for system in systems:
+        for n in streams:
+            ms = [m for m in results if m.system == system and m.streams == n]
+            if ms:
+                rows.append(
+                    (
+                        system,
+                        n,
+                        statistics.median(m.tok_s for m in ms),
+                        " ".join(f"{m.tok_s:.1f}" for m in ms),
+                        statistics.median(m.spread_s for m in ms),
+                        "SHORT" if any(m.short for m in ms) else "",
+                    )
+                )
+    out = [
+        table(
+            "Decode tok/s",
+            "system | streams:d | tok/s (median):.1f | runs | spread s:.2f | ",
+            rows,
+            _METRIC,
+        )
+    ]
+    pairs = [(x, y) for x, y in _RATIOS if x in systems and y in systems]
+    if pairs:
+        out.append(
+            table(
+                "Ratios of the medians",
+                " | ".join(["streams:d", *(f"{x} / {y}:.3f" for x, y in pairs)]),
+                [
+                    (
+                        n,
+                        *(
+                            ratio(median_by(results, x, n), median_by(results, y, n))
+                            for x, y in pairs
+                        ),
+                    )
+                    for n in streams
+                ],
+            )
+        )
+    if pre:
+        out.append(
+            table(
+                "Prefill",
+                "system | prompt tok:d | TTFT cold s:.3f | prefill tok/s:.1f | TTFT warm s:.3f",
+                [
+                    (
+                        r["system"],
+                        r["prompt_tokens"],
+                        r["cold_s"],
+                        r["prompt_tokens"] / r["cold_s"],
+                        r["warm_s"],
+                    )
+                    for r in pre
+                ],
+            )
+        )
+    return out
+
+
+def _plots(
+    results: list[Measurement], pre: list[dict[str, Any]], streams: list[int], systems: list[str]
+) -> list[Plot]:
+    plots = [
+        Plot(
+            "Decode throughput vs concurrent streams",
+            "concurrent streams",
+            "decode tok/s (all streams, median)",
+            tuple(Series(s, streams, [median_by(results, s, n) for n in streams]) for s in systems),
+        )
+    ]
+    if pre:
+        series = []
+        for s in systems:
+            rows = sorted((r for r in pre if r["system"] == s), key=lambda r: r["prompt_tokens"])
+            if not rows:
+                continue
+            xs = [r["prompt_tokens"] for r in rows]
+            series.append(Series(f"{s} cold", xs, [r["cold_s"] for r in rows], group=s))
+            if any(r["warm_s"] is not None for r in rows):
+                warm = [r["warm_s"] for r in rows]
+                series.append(Series(f"{s} warm", xs, warm, "--", group=s))
+        plots.append(
+            Plot("Time to first token vs prompt length", "prompt tokens", "TTFT s", tuple(series))
+        )
+    return plots
+
+
+SCENARIO = Scenario(
+    name="decode",
+    doc=__doc__ or "",
+    run=run,
+    options=(
+        Option("streams", [1, 4], "concurrent streams to measure", int, "+", quick=[1, 2]),
+        Option("tokens", 128, "max_tokens per stream", int, quick=32),
+        Option("repeats", 3, "rounds per stream count (the median is reported)", int, quick=1),
+        Option(
+            "prefill_tokens",
+            [128, 512, 1024],
+            "prompt lengths for TTFT and prefill tok/s (0: none)",
+            int,
+            "+",
+            quick=[64, 256],
+        ),
+        Option("systems", None, "systems to run (default: all that apply)", str, "+", SYSTEMS),
+        Option("model", None, "a model directory (default: the dense demo model)", Path),
+        Option(
+            "default_model",
+            False,
+            "SmolLM2-135M-Instruct (gezel-trio's default), float32 for every system",
+            kind="flag",
+        ),
+    ),
+)
