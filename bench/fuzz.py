@@ -28,7 +28,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx2 as httpx
-from bench._common import gezel_server, write_json
 from hypothesis import HealthCheck, given, settings
 from tests.fuzzing import (
     FUZZ_SERVER_ARGS,
@@ -39,6 +38,8 @@ from tests.fuzzing import (
     requests,
     send,
 )
+
+from bench._common import gezel_server, write_json
 
 
 def _rss_kb(pid: int) -> int:

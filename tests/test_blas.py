@@ -44,7 +44,7 @@ def _python(code: str, *, preload: bool = True, warnings_as_errors: bool = False
 
 
 def test_importing_gezel_trio_first_binds_mlx_to_openblas() -> None:
-    said = _python("import gezel_trio.blas as b, mlx.core; print(b.describe())")
+    said = _python("import gezel_trio.mlx.blas as b, mlx.core; print(b.describe())")
     assert "OpenBLAS (ngsolve-openblas, preloaded, 1 thread)" in said
     assert "cblas_sgemm from libopenblas" in said
 
@@ -57,7 +57,7 @@ def test_the_preload_makes_mlx_matmuls_many_times_faster() -> None:
 
 
 def test_the_environment_switch_turns_the_preload_off() -> None:
-    said = _python("import gezel_trio.blas as b; print(b.describe())", preload=False)
+    said = _python("import gezel_trio.mlx.blas as b; print(b.describe())", preload=False)
     assert "preload off: GEZEL_TRIO_PRELOAD_BLAS=0" in said
     assert "libopenblas" not in said
 

@@ -25,7 +25,7 @@ import pytest
 import trio
 
 from gezel_trio import Engine
-from gezel_trio.cache_plan import SNAPSHOT_MARGIN
+from gezel_trio.core.cache_plan import SNAPSHOT_MARGIN
 from tests.test_http_inprocess import raw_stream, served
 
 pytestmark = pytest.mark.slow

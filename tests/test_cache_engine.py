@@ -30,8 +30,8 @@ from gezel_trio import (
     Usage,
     open_engine,
 )
-from gezel_trio.cache_plan import SNAPSHOT_MARGIN, common_prefix
-from gezel_trio.request import CacheRequest
+from gezel_trio.core.cache_plan import SNAPSHOT_MARGIN, common_prefix
+from gezel_trio.core.request import CacheRequest
 
 HANG = 120
 TOOLS: list[dict[str, Any]] = [

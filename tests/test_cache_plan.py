@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gezel_trio.cache_plan import (
+from gezel_trio.core.cache_plan import (
     common_prefix,
     snapshot_cut,
     snapshot_is_sound,

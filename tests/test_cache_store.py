@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gezel_trio.cache_store import CacheStore, Entry, Seed
+from gezel_trio.core.cache_store import CacheStore, Entry, Seed
 
 B = 4  # a small block, so short token lists cross several blocks
 

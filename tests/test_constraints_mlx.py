@@ -36,9 +36,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
-from gezel_trio.errors import InvalidRequest
-from gezel_trio.grammar import Constraint, build_constraint
-from gezel_trio.mlx_constraints import GrammarProcessor, GrammarTokenizer, make_grammar_processor
+from gezel_trio.core.errors import InvalidRequest
+from gezel_trio.mlx.constraints import GrammarProcessor, GrammarTokenizer, make_grammar_processor
+from gezel_trio.shaping.grammar import Constraint, build_constraint
 
 pytestmark = pytest.mark.slow
 
@@ -339,7 +339,7 @@ def test_mid_stream_matcher_failure_forces_eos(
     schema = {"type": "string", "pattern": "^(.{0,100}){0,100}$"}
     c = constraint(response_format={"type": "json_schema", "json_schema": {"schema": schema}})
     proc = lm.processor(c)
-    with caplog.at_level(logging.WARNING, logger="gezel_trio.mlx_constraints"):
+    with caplog.at_level(logging.WARNING, logger="gezel_trio.mlx.constraints"):
         [(tokens, finish)] = generate(lm.model, [lm.prompt], [[proc]], temp=1.0, seed=0)
     assert finish == "stop"
     assert tokens[-1] in EOS
@@ -402,7 +402,7 @@ def test_rejected_token_forces_eos_without_raising(
     context = [*dense.prompt]
     proc(mx.array(context), logits)
     context.append(dense.tokenizer.encode(" hello")[-1])  # not "{": the mask forbade it
-    with caplog.at_level(logging.WARNING, logger="gezel_trio.mlx_constraints"):
+    with caplog.at_level(logging.WARNING, logger="gezel_trio.mlx.constraints"):
         out = proc(mx.array(context), logits)
     assert proc.error is not None
     assert proc.finished

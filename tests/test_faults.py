@@ -33,7 +33,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from gezel_trio.persist import DiskCache
+from gezel_trio.host.persist import DiskCache
 
 PIECE = 64 * 1024
 PIECES = 16
@@ -75,7 +75,7 @@ def _writer(root: str, trial: int, progress: Connection) -> None:
 
 def test_sigkill_during_persist_writes_never_leaves_a_torn_entry(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gezel_trio.persist", "tests.test_faults"])
+    ctx.set_forkserver_preload(["gezel_trio.host.persist", "tests.test_faults"])
     rng = random.Random(9)
     loaded = torn = mid_write = 0
     for trial in range(TRIALS):

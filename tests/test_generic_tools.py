@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gezel_trio.prompt import generic_tool_messages
+from gezel_trio.shaping.prompt import generic_tool_messages
 
 TOOL = {
     "type": "function",

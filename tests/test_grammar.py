@@ -18,8 +18,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
-from gezel_trio.errors import InvalidRequest
-from gezel_trio.grammar import (
+from gezel_trio.core.errors import InvalidRequest
+from gezel_trio.shaping.grammar import (
     MAX_SCHEMA_BYTES,
     MAX_SCHEMA_DEPTH,
     Constraint,

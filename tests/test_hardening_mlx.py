@@ -25,9 +25,9 @@ from gezel_trio import (
     SamplingParams,
     open_engine,
 )
-from gezel_trio.backend import Backend
-from gezel_trio.mlx_backend import MlxBackend
-from gezel_trio.request import GenerationRequest as Request
+from gezel_trio.core.request import GenerationRequest as Request
+from gezel_trio.host.backend import Backend
+from gezel_trio.mlx.backend import MlxBackend
 
 HANG = 60
 MARK = 7  # requests with this min_tokens get the raising processor

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gezel_trio.errors import ModelLoadError
-from gezel_trio.model_source import cache_root, resolve_model
+from gezel_trio.core.errors import ModelLoadError
+from gezel_trio.mlx.model_source import cache_root, resolve_model
 
 
 def test_the_cache_follows_xdg_unless_gezel_trio_home_says(

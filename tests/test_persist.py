@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gezel_trio.persist import FORMAT_VERSION, DiskCache, safe_fingerprint
+from gezel_trio.host.persist import FORMAT_VERSION, DiskCache, safe_fingerprint
 from tests.test_prompt_cache import FakeOps, FakeState
 
 TOKENS = tuple(range(50))
@@ -143,7 +143,7 @@ KILL_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from gezel_trio.persist import DiskCache
+    from gezel_trio.host.persist import DiskCache
 
     class SlowCodec:
         def dump_state(self, state, metadata, path):

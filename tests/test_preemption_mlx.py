@@ -18,7 +18,7 @@ from gezel_trio import (
     SamplingParams,
     open_engine,
 )
-from gezel_trio.events import Parked, Resumed
+from gezel_trio.core.events import Parked, Resumed
 
 HANG = 120
 

@@ -18,10 +18,10 @@ from typing import Any
 import attrs
 import pytest
 
-from gezel_trio.backend import Captured
-from gezel_trio.persist import DiskCache
-from gezel_trio.prompt_cache import PromptCache
-from gezel_trio.request import CacheRequest, GenerationRequest
+from gezel_trio.core.request import CacheRequest, GenerationRequest
+from gezel_trio.host.backend import Captured
+from gezel_trio.host.persist import DiskCache
+from gezel_trio.host.prompt_cache import PromptCache
 
 
 @attrs.frozen

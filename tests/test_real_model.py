@@ -23,7 +23,7 @@ import jinja2
 import jsonschema
 import pytest
 
-from gezel_trio.prompt import ChatTemplateRenderer
+from gezel_trio.shaping.prompt import ChatTemplateRenderer
 
 from .test_server import Server, start_server, stop_server
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gezel_trio.reasoning import (
+from gezel_trio.shaping.reasoning import (
     Content,
     Reasoning,
     ReasoningEvent,

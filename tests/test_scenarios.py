@@ -29,8 +29,8 @@ from gezel_trio import (
     GenerationRequest,
     SamplingParams,
 )
-from gezel_trio.cache_plan import SNAPSHOT_MARGIN
-from gezel_trio.request import CacheRequest
+from gezel_trio.core.cache_plan import SNAPSHOT_MARGIN
+from gezel_trio.core.request import CacheRequest
 from gezel_trio.testing import Point, ScriptedBackend, TestEngine, open_test_engine
 
 RUNS = int(os.environ.get("GEZEL_SCENARIO_RUNS", "200"))

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gezel_trio.errors import QueueFull
-from gezel_trio.scheduler import Plan, Scheduler
+from gezel_trio.core.errors import QueueFull
+from gezel_trio.core.scheduler import Plan, Scheduler
 
 
 def test_admits_up_to_max_running_in_arrival_order() -> None:

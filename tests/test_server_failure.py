@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = """
 import sys
-from gezel_trio.config import EngineConfig
+from gezel_trio.core.config import EngineConfig
 from gezel_trio.server import ServerConfig, main_serve
 from gezel_trio.testing import ScriptedBackend
 
@@ -99,7 +99,7 @@ sys.stdin.read()  # until killed
 POLLED_CHILD = """
 import os, sys
 from pathlib import Path
-from gezel_trio.config import EngineConfig
+from gezel_trio.core.config import EngineConfig
 from gezel_trio.server import ServerConfig, main_serve
 config = ServerConfig(engine=EngineConfig(model=Path(sys.argv[1])), port=0,
                       watch_parent=os.getppid())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gezel_trio.text import TextFilter
+from gezel_trio.shaping.text import TextFilter
 
 MARKERS = ("<|im_end|>", "<|endoftext|>")
 

@@ -59,10 +59,10 @@ def measure(
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from gezel_trio.cache_store import BLOCK_TOKENS, CacheStore
-    from gezel_trio.config import EngineConfig
-    from gezel_trio.demo_model import ensure_demo_model
-    from gezel_trio.mlx_backend import MlxBackend
+    from gezel_trio.core.cache_store import BLOCK_TOKENS, CacheStore
+    from gezel_trio.core.config import EngineConfig
+    from gezel_trio.mlx.backend import MlxBackend
+    from gezel_trio.mlx.demo_model import ensure_demo_model
 
     def join(backend: Any, blocks: list[Any], n: int, rest: Any) -> None:
         seed = backend.join_state(blocks, n, rest)

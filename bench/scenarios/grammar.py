@@ -191,9 +191,9 @@ def mask_worker(
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.utils import load
 
-    from gezel_trio.grammar import build_constraint
-    from gezel_trio.mlx_constraints import GrammarProcessor, GrammarTokenizer
-    from gezel_trio.mlx_constraints import make_grammar_processor as make_processor
+    from gezel_trio.mlx.constraints import GrammarProcessor, GrammarTokenizer
+    from gezel_trio.mlx.constraints import make_grammar_processor as make_processor
+    from gezel_trio.shaping.grammar import build_constraint
 
     class Timed:
         """Times a GrammarProcessor call, the wait for the previous token apart."""

@@ -16,15 +16,12 @@ Importing the package binds MLX to OpenBLAS on Linux (see ``gezel_trio.blas``),
 so import it before anything imports ``mlx``.
 """
 
-from . import blas
+from .mlx import blas
 
 blas.preload()  # before any of our modules (or yours) imports mlx
 
-from .backend import ModelInfo
-from .chat import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, ChatRequest, PreparedChat
-from .config import EngineConfig
-from .engine import Engine, EngineState, RequestHandle, open_engine, run_engine
-from .errors import (
+from .core.config import EngineConfig
+from .core.errors import (
     EngineClosed,
     EngineFailure,
     GezelError,
@@ -34,7 +31,7 @@ from .errors import (
     RequestFailed,
     SlowConsumer,
 )
-from .events import (
+from .core.events import (
     Delta,
     Event,
     Failed,
@@ -46,7 +43,21 @@ from .events import (
     TokenLogprob,
     Usage,
 )
-from .request import CacheRequest, GenerationRequest, Priority, SamplingParams
+from .core.model import ModelInfo
+from .core.request import CacheRequest, GenerationRequest, Priority, SamplingParams
+from .engine import (
+    ChatEvent,
+    ChatFinished,
+    ChatHandle,
+    ChatLogprobs,
+    ChatRequest,
+    Engine,
+    EngineState,
+    PreparedChat,
+    RequestHandle,
+    open_engine,
+    run_engine,
+)
 from .shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 
 __all__ = [

@@ -7,10 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import EngineConfig
-from .errors import ModelLoadError
+from .core.config import EngineConfig
+from .core.errors import ModelLoadError
 from .http.app import HttpSettings
-from .model_source import resolve_model
+from .mlx.model_source import resolve_model
 
 __all__ = ["main"]
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo-model":
         # No Trio loop here: the builder runs on this, the only, thread.
-        from .demo_model import ensure_demo_model
+        from .mlx.demo_model import ensure_demo_model
 
         print(ensure_demo_model(args.kind, args.size))
         return 0

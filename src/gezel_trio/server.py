@@ -36,10 +36,10 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from .backend import Backend
-from .config import EngineConfig
+from .core.config import EngineConfig
+from .core.errors import EngineFailure, GezelError
 from .engine import Engine, run_engine
-from .errors import EngineFailure, GezelError
+from .host.backend import Backend
 from .http.app import HttpSettings, create_app
 
 __all__ = ["ServerConfig", "serve"]

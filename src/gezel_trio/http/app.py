@@ -20,8 +20,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from ..core.errors import GezelError
 from ..engine import Engine
-from ..errors import GezelError
 from .cache_api import add_cache_routes
 from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
 from .openai_chat import add_chat_routes

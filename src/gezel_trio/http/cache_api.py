@@ -13,13 +13,12 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
-from ..cache_plan import common_prefix
-from ..chat import roster_fingerprint
-from ..engine import Engine
-from ..errors import InvalidRequest
-from ..events import Failed, Finished
-from ..host_thread import CacheEvict, CacheFlush, CacheInspect
-from ..request import CacheRequest, GenerationRequest, SamplingParams
+from ..core.cache_plan import common_prefix
+from ..core.errors import InvalidRequest
+from ..core.events import Failed, Finished
+from ..core.request import CacheRequest, GenerationRequest, SamplingParams
+from ..engine import Engine, roster_fingerprint
+from ..host.loop import CacheEvict, CacheFlush, CacheInspect
 from .edge import NotFound, json_body
 from .wire import WarmRequest, check_cache_id, parse_warm_request, tool_dicts
 

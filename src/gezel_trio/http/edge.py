@@ -8,7 +8,7 @@ from typing import Any
 import trio
 from quart import Response, request
 
-from ..errors import EngineClosed, GezelError, InvalidRequest, QueueFull
+from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
 from .sse import error_body
 
 __all__ = [

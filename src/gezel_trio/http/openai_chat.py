@@ -18,11 +18,10 @@ import attrs
 from quart import Response
 from quart_trio import QuartTrio
 
-from ..chat import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, ChatRequest
-from ..engine import Engine
-from ..errors import GezelError, InvalidRequest
-from ..events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
-from ..request import SamplingParams
+from ..core.errors import GezelError, InvalidRequest
+from ..core.events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
+from ..core.request import SamplingParams
+from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, ChatRequest, Engine
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta
 from .edge import json_body
 from .sse import (

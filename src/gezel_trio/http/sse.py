@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 from quart import Response
 
-from ..chat import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, PreparedChat
-from ..errors import GezelError
-from ..events import Failed, TokenLogprob, Usage
+from ..core.errors import GezelError
+from ..core.events import Failed, TokenLogprob, Usage
+from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, PreparedChat
 
 if TYPE_CHECKING:
     from ..engine import Engine

@@ -38,7 +38,7 @@ from cattrs.gen import make_dict_structure_fn
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import InvalidRequest
+from ..core.errors import InvalidRequest
 
 __all__ = [
     "MAX_DEPTH",

@@ -16,8 +16,8 @@ from typing import Any
 
 import attrs
 
-from ..backend import ModelInfo
-from ..reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
+from ..core.model import ModelInfo
+from .reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
 from .toolcalls import (
     GENERIC,
     HERMES,

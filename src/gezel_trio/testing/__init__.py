@@ -24,9 +24,9 @@ from pathlib import Path
 
 import attrs
 
-from ..config import EngineConfig
+from ..core.config import EngineConfig
 from ..engine import Engine, open_engine
-from ..host_thread import Point
+from ..host.loop import Point
 from ._breakpoints import Breakpoint, Breakpoints
 from ._scripted import EOS, ScriptedBackend, ScriptedState, StepFailure
 

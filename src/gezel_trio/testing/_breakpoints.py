@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from ..host_thread import Point
+from ..host.loop import Point
 
 __all__ = ["Breakpoint", "Breakpoints"]
 

@@ -21,18 +21,11 @@ from typing import Any
 
 import attrs
 
-from ..backend import (
-    Admission,
-    Captured,
-    Detokenizer,
-    ModelInfo,
-    PrefillOut,
-    StepOutput,
-    TokenOut,
-)
-from ..errors import InvalidRequest
-from ..prompt import RenderedPrompt
-from ..request import GenerationRequest, Priority
+from ..core.errors import InvalidRequest
+from ..core.model import ModelInfo
+from ..core.request import GenerationRequest, Priority
+from ..host.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
+from ..shaping.prompt import RenderedPrompt
 
 __all__ = ["EOS", "ScriptedBackend", "ScriptedState", "StepFailure"]
 

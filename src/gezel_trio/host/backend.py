@@ -14,8 +14,9 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from .prompt import RenderedPrompt
-from .request import GenerationRequest, Priority
+from ..core.model import ModelInfo
+from ..core.request import GenerationRequest, Priority
+from ..shaping.prompt import RenderedPrompt
 
 __all__ = [
     "Admission",
@@ -23,7 +24,6 @@ __all__ = [
     "Captured",
     "ConstraintCompiler",
     "Detokenizer",
-    "ModelInfo",
     "PrefillOut",
     "PromptRenderer",
     "StepOutput",
@@ -53,29 +53,6 @@ class PromptRenderer(Protocol):
         template_override: str | None,
         band_chars: int | None = None,
     ) -> RenderedPrompt: ...
-
-
-@attrs.frozen
-class ModelInfo:
-    model_id: str
-    context_length: int
-    eos_ids: frozenset[int]
-    framing_markers: tuple[str, ...]
-    # False when some cache layer may be unable to rewind (linear attention,
-    # sliding windows): the engine then plants prompt snapshots.
-    trimmable: bool
-    # Identifies the model for on-disk cache files (persist.fingerprint_model_dir).
-    fingerprint: str = ""
-    # Whether sequences may join a batch that is already decoding.
-    continuous_batching: bool = True
-    # ``(<think>, </think>)`` token ids and texts when the model thinks in such blocks.
-    think_ids: tuple[int, int] | None = None
-    think_markers: tuple[str, str] | None = None
-    # The tool-call markup family of the chat template (``shaping.toolcalls.resolve_format``).
-    tool_format: str | None = None
-    # Width of the model's logits: every token id a request names (logit_bias)
-    # must be below it. 0: unknown (no such check).
-    vocab_size: int = 0
 
 
 @attrs.frozen

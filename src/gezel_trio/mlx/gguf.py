@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
-from .errors import ModelLoadError
+from ..core.errors import ModelLoadError
 
 if TYPE_CHECKING:
     import gguf

@@ -31,9 +31,9 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.utils import load
 
+from ..core.config import EngineConfig
+from ..core.errors import ModelLoadError
 from . import blas
-from .config import EngineConfig
-from .errors import ModelLoadError
 from .model_source import resolve_model
 
 __all__ = ["LoadedModel", "hold_float32", "load_model"]

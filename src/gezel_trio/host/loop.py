@@ -30,22 +30,24 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from .backend import (
-    Backend,
-    Captured,
-    ConstraintCompiler,
-    Detokenizer,
-    ModelInfo,
-    PromptRenderer,
-    TokenOut,
+from ..core.config import EngineConfig
+from ..core.errors import EngineFailure, GezelError, RequestFailed
+from ..core.events import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    Progress,
+    TokenLogprob,
+    Usage,
 )
-from .config import EngineConfig
-from .errors import EngineFailure, GezelError, RequestFailed
-from .events import Delta, Event, Failed, Finished, FinishReason, Progress, TokenLogprob, Usage
+from ..core.model import ModelInfo
+from ..core.request import GenerationRequest, Priority
+from ..shaping.text import TextFilter
+from .backend import Backend, Captured, ConstraintCompiler, Detokenizer, PromptRenderer, TokenOut
 from .persist import DiskCache
 from .prompt_cache import CacheSnapshot, PromptCache
-from .request import GenerationRequest, Priority
-from .text import TextFilter
 
 __all__ = [
     "CacheEvict",

@@ -31,10 +31,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .backend import Backend, ConstraintCompiler, ModelInfo, PromptRenderer
-from .chat import ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
-from .config import EngineConfig
-from .errors import (
+from ..core.config import EngineConfig
+from ..core.errors import (
     EngineClosed,
     EngineFailure,
     GezelError,
@@ -43,8 +41,12 @@ from .errors import (
     RequestFailed,
     SlowConsumer,
 )
-from .events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed
-from .host_thread import (
+from ..core.events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed
+from ..core.model import ModelInfo
+from ..core.request import CacheRequest, GenerationRequest
+from ..core.scheduler import Scheduler
+from ..host.backend import Backend, ConstraintCompiler, PromptRenderer
+from ..host.loop import (
     CommandFailed,
     HostCommand,
     Observer,
@@ -53,15 +55,14 @@ from .host_thread import (
     run_host,
     run_host_inline,
 )
-from .metrics import EngineMetrics, Snapshot
-from .prompt import RenderedPrompt
-from .prompt_cache import CacheSnapshot, CacheTotals, CacheView
-from .request import CacheRequest, GenerationRequest
-from .scheduler import Scheduler
-from .shaping.shaper import Shaper
+from ..host.prompt_cache import CacheSnapshot, CacheTotals, CacheView
+from ..shaping.prompt import RenderedPrompt
+from ..shaping.shaper import Shaper
+from ._chat import ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
+from ._metrics import EngineMetrics, Snapshot
 
 if TYPE_CHECKING:
-    from .grammar import Constraint
+    from ..shaping.grammar import Constraint
 
 __all__ = ["Engine", "EngineState", "Health", "RequestHandle", "open_engine", "run_engine"]
 
@@ -823,7 +824,7 @@ class Engine:
 
 def _default_backend(config: EngineConfig) -> Backend:
     # Imported here: the MLX backend is only ever built on the host thread.
-    from .mlx_backend import MlxBackend
+    from ..mlx.backend import MlxBackend
 
     return MlxBackend(config)
 

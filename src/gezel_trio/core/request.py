@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal
 import attrs
 
 if TYPE_CHECKING:
-    from .grammar import Constraint
+    from ..shaping.grammar import Constraint
 
 __all__ = ["CacheRequest", "GenerationRequest", "Priority", "SamplingParams"]
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from .events import (
+from ..core.events import (
     Delta,
     Failed,
     Finished,
@@ -47,8 +47,8 @@ from .events import (
     TokenLogprob,
     Usage,
 )
-from .request import GenerationRequest, Priority, SamplingParams
-from .shaping.shaper import (
+from ..core.request import GenerationRequest, Priority, SamplingParams
+from ..shaping.shaper import (
     ReasoningDelta,
     Shaper,
     TextDelta,
@@ -57,7 +57,7 @@ from .shaping.shaper import (
 )
 
 if TYPE_CHECKING:
-    from .engine import RequestHandle
+    from ._engine import RequestHandle
 
 __all__ = [
     "ChatEvent",

@@ -39,11 +39,11 @@ from typing import Any, Protocol
 
 import attrs
 
+from ..core.cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
+from ..core.cache_store import CacheStore, Entry, EntryKind, Seed
+from ..core.request import CacheRequest, GenerationRequest
 from .backend import Admission, Captured
-from .cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
-from .cache_store import CacheStore, Entry, EntryKind, Seed
 from .persist import DiskCache, DiskEntry
-from .request import CacheRequest, GenerationRequest
 
 __all__ = ["CacheOps", "CacheSnapshot", "CacheTotals", "CacheView", "PromptCache", "SeedInfo"]
 

@@ -67,7 +67,7 @@ from typing import Any, Final, Literal
 import attrs
 import llguidance
 
-from .errors import InvalidRequest
+from ..core.errors import InvalidRequest
 
 __all__ = [
     "MAX_GRAMMAR_BYTES",

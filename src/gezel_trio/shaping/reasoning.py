@@ -33,8 +33,8 @@ import attrs
 
 # One Content class for both splitters, so a pipeline of the two matches one
 # type; the marker search is the same held-back search the tool splitter uses.
-from .shaping._markers import MarkerSeeker
-from .shaping.toolcalls import Content
+from ._markers import MarkerSeeker
+from .toolcalls import Content
 
 __all__ = [
     "Content",

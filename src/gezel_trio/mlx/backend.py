@@ -37,27 +37,20 @@ from mlx_lm.sample_utils import (
     make_repetition_penalty,
 )
 
-from .backend import (
-    Admission,
-    Captured,
-    Detokenizer,
-    ModelInfo,
-    PrefillOut,
-    StepOutput,
-    TokenOut,
-)
-from .config import EngineConfig
-from .errors import InvalidRequest
-from .grammar import Constraint, ToolFormatName, build_constraint
-from .mlx_constraints import GrammarTokenizer, make_grammar_processor
-from .mlx_loading import load_model
+from ..core.config import EngineConfig
+from ..core.errors import InvalidRequest
+from ..core.model import ModelInfo
+from ..core.request import GenerationRequest, Priority, SamplingParams
+from ..host.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
+from ..host.persist import fingerprint_model_dir
+from ..shaping.grammar import Constraint, ToolFormatName, build_constraint
+from ..shaping.prompt import ChatTemplateRenderer
+from ..shaping.reasoning import prompt_opens_thinking_tokens
+from ..shaping.text import COMMON_FRAMING_MARKERS
+from ..shaping.toolcalls import GENERIC, resolve_format
+from .constraints import GrammarTokenizer, make_grammar_processor
+from .loading import load_model
 from .model_source import resolve_model
-from .persist import fingerprint_model_dir
-from .prompt import ChatTemplateRenderer
-from .reasoning import prompt_opens_thinking_tokens
-from .request import GenerationRequest, Priority, SamplingParams
-from .shaping.toolcalls import GENERIC, resolve_format
-from .text import COMMON_FRAMING_MARKERS
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
 

@@ -42,7 +42,7 @@ from typing import Final
 
 import attrs
 
-from .errors import ModelLoadError
+from ..core.errors import ModelLoadError
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -164,7 +164,7 @@ def _converted_dir(root: Path, sha256: str, stem: str) -> Path:
     """Where the conversion of the file with this hash lives: the one already
     made, whatever the file was called then, or a new one named after it
     (the directory's name is the model id that /v1/models reports)."""
-    from .gguf_convert import CONVERTER_VERSION
+    from .gguf import CONVERTER_VERSION
 
     by_hash = root / "gguf" / f"{sha256[:16]}-{CONVERTER_VERSION}"
     with contextlib.suppress(OSError):
@@ -209,7 +209,7 @@ def ensure_gguf_converted(
     sha256: str | None = None,
 ) -> Path:
     """The converted directory for GGUF file ``src``, converting it on first use."""
-    from .gguf_convert import convert_gguf
+    from .gguf import convert_gguf
 
     root = root if root is not None else cache_root()
     digest = sha256 or _file_sha256(src, root)

@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from .cache_plan import common_prefix
-from .errors import InvalidRequest
+from ..core.cache_plan import common_prefix
+from ..core.errors import InvalidRequest
 
 log = logging.getLogger("gezel_trio.prompt")
 

@@ -56,8 +56,8 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
-from .errors import InvalidRequest
-from .grammar import Constraint, parser_limits
+from ..core.errors import InvalidRequest
+from ..shaping.grammar import Constraint, parser_limits
 
 __all__ = ["GrammarProcessor", "GrammarTokenizer", "make_grammar_processor"]
 
