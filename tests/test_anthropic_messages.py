@@ -552,6 +552,7 @@ def test_errors_are_anthropic_errors(dense: Server) -> None:
             "no vision model",
         ),
         ({"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "prefill"),
+        ({"messages": [{"role": "system", "content": ""}]}, "no user turn"),
         (
             {"messages": HELLO, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS},
             "nope",

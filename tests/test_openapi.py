@@ -55,12 +55,20 @@ def test_the_document_covers_every_route_and_field(server: Server) -> None:
         "/v1/cache/{cache_id}",
         "/v1/cache/warm",
         "/admin/flush",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     }
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     for field in ("cache_id", "priority", "tool_grammar", "prompt_cache_key", "metadata"):
         assert field in chat["properties"]
     assert "gezel" in chat["properties"]["cache_id"]["description"]
     assert chat["additionalProperties"] is False
+    messages = doc["components"]["schemas"]["MessagesRequest"]
+    for field in ("system", "thinking", "tool_choice", "stop_sequences", "cache_control"):
+        assert field in messages["properties"]
+    assert messages["required"] == ["messages", "max_tokens"]
+    error = doc["paths"]["/v1/messages"]["post"]["responses"]["400"]
+    assert error["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicError")
     for schema in doc["components"]["schemas"].values():
         Draft202012Validator.check_schema(schema)
 

@@ -227,6 +227,8 @@ def chat_messages(
         turn = _user(blocks, where) if m.role == "user" else [_assistant(blocks, where)]
         for message in turn:
             _merge(out, message)
+    if not out:
+        raise InvalidRequest("messages holds no user turn, only system text", param="messages")
     system_text = _JOIN.join(t for t in head if t)
     if system_text:
         out.insert(0, {"role": "system", "content": system_text})
