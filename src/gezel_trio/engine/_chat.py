@@ -215,7 +215,11 @@ class ChatHandle:
                 case Finished(reason=reason, usage=usage):
                     self.usage = usage
                     self._pending.extend(self._shaper.finish())
-                    final: ChatFinishReason = "tool_calls" if self._shaper.calls else reason
+                    final: ChatFinishReason = (
+                        "tool_calls"
+                        if self._shaper.finish_reason(reason) == "tool_calls"
+                        else reason
+                    )
                     self._pending.append(ChatFinished(final, usage, self._shaper.message()))
                     self._done = True
                 case Failed():
