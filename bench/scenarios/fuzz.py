@@ -38,8 +38,6 @@ from bench import _servers
 from bench._report import percentile
 from bench._scenario import Context, Option, Plot, Result, Scenario, Series, table
 
-# Latency histogram bins for the plot: upper edges in ms, powers of two.
-_BIN_EDGES_MS = [2.0**k for k in range(-3, 17)]
 _ROUTES = ("chat", "alias", "warm", "delete", "flush", "get", "odd")
 
 
@@ -66,13 +64,18 @@ def route_of(method: str, path: str) -> str:
     return "odd"
 
 
-def histogram(ms: list[float]) -> list[float]:
-    """The share (%) of ``ms`` in each bin of ``_BIN_EDGES_MS`` (the last takes the rest)."""
-    counts = [0] * len(_BIN_EDGES_MS)
-    for v in ms:
-        k = 0 if v <= 0 else max(0, min(len(counts) - 1, math.ceil(math.log2(v)) + 3))
-        counts[k] += 1
-    return [100 * c / len(ms) for c in counts] if ms else [0.0] * len(counts)
+def cumulative(ms: list[float], edges: list[float]) -> list[float]:
+    """The share (%) of ``ms`` at or below each edge."""
+    return [100 * sum(v <= e for v in ms) / len(ms) for e in edges] if ms else []
+
+
+def edges_for(ms: list[float]) -> list[float]:
+    """Powers of two (ms) from just below the fastest request to just above the slowest."""
+    if not ms:
+        return []
+    lo = math.floor(math.log2(max(min(ms), 0.01)))
+    hi = math.ceil(math.log2(max(max(ms), 0.01)))
+    return [2.0**k for k in range(lo, max(hi, lo + 1) + 1)]
 
 
 def run(ctx: Context) -> Result:
@@ -273,6 +276,7 @@ def _result(
     notes += [f"violation: {v[:300]}" for v in violations[:10]]
     notes += [f"healthy mismatch: {m[:200]!r}" for m in mismatches[:5]]
     codes = sorted(statuses)
+    edges = edges_for(every_ms)
     rss_mib_curve = [s["rss_kb"] / 1024 for s in rss]
     plots = [
         Plot(
@@ -285,10 +289,10 @@ def _result(
         ),
         Plot(
             "Request latency distribution, by route",
-            "latency ms (bin upper edge)",
-            "% of the route's requests",
+            "latency ms",
+            "% of the route's requests at or below",
             tuple(
-                Series(r, _BIN_EDGES_MS, histogram(latency_ms[r])) for r in _ROUTES if latency_ms[r]
+                Series(r, edges, cumulative(latency_ms[r], edges)) for r in _ROUTES if latency_ms[r]
             ),
             logx=True,
         ),
