@@ -369,31 +369,6 @@ def _result(
     minutes = [s["seconds"] / 60 for s in samples]
     plots = [
         Plot(
-            "Server resident memory",
-            "minutes",
-            "RSS MiB",
-            (Series("gezel-trio", minutes, [s["rss_kb"] / 1024 for s in samples]),),
-        ),
-        Plot(
-            "Requests completed (cumulative)",
-            "minutes",
-            "requests",
-            tuple(
-                Series(k, minutes, [s["requests"].get(k, 0) for s in samples])
-                for k in KINDS
-                if soak.counts[k]
-            ),
-        ),
-        Plot(
-            "Sequences and channels in the server (/health)",
-            "minutes",
-            "count",
-            tuple(
-                Series(key, minutes, [s.get(key) for s in samples])
-                for key in ("running", "queued", "live")
-            ),
-        ),
-        Plot(
             "Request outcomes by kind",
             "",
             "requests",
@@ -402,6 +377,36 @@ def _result(
                 Series("failed", list(KINDS), [soak.failed[k] for k in KINDS]),
             ),
             kind="bar",
+        ),
+        Plot(
+            "Requests completed (cumulative; dashed: failed)",
+            "minutes",
+            "requests",
+            tuple(
+                Series(k, minutes, [s["requests"].get(k, 0) for s in samples], group=k)
+                for k in KINDS
+                if soak.counts[k]
+            )
+            + tuple(
+                Series(f"{k} failed", minutes, [s["failed"].get(k, 0) for s in samples], "--", k)
+                for k in KINDS
+                if soak.failed[k]
+            ),
+        ),
+        Plot(
+            "Server resident memory",
+            "minutes",
+            "RSS MiB",
+            (Series("gezel-trio", minutes, [s["rss_kb"] / 1024 for s in samples]),),
+        ),
+        Plot(
+            "Sequences and channels in the server (/health)",
+            "minutes",
+            "count",
+            tuple(
+                Series(key, minutes, [s.get(key) for s in samples], style)
+                for key, style in (("live", "-"), ("running", "--"), ("queued", ":"))
+            ),
         ),
     ]
     title = f"{a.clients} clients for {a.minutes:g} min on {model_dir.name}"
