@@ -139,6 +139,25 @@ def test_a_claude_code_conversation_maps_onto_template_roles() -> None:
                     ],
                 },
                 {"role": "system", "content": [{"type": "text", "text": "Answer now."}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "document",
+                            "source": {"type": "text", "media_type": "text/plain", "data": "Rain."},
+                            "title": "Forecast",
+                            "citations": {"enabled": True},
+                        },
+                        {
+                            "type": "document",
+                            "source": {
+                                "type": "content",
+                                "content": [{"type": "text", "text": "Sun."}],
+                            },
+                            "context": "Yesterday",
+                        },
+                    ],
+                },
                 {"role": "user", "content": "Thanks."},
                 {"role": "user", "content": "Go on."},
             ],
@@ -177,8 +196,9 @@ def test_a_claude_code_conversation_maps_onto_template_roles() -> None:
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: timeout"},
         # A system message after the first turn stays where it was sent.
         {"role": "system", "content": "Answer now."},
-        # Consecutive user turns are one turn, as Anthropic combines them.
-        {"role": "user", "content": "Thanks.\n\nGo on."},
+        # Consecutive user turns are one turn, as Anthropic combines them;
+        # text documents are paragraphs of theirs.
+        {"role": "user", "content": "Forecast\n\nRain.\n\nYesterday\n\nSun.\n\nThanks.\n\nGo on."},
     ]
     assert chat.tools == [
         {
@@ -536,7 +556,44 @@ def test_errors_are_anthropic_errors(dense: Server) -> None:
         ({"messages": HELLO, "frobnicate": 1}, "frobnicate"),
         (
             {"messages": HELLO, "tools": [{"type": "web_search_20250305", "name": "s"}]},
-            "server tool",
+            "'web_search_20250305', an Anthropic-defined tool",
+        ),
+        (
+            {"messages": HELLO, "tools": [{"type": "bash_20250124", "name": "bash"}]},
+            "bash_20250124",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "document",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "application/pdf",
+                                    "data": "JVBERi0=",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "content[0].source.type: PDF documents are not supported",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "web_search_tool_result", "tool_use_id": "s", "content": []}
+                        ],
+                    }
+                ]
+            },
+            "web_search_tool_result",
         ),
         (
             {
@@ -549,7 +606,7 @@ def test_errors_are_anthropic_errors(dense: Server) -> None:
                     }
                 ]
             },
-            "no vision model",
+            "content[0]: image blocks are not supported",
         ),
         ({"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "prefill"),
         ({"messages": [{"role": "system", "content": ""}]}, "no user turn"),
@@ -563,7 +620,7 @@ def test_errors_are_anthropic_errors(dense: Server) -> None:
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
-            "document",
+            "source",
         ),
     ]
     for body, named in cases:

@@ -35,10 +35,13 @@ from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatRequest, Engine
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from .anthropic_wire import (
     Block,
+    ContentBlockSourceParam,
     CountTokensRequest,
+    DocumentBlockParam,
     ImageBlockParam,
     MessageParam,
     MessagesRequest,
+    PlainTextSourceParam,
     RedactedThinkingBlockParam,
     TextBlockParam,
     ThinkingBlockParam,
@@ -69,7 +72,7 @@ __all__ = [
 MESSAGES_PATH = "/v1/messages"
 # Blocks of one turn are paragraphs of one message for the chat template.
 _JOIN = "\n\n"
-_NO_VISION = "this server has no vision model loaded"
+_NO_VISION = "image blocks are not supported: this server has no vision model loaded"
 
 
 def owns(path: str) -> bool:
@@ -113,19 +116,34 @@ def error_response(err: GezelError) -> Response:
 # --- request -> engine ----------------------------------------------------------
 
 
+def _document(block: DocumentBlockParam, where: str) -> str:
+    """A text document as paragraphs of its turn: title, context, text."""
+    match block.source:
+        case PlainTextSourceParam(data=data):
+            text = data
+        case ContentBlockSourceParam(content=content):
+            text = _text_of(content, f"{where}.source.content")
+    return _JOIN.join(t for t in (block.title, block.context, text) if t)
+
+
 def _text_of(content: str | list[Any], where: str) -> str:
-    """The text of a system message or a tool result (text blocks only)."""
+    """The text of a system message, a tool result or a document (text
+    blocks and text documents)."""
     if isinstance(content, str):
         return content
     texts = []
     for j, block in enumerate(content):
-        if isinstance(block, ImageBlockParam):
-            raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
-        if not isinstance(block, TextBlockParam):
-            raise InvalidRequest(
-                f"only text blocks may appear here, not {block.type!r}", param=f"{where}[{j}]"
-            )
-        texts.append(block.text)
+        match block:
+            case TextBlockParam(text=text):
+                texts.append(text)
+            case DocumentBlockParam():
+                texts.append(_document(block, f"{where}[{j}]"))
+            case ImageBlockParam():
+                raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
+            case _:
+                raise InvalidRequest(
+                    f"only text blocks may appear here, not {block.type!r}", param=f"{where}[{j}]"
+                )
     return _JOIN.join(texts)
 
 
@@ -138,6 +156,8 @@ def _user(blocks: list[Block], where: str) -> list[dict[str, Any]]:
         match block:
             case TextBlockParam(text=text):
                 texts.append(text)
+            case DocumentBlockParam():
+                texts.append(_document(block, f"{where}[{j}]"))
             case ToolResultBlockParam(tool_use_id=call_id, content=content, is_error=is_error):
                 text = _text_of(content or "", f"{where}[{j}].content")
                 if is_error:

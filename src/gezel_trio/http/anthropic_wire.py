@@ -10,10 +10,11 @@ Anything nobody defines is refused by name, like every body (``wire``).
 
 Blocks are a tagged union on ``type``: each kind is its own class, so a
 ``text`` block without ``text`` is refused with that path, and a documented
-kind this server does not serve (documents, server-tool results) is refused
-with a sentence saying so rather than a list of the kinds it knows. Server
-tools (``web_search_...``, ``bash_...``) are refused the same way, before the
-tool list is structured.
+kind this server does not serve (server-tool results, PDF documents) is
+refused with a sentence saying so rather than a list of the kinds it knows.
+Anthropic-defined tools (``web_search_...``, ``bash_...``,
+``text_editor_...``) are refused the same way, before the tool list is
+structured.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ from .wire import (
 
 __all__ = [
     "Block",
+    "ContentBlockSourceParam",
     "CountTokensRequest",
+    "DocumentBlockParam",
     "ImageBlockParam",
     "MessageParam",
     "MessagesRequest",
+    "PlainTextSourceParam",
     "RedactedThinkingBlockParam",
     "TextBlockParam",
     "ThinkingBlockParam",
@@ -108,7 +112,60 @@ class ToolUseBlockParam:
     toolset_name: str | None = None
 
 
-ResultBlock = TextBlockParam | ImageBlockParam
+@attrs.frozen
+class PlainTextSourceParam:
+    """A document's text, given inline."""
+
+    type: Literal["text"]
+    data: str
+    media_type: Literal["text/plain"] = "text/plain"
+
+
+SourceBlock = TextBlockParam | ImageBlockParam
+
+
+@attrs.frozen
+class ContentBlockSourceParam:
+    """A document given as content blocks (text; images need a vision model)."""
+
+    type: Literal["content"]
+    content: str | list[SourceBlock]
+
+
+DocumentSource = PlainTextSourceParam | ContentBlockSourceParam
+
+# Document sources that need a feature this server does not have.
+_UNSERVED_SOURCES = {
+    "base64": "PDF documents are not supported; send the document's text "
+    "(a text source, or a text block)",
+    "url": "documents by URL are not supported (this server fetches nothing); "
+    "send the document's text (a text source, or a text block)",
+    "file": "the Files API is not supported; send the document's text "
+    "(a text source, or a text block)",
+}
+
+
+@attrs.frozen
+class CitationsConfigParam:
+    """Accepted; answers carry no citations."""
+
+    enabled: bool | None = None
+
+
+@attrs.frozen
+class DocumentBlockParam:
+    """A text document: its title, context and text become part of the turn.
+    PDF, URL and file sources are refused with a 400 naming the source."""
+
+    type: Literal["document"]
+    source: DocumentSource
+    title: str | None = None
+    context: str | None = None
+    cache_control: CacheControlEphemeralParam | None = None
+    citations: CitationsConfigParam | None = None
+
+
+ResultBlock = TextBlockParam | ImageBlockParam | DocumentBlockParam
 
 
 @attrs.frozen
@@ -146,6 +203,7 @@ class RedactedThinkingBlockParam:
 Block = (
     TextBlockParam
     | ImageBlockParam
+    | DocumentBlockParam
     | ToolUseBlockParam
     | ToolResultBlockParam
     | ThinkingBlockParam
@@ -154,11 +212,25 @@ Block = (
 
 # Documented block kinds that need a server feature this one does not have.
 _UNSERVED_BLOCKS = {
-    "document": "document blocks are not supported; send the text as a text block",
-    "search_result": "search_result blocks are not supported",
+    "search_result": "search_result blocks are not supported; send the result as text",
     "container_upload": "container_upload blocks are not supported (no code execution)",
     "server_tool_use": "server tools are not supported, so neither are their blocks",
+    "mcp_tool_use": "MCP servers are not supported, so neither are their blocks",
+    "mcp_tool_result": "MCP servers are not supported, so neither are their blocks",
+    "tool_reference": "tool_reference blocks are not supported (no tool search)",
+    "browser_state": "browser_state blocks are not supported (no browser tool)",
+    "compaction": "compaction blocks are not supported (no server-side compaction)",
 }
+_SERVER_RESULT = "server tools are not supported, so neither are their results ({})"
+
+
+def _unserved_block(tag: str) -> str | None:
+    """Why a documented block kind is refused, or None for an unknown kind."""
+    if tag in _UNSERVED_BLOCKS:
+        return _UNSERVED_BLOCKS[tag]
+    if tag.endswith("_tool_result") and tag != "tool_result":
+        return _SERVER_RESULT.format(tag[:80])
+    return None
 
 
 @attrs.frozen
@@ -310,7 +382,10 @@ def _tag(cls: type) -> str:
 
 
 def _tagged(
-    conv: cattrs.Converter, union: Any, what: str, unserved: dict[str, str]
+    conv: cattrs.Converter,
+    union: Any,
+    what: str,
+    unserved: Callable[[str], str | None] = lambda _: None,
 ) -> Callable[[Any, Any], Any]:
     """A structure hook for a union of classes told apart by their ``type``."""
     classes = {_tag(c): c for c in get_args(union)}
@@ -323,8 +398,9 @@ def _tagged(
         cls = classes.get(tag) if isinstance(tag, str) else None
         if cls is not None:
             return conv.structure(value, cls)
-        if isinstance(tag, str) and tag in unserved:
-            raise FieldInvalid("type", unserved[tag])
+        why = unserved(tag) if isinstance(tag, str) else None
+        if why is not None:
+            raise FieldInvalid("type", why)
         raise FieldInvalid("type", f"{what} type must be one of {choices}; got {tag!r}")
 
     return hook
@@ -340,10 +416,14 @@ def _converter() -> cattrs.Converter:
 
         conv.register_structure_hook_func(lambda t: t in (tp, tp | None), maybe)
 
-    register(Block, _tagged(conv, Block, "a content block's", _UNSERVED_BLOCKS))
-    register(ResultBlock, _tagged(conv, ResultBlock, "a tool_result content block's", {}))
-    register(ToolChoice, _tagged(conv, ToolChoice, "tool_choice", {}))
-    register(Thinking, _tagged(conv, Thinking, "thinking", {}))
+    register(Block, _tagged(conv, Block, "a content block's", _unserved_block))
+    register(ResultBlock, _tagged(conv, ResultBlock, "a tool_result block's", _unserved_block))
+    register(SourceBlock, _tagged(conv, SourceBlock, "a document content block's"))
+    register(
+        DocumentSource, _tagged(conv, DocumentSource, "a document source's", _UNSERVED_SOURCES.get)
+    )
+    register(ToolChoice, _tagged(conv, ToolChoice, "tool_choice"))
+    register(Thinking, _tagged(conv, Thinking, "thinking"))
 
     def text_or(blocks: Any) -> Callable[[Any, Any], Any]:
         def hook(value: Any, _: Any) -> Any:
@@ -357,6 +437,7 @@ def _converter() -> cattrs.Converter:
 
     register(str | list[Block], text_or(list[Block]))
     register(str | list[ResultBlock], text_or(list[ResultBlock]))
+    register(str | list[SourceBlock], text_or(list[SourceBlock]))
     register(str | list[TextBlockParam], text_or(list[TextBlockParam]))
     return conv
 
@@ -365,8 +446,8 @@ _CONVERTER = _converter()
 
 
 def _check_tools_raw(body: dict[str, Any]) -> None:
-    """Server tools are named before the tool list is structured, so the
-    error says what is unsupported rather than which of its fields is unknown."""
+    """Anthropic-defined tools are named before the tool list is structured,
+    so the error says what is unsupported rather than which field is unknown."""
     tools = body.get("tools")
     if not isinstance(tools, list):
         return
@@ -376,8 +457,9 @@ def _check_tools_raw(body: dict[str, Any]) -> None:
         kind = tool.get("type") if isinstance(tool, dict) else None
         if isinstance(kind, str) and kind != "custom":
             raise InvalidRequest(
-                f"tools[{i}] is a server tool ({kind[:80]!r}); this server runs only "
-                "client tools (name, description, input_schema)",
+                f"tools[{i}] has type {kind[:80]!r}, an Anthropic-defined tool this server "
+                "does not provide; declare it as a custom tool (name, description, "
+                "input_schema) and run it on the client",
                 param=f"tools[{i}].type",
             )
 
