@@ -172,10 +172,46 @@ _text_block = st.fixed_dictionaries(
     {"type": st.just("text"), "text": st.text(max_size=40)},
     optional={"cache_control": _cache_control},
 )
+_anthropic_block = st.one_of(
+    _text_block,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": st.text(max_size=8),
+            "name": st.just("q"),
+            "input": st.fixed_dictionaries({}, optional={"q": st.text(max_size=10)}),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": st.text(max_size=8)},
+        optional={
+            "content": st.one_of(st.text(max_size=20), st.lists(_text_block, max_size=2)),
+            "is_error": st.booleans(),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("thinking"), "thinking": st.text(max_size=20)},
+        optional={"signature": st.text(max_size=8)},
+    ),
+    st.fixed_dictionaries({"type": st.just("redacted_thinking"), "data": st.text(max_size=8)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("document"),
+            "source": st.fixed_dictionaries(
+                {
+                    "type": st.just("text"),
+                    "media_type": st.just("text/plain"),
+                    "data": st.text(max_size=40),
+                }
+            ),
+        },
+        optional={"title": st.text(max_size=10), "context": st.text(max_size=10)},
+    ),
+)
 _anthropic_message = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["user", "assistant", "system"]),
-        "content": st.one_of(st.text(max_size=60), st.lists(_text_block, max_size=3)),
+        "content": st.one_of(st.text(max_size=60), st.lists(_anthropic_block, max_size=3)),
     }
 )
 _anthropic_tool = st.fixed_dictionaries(
