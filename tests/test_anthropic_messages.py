@@ -364,13 +364,20 @@ def dense(dense_model: Path) -> Iterator[Server]:
     assert stop_server(srv) == 0
 
 
+@pytest.fixture(scope="module")
+def client(dense: Server) -> Iterator[anthropic.Anthropic]:
+    with _client(dense.url) as c:
+        yield c
+
+
 NO_THINK = {"thinking": {"type": "disabled"}}
 HELLO = [{"role": "user", "content": "Tell me about the harbour in the morning."}]
 
 
 @pytest.mark.slow
-def test_stream_framing_pings_and_final_message_match_create(dense: Server) -> None:
-    client = _client(dense.url)
+def test_stream_framing_pings_and_final_message_match_create(
+    dense: Server, client: anthropic.Anthropic
+) -> None:
     kw: dict[str, Any] = dict(model="demo", max_tokens=10, messages=HELLO, **NO_THINK)
     whole = client.messages.create(**kw, extra_body={"temperature": 0})
     with client.messages.stream(**kw, extra_body={"temperature": 0}) as s:
@@ -407,8 +414,7 @@ def test_stream_framing_pings_and_final_message_match_create(dense: Server) -> N
 
 
 @pytest.mark.slow
-def test_a_stop_sequence_ends_the_text_and_is_named(dense: Server) -> None:
-    client = _client(dense.url)
+def test_a_stop_sequence_ends_the_text_and_is_named(client: anthropic.Anthropic) -> None:
     kw: dict[str, Any] = dict(model="demo", max_tokens=16, messages=HELLO, **NO_THINK)
     free = client.messages.create(**kw, extra_body={"temperature": 0})
     text = free.content[0].text  # type: ignore[union-attr]
@@ -432,8 +438,7 @@ def _validate_calls(message: Any) -> list[Any]:
 
 
 @pytest.mark.slow
-def test_forced_tool_use_validates_and_the_result_goes_back(dense: Server) -> None:
-    client = _client(dense.url)
+def test_forced_tool_use_validates_and_the_result_goes_back(client: anthropic.Anthropic) -> None:
     ask: list[Any] = [{"role": "user", "content": "What is the weather in Oslo?"}]
     forced = client.messages.create(
         model="demo",
@@ -454,6 +459,18 @@ def test_forced_tool_use_validates_and_the_result_goes_back(dense: Server) -> No
     ) as s:
         (named,) = _validate_calls(s.get_final_message())
     assert named.name == "get_time"
+    # With thinking on and a budget that would leave no room, the forced
+    # call still gets room to close.
+    thought = client.messages.create(
+        model="demo",
+        max_tokens=200,
+        messages=ask,
+        tools=TOOLS,
+        tool_choice={"type": "any"},
+        thinking={"type": "enabled", "budget_tokens": 190},
+    )
+    assert thought.content[0].type == "thinking"
+    _validate_calls(thought)
 
     # The next turn: the assistant's tool_use and the user's tool_result, re-sent.
     history = [
@@ -472,8 +489,7 @@ def test_forced_tool_use_validates_and_the_result_goes_back(dense: Server) -> No
 
 
 @pytest.mark.slow
-def test_a_thinking_budget_closes_the_thinking_block(dense: Server) -> None:
-    client = _client(dense.url)
+def test_a_thinking_budget_closes_the_thinking_block(client: anthropic.Anthropic) -> None:
     kw: dict[str, Any] = dict(
         model="demo", max_tokens=40, messages=HELLO, extra_body={"temperature": 0}
     )
@@ -493,8 +509,7 @@ def test_a_thinking_budget_closes_the_thinking_block(dense: Server) -> None:
 
 
 @pytest.mark.slow
-def test_count_tokens_is_the_prompt_a_request_renders(dense: Server) -> None:
-    client = _client(dense.url)
+def test_count_tokens_is_the_prompt_a_request_renders(client: anthropic.Anthropic) -> None:
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     kw: dict[str, Any] = dict(model="demo", messages=HELLO, system=system, tools=TOOLS)
     counted = client.messages.count_tokens(**kw, **NO_THINK)
@@ -509,11 +524,10 @@ def test_count_tokens_is_the_prompt_a_request_renders(dense: Server) -> None:
 
 
 @pytest.mark.slow
-def test_what_agent_clients_send_is_accepted(dense: Server) -> None:
+def test_what_agent_clients_send_is_accepted(client: anthropic.Anthropic) -> None:
     """Claude-Code-shaped: the beta route (``?beta=true``, ``anthropic-beta``),
     a system message inside ``messages``, ``cache_control`` everywhere,
     metadata and the SDK's newer fields."""
-    client = _client(dense.url)
     message = client.beta.messages.create(
         model="claude-sonnet-4-5",
         max_tokens=4,
@@ -545,8 +559,7 @@ def test_what_agent_clients_send_is_accepted(dense: Server) -> None:
 
 
 @pytest.mark.slow
-def test_errors_are_anthropic_errors(dense: Server) -> None:
-    client = _client(dense.url)
+def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model="demo", max_tokens=0, messages=HELLO)
     assert bad.value.body["type"] == "error"  # type: ignore[index]
@@ -635,8 +648,10 @@ def test_errors_are_anthropic_errors(dense: Server) -> None:
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert named in r.json()["error"]["message"], (body, r.text)
 
-    wrong = anthropic.Anthropic(base_url=dense.url, api_key="wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError) as auth:
+    with (
+        anthropic.Anthropic(base_url=dense.url, api_key="wrong", max_retries=0) as wrong,
+        pytest.raises(anthropic.AuthenticationError) as auth,
+    ):
         wrong.messages.create(model="demo", max_tokens=1, messages=HELLO)
     assert auth.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     assert httpx.get(f"{dense.url}/v1/messages/nope", headers={"x-api-key": KEY}).json() == {
@@ -644,8 +659,8 @@ def test_errors_are_anthropic_errors(dense: Server) -> None:
         "error": {"type": "not_found_error", "message": "no route GET /v1/messages/nope"},
     }
     # Bearer keys still work on every route; other routes keep the OpenAI envelope.
-    bearer = anthropic.Anthropic(base_url=dense.url, auth_token=KEY, max_retries=0)
-    assert bearer.messages.count_tokens(model="demo", messages=HELLO).input_tokens > 0
+    with anthropic.Anthropic(base_url=dense.url, auth_token=KEY, max_retries=0) as bearer:
+        assert bearer.messages.count_tokens(model="demo", messages=HELLO).input_tokens > 0
     assert httpx.get(f"{dense.url}/v1/models").json()["error"]["code"] == "invalid_api_key"
 
 
@@ -659,11 +674,18 @@ def smollm2(smollm2_model: Path) -> Iterator[Server]:
     assert stop_server(srv) == 0
 
 
+@pytest.fixture(scope="module")
+def smol(smollm2: Server) -> Iterator[anthropic.Anthropic]:
+    with _client(smollm2.url) as c:
+        yield c
+
+
 @pytest.mark.slow
-def test_smollm2_answers_streams_and_reads_the_cache_on_the_next_turn(smollm2: Server) -> None:
-    client = _client(smollm2.url)
+def test_smollm2_answers_streams_and_reads_the_cache_on_the_next_turn(
+    smol: anthropic.Anthropic,
+) -> None:
     ask = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    first = client.messages.create(
+    first = smol.messages.create(
         model="smollm2", max_tokens=8, messages=ask, extra_body={"temperature": 0}
     )
     answer = first.content[0].text  # type: ignore[union-attr]
@@ -673,7 +695,7 @@ def test_smollm2_answers_streams_and_reads_the_cache_on_the_next_turn(smollm2: S
         {"role": "assistant", "content": answer},
         {"role": "user", "content": "And of Italy?"},
     ]
-    with client.messages.stream(
+    with smol.messages.stream(
         model="smollm2", max_tokens=8, messages=history, extra_body={"temperature": 0}
     ) as s:
         text = "".join(s.text_stream)
@@ -686,10 +708,9 @@ def test_smollm2_answers_streams_and_reads_the_cache_on_the_next_turn(smollm2: S
 
 
 @pytest.mark.slow
-def test_smollm2_forced_tool_use_streams_input_that_validates(smollm2: Server) -> None:
+def test_smollm2_forced_tool_use_streams_input_that_validates(smol: anthropic.Anthropic) -> None:
     # tool_choice "any" is checked on the demo model; one forced call here.
-    client = _client(smollm2.url)
-    with client.messages.stream(
+    with smol.messages.stream(
         model="smollm2",
         max_tokens=200,
         messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
