@@ -509,6 +509,19 @@ def test_a_thinking_budget_closes_the_thinking_block(client: anthropic.Anthropic
 
 
 @pytest.mark.slow
+def test_output_config_format_constrains_the_answer(client: anthropic.Anthropic) -> None:
+    answer = client.messages.create(
+        model="demo",
+        max_tokens=120,
+        messages=[{"role": "user", "content": "Weather in Oslo, as JSON."}],
+        output_config={"format": {"type": "json_schema", "schema": WEATHER}},
+        **NO_THINK,
+    )
+    assert answer.stop_reason == "end_turn", answer
+    jsonschema.validate(json.loads(answer.content[0].text), WEATHER)  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
 def test_count_tokens_is_the_prompt_a_request_renders(client: anthropic.Anthropic) -> None:
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     kw: dict[str, Any] = dict(model="demo", messages=HELLO, system=system, tools=TOOLS)
@@ -551,6 +564,7 @@ def test_what_agent_clients_send_is_accepted(client: anthropic.Anthropic) -> Non
         tools=TOOLS,
         metadata={"user_id": "user_abc"},
         context_management={"edits": []},
+        fallbacks="default",
         service_tier="auto",
         **NO_THINK,
     )
@@ -622,7 +636,8 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
             "content[0]: image blocks are not supported",
         ),
         ({"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "prefill"),
-        ({"messages": [{"role": "system", "content": ""}]}, "no user turn"),
+        ({"messages": [{"role": "system", "content": ""}]}, "nothing to answer"),
+        ({"messages": HELLO, "thread": {"type": "create"}}, "thread: server-held threads"),
         (
             {"messages": HELLO, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS},
             "nope",

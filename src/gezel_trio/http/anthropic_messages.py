@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from typing import Any
 
@@ -101,7 +102,7 @@ def error_body(err: GezelError) -> dict[str, Any]:
     if kind is None:
         kind = "invalid_request_error" if err.status < 500 else "api_error"
     message = err.message
-    if err.param and err.param not in message:
+    if err.param and not re.search(rf"(?<![\w.\]]){re.escape(err.param)}(?!\w)", message):
         message = f"{err.param}: {message}"
     return {"type": "error", "error": {"type": kind, "message": message}}
 
@@ -248,7 +249,10 @@ def chat_messages(
         for message in turn:
             _merge(out, message)
     if not out:
-        raise InvalidRequest("messages holds no user turn, only system text", param="messages")
+        raise InvalidRequest(
+            "messages holds nothing to answer: only system text or empty turns",
+            param="messages",
+        )
     system_text = _JOIN.join(t for t in head if t)
     if system_text:
         out.insert(0, {"role": "system", "content": system_text})

@@ -374,6 +374,10 @@ class MessagesRequest(CountTokensRequest):
     diagnostics: dict[str, Any] | None = None
     inference_geo: str | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    # Beta fields about billing and refusals: nothing here bills or declines.
+    billing_policy: dict[str, Any] | None = None
+    fallback_credit_token: Any = None
+    fallbacks: Any = None
 
 
 def _tag(cls: type) -> str:
@@ -445,6 +449,21 @@ def _converter() -> cattrs.Converter:
 _CONVERTER = _converter()
 
 
+# Beta fields that ask for server features this one does not have.
+_UNSERVED_FIELDS = {
+    "compaction": "server-side context compaction is not supported; "
+    "send the conversation as it should be read",
+    "thread": "server-held threads are not supported; re-send the history "
+    "(the prompt cache makes that cheap)",
+}
+
+
+def _check_unserved_fields(body: dict[str, Any]) -> None:
+    for field, why in _UNSERVED_FIELDS.items():
+        if field in body:
+            raise InvalidRequest(why, param=field)
+
+
 def _check_tools_raw(body: dict[str, Any]) -> None:
     """Anthropic-defined tools are named before the tool list is structured,
     so the error says what is unsupported rather than which field is unknown."""
@@ -485,6 +504,7 @@ def parse_count_tokens_request(body: Any) -> CountTokensRequest:
 def parse_messages_request(body: Any) -> MessagesRequest:
     """Validate a decoded body; ``InvalidRequest`` names the field."""
     if isinstance(body, dict):
+        _check_unserved_fields(body)
         _check_tools_raw(body)
     req = structure(body, MessagesRequest, _CONVERTER)
     _check(req)
