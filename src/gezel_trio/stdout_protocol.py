@@ -90,12 +90,16 @@ def prefill_marker(done: int, total: int, cache_id: str | None) -> str:
     return f"Prefill: {pct:3d}%| | {done}/{total} [batched]{tag}"
 
 
-def tagged_traceback(tag: str, exc: BaseException, headline: str | None = None) -> list[str]:
-    """``exc``'s traceback (its causes included), every line ``[tag] | ...``,
-    after an optional ``[tag] headline`` line. No line is bare."""
-    text = "".join(traceback.format_exception(exc)).rstrip()
+def tagged_traceback(
+    tag: str, exc: BaseException | Iterable[str], headline: str | None = None
+) -> list[str]:
+    """``exc``'s traceback (its causes included; or traceback lines already
+    formatted), every line ``[tag] | ...``, after an optional ``[tag]
+    headline`` line. No line is bare."""
+    if isinstance(exc, BaseException):
+        exc = "".join(traceback.format_exception(exc)).rstrip().splitlines()
     lines = [f"[{tag}] {headline}"] if headline else []
-    lines += [f"[{tag}] | {line}" for line in text.splitlines()]
+    lines += [f"[{tag}] | {line}" for line in exc]
     return lines
 
 
@@ -140,7 +144,9 @@ class StdoutProtocol:
         self.say_nowait("Waiting for application startup.")
         self.say_nowait(f"Loading model from: {model}")
 
-    def contained_nowait(self, tag: str, exc: BaseException, headline: str | None = None) -> None:
+    def contained_nowait(
+        self, tag: str, exc: BaseException | Iterable[str], headline: str | None = None
+    ) -> None:
         """A failure that harmed one request or one HTTP exchange and that the
         server survived: tagged line by line."""
         for line in tagged_traceback(tag, exc, headline):
@@ -195,7 +201,9 @@ class StdoutProtocol:
                     else f"request {note.rid} failed alone"
                 )
                 self.contained_nowait(
-                    "batch", error, f"{what}; the engine goes on: {error.message}"
+                    "batch",
+                    note.traceback or error,
+                    f"{what}; the engine goes on: {error.message}",
                 )
 
     def _progress(self, note: RequestNote, done: int, total: int, now: float) -> None:

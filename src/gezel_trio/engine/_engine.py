@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -124,12 +125,15 @@ class RequestNote:
     """What a watcher of the whole engine (``Engine.watch``) sees of one
     request: its prefill ``Progress`` and a ``Failed`` that the host thread
     contained (the request failed alone; the engine goes on), with the
-    request's cache id. ``Failed.error`` carries the original exception as
-    its cause, traceback included."""
+    request's cache id. For a failure, ``traceback`` holds its lines as
+    Python prints them (the original exception is the cause), taken when
+    the engine delivered it: the request's reader may raise the same error
+    object later, which adds its own frames."""
 
     rid: int
     cache_id: str | None
     event: Progress | Failed
+    traceback: tuple[str, ...] = ()
 
 
 _NO_RESULT: Any = object()
@@ -781,8 +785,12 @@ class Engine:
         if live is None:
             return
         cache_id = live.request.cache.cache_id if live.request.cache else None
+        lines: tuple[str, ...] = ()
+        if isinstance(event, Failed):
+            text = "".join(traceback.format_exception(event.error))
+            lines = tuple(text.rstrip().splitlines())
         try:
-            self._watcher.send_nowait(RequestNote(rid, cache_id, event))
+            self._watcher.send_nowait(RequestNote(rid, cache_id, event, lines))
         except trio.WouldBlock:
             pass  # the watcher is behind: its notes are advisory
         except (trio.BrokenResourceError, trio.ClosedResourceError):
