@@ -47,8 +47,9 @@ PREFILL = re.compile(
 )
 # The classifier the seed's comments describe: a bare "SomeError: message"
 # leaf line - an exception line as Python prints it (dotted names allowed),
-# not indented, not tagged - means the engine died.
-LEAF = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failure)(?::|$)")
+# not indented, not tagged - means the engine died. Our own exception
+# classes end in Failure or Failed too (EngineFailure, RequestFailed).
+LEAF = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failure|Failed)(?::|$)")
 # A contained failure, tagged line by line.
 TAGGED = re.compile(r"^\[(?P<tag>[\w-]+)\] \| ")
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .core.config import EngineConfig
 from .core.errors import ModelLoadError
@@ -13,7 +14,10 @@ from .http.app import HttpSettings
 from .mlx.model_source import per_layer_embedding_table, resolve_model
 from .stdout_protocol import PREFILL_INTERVAL, PREFILL_MIN_TOKENS, StdoutSettings
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from .server import ServerConfig
+
+__all__ = ["main", "server_config"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -297,6 +301,55 @@ def _check_ple(model_dir: Path, args: argparse.Namespace) -> str | None:
     )
 
 
+def server_config(
+    args: argparse.Namespace, model_dir: Path, watch_parent: int | None = None
+) -> ServerConfig:
+    """What ``serve``'s flags (ours and the seed's) ask for; ``ValueError``
+    names a value out of range."""
+    from .server import ServerConfig
+
+    engine = EngineConfig(
+        model=model_dir,
+        keep_quantized=args.keep_quantized,
+        # The seed's 0 meant its serial path: one sequence at a time.
+        max_concurrency=args.max_concurrency or 1,
+        prefill_step_size=args.prefill_step_size,
+        max_queue=args.max_queue,
+        default_max_tokens=args.max_tokens_default,
+        continuous_batching=not args.static_waves,
+        persist_dir=args.persist_dir,
+        model_fingerprint=args.model_fingerprint,
+        cache_budget_mb=args.cache_budget_mb,
+        disk_cache_budget_mb=args.disk_cache_budget_mb,
+        memory_limit_mb=(
+            args.memory_limit_mb
+            if args.memory_limit_mb is not None
+            else args.gpu_memory_limit_mb or None
+        ),
+        wired_limit_mb=args.wired_limit_mb or None,
+        stall_timeout=args.stall_timeout or None,
+        max_park_seconds=args.max_park_seconds,
+        shutdown_timeout=args.shutdown_timeout,
+        max_step_failures=args.max_step_failures,
+    )
+    return ServerConfig(
+        engine=engine,
+        http=HttpSettings(
+            host=args.host,
+            api_key=args.api_key,
+            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+            stream_tool_calls=args.stream_tool_calls == "on",
+        ),
+        port=args.port,
+        graceful_timeout=args.graceful_timeout,
+        watch_parent=watch_parent,
+        stdout=StdoutSettings(
+            prefill_min_tokens=args.prefill_marker_min_tokens,
+            prefill_interval=args.prefill_marker_interval,
+        ),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo-model":
@@ -323,40 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     for note in _seed_notices(args):
         print(f"gezel-trio: {note}", file=sys.stderr)
 
-    from .server import ServerConfig, exit_with_parent, main_serve
+    from .server import exit_with_parent, main_serve
 
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    try:
-        engine = EngineConfig(
-            model=model_dir,
-            keep_quantized=args.keep_quantized,
-            max_concurrency=args.max_concurrency or 1,
-            prefill_step_size=args.prefill_step_size,
-            max_queue=args.max_queue,
-            default_max_tokens=args.max_tokens_default,
-            continuous_batching=not args.static_waves,
-            persist_dir=args.persist_dir,
-            model_fingerprint=args.model_fingerprint,
-            cache_budget_mb=args.cache_budget_mb,
-            disk_cache_budget_mb=args.disk_cache_budget_mb,
-            memory_limit_mb=(
-                args.memory_limit_mb
-                if args.memory_limit_mb is not None
-                else args.gpu_memory_limit_mb or None
-            ),
-            wired_limit_mb=args.wired_limit_mb or None,
-            stall_timeout=args.stall_timeout or None,
-            max_park_seconds=args.max_park_seconds,
-            shutdown_timeout=args.shutdown_timeout,
-            max_step_failures=args.max_step_failures,
-        )
-    except ValueError as exc:
-        print(f"gezel-trio: {exc}", file=sys.stderr)
-        return 2
     watch_parent = None
     if args.exit_with_parent:
         try:
@@ -365,24 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gezel-trio: {exc}", file=sys.stderr)
             return 2
     try:
-        stdout = StdoutSettings(
-            prefill_min_tokens=args.prefill_marker_min_tokens,
-            prefill_interval=args.prefill_marker_interval,
-        )
+        config = server_config(args, model_dir, watch_parent)
     except ValueError as exc:
         print(f"gezel-trio: {exc}", file=sys.stderr)
         return 2
-    config = ServerConfig(
-        engine=engine,
-        http=HttpSettings(
-            host=args.host,
-            api_key=args.api_key,
-            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-            stream_tool_calls=args.stream_tool_calls == "on",
-        ),
-        port=args.port,
-        graceful_timeout=args.graceful_timeout,
-        watch_parent=watch_parent,
-        stdout=stdout,
-    )
     return main_serve(config)

@@ -169,14 +169,19 @@ class StdoutProtocol:
                 # thread, never the event loop.
                 await trio.to_thread.run_sync(self._write, batch, abandon_on_cancel=True)
         finally:
-            self._send.close()
-            rest: list[str] = []
-            while True:
-                try:
-                    rest.append(self._receive.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-            self._write(rest)  # short and synchronous: the server is ending
+            self.close()
+
+    def close(self) -> None:
+        """Write what is still queued, synchronously (the server is ending:
+        a few short lines); from now on a line is written as it comes."""
+        self._send.close()
+        rest: list[str] = []
+        while True:
+            try:
+                rest.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        self._write(rest)
 
     async def watch(self, notes: trio.MemoryReceiveChannel[RequestNote]) -> None:
         """Turn the engine's notes into prefill markers and tagged failures,
