@@ -32,9 +32,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import pytest
+import trio
+
+from gezel_trio.http.app import HttpSettings
+from tests.test_http_inprocess import served
 
 pytestmark = pytest.mark.slow
 
@@ -376,3 +381,54 @@ def test_the_cache_endpoints_carry_the_seed_fields(
         assert json.loads(gone.text)["evicted"] is False
         dropped = client.delete("/v1/cache/stats-session")
         assert dropped.json()["evicted"] is True
+
+
+async def _tool_call_chunks(model: Path, stream_tool_calls: bool) -> list[dict[str, Any]]:
+    """The streamed chunks of one forced tool call, greedy."""
+    weather = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Oslo", "Bergen"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 60,
+        "stream": True,
+    }
+    settings = HttpSettings(stream_tool_calls=stream_tool_calls)
+    chunks = []
+    with trio.fail_after(DEADLINE):
+        async with (
+            served(model, settings) as (_engine, url),
+            httpx.AsyncClient(base_url=url, timeout=DEADLINE) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line.removeprefix("data: ")))
+    return chunks
+
+
+async def test_stream_tool_calls_off_sends_each_call_whole_at_the_end(dense_model: Path) -> None:
+    streamed = await _tool_call_chunks(dense_model, True)
+    whole = await _tool_call_chunks(dense_model, False)
+
+    def calls(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("tool_calls")]
+
+    assert len(calls(streamed)) > 1, "on: the arguments arrive in pieces"
+    [call_chunk] = calls(whole)
+    assert whole.index(call_chunk) == len(whole) - 2, "off: the call comes just before the end"
+    assert whole[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    [call] = call_chunk["choices"][0]["delta"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert call["id"].startswith("call_")
+    pieces = "".join(
+        c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] for c in calls(streamed)
+    )
+    assert call["function"]["arguments"] == pieces
+    assert json.loads(call["function"]["arguments"])["city"] in ("Oslo", "Bergen")
