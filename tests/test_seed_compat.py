@@ -208,6 +208,10 @@ def seed_server(
         out.rest()
         bare = [line for _, line in out.lines if LEAF.match(line)]
         assert bare == [], "a supervisor would have killed a healthy server"
+        # Nor on stderr, where the logs' tracebacks go (indented there).
+        logs = stderr.read_text().splitlines()
+        assert "  | RuntimeError: the grammar processor broke" in logs
+        assert [line for line in logs if LEAF.match(line)] == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,7 +12,12 @@ from .core.config import EngineConfig
 from .core.errors import ModelLoadError
 from .http.app import HttpSettings
 from .mlx.model_source import per_layer_embedding_table, resolve_model
-from .stdout_protocol import PREFILL_INTERVAL, PREFILL_MIN_TOKENS, StdoutSettings
+from .stdout_protocol import (
+    PREFILL_INTERVAL,
+    PREFILL_MIN_TOKENS,
+    LogFormatter,
+    StdoutSettings,
+)
 
 if TYPE_CHECKING:
     from .server import ServerConfig
@@ -378,11 +383,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from .server import exit_with_parent, main_serve
 
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     watch_parent = None
     if args.exit_with_parent:
         try:

@@ -23,17 +23,19 @@ worker thread, so a supervisor that reads slowly never blocks the event
 loop, and the host thread never prints. Its ``watch`` task turns the
 engine's ``RequestNote`` feed (prefill progress and contained failures, as
 the Trio side delivers them between two steps) into lines. Everything else
-still goes to ``logging`` (stderr), as before.
+still goes to ``logging`` (stderr), as before; ``LogFormatter`` indents a
+log record's traceback there, so stderr never shows a bare leaf line either.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
 import traceback
 from collections.abc import Iterable
-from typing import TextIO
+from typing import Any, TextIO
 
 import attrs
 import trio
@@ -45,6 +47,7 @@ from .engine import RequestNote
 __all__ = [
     "PREFILL_INTERVAL",
     "PREFILL_MIN_TOKENS",
+    "LogFormatter",
     "StdoutProtocol",
     "StdoutSettings",
     "prefill_marker",
@@ -106,6 +109,23 @@ def tagged_traceback(
 def _one_line(text: str) -> str:
     # A newline inside a cache id or a message would start a bare line.
     return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+class LogFormatter(logging.Formatter):
+    """Log lines for stderr, which a supervisor may read along with stdout
+    (the seed's own warning was against ``traceback.print_exc()``, which
+    writes to stderr): a record's traceback and stack are indented with
+    ``  | `` so that no line of them is a bare leaf line."""
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join(f"  | {line}" for line in text.splitlines())
 
 
 class StdoutProtocol:
