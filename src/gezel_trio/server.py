@@ -3,8 +3,11 @@
 ::
 
     serve()  ── nursery
-                ├─ run_engine          started first; ready = model loaded on
+                ├─ stdout writer       the only writer of stdout (stdout_protocol)
+                ├─ run_engine          started next; ready = model loaded on
                 │   └─ host thread     its thread, so the socket binds only then
+                ├─ stdout watch        the engine's notes -> Prefill markers,
+                │                      tagged contained failures
                 ├─ hypercorn serve     the quart-trio app, bound after the engine
                 └─ signal watcher      SIGINT/SIGTERM -> graceful drain
 
@@ -17,9 +20,10 @@ the host thread stops after its current step and a flush bounded by
 Engine failure: when the engine stops working (its host thread died, or too
 many model steps failed in a row) every request has already failed with
 ``EngineFailure``; ``/health`` answers 503 with the reason for
-``DEAD_LINGER`` seconds, then the server drains like a SIGTERM and
-``serve`` raises the failure, so the process exits non-zero and a
-supervisor restarts it.
+``DEAD_LINGER`` seconds, then the server drains like a SIGTERM, prints the
+failure's traceback untagged on stdout (the one bare leaf line a supervisor
+reads as a death) and ``serve`` raises it, so the process exits non-zero and
+a supervisor restarts it.
 """
 
 from __future__ import annotations
