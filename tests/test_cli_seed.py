@@ -23,7 +23,7 @@ def test_the_seed_command_line_maps_onto_ours(tmp_path: Path) -> None:
     assert config.engine.memory_limit_mb == 8192  # --gpu-memory-limit-mb
     assert config.engine.wired_limit_mb == 4096
     assert config.engine.max_concurrency == 2
-    assert config.engine.prefill_step_size == 128
+    assert config.engine.prefill_step_size == 64
     assert config.engine.cache_budget_mb == 4096
     assert config.engine.persist_dir == tmp_path / "persist"
     assert config.engine.model_fingerprint == "seed-compat-test"

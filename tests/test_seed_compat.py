@@ -60,8 +60,8 @@ TAGGED = re.compile(r"^\[(?P<tag>[\w-]+)\] \| ")
 
 # Long enough for the seed's 2048-token minimum on the demo tokenizer.
 LONG_TEXT = "The archive keeps every ledger of the northern harbour. " * 115
-MARKER_INTERVAL = 0.3
-STEP = 128
+MARKER_INTERVAL = 0.25
+STEP = 64
 DEADLINE = 120.0
 
 SCRIPT = """
