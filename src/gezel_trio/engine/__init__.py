@@ -17,7 +17,15 @@ from ._chat import (
     PreparedChat,
     roster_fingerprint,
 )
-from ._engine import Engine, EngineState, Health, RequestHandle, open_engine, run_engine
+from ._engine import (
+    Engine,
+    EngineState,
+    Health,
+    RequestHandle,
+    RequestNote,
+    open_engine,
+    run_engine,
+)
 from ._metrics import EngineMetrics, Snapshot
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "Health",
     "PreparedChat",
     "RequestHandle",
+    "RequestNote",
     "Snapshot",
     "open_engine",
     "roster_fingerprint",

@@ -146,12 +146,22 @@ class _Chunks:
     usage on every chunk, logprobs riding on the next chunk out (text held
     back as a possible marker delays them, never drops them)."""
 
-    def __init__(self, cid: str, model: str, include_usage: bool, logprobs: bool) -> None:
+    def __init__(
+        self,
+        cid: str,
+        model: str,
+        include_usage: bool,
+        logprobs: bool,
+        *,
+        stream_tool_calls: bool = True,
+    ) -> None:
         self._cid = cid
         self._model = model
         self._created = int(time.time())
         self._include_usage = include_usage
         self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
+        # --no-stream-tool-calls: each call held back and sent whole at the end.
+        self._held_calls: dict[int, dict[str, Any]] | None = None if stream_tool_calls else {}
 
     def opening(self) -> list[bytes]:
         return [self._chunk({"role": "assistant", "content": ""}, None, None)]
@@ -165,8 +175,26 @@ class _Chunks:
                 if self._logprobs is not None:
                     self._logprobs += items
                 return []
+            case ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments) if (
+                self._held_calls is not None
+            ):
+                call = self._held_calls.setdefault(
+                    index,
+                    {
+                        "index": index,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name or "", "arguments": ""},
+                    },
+                )
+                call["function"]["arguments"] += arguments
+                return []
             case ChatFinished(reason=reason, usage=usage):
-                out = [self._chunk({}, reason, usage)]
+                out = [
+                    self._chunk({"tool_calls": [call]}, None, usage)
+                    for call in (self._held_calls or {}).values()
+                ]
+                out.append(self._chunk({}, reason, usage))
                 if self._include_usage:
                     body = chunk(self._cid, self._model, self._created, {}, None, usage)
                     body["choices"] = []
@@ -188,7 +216,7 @@ class _Chunks:
         return frame(body)
 
 
-def add_chat_routes(app: QuartTrio, engine: Engine) -> None:
+def add_chat_routes(app: QuartTrio, engine: Engine, *, stream_tool_calls: bool = True) -> None:
     @app.route("/v1/chat/completions", methods=["POST"])
     @app.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
@@ -202,7 +230,9 @@ def add_chat_routes(app: QuartTrio, engine: Engine) -> None:
         logprobs = prepared.request.top_logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            translator = _Chunks(cid, model, include_usage, logprobs)
+            translator = _Chunks(
+                cid, model, include_usage, logprobs, stream_tool_calls=stream_tool_calls
+            )
             return event_stream(ChatStream(engine, prepared, translator))
         finished, items = await run_chat(engine, prepared)
         body = completion(cid, model, finished.message, finished.reason, finished.usage)
