@@ -137,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
-    d.add_argument("--kind", choices=["dense", "hybrid"], default="dense")
+    d.add_argument("--kind", choices=["dense", "hybrid", "vision"], default="dense")
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     return p
 
