@@ -62,3 +62,9 @@ class EngineConfig:
     # After this many consecutive failed model steps the engine stops with
     # ``EngineFailure`` (the process exits non-zero for its supervisor).
     max_step_failures: int = attrs.field(default=3, validator=_positive)
+    # Images (vision models, E9): at most this many per request, each at
+    # most this many bytes as sent (after base64) and this many pixels once
+    # decoded. A 16-megapixel RGB image is 48 MB in memory.
+    max_images: int = attrs.field(default=8, validator=_positive)
+    max_image_bytes: int = attrs.field(default=20 * 1024 * 1024, validator=_positive)
+    max_image_pixels: int = attrs.field(default=16_000_000, validator=_positive)

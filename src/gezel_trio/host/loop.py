@@ -45,7 +45,15 @@ from ..core.events import (
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
-from .backend import Backend, Captured, ConstraintCompiler, Detokenizer, PromptRenderer, TokenOut
+from .backend import (
+    Backend,
+    Captured,
+    ConstraintCompiler,
+    Detokenizer,
+    ImagePreparer,
+    PromptRenderer,
+    TokenOut,
+)
 from .persist import DiskCache
 from .prompt_cache import CacheSnapshot, PromptCache
 
@@ -142,7 +150,11 @@ class EngineLink(Protocol):
     ``trio.from_thread.run``."""
 
     def ready(
-        self, info: ModelInfo, renderer: PromptRenderer, compiler: ConstraintCompiler | None
+        self,
+        info: ModelInfo,
+        renderer: PromptRenderer,
+        compiler: ConstraintCompiler | None,
+        images: ImagePreparer | None = None,
     ) -> None: ...
     def exchange(self, report: StepReport) -> Orders: ...
     async def wait_for_work(self) -> None: ...
@@ -494,7 +506,9 @@ def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: Engi
     host: _Host | None = None
     try:
         host = _make_host(backend, config)
-        trio.from_thread.run_sync(link.ready, backend.info, backend.renderer, backend.compiler)
+        trio.from_thread.run_sync(
+            link.ready, backend.info, backend.renderer, backend.compiler, backend.images
+        )
         report = host.report()
         while True:
             orders = trio.from_thread.run_sync(link.exchange, report)
@@ -534,7 +548,7 @@ async def run_host_inline(
     chunks: dict[int, int] = {}
     try:
         host = _make_host(backend, config)
-        link.ready(backend.info, backend.renderer, backend.compiler)
+        link.ready(backend.info, backend.renderer, backend.compiler, backend.images)
         report = host.report()
         while True:
             orders = link.exchange(report)
