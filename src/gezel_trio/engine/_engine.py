@@ -430,6 +430,15 @@ class Engine:
                 raise InvalidRequest("the prompt must go on after its last image", param="messages")
         if vocab and not all(0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if self._images is not None:
+            # A placeholder without its pixels (a message that spells the
+            # image marker out) would embed a token the model never saw alone.
+            placed = sum(s.length for s in request.vision.spans) if request.vision else 0
+            if ids.count(self._images.image_token) != placed:
+                raise InvalidRequest(
+                    "the prompt holds the model's image placeholder token without an image",
+                    param="messages",
+                )
         p = request.sampling
         for name, value, lo, hi in (
             ("temperature", p.temperature, 0.0, math.inf),
