@@ -109,6 +109,21 @@ def _parser() -> argparse.ArgumentParser:
         default=3,
         help="exit non-zero after this many consecutive failed model steps",
     )
+    s.add_argument(
+        "--max-images", type=int, default=8, help="images allowed in one request (vision models)"
+    )
+    s.add_argument(
+        "--max-image-mb",
+        type=float,
+        default=8.0,
+        help="largest image, as sent (the request body is bounded by --max-body-mb too)",
+    )
+    s.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=16_000_000,
+        help="largest image once decoded, in pixels (width x height)",
+    )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
@@ -187,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             max_park_seconds=args.max_park_seconds,
             shutdown_timeout=args.shutdown_timeout,
             max_step_failures=args.max_step_failures,
+            max_images=args.max_images,
+            max_image_bytes=max(1, int(args.max_image_mb * 1024 * 1024)),
+            max_image_pixels=args.max_image_pixels,
         )
     except ValueError as exc:
         print(f"gezel-trio: {exc}", file=sys.stderr)
