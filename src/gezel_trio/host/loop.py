@@ -362,7 +362,11 @@ class _Host:
         self._stepped = True
         for rid, error in out.failed:
             if rid in self.seqs:
-                self._fail(rid, "its sampler or logits processors", error)
+                self._fail(
+                    rid,
+                    "its own part of the step (sampler, logits processors, image prefill)",
+                    error,
+                )
         for p in out.prefill:
             if p.rid not in self.seqs:
                 continue
