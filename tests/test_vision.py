@@ -334,3 +334,48 @@ async def test_a_background_image_request_is_parked_and_resumes_byte_identically
         if f.startswith(b"data: {")
     )
     assert text == alone.choices[0].message.content
+
+
+async def test_a_failing_image_prefill_fails_that_request_alone(vision_model: Path) -> None:
+    """An embedder hands the engine a picture whose features the vision tower
+    cannot take (pixels of the wrong size): the tower raises on the host
+    thread inside that sequence's boundary; the request fails alone, while
+    an image request and a text request beside it finish."""
+    import attrs
+    import numpy as np
+
+    from gezel_trio import ChatFinished, EngineConfig, Failed, open_engine
+    from gezel_trio.core.images import ImagePart
+    from gezel_trio.engine import ChatRequest
+
+    def request(content: Any, parts: tuple[ImagePart, ...] = ()) -> ChatRequest:
+        return ChatRequest(
+            [{"role": "user", "content": content}], images=parts, max_tokens=6, ignore_eos=True
+        )
+
+    sun = ImagePart(base64.b64encode(encoded(picture("sun"))).decode(), "sun")
+    image_msg = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    with trio.fail_after(HANG):
+        async with open_engine(EngineConfig(model=vision_model)) as engine:
+            good = await engine.prepare_chat(request(image_msg, (sun,)))
+            text = await engine.prepare_chat(request("Tell me a story."))
+            assert good.request.vision is not None
+            broken_vision = attrs.evolve(
+                good.request.vision, features={"pixel_values": np.zeros((1, 3, 5, 7), "float32")}
+            )
+            broken = attrs.evolve(good, request=attrs.evolve(good.request, vision=broken_vision))
+            ends: dict[str, Any] = {}
+
+            async def run(name: str, prepared: Any) -> None:
+                with engine.submit_chat_nowait(prepared) as handle:
+                    async for event in handle:
+                        ends[name] = event
+
+            async with trio.open_nursery() as nursery:
+                for name, prepared in (("broken", broken), ("good", good), ("text", text)):
+                    nursery.start_soon(run, name, prepared)
+            assert engine.state().running == ()
+    assert isinstance(ends["broken"], Failed)
+    assert "image prefill" in str(ends["broken"].error)
+    assert isinstance(ends["good"], ChatFinished)
+    assert isinstance(ends["text"], ChatFinished)

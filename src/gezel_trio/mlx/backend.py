@@ -741,6 +741,10 @@ class MlxBackend:
             except Exception as exc:
                 pending.pop(0)
                 failed.append((prefill.rid, exc))
+                # Whatever the failed graph left queued on the stream is run
+                # now: a stream left with such work aborts the process when
+                # it exits (mlx 0.32, seen with a vision tower that raised).
+                mx.synchronize(self._stream)
             else:
                 progress.append(
                     PrefillOut(
@@ -832,3 +836,5 @@ class MlxBackend:
     def close(self) -> None:
         for name in list(self._lanes):
             self.reset(name)
+        self._prefills.clear()
+        mx.synchronize(self._stream)
