@@ -115,7 +115,7 @@ def place_images(tokens: Sequence[int], image_token: int, count: int) -> list[tu
     if len(runs) == count:
         return [(s, n) for s, n in runs]
     total = sum(n for _, n in runs)
-    if count == 0 or total % count:
+    if count == 0 or total == 0 or total % count:
         raise ValueError(f"{len(runs)} runs of image tokens for {count} images")
     each = total // count
     out: list[tuple[int, int]] = []

@@ -158,6 +158,12 @@ def load_vision(path: Path, adapt: Callable[[Any], str]) -> tuple[VisionModel, A
     # The same arrays: nothing is copied, the two views stay in step.
     text.update(language.parameters())
     text.eval()
+    if any(type(c) is not KVCache for c in make_prompt_cache(text)):
+        # An image prefill is cut and saved as plain attention KV.
+        raise ModelLoadError(
+            f"{path}: vision models with sliding-window or linear-attention layers "
+            "are not served yet (every layer must keep plain attention KV)"
+        )
     tokenizer = load_tokenizer(
         path, {"local_files_only": True}, eos_token_ids=cfg.get("eos_token_id")
     )
