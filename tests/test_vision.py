@@ -294,7 +294,7 @@ async def test_a_background_image_request_is_parked_and_resumes_byte_identically
 ) -> None:
     body = {
         "messages": ask(SUN),
-        "max_tokens": 300,
+        "max_tokens": 200,
         "ignore_eos": True,
         "temperature": 0,
         "priority": "background",
@@ -307,7 +307,7 @@ async def test_a_background_image_request_is_parked_and_resumes_byte_identically
                 lambda: complete(
                     c,
                     ask(SUN),
-                    max_tokens=300,
+                    max_tokens=200,
                     extra_body={"ignore_eos": True, "priority": "background"},
                 )
             )

@@ -32,7 +32,6 @@ __all__ = [
     "ImageSpan",
     "VisionPrompt",
     "image_key",
-    "is_image_key",
     "key_prompt",
     "place_images",
 ]
@@ -86,10 +85,6 @@ def image_key(digest: bytes, length: int) -> tuple[int, ...]:
     """The key ids of an image's ``length`` placeholders (all negative)."""
     base = int.from_bytes(digest[:8], "big")
     return tuple(-(1 + (base + i) % _KEY_MOD) for i in range(length))
-
-
-def is_image_key(token: int) -> bool:
-    return token < 0
 
 
 def place_images(tokens: Sequence[int], image_token: int, count: int) -> list[tuple[int, int]]:
