@@ -68,4 +68,8 @@ class EngineConfig:
     # limit (--max-body-mb, 8 MB) bounds what one request can carry anyway.
     max_images: int = attrs.field(default=8, validator=_positive)
     max_image_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_positive)
-    max_image_pixels: int = attrs.field(default=16_000_000, validator=_positive)
+    # At most Pillow's own decompression-bomb bound (89,478,485 pixels),
+    # above which it warns and then refuses whatever this limit says.
+    max_image_pixels: int = attrs.field(
+        default=16_000_000, validator=[_positive, attrs.validators.le(89_478_485)]
+    )
