@@ -257,6 +257,43 @@ def mlx_server(
             yield box[0]
 
 
+@contextlib.contextmanager
+def mlx_vlm_server(
+    model_dir: Path, log: Path, flags: Sequence[str], *, stop_timeout: float = STOP_TIMEOUT_S
+) -> Iterator[Server]:
+    """Start ``mlx_vlm.server`` (through ``bench/_mlx_vlm_server.py``, on
+    gezel-trio's BLAS) with ``flags`` on a free port, preloading ``model_dir``;
+    yield once ``/health`` answers (bounded polling); always stop it."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-c", _PRELOADED_SCRIPT,
+        str(Path(__file__).with_name("_mlx_vlm_server.py")),
+        "--model", str(model_dir),
+        "--host", HOST,
+        "--port", str(port),
+        *flags,
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://{HOST}:{port}"
+    box: list[Server] = []
+    with _stopping(proc, box, signal.SIGINT, stop_timeout):
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"mlx_vlm.server exited early:\n{tail(log)}")
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get(f"{url}/health").status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mlx_vlm.server not ready after {STARTUP_TIMEOUT_S}s")
+                time.sleep(0.2)  # polling interval, not a readiness guess
+        box.append(Server("mlx_vlm.server", url, log, proc))
+        with _log_on_error("mlx_vlm.server", log):
+            yield box[0]
+
+
 # --- models ------------------------------------------------------------------
 
 

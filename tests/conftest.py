@@ -55,6 +55,11 @@ def hybrid_model(gezel_home: Path) -> Path:
     return _build("hybrid")
 
 
+@pytest.fixture(scope="session")
+def vision_model(gezel_home: Path) -> Path:
+    return _build("vision")
+
+
 @pytest.fixture(scope="session", params=["dense", "hybrid"])
 def any_model(request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path) -> Path:
     return dense_model if request.param == "dense" else hybrid_model

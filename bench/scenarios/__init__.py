@@ -21,6 +21,7 @@ _ORDER = (
     "grammar",
     "scheduler",
     "agent",
+    "vision",
     "fuzz",
     "soak",
 )

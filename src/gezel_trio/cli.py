@@ -120,6 +120,21 @@ def _parser() -> argparse.ArgumentParser:
         help="exit non-zero after this many consecutive failed model steps",
     )
     s.add_argument(
+        "--max-images", type=int, default=8, help="images allowed in one request (vision models)"
+    )
+    s.add_argument(
+        "--max-image-mb",
+        type=float,
+        default=8.0,
+        help="largest image, as sent (the request body is bounded by --max-body-mb too)",
+    )
+    s.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=16_000_000,
+        help="largest image once decoded, in pixels (width x height)",
+    )
+    s.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
     )
     s.add_argument("--max-body-mb", type=float, default=8.0)
@@ -163,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
-    d.add_argument("--kind", choices=["dense", "hybrid"], default="dense")
+    d.add_argument("--kind", choices=["dense", "hybrid", "vision"], default="dense")
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     return p
 
@@ -202,8 +217,11 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
         const="off",
         help="same as --stream-tool-calls off",
     )
-    # The vision issue replaces this flag with its own; until then it parses.
-    g.add_argument("--vision", action="store_true", help="accepted; this build serves text only")
+    # Vision follows the model (a VLM directory serves images), so the
+    # seed's switch only parses.
+    g.add_argument(
+        "--vision", action="store_true", help="accepted; a vision model is served as one anyway"
+    )
     for flag, kind, default in [
         ("--kv-bits", int, 0),
         ("--kv-group-size", int, 64),
@@ -265,7 +283,10 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
             f"{' '.join(spec)}: this build decodes without a drafter (same output, slower)"
         )
     if args.vision:
-        notes.append("--vision: this build serves text only; a request with images is refused")
+        notes.append(
+            "--vision: not needed; a model directory with a vision_config serves images,"
+            " a text model refuses them"
+        )
     if args.allow_resident_ple_fallback and args.external_ple_dir is None:
         notes.append("--allow-resident-ple-fallback: no effect without --external-ple-dir")
     if args.max_concurrency == 0:
@@ -338,6 +359,9 @@ def server_config(
         max_park_seconds=args.max_park_seconds,
         shutdown_timeout=args.shutdown_timeout,
         max_step_failures=args.max_step_failures,
+        max_images=args.max_images,
+        max_image_bytes=max(1, int(args.max_image_mb * 1024 * 1024)),
+        max_image_pixels=args.max_image_pixels,
     )
     return ServerConfig(
         engine=engine,

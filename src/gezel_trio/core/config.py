@@ -65,3 +65,14 @@ class EngineConfig:
     # After this many consecutive failed model steps the engine stops with
     # ``EngineFailure`` (the process exits non-zero for its supervisor).
     max_step_failures: int = attrs.field(default=3, validator=_positive)
+    # Images (vision models, E9): at most this many per request, each at
+    # most this many bytes as sent (after base64) and this many pixels once
+    # decoded. A 16-megapixel RGB image is 48 MB in memory. The HTTP body
+    # limit (--max-body-mb, 8 MB) bounds what one request can carry anyway.
+    max_images: int = attrs.field(default=8, validator=_positive)
+    max_image_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_positive)
+    # At most Pillow's own decompression-bomb bound (89,478,485 pixels),
+    # above which it warns and then refuses whatever this limit says.
+    max_image_pixels: int = attrs.field(
+        default=16_000_000, validator=[_positive, attrs.validators.le(89_478_485)]
+    )

@@ -12,6 +12,7 @@ __all__ = [
     "EngineClosed",
     "EngineFailure",
     "GezelError",
+    "InvalidImage",
     "InvalidRequest",
     "ModelLoadError",
     "QueueFull",
@@ -39,6 +40,15 @@ class InvalidRequest(GezelError, ValueError):
     status = 400
     error_type = "invalid_request_error"
     code = "invalid_request"
+
+
+class InvalidImage(InvalidRequest):
+    """An image that cannot be used: not a ``data:`` URL, not base64, not a
+    PNG, JPEG, WebP or GIF, truncated, or over a limit. A 400 (SPEC E9 said
+    422; every other bad input is a 400, so images are too), ``param``
+    naming the content part."""
+
+    code = "invalid_image"
 
 
 class QueueFull(GezelError):

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
+from .images import VisionPrompt
+
 if TYPE_CHECKING:
     from ..shaping.grammar import Constraint
 
@@ -88,3 +90,6 @@ class GenerationRequest:
     max_thinking_tokens: int | None = None
     # Report each token's logprob and this many alternatives (W2); None: off.
     top_logprobs: int | None = None
+    # The images of a vision model's prompt (E9). ``prompt`` is then the
+    # cache key (``core.images``): each image's placeholders carry its digest.
+    vision: VisionPrompt | None = None

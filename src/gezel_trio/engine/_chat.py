@@ -47,6 +47,7 @@ from ..core.events import (
     TokenLogprob,
     Usage,
 )
+from ..core.images import ImagePart
 from ..core.request import GenerationRequest, Priority, SamplingParams
 from ..shaping.shaper import (
     ReasoningDelta,
@@ -92,6 +93,7 @@ class ChatRequest:
     ``cache_id`` and ``prefix_ids`` name prompt-cache entries; without them
     the request is still cached. ``template_kwargs`` go to the chat template
     (``enable_thinking``); ``max_thinking_tokens`` bounds a think block.
+    ``images`` fill the ``{"type": "image"}`` content parts, in order.
     """
 
     messages: Sequence[Mapping[str, Any]]
@@ -112,6 +114,9 @@ class ChatRequest:
     template_override: str | None = None
     max_thinking_tokens: int | None = None
     top_logprobs: int | None = None
+    # The images, in the order their ``{"type": "image"}`` parts appear in
+    # ``messages`` (E9); each protocol maps its own image blocks onto these.
+    images: tuple[ImagePart, ...] = ()
 
     @property
     def parses_tools(self) -> bool:

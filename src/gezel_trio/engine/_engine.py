@@ -46,7 +46,7 @@ from ..core.events import Delta, Event, Failed, Finished, Parked, Progress, Queu
 from ..core.model import ModelInfo
 from ..core.request import CacheRequest, GenerationRequest
 from ..core.scheduler import Scheduler
-from ..host.backend import Backend, ConstraintCompiler, PromptRenderer
+from ..host.backend import Backend, ConstraintCompiler, ImagePreparer, PromptRenderer
 from ..host.loop import (
     CommandFailed,
     HostCommand,
@@ -60,6 +60,7 @@ from ..host.prompt_cache import CacheSnapshot, CacheTotals, CacheView
 from ..shaping.prompt import RenderedPrompt
 from ..shaping.shaper import Shaper
 from ._chat import ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
+from ._images import ImageLimits, prepare_vision
 from ._metrics import EngineMetrics, Snapshot
 
 if TYPE_CHECKING:
@@ -242,6 +243,7 @@ class Engine:
         self.config = config
         self._info: ModelInfo | None = None
         self._renderer: PromptRenderer | None = None
+        self._images: ImagePreparer | None = None
         self._compiler: ConstraintCompiler | None = None
         self._scheduler = Scheduler(
             max_running=config.max_concurrency,
@@ -355,6 +357,21 @@ class Engine:
             template_override=chat.template_override,
             band_chars=chat.stable_prefix_chars,
         )
+        vision = None
+        if chat.images:
+            preparer = self._images
+            if preparer is None:
+                raise InvalidRequest(
+                    f"the model {self.info.model_id} takes no images (it is text-only)",
+                    param=chat.images[0].param,
+                )
+            limits = ImageLimits.of(self.config)
+            parts = tuple(chat.images)
+            # Decoding and the processor are CPU work: a worker thread, never
+            # the Trio thread nor the MLX host thread.
+            rendered, vision = await trio.to_thread.run_sync(
+                lambda: prepare_vision(rendered, parts, preparer, limits)
+            )
         prompt = rendered.tokens
         max_tokens = self.bound_max_tokens(len(prompt), chat.max_tokens)
         constraint = await self.compile_constraint(
@@ -387,6 +404,7 @@ class Engine:
             constraint=constraint,
             max_thinking_tokens=thinking,
             top_logprobs=chat.top_logprobs,
+            vision=vision,
         )
         return PreparedChat(chat, request)
 
@@ -437,8 +455,29 @@ class Engine:
             raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
         self.bound_max_tokens(len(request.prompt), request.max_tokens)
         vocab = self.info.vocab_size
-        if vocab and not all(0 <= t < vocab for t in request.prompt):
+        ids = request.prompt
+        if request.vision is not None:
+            if not self.info.vision:
+                raise InvalidRequest(
+                    f"the model {self.info.model_id} takes no images", param="messages"
+                )
+            # The prompt is the cache key (core.images); the model sees these.
+            ids = request.vision.model_tokens
+            if len(ids) != len(request.prompt) or (
+                request.vision.spans and request.vision.end >= len(ids)
+            ):
+                raise InvalidRequest("the prompt must go on after its last image", param="messages")
+        if vocab and not all(0 <= t < vocab for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if self._images is not None:
+            # A placeholder without its pixels (a message that spells the
+            # image marker out) would embed a token the model never saw alone.
+            placed = sum(s.length for s in request.vision.spans) if request.vision else 0
+            if ids.count(self._images.image_token) != placed:
+                raise InvalidRequest(
+                    "the prompt holds the model's image placeholder token without an image",
+                    param="messages",
+                )
         p = request.sampling
         for name, value, lo, hi in (
             ("temperature", p.temperature, 0.0, math.inf),
@@ -626,11 +665,16 @@ class Engine:
     # --- the host thread's side (called through trio.from_thread) ----------
 
     def ready(
-        self, info: ModelInfo, renderer: PromptRenderer, compiler: ConstraintCompiler | None
+        self,
+        info: ModelInfo,
+        renderer: PromptRenderer,
+        compiler: ConstraintCompiler | None,
+        images: ImagePreparer | None = None,
     ) -> None:
         self._info = info
         self._renderer = renderer
         self._compiler = compiler
+        self._images = images
         assert self._task_status is not None
         self._task_status.started(self)
         self._task_status = None

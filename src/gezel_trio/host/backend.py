@@ -24,6 +24,7 @@ __all__ = [
     "Captured",
     "ConstraintCompiler",
     "Detokenizer",
+    "ImagePreparer",
     "PrefillOut",
     "PromptRenderer",
     "StepOutput",
@@ -116,6 +117,23 @@ class StepOutput:
     failed: tuple[tuple[int, Exception], ...] = ()
 
 
+class ImagePreparer(Protocol):
+    """A vision model's processor (E9): tokenizes a rendered prompt with each
+    image marker expanded to the image's placeholder tokens, and turns the
+    decoded images into the model's input features. Runs on a worker thread
+    (image resizing and normalising are CPU work); the features are only
+    computed with on the host thread."""
+
+    @property
+    def image_token(self) -> int:
+        """The placeholder token id an image expands to."""
+        ...
+
+    def prepare(self, text: str, images: Sequence[Any]) -> tuple[tuple[int, ...], Any]:
+        """``(token ids, features)`` for ``text`` and its RGB ``images``."""
+        ...
+
+
 class ConstraintCompiler(Protocol):
     """Compiles a request's grammar (pure Python and llguidance, any thread)."""
 
@@ -139,6 +157,11 @@ class Backend(Protocol):
     @property
     def compiler(self) -> ConstraintCompiler | None:
         """``None`` when this backend cannot constrain decoding."""
+        ...
+
+    @property
+    def images(self) -> ImagePreparer | None:
+        """``None`` unless the model takes images."""
         ...
 
     def token_text(self, token: int) -> str:

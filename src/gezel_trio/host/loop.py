@@ -45,7 +45,15 @@ from ..core.events import (
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
-from .backend import Backend, Captured, ConstraintCompiler, Detokenizer, PromptRenderer, TokenOut
+from .backend import (
+    Backend,
+    Captured,
+    ConstraintCompiler,
+    Detokenizer,
+    ImagePreparer,
+    PromptRenderer,
+    TokenOut,
+)
 from .persist import DiskCache
 from .prompt_cache import CacheSnapshot, PromptCache
 
@@ -142,7 +150,11 @@ class EngineLink(Protocol):
     ``trio.from_thread.run``."""
 
     def ready(
-        self, info: ModelInfo, renderer: PromptRenderer, compiler: ConstraintCompiler | None
+        self,
+        info: ModelInfo,
+        renderer: PromptRenderer,
+        compiler: ConstraintCompiler | None,
+        images: ImagePreparer | None = None,
     ) -> None: ...
     def exchange(self, report: StepReport) -> Orders: ...
     async def wait_for_work(self) -> None: ...
@@ -354,7 +366,11 @@ class _Host:
         self._stepped = True
         for rid, error in out.failed:
             if rid in self.seqs:
-                self._fail(rid, "its sampler or logits processors", error)
+                self._fail(
+                    rid,
+                    "its own part of the step (sampler, logits processors, image prefill)",
+                    error,
+                )
         for p in out.prefill:
             if p.rid not in self.seqs:
                 continue
@@ -499,7 +515,9 @@ def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: Engi
     host: _Host | None = None
     try:
         host = _make_host(backend, config)
-        trio.from_thread.run_sync(link.ready, backend.info, backend.renderer, backend.compiler)
+        trio.from_thread.run_sync(
+            link.ready, backend.info, backend.renderer, backend.compiler, backend.images
+        )
         report = host.report()
         while True:
             orders = trio.from_thread.run_sync(link.exchange, report)
@@ -539,7 +557,7 @@ async def run_host_inline(
     chunks: dict[int, int] = {}
     try:
         host = _make_host(backend, config)
-        link.ready(backend.info, backend.renderer, backend.compiler)
+        link.ready(backend.info, backend.renderer, backend.compiler, backend.images)
         report = host.report()
         while True:
             orders = link.exchange(report)

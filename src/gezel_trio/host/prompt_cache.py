@@ -139,8 +139,16 @@ def _sound(cap: Captured, ops: CacheOps) -> bool:
 def _file_key(entry: Entry) -> str:
     if entry.key is not None:
         return "name:" + entry.key
-    digest = hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in entry.tokens))
+    digest = hashlib.sha256(b"".join(map(_token_bytes, entry.tokens)))
     return "anon:" + digest.hexdigest()[:32]
+
+
+def _token_bytes(token: int) -> bytes:
+    # Image keys (core.images) are negative and wider than a token id; text
+    # tokens keep the 4-byte form, so existing files keep their keys.
+    if token >= 0:
+        return token.to_bytes(4, "little")
+    return b"\xff\xff\xff\xff" + (-token).to_bytes(8, "little")
 
 
 class PromptCache:

@@ -149,6 +149,12 @@ async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
             "roster-mismatch",
             "the saved entry was built with a different tool roster",
         )
+    for i, m in enumerate(warm.messages):
+        if m.has_images():
+            raise InvalidRequest(
+                "cache warming takes text only; a request with images is cached as it runs",
+                param=f"messages[{i}].content",
+            )
     base = [m.to_template() for m in warm.messages]
     cut: int | None
     if warm.messages[-1].role in ("user", "tool"):

@@ -56,21 +56,25 @@ def _sampling(req: ChatCompletionRequest) -> SamplingParams:
     )
 
 
-def _refuse_unsupported(req: ChatCompletionRequest) -> None:
+def _refuse_unsupported(req: ChatCompletionRequest, *, vision: bool) -> None:
     """Fields the wire contract names but this build does not serve yet are
     refused loudly rather than ignored."""
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    for i, m in enumerate(req.messages):
-        if m.has_images():
-            raise InvalidRequest(
-                "this server has no vision model loaded", param=f"messages[{i}].content"
-            )
+    if not vision:
+        for i, m in enumerate(req.messages):
+            if m.has_images():
+                raise InvalidRequest(
+                    "the loaded model is text-only: it takes no images",
+                    param=f"messages[{i}].content",
+                )
 
 
-def chat_request(req: ChatCompletionRequest) -> ChatRequest:
-    """The engine's view of a validated chat-completions body."""
-    _refuse_unsupported(req)
+def chat_request(req: ChatCompletionRequest, *, vision: bool = True) -> ChatRequest:
+    """The engine's view of a validated chat-completions body. ``vision``:
+    whether the model takes images (a text-only model refuses them here)."""
+    _refuse_unsupported(req, vision=vision)
+    images = tuple(p for i, m in enumerate(req.messages) for p in m.image_parts(i))
     return ChatRequest(
         messages=[m.to_template() for m in req.messages],
         tools=tool_dicts(req.tools),
@@ -90,6 +94,7 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
         template_override=req.chat_template_override,
         max_thinking_tokens=req.thinking_budget,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        images=images,
     )
 
 
@@ -222,7 +227,7 @@ def add_chat_routes(app: QuartTrio, engine: Engine, *, stream_tool_calls: bool =
     async def chat_completions() -> Response:
         req = parse_chat_request(await json_body())
         engine.check_admission()
-        prepared = await engine.prepare_chat(chat_request(req))
+        prepared = await engine.prepare_chat(chat_request(req, vision=engine.info.vision))
         # Against the model (token ids, numbers) before any byte is sent.
         engine.check_request(prepared.request)
         cid = f"chatcmpl-{uuid.uuid4().hex}"

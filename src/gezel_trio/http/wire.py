@@ -38,7 +38,9 @@ from cattrs.gen import make_dict_structure_fn
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidImage, InvalidRequest
+from ..core.images import ImagePart
+from .images import from_base64, from_data_url
 
 __all__ = [
     "MAX_DEPTH",
@@ -188,12 +190,46 @@ class Message:
         parts = self.content if isinstance(self.content, list) else []
         return bool(self.images) or any(p.type == "image_url" for p in parts)
 
+    def image_parts(self, index: int) -> list[ImagePart]:
+        """This message's images, in the order ``to_template`` places them:
+        the ``images`` extension first, then the ``image_url`` parts."""
+        out = [
+            from_base64(data, f"messages[{index}].images[{k}]")
+            for k, data in enumerate(self.images or [])
+        ]
+        parts = self.content if isinstance(self.content, list) else []
+        for j, p in enumerate(parts):
+            if p.type == "image_url":
+                where = f"messages[{index}].content[{j}]"
+                if p.image_url is None:
+                    raise InvalidImage(f"{where}: an image_url part needs image_url", param=where)
+                out.append(from_data_url(p.image_url.url, where + ".image_url.url"))
+        return out
+
+    def _content(self) -> str | list[dict[str, Any]]:
+        if not self.has_images():
+            return self.text() or ""
+        # Chat templates of vision models take content parts: an image is
+        # {"type": "image"} where it sits (its pixels travel beside).
+        out: list[dict[str, Any]] = [{"type": "image"} for _ in self.images or []]
+        if isinstance(self.content, str):
+            out.append({"type": "text", "text": self.content})
+        for p in self.content if isinstance(self.content, list) else []:
+            if p.type == "image_url":
+                out.append({"type": "image"})
+            elif p.type in ("text", "input_text"):
+                out.append({"type": "text", "text": p.text or ""})
+            elif p.type == "refusal":
+                out.append({"type": "text", "text": p.refusal or ""})
+        return out
+
     def to_template(self) -> dict[str, Any]:
         """The mapping a chat template sees: ``developer`` becomes ``system``;
-        a legacy ``function_call`` becomes a tool call."""
+        a legacy ``function_call`` becomes a tool call; a message with images
+        has a list of text and ``{"type": "image"}`` parts."""
         out: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
-            "content": self.text() or "",
+            "content": self._content(),
         }
         if self.name is not None:
             out["name"] = self.name

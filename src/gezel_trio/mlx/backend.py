@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import attrs
 import mlx.core as mx
 from mlx.utils import tree_map, tree_unflatten
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -51,6 +52,7 @@ from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .loading import load_model
 from .model_source import resolve_model
+from .vision import VisionModel, VisionPrefill, fresh_cache
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
 
@@ -317,6 +319,7 @@ class MlxBackend:
     def __init__(self, config: EngineConfig) -> None:
         loaded = load_model(config)
         model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
+        self._vision: VisionModel | None = loaded.vision
         self._model = model
         self._tokenizer = tokenizer
         self._config = config
@@ -373,6 +376,7 @@ class MlxBackend:
             ),
             tool_format=fmt.name if (fmt := resolve_format(tokenizer.chat_template)) else None,
             vocab_size=self._vocab_width or len(tokenizer.get_vocab()),
+            vision=self._vision is not None,
         )
         self._renderer = ChatTemplateRenderer(
             tokenizer,
@@ -399,6 +403,13 @@ class MlxBackend:
         # Requests that asked for logprobs: how many alternatives each wants.
         self._logprobs: dict[int, int] = {}
         self._faults = _Faults()
+        # Image prefills waiting for their lane's steps, oldest first (E9).
+        self._prefills: dict[Priority, list[tuple[VisionPrefill, Admission]]] = {}
+        # Sequences with images in a BatchGenerator: their key prompt (the
+        # tokens the host and the cache see) and how many tokens their image
+        # prefill counted before the generator took over.
+        self._keys: dict[int, tuple[int, ...]] = {}
+        self._offset: dict[int, int] = {}
 
     def _new_generator(self) -> BatchGenerator:
         n = self._config.max_concurrency
@@ -431,6 +442,10 @@ class MlxBackend:
     @property
     def compiler(self) -> _Compiler | None:
         return self._compiler
+
+    @property
+    def images(self) -> VisionModel | None:
+        return self._vision
 
     def token_text(self, token: int) -> str:
         return str(self._tokenizer.decode([token]))
@@ -487,8 +502,66 @@ class MlxBackend:
         return procs
 
     def _insert(self, lane: _Lane, adm: Admission) -> None:
+        vision = adm.request.vision
+        if vision is not None:
+            if self._vision is None:
+                raise InvalidRequest("this model takes no images", param="messages")
+            seed = len(adm.seed_tokens)
+            if seed < vision.end:
+                # The images are not all in the seed: prefill them first.
+                self._processors(adm.request)  # refuse a bad grammar now, not later
+                cuts, pos = set(), seed
+                for segment in adm.segments:
+                    pos += len(segment)
+                    cuts.add(pos)
+                prefill = VisionPrefill(
+                    rid=adm.rid,
+                    prompt=vision,
+                    key=adm.request.prompt,
+                    cache=adm.seed_state
+                    if adm.seed_state is not None
+                    else fresh_cache(self._vision),
+                    pos=seed,
+                    end=vision.end,
+                    seed=seed,
+                    total=len(adm.request.prompt) - seed,
+                    cuts=frozenset(cuts),
+                )
+                self._prefills.setdefault(adm.request.priority, []).append((prefill, adm))
+                return
+            self._keys[adm.rid] = adm.request.prompt
+        self._insert_generator(lane, adm)
+
+    def _join(self, lane: _Lane, prefill: VisionPrefill, adm: Admission) -> None:
+        """An image prefill is done: the sequence joins its lane's generator,
+        seeded with what the prefill computed; the text after the last image
+        prefills and decodes with the batch."""
+        rest: list[tuple[int, ...]] = []
+        pos = prefill.seed
+        for segment in adm.segments:
+            lo, hi = pos, pos + len(segment)
+            if hi > prefill.end:
+                rest.append(segment[max(0, prefill.end - lo) :])
+            pos = hi
+        self._keys[adm.rid] = adm.request.prompt
+        self._offset[adm.rid] = prefill.end - prefill.seed
+        self._insert_generator(
+            lane,
+            attrs.evolve(
+                adm,
+                segments=tuple(rest),
+                seed_state=prefill.cache,
+                seed_tokens=adm.request.prompt[: prefill.end],
+            ),
+        )
+
+    def _insert_generator(self, lane: _Lane, adm: Admission) -> None:
         r = adm.request
         rid = adm.rid
+        seed_tokens = list(adm.seed_tokens)
+        if r.vision is not None:
+            # The generator sees the model's ids, never the cache key's.
+            seed_tokens = list(r.vision.model_tokens[: len(seed_tokens)])
         sampler = _make_sampler(r.sampling, self._info.vocab_size)
         if sampler is not _greedy:  # the shared greedy sampler cannot fail per sequence
             sampler = self._faults.sampler(rid, sampler)
@@ -497,7 +570,7 @@ class MlxBackend:
             [[list(seg) for seg in adm.segments]],
             max_tokens=[r.max_tokens],
             caches=[adm.seed_state],
-            all_tokens=[list(adm.seed_tokens)],
+            all_tokens=[seed_tokens],
             samplers=[sampler],
             logits_processors=[procs],
             # A grammar decides where the output ends, and then allows only
@@ -512,8 +585,41 @@ class MlxBackend:
         if r.top_logprobs is not None:
             self._logprobs[rid] = r.top_logprobs
 
+    def _key(self, rid: int, tokens: Sequence[int]) -> tuple[int, ...]:
+        """A sequence's tokens as the cache knows them (image keys, E9)."""
+        key = self._keys.get(rid)
+        if key is None:
+            return tuple(tokens)
+        n = min(len(tokens), len(key))
+        return (*key[:n], *tokens[n:])
+
+    def _forget(self, rid: int) -> None:
+        self._keys.pop(rid, None)
+        self._offset.pop(rid, None)
+
+    def _take_prefill(self, rid: int) -> VisionPrefill | None:
+        for pending in self._prefills.values():
+            for i, (prefill, _) in enumerate(pending):
+                if prefill.rid == rid:
+                    del pending[i]
+                    return prefill
+        return None
+
+    def _find_prefill(self, rid: int) -> VisionPrefill | None:
+        for pending in self._prefills.values():
+            for prefill, _ in pending:
+                if prefill.rid == rid:
+                    return prefill
+        return None
+
     def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
         out = {}
+        for rid in rids:
+            prefill = self._take_prefill(rid)
+            if prefill is not None:
+                with mx.stream(self._stream):
+                    state = prefill.snapshot()
+                out[rid] = Captured(state, prefill.key[: prefill.pos])
         for lane in self._lanes.values():
             uids = [lane.uid_of.pop(r) for r in rids if r in lane.uid_of]
             if not uids:
@@ -527,10 +633,15 @@ class MlxBackend:
                 self._faults.failed.pop(rid, None)
                 if uid in got:
                     state, tokens = got[uid]
-                    out[rid] = Captured(list(state), tuple(tokens))
+                    out[rid] = Captured(list(state), self._key(rid, tokens))
+                self._forget(rid)
         return out
 
     def capture(self, rid: int) -> Captured | None:
+        prefill = self._find_prefill(rid)
+        if prefill is not None:
+            with mx.stream(self._stream):
+                return Captured(prefill.snapshot(), prefill.key[: prefill.pos])
         lane = self._lane_of.get(rid)
         uid = lane.uid_of.get(rid) if lane is not None else None
         if lane is None or uid is None:
@@ -539,7 +650,7 @@ class MlxBackend:
             got = lane.gen.extract_cache([uid]).get(uid)
         if got is None:
             return None
-        return Captured(list(got[0]), tuple(got[1]))
+        return Captured(list(got[0]), self._key(rid, got[1]))
 
     def state_offsets(self, state: Any) -> list[int | None]:
         return [getattr(c, "offset", None) if type(c) in _ALWAYS_TRIMMABLE else None for c in state]
@@ -623,22 +734,70 @@ class MlxBackend:
             raise ValueError("cache layers do not match this model's layout")
         return layers, dict(metadata)
 
+    def _step_images(
+        self, lane_name: Priority
+    ) -> tuple[list[PrefillOut], list[tuple[int, Exception]]]:
+        """One chunk of the lane's oldest image prefill, inside that
+        sequence's own failure boundary; a finished one joins the generator
+        first (so a capture between steps still finds it here)."""
+        pending = self._prefills.get(lane_name)
+        progress: list[PrefillOut] = []
+        failed: list[tuple[int, Exception]] = []
+        if not pending or self._vision is None:
+            return progress, failed
+        while pending and pending[0][0].done:
+            prefill, adm = pending.pop(0)
+            try:
+                self._join(self._lane(lane_name), prefill, adm)
+            except Exception as exc:
+                self._forget(prefill.rid)
+                failed.append((prefill.rid, exc))
+        if pending:
+            prefill = pending[0][0]
+            try:
+                with mx.stream(self._stream):
+                    prefill.advance(self._vision, self._config.prefill_step_size)
+            except Exception as exc:
+                pending.pop(0)
+                failed.append((prefill.rid, exc))
+                # Whatever the failed graph left queued on the stream is run
+                # now: a stream left with such work aborts the process when
+                # it exits (mlx 0.32, seen with a vision tower that raised).
+                mx.synchronize(self._stream)
+            else:
+                progress.append(
+                    PrefillOut(
+                        prefill.rid,
+                        prefill.pos - prefill.seed,
+                        prefill.total,
+                        prefill.pos in prefill.cuts,
+                    )
+                )
+        return progress, failed
+
     def step(self, lane_name: Priority) -> StepOutput:
+        image_progress, image_failed = self._step_images(lane_name)
         lane = self._lanes.get(lane_name)
         if lane is None:
-            return StepOutput()
+            return StepOutput(tuple(image_progress), (), tuple(image_failed))
         try:
             with mx.stream(self._stream):
                 prompt_responses, gen_responses = lane.gen.next()
         finally:
-            failed = self._faults.take()
+            failed = (*image_failed, *self._faults.take())
         rid_of = lane.rid_of
-        prefill = tuple(
-            PrefillOut(
-                rid_of[r.uid], int(r.progress[0]), int(r.progress[1]), bool(r.end_of_segment)
-            )
-            for r in prompt_responses
-            if r.uid in rid_of and not r.end_of_prompt
+        prefill = (
+            *image_progress,
+            *(
+                PrefillOut(
+                    rid_of[r.uid],
+                    int(r.progress[0]) + self._offset.get(rid_of[r.uid], 0),
+                    int(r.progress[1]) + self._offset.get(rid_of[r.uid], 0),
+                    bool(r.end_of_segment),
+                )
+                for r in prompt_responses
+                if r.uid in rid_of and not r.end_of_prompt
+            ),
         )
         tokens = []
         for r in gen_responses:
@@ -651,10 +810,10 @@ class MlxBackend:
                 tokens.append(TokenOut(rid, int(r.token), None, logprob=logprob, top=top))
                 continue
             state = list(r.prompt_cache) if r.prompt_cache is not None else None
-            tokens.append(
-                TokenOut(rid, int(r.token), finish, state, tuple(r.all_tokens or ()), logprob, top)
-            )
+            held = self._key(rid, r.all_tokens or ())
+            tokens.append(TokenOut(rid, int(r.token), finish, state, held, logprob, top))
             self._logprobs.pop(rid, None)
+            self._forget(rid)
             del rid_of[r.uid]
             del lane.uid_of[rid]
             self._lane_of.pop(rid, None)
@@ -682,14 +841,19 @@ class MlxBackend:
         mx.clear_cache()
 
     def reset(self, lane_name: Priority) -> None:
+        for prefill, _ in self._prefills.pop(lane_name, []):
+            self._forget(prefill.rid)
         lane = self._lanes.pop(lane_name, None)
         if lane is not None:
             for rid in lane.uid_of:
                 self._lane_of.pop(rid, None)
                 self._logprobs.pop(rid, None)
+                self._forget(rid)
             lane.gen.close()
         mx.clear_cache()
 
     def close(self) -> None:
         for name in list(self._lanes):
             self.reset(name)
+        self._prefills.clear()
+        mx.synchronize(self._stream)

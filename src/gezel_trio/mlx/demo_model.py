@@ -9,6 +9,15 @@
   layers are gated-delta linear attention (``ArraysCache``, not trimmable)
   except every ``full_attention_interval``-th one, which is full attention
   (``KVCache``).
+* ``vision``: a LLaVA-style (``model_type: "llava"``) vision-language model
+  that mlx-vlm loads: a CLIP vision tower, a two-layer projector and the
+  dense kind's llama language model, with the files its processor reads
+  (``preprocessor_config.json`` for transformers' ``CLIPImageProcessor``,
+  ``processor_config.json`` for mlx-vlm's ``LlavaProcessor``). Its tokenizer
+  is the shared one plus an ``<image>`` token, which the chat template
+  writes for an image part and the processor expands to one token per patch
+  (16 for the tiny size's 32x32 pixels in 8x8 patches, 64 for bench's 112x112
+  in 14x14).
 
 Sizes: ``tiny`` (hidden 64, 4 layers, float32, about 2 MB) for tests and
 ``bench`` (hidden 512, 8 layers, bfloat16, 42-47 MB) so that prefill and
@@ -59,7 +68,7 @@ from .model_source import cache_root, materialize
 if TYPE_CHECKING:
     import mlx.core as mx
 
-DemoKind = Literal["dense", "hybrid"]
+DemoKind = Literal["dense", "hybrid", "vision"]
 DemoSize = Literal["tiny", "bench"]
 
 BUILDER_VERSION: Final = "v2"
@@ -81,6 +90,8 @@ UNK_ID: Final = 0
 ENDOFTEXT_ID: Final = 1
 IM_START_ID: Final = 2
 IM_END_ID: Final = 3
+# The vision kind's image placeholder, appended after the trained vocabulary.
+IMAGE_TOKEN: Final = "<image>"
 
 _SEED: Final = 1234
 _LOGIT_SCALE: Final = 4.0
@@ -184,8 +195,11 @@ def ensure_demo_model(
 
 def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
     dims = _dims(size)
-    vocab_size = _write_tokenizer(dest)
+    vocab_size = _write_tokenizer(dest, image_token=kind == "vision")
     config = _model_config(kind, dims, vocab_size)
+    if kind == "vision":
+        config = _vision_config(size, config, vocab_size)
+        _write_processor(size, dest)
     _write_json(dest / "config.json", config)
     _write_json(
         dest / "generation_config.json",
@@ -201,9 +215,11 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
-def _write_tokenizer(dest: Path) -> int:
-    """Train the BPE tokenizer and write its files; return the vocab size."""
+def _write_tokenizer(dest: Path, *, image_token: bool = False) -> int:
+    """Train the BPE tokenizer and write its files; return the vocab size.
+    With ``image_token`` the vocabulary ends with ``<image>`` (special)."""
     from tokenizers import (
+        AddedToken,
         Regex,
         Tokenizer,
         decoders,
@@ -250,6 +266,8 @@ def _write_tokenizer(dest: Path) -> int:
     expected = [*SPECIAL_TOKENS, *CONTROL_TOKENS]
     if [tok.id_to_token(i) for i in range(len(expected))] != expected:
         raise RuntimeError("demo tokenizer: added tokens did not get ids 0..9")
+    if image_token:
+        tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     tok.save(str(dest / "tokenizer.json"))
 
     template = (_DATA_DIR / "chat_template.jinja").read_text("utf-8")
@@ -293,7 +311,7 @@ def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any
         "pad_token_id": ENDOFTEXT_ID,
         "torch_dtype": dims.dtype,
     }
-    if kind == "dense":
+    if kind in ("dense", "vision"):
         return {
             "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
@@ -323,15 +341,85 @@ def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any
     }
 
 
+def _vision_config(size: DemoSize, text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """A LLaVA config around the dense kind's text config."""
+    image, patch, hidden, layers = (32, 8, 32, 2) if size == "tiny" else (112, 14, 256, 4)
+    return {
+        "model_type": "llava",
+        "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": hidden,
+            "intermediate_size": hidden * 2,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "image_size": image,
+            "patch_size": patch,
+            "projection_dim": hidden,
+            "num_channels": 3,
+            "layer_norm_eps": 1e-5,
+        },
+        # The <image> token is the last id of the vocabulary.
+        "image_token_index": vocab_size - 1,
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "vocab_size": vocab_size,
+        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+        "torch_dtype": text["torch_dtype"],
+    }
+
+
+def _write_processor(size: DemoSize, dest: Path) -> None:
+    image, patch = (32, 8) if size == "tiny" else (112, 14)
+    _write_json(
+        dest / "preprocessor_config.json",
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": image},
+            "do_center_crop": True,
+            "crop_size": {"height": image, "width": image},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            # CLIP's own statistics, as real LLaVA checkpoints ship them.
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_convert_rgb": True,
+            "resample": 3,
+        },
+    )
+    _write_json(
+        dest / "processor_config.json",
+        {
+            "processor_class": "LlavaProcessor",
+            "patch_size": patch,
+            "vision_feature_select_strategy": "default",
+            "num_additional_image_tokens": 1,
+            "image_token": IMAGE_TOKEN,
+        },
+    )
+
+
 def _write_weights(kind: DemoKind, dims: _Dims, config: dict[str, Any], path: Path) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import llama, qwen3_5
 
-    arch = llama if kind == "dense" else qwen3_5
     # Instantiated only for the exact parameter names and shapes that load()
     # expects; its own (global-RNG) initial values are replaced below.
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    if kind == "vision":
+        from mlx_vlm.models import llava
+
+        cfg = llava.ModelConfig.from_dict(config)
+        cfg.text_config = llava.TextConfig.from_dict(config["text_config"])
+        cfg.vision_config = llava.VisionConfig.from_dict(config["vision_config"])
+        model: Any = llava.Model(cfg)
+    else:
+        from mlx_lm.models import llama, qwen3_5
+
+        arch = llama if kind == "dense" else qwen3_5
+        model = arch.Model(arch.ModelArgs.from_dict(config))
     params = sorted(cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
     keys = mx.random.split(mx.random.key(_SEED), len(params))
     dtype = mx.bfloat16 if dims.dtype == "bfloat16" else mx.float32
@@ -351,6 +439,10 @@ def _init_param(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
 
     if name.endswith("norm.weight") or name.endswith("dt_bias"):
         return mx.ones(shape)
+    if len(shape) == 1 and "norm" in name and name.endswith(".weight"):
+        return mx.ones(shape)  # the vision tower's layer_norm1 / pre_layrnorm ...
+    if name.endswith("class_embedding") or name.endswith("position_embedding.weight"):
+        return mx.random.normal(shape, key=key) * 0.02
     if name.endswith(".bias"):
         return mx.zeros(shape)
     if name.endswith("A_log"):
@@ -371,6 +463,8 @@ def _init_param(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
         n_added = len(SPECIAL_TOKENS) + len(CONTROL_TOKENS)
         row = mx.arange(shape[0])[:, None]
         w = mx.where(row < n_added, 0.0, w * _LOGIT_SCALE)
+        if name.startswith("language_model."):
+            w = mx.where(row == shape[0] - 1, 0.0, w)  # never generate <image>
     return w
 
 

@@ -35,6 +35,7 @@ from ..core.config import EngineConfig
 from ..core.errors import ModelLoadError
 from . import blas
 from .model_source import resolve_model
+from .vision import is_vision_model, load_vision
 
 __all__ = ["LoadedModel", "hold_float32", "load_model"]
 
@@ -49,11 +50,20 @@ class LoadedModel:
     tokenizer: Any
     path: Path
     weights: str  # the weight format in use, for logs
+    # A vision-language model (``vision.VisionModel``): ``model`` is then its
+    # language model, as mlx-lm's class.
+    vision: Any = None
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """Resolve, load and adapt the model; raises ``ModelLoadError``."""
     path = resolve_model(config.model)
+    if is_vision_model(path):
+        vision, tokenizer, weights = load_vision(
+            path, lambda vlm: _adapt_weights(vlm, keep=config.keep_quantized)
+        )
+        log.info("vision model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
+        return LoadedModel(vision.text, tokenizer, path, weights, vision)
     try:
         # A local directory, and the tokenizer told to stay local: nothing
         # here can reach a model hub, whatever the environment says.

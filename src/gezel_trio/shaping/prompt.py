@@ -35,6 +35,9 @@ class RenderedPrompt:
     tokens: tuple[int, ...]
     band_end: int | None = None
     boundaries: tuple[int, ...] = ()
+    # The rendered text: a vision model's processor tokenizes it again,
+    # expanding each image marker (``core.images``).
+    text: str = ""
 
 
 def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -220,7 +223,7 @@ class ChatTemplateRenderer:
             ) from error
         if not band_chars and not self._find_boundaries:
             ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
-            return RenderedPrompt(tuple(ids))
+            return RenderedPrompt(tuple(ids), text=text)
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
         enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
         tokens = tuple(enc["input_ids"])
@@ -229,7 +232,7 @@ class ChatTemplateRenderer:
         bounds: tuple[int, ...] = ()
         if self._find_boundaries:
             bounds = self._boundaries(prepared, text, ends, *used, template_override)
-        return RenderedPrompt(tokens, band_end, bounds)
+        return RenderedPrompt(tokens, band_end, bounds, text)
 
     def _boundaries(
         self,

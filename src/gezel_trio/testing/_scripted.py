@@ -182,6 +182,10 @@ class ScriptedBackend:
     def compiler(self) -> None:
         return None  # no grammar support: constrained requests are refused
 
+    @property
+    def images(self) -> None:
+        return None  # a text-only model
+
     def token_text(self, token: int) -> str:
         return chr(token)
 

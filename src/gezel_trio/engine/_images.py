@@ -1,0 +1,149 @@
+"""Images into a vision prompt, on a worker thread (SPEC E9).
+
+``prepare_vision`` runs in ``trio.to_thread.run_sync``, never on the Trio
+thread and never on the MLX host thread: it decodes each ``ImagePart``
+(base64, then Pillow), checks it against the limits, hashes its pixels, runs
+the model's processor (``ImagePreparer``: resizing, normalising, expanding
+each image marker to its placeholder tokens) and returns the request's key
+prompt with its ``VisionPrompt``. Every failure is an ``InvalidImage`` (400)
+naming the part. The vision tower itself runs later, on the host thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from ..core.config import EngineConfig
+from ..core.errors import InvalidImage, InvalidRequest
+from ..core.images import ImagePart, ImageSpan, VisionPrompt, key_prompt, place_images
+from ..host.backend import ImagePreparer
+from ..shaping.prompt import RenderedPrompt
+
+__all__ = ["ImageLimits", "decode_image", "prepare_vision"]
+
+# What Pillow calls the formats the server takes (E9: PNG, JPEG, WebP, GIF).
+_FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}
+
+
+@attrs.frozen
+class ImageLimits:
+    count: int
+    bytes: int
+    pixels: int
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> ImageLimits:
+        return cls(config.max_images, config.max_image_bytes, config.max_image_pixels)
+
+
+@attrs.frozen
+class Decoded:
+    image: Any  # an RGB PIL.Image.Image
+    digest: bytes
+
+
+def decode_image(part: ImagePart, limits: ImageLimits) -> Decoded:
+    """Decode one image (worker thread). The digest hashes the decoded RGB
+    pixels and the size, so the same picture sent as PNG or as lossless
+    WebP is the same image to the prompt cache."""
+    from PIL import Image, UnidentifiedImageError
+
+    where = part.param
+    # Base64 is 4 characters per 3 bytes: refuse before decoding anything.
+    if len(part.data) // 4 * 3 > limits.bytes:
+        raise InvalidImage(f"{where}: the image is larger than {limits.bytes} bytes", param=where)
+    try:
+        raw = base64.b64decode("".join(part.data.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidImage(f"{where}: the image is not valid base64 ({exc})", param=where) from exc
+    if not raw:
+        raise InvalidImage(f"{where}: the image is empty", param=where)
+    try:
+        image: Any = Image.open(io.BytesIO(raw), formats=list(_FORMATS))
+    except UnidentifiedImageError as exc:
+        raise InvalidImage(
+            f"{where}: not a PNG, JPEG, WebP or GIF image (or a broken one)", param=where
+        ) from exc
+    width, height = image.size
+    # The header's size, checked before the pixels are decoded.
+    if width * height > limits.pixels:
+        raise InvalidImage(
+            f"{where}: the image is {width}x{height} pixels, more than the {limits.pixels} allowed",
+            param=where,
+        )
+    if width < 1 or height < 1:
+        raise InvalidImage(f"{where}: the image has no pixels", param=where)
+    try:
+        image.seek(0)  # an animated GIF or WebP: its first frame
+        image.load()
+        rgb = image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        # Pillow says "image file is truncated", "broken data stream", ...
+        raise InvalidImage(
+            f"{where}: the {_FORMATS.get(image.format, image.format)} image could not be "
+            f"decoded ({exc})",
+            param=where,
+        ) from exc
+    digest = hashlib.blake2b(
+        f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes(), digest_size=16
+    ).digest()
+    return Decoded(rgb, digest)
+
+
+def prepare_vision(
+    rendered: RenderedPrompt,
+    parts: Sequence[ImagePart],
+    preparer: ImagePreparer,
+    limits: ImageLimits,
+) -> tuple[RenderedPrompt, VisionPrompt]:
+    """The key prompt (with boundaries and band end moved past the image
+    tokens) and the ``VisionPrompt`` for ``rendered`` and its images
+    (worker thread; raises ``InvalidImage`` / ``InvalidRequest``)."""
+    if len(parts) > limits.count:
+        raise InvalidImage(
+            f"{len(parts)} images in one request; at most {limits.count} are allowed",
+            param=parts[limits.count].param,
+        )
+    decoded = [decode_image(p, limits) for p in parts]
+    try:
+        tokens, features = preparer.prepare(rendered.text, [d.image for d in decoded])
+    except Exception as exc:
+        raise InvalidRequest(
+            f"the model's processor could not prepare these images: {type(exc).__name__}: {exc}",
+            param="messages",
+        ) from exc
+    try:
+        placed = place_images(tokens, preparer.image_token, len(decoded))
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"the chat template did not place the {len(decoded)} images of this request ({exc})",
+            param="messages",
+        ) from exc
+    spans = tuple(
+        ImageSpan(start, length, d.digest)
+        for (start, length), d in zip(placed, decoded, strict=True)
+    )
+    # Token indices of the render (one marker per image) move by each image's
+    # expansion before them.
+    markers = [i for i, t in enumerate(rendered.tokens) if t == preparer.image_token]
+
+    def moved(index: int) -> int:
+        if len(markers) != len(spans):
+            return min(index, spans[0].start)  # cannot map: keep what precedes the images
+        return index + sum(s.length - 1 for m, s in zip(markers, spans, strict=True) if m < index)
+
+    key = key_prompt(tokens, spans)
+    out = RenderedPrompt(
+        key,
+        None if rendered.band_end is None else moved(rendered.band_end),
+        tuple(sorted({moved(b) for b in rendered.boundaries})),
+        rendered.text,
+    )
+    return out, VisionPrompt(tuple(tokens), spans, features)
