@@ -633,7 +633,27 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
                     }
                 ]
             },
-            "content[0]: image blocks are not supported",
+            "content[0].source.url: remote image URLs are not fetched",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "iVBORw0KGgo=",
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "takes no images (it is text-only)",
         ),
         ({"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "prefill"),
         ({"messages": [{"role": "system", "content": ""}]}, "nothing to answer"),

@@ -379,3 +379,72 @@ async def test_a_failing_image_prefill_fails_that_request_alone(vision_model: Pa
     assert "image prefill" in str(ends["broken"].error)
     assert isinstance(ends["good"], ChatFinished)
     assert isinstance(ends["text"], ChatFinished)
+
+
+async def test_anthropic_image_blocks_are_the_same_image_as_chat_image_urls(
+    vision_model: Path,
+) -> None:
+    """The anthropic SDK sending a base64 ``image`` block: the same prompt
+    and the same greedy words as the chat route's ``image_url`` (so the
+    prompt cache reuses across protocols), ``count_tokens`` counts the
+    image's placeholder tokens, and an image in the wrong place or from a
+    remote URL is an Anthropic-shaped 400 naming the block."""
+    import anthropic
+
+    raw = base64.b64encode(encoded(picture("sun"))).decode()
+    image_block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": raw},
+    }
+    question = [image_block, {"type": "text", "text": "What is in this picture?"}]
+    with trio.fail_after(HANG):
+        async with served(vision_model) as (_engine, url):
+            c = client(url)
+            chat = await in_thread(lambda: complete(c, ask(SUN)))
+            c.close()
+            a = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+
+            def create(content: list[dict[str, Any]], **kw: Any) -> Any:
+                return a.messages.create(
+                    model="demo",
+                    max_tokens=10,
+                    messages=[{"role": "user", "content": content}],
+                    extra_body={"temperature": 0},
+                    **kw,
+                )
+
+            msg = await in_thread(lambda: create(question))
+            counted = await in_thread(
+                lambda: a.messages.count_tokens(
+                    model="demo", messages=[{"role": "user", "content": question}]
+                )
+            )
+            remote = {
+                "type": "image",
+                "source": {"type": "url", "url": "https://example.com/a.png"},
+            }
+            with pytest.raises(anthropic.BadRequestError) as far:
+                await in_thread(lambda: create([remote, {"type": "text", "text": "hi"}]))
+            with pytest.raises(anthropic.BadRequestError) as misplaced:
+                await in_thread(
+                    lambda: a.messages.create(
+                        model="demo",
+                        max_tokens=5,
+                        system=[{"type": "text", "text": "be brief"}],
+                        messages=[
+                            {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": [image_block]},
+                            {"role": "user", "content": "and?"},
+                        ],
+                    )
+                )
+            a.close()
+    total = msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert total == chat.usage.prompt_tokens == counted.input_tokens
+    # Served from the chat request's cached prefix, past the image.
+    assert msg.usage.cache_read_input_tokens == chat.usage.prompt_tokens - 1
+    assert msg.content[0].text == chat.choices[0].message.content
+    assert "remote image URLs are not fetched" in str(far.value)
+    assert "messages[0].content[0].source.url" in str(far.value)
+    assert "only appear in a user message" in str(misplaced.value)
+    assert "messages[1].content[0]" in str(misplaced.value)

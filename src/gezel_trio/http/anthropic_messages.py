@@ -31,6 +31,7 @@ from quart_trio import QuartTrio
 
 from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
 from ..core.events import Failed, Usage
+from ..core.images import ImagePart
 from ..core.request import SamplingParams
 from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatRequest, Engine
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
@@ -58,6 +59,7 @@ from .anthropic_wire import (
     parse_messages_request,
 )
 from .edge import json_body
+from .images import from_base64, from_data_url
 from .openai_chat import liveness_comment
 from .sse import ChatStream, event_stream, run_chat
 
@@ -73,7 +75,7 @@ __all__ = [
 MESSAGES_PATH = "/v1/messages"
 # Blocks of one turn are paragraphs of one message for the chat template.
 _JOIN = "\n\n"
-_NO_VISION = "image blocks are not supported: this server has no vision model loaded"
+_IMAGE_HERE = "an image block may only appear in a user message, beside its text"
 
 
 def owns(path: str) -> bool:
@@ -140,7 +142,7 @@ def _text_of(content: str | list[Any], where: str) -> str:
             case DocumentBlockParam():
                 texts.append(_document(block, f"{where}[{j}]"))
             case ImageBlockParam():
-                raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
+                raise InvalidRequest(_IMAGE_HERE, param=f"{where}[{j}]")
             case _:
                 raise InvalidRequest(
                     f"only text blocks may appear here, not {block.type!r}", param=f"{where}[{j}]"
@@ -148,31 +150,75 @@ def _text_of(content: str | list[Any], where: str) -> str:
     return _JOIN.join(texts)
 
 
-def _user(blocks: list[Block], where: str) -> list[dict[str, Any]]:
+def _image(block: ImageBlockParam, where: str) -> ImagePart:
+    """An image block's source as the engine's image part: base64 data or a
+    ``data:`` URL; a remote URL or a Files API id is refused by name."""
+    source = block.source
+    param = f"{where}.source"
+    match source.type:
+        case "base64":
+            if source.data is None:
+                raise InvalidRequest("a base64 image source needs data", param=param + ".data")
+            return from_base64(source.data, param + ".data", source.media_type)
+        case "url":
+            if source.url is None:
+                raise InvalidRequest("a url image source needs url", param=param + ".url")
+            return from_data_url(source.url, param + ".url")
+    raise InvalidRequest(
+        "file image sources need the Files API, which this server does not have; "
+        "send the image as a base64 source",
+        param=param,
+    )
+
+
+def _user(blocks: list[Block], where: str, images: list[ImagePart]) -> list[dict[str, Any]]:
     """A user turn: its tool results (as ``tool`` messages, first, so they
-    follow the calls they answer), then its text."""
+    follow the calls they answer), then its text. With images its content is
+    a list of text and ``{"type": "image"}`` parts in the blocks' order (the
+    pixels go to ``images``, in the same order)."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         match block:
             case TextBlockParam(text=text):
-                texts.append(text)
+                parts.append({"type": "text", "text": text})
             case DocumentBlockParam():
-                texts.append(_document(block, f"{where}[{j}]"))
+                parts.append({"type": "text", "text": _document(block, f"{where}[{j}]")})
             case ToolResultBlockParam(tool_use_id=call_id, content=content, is_error=is_error):
                 text = _text_of(content or "", f"{where}[{j}].content")
                 if is_error:
                     text = f"Error: {text}"
                 out.append({"role": "tool", "tool_call_id": call_id, "content": text})
             case ImageBlockParam():
-                raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
+                images.append(_image(block, f"{where}[{j}]"))
+                parts.append({"type": "image"})
             case _:
                 raise InvalidRequest(
                     f"a user message cannot hold {block.type} blocks", param=f"{where}[{j}]"
                 )
-    if texts:
-        out.append({"role": "user", "content": _JOIN.join(texts)})
+    if parts:
+        out.append({"role": "user", "content": _content(parts)})
     return out
+
+
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text parts as one string (what every template reads); with an image,
+    the parts themselves, adjacent text joined."""
+    if all(p["type"] == "text" for p in parts):
+        return _JOIN.join(p["text"] for p in parts)
+    out: list[dict[str, Any]] = []
+    for p in parts:
+        if p["type"] == "text" and out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + _JOIN + p["text"]}
+        else:
+            out.append(p)
+    return out
+
+
+def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    return content
 
 
 def _assistant(blocks: list[Block], where: str) -> dict[str, Any]:
@@ -191,7 +237,7 @@ def _assistant(blocks: list[Block], where: str) -> dict[str, Any]:
                 fn = {"name": name, "arguments": arguments}
                 calls.append({"id": call_id, "type": "function", "function": fn})
             case ImageBlockParam():
-                raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
+                raise InvalidRequest(_IMAGE_HERE, param=f"{where}[{j}]")
             case _:
                 raise InvalidRequest(
                     f"an assistant message cannot hold {block.type} blocks", param=f"{where}[{j}]"
@@ -214,7 +260,7 @@ def _merge(out: list[dict[str, Any]], message: dict[str, Any]) -> None:
         out.append(message)
         return
     if message["role"] == "user":
-        last["content"] = _JOIN.join(t for t in (last["content"], message["content"]) if t)
+        last["content"] = _content([*_parts(last["content"]), *_parts(message["content"])])
         return
     last["content"] += message["content"]
     if message.get("reasoning_content"):
@@ -224,11 +270,16 @@ def _merge(out: list[dict[str, Any]], message: dict[str, Any]) -> None:
 
 
 def chat_messages(
-    system: str | list[TextBlockParam] | None, messages: list[MessageParam]
+    system: str | list[TextBlockParam] | None,
+    messages: list[MessageParam],
+    images: list[ImagePart] | None = None,
 ) -> list[dict[str, Any]]:
     """The conversation in the chat template's roles. ``system`` and the
     ``system``-role messages before the first turn form one system message;
-    later ``system`` messages stay where they are."""
+    later ``system`` messages stay where they are. Image blocks of user
+    turns are appended to ``images`` in prompt order."""
+    if images is None:
+        images = []
     head: list[str] = []
     if system is not None:
         head.append(_text_of(system, "system"))
@@ -245,7 +296,7 @@ def chat_messages(
         blocks: list[Block] = (
             [TextBlockParam("text", m.content)] if isinstance(m.content, str) else m.content
         )
-        turn = _user(blocks, where) if m.role == "user" else [_assistant(blocks, where)]
+        turn = _user(blocks, where, images) if m.role == "user" else [_assistant(blocks, where)]
         for message in turn:
             _merge(out, message)
     if not out:
@@ -301,7 +352,8 @@ def _template_kwargs(req: CountTokensRequest) -> dict[str, Any]:
 
 def chat_request(req: MessagesRequest) -> ChatRequest:
     """The engine's view of a validated Messages body."""
-    messages = chat_messages(req.system, req.messages)
+    images: list[ImagePart] = []
+    messages = chat_messages(req.system, req.messages, images)
     if messages[-1]["role"] == "assistant":
         raise InvalidRequest(
             "the last message is the assistant's: continuing a partial assistant "
@@ -331,6 +383,7 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
         stop=tuple(req.stop_sequences or ()),
         template_kwargs=_template_kwargs(req),
         max_thinking_tokens=budget,
+        images=tuple(images),
     )
 
 
@@ -544,10 +597,25 @@ def add_messages_routes(app: QuartTrio, engine: Engine) -> None:
     @app.route(f"{MESSAGES_PATH}/count_tokens", methods=["POST"])
     async def count_tokens() -> Response:
         req = parse_count_tokens_request(await json_body())
-        rendered = await engine.render_chat(
-            chat_messages(req.system, req.messages),
-            tools=_tools(req),
-            template_kwargs=_template_kwargs(req),
-        )
-        body = {"input_tokens": len(rendered.tokens)}
+        images: list[ImagePart] = []
+        messages = chat_messages(req.system, req.messages, images)
+        if images:
+            # An image is as many tokens as its processor makes of it: the
+            # engine prepares the whole request (decoding on a worker thread).
+            prepared = await engine.prepare_chat(
+                ChatRequest(
+                    messages=messages,
+                    tools=_tools(req),
+                    template_kwargs=_template_kwargs(req),
+                    max_tokens=1,
+                    images=tuple(images),
+                )
+            )
+            count = len(prepared.request.prompt)
+        else:
+            rendered = await engine.render_chat(
+                messages, tools=_tools(req), template_kwargs=_template_kwargs(req)
+            )
+            count = len(rendered.tokens)
+        body = {"input_tokens": count}
         return Response(json.dumps(body), mimetype="application/json")
