@@ -52,7 +52,9 @@ class CacheRequest:
     cannot rewind, checkpoints are kept there. ``snapshot_at`` overrides the
     session's snapshot cut (cache warming); ``persist`` writes the saved
     entry to disk at once; ``roster`` fingerprints the tool list the prompt
-    was rendered with.
+    was rendered with. Sequences with the same ``prefill_group`` continue
+    the same prompt (``n > 1``): the first admitted computes it, the others
+    wait for its state at ``len(prompt) - 1`` and seed from it.
     """
 
     cache_id: str | None = None
@@ -62,6 +64,7 @@ class CacheRequest:
     snapshot_at: int | None = None
     persist: bool = False
     roster: str = ""
+    prefill_group: int | None = None
 
 
 @attrs.frozen

@@ -11,28 +11,41 @@ an engine's Prometheus registry.
 from ._chat import (
     ChatEvent,
     ChatFinished,
+    ChatGroupHandle,
     ChatHandle,
     ChatLogprobs,
     ChatRequest,
     PreparedChat,
+    combined_usage,
     roster_fingerprint,
 )
-from ._engine import Engine, EngineState, Health, RequestHandle, open_engine, run_engine
+from ._engine import (
+    Engine,
+    EngineState,
+    GroupHandle,
+    Health,
+    RequestHandle,
+    open_engine,
+    run_engine,
+)
 from ._metrics import EngineMetrics, Snapshot
 
 __all__ = [
     "ChatEvent",
     "ChatFinished",
+    "ChatGroupHandle",
     "ChatHandle",
     "ChatLogprobs",
     "ChatRequest",
     "Engine",
     "EngineMetrics",
     "EngineState",
+    "GroupHandle",
     "Health",
     "PreparedChat",
     "RequestHandle",
     "Snapshot",
+    "combined_usage",
     "open_engine",
     "roster_fingerprint",
     "run_engine",

@@ -42,7 +42,8 @@ class Detokenizer(Protocol):
 
 
 class PromptRenderer(Protocol):
-    """Turns a conversation into prompt token ids (pure Python, any thread)."""
+    """Turns a conversation into prompt token ids, and text into tokens and
+    back (pure Python, any thread)."""
 
     def render(
         self,
@@ -53,6 +54,14 @@ class PromptRenderer(Protocol):
         template_override: str | None,
         band_chars: int | None = None,
     ) -> RenderedPrompt: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        """Raw text as token ids, no chat template (legacy completions, /tokenize)."""
+        ...
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Token ids (inside the vocabulary) as text."""
+        ...
 
 
 @attrs.frozen

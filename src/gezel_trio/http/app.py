@@ -25,6 +25,7 @@ from ..engine import Engine
 from .cache_api import add_cache_routes
 from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
 from .openai_chat import add_chat_routes
+from .openai_completions import add_completion_routes
 from .openapi import openapi_json
 
 __all__ = ["HttpSettings", "create_app"]
@@ -154,5 +155,6 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         }
 
     add_chat_routes(app, engine)
+    add_completion_routes(app, engine)
 
     return app

@@ -21,7 +21,15 @@ from quart_trio import QuartTrio
 from ..core.errors import GezelError, InvalidRequest
 from ..core.events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
 from ..core.request import SamplingParams
-from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, ChatRequest, Engine
+from ..engine import (
+    ChatEvent,
+    ChatFinished,
+    ChatHandle,
+    ChatLogprobs,
+    ChatRequest,
+    Engine,
+    combined_usage,
+)
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta
 from .edge import json_body
 from .sse import (
@@ -33,14 +41,21 @@ from .sse import (
     error_body,
     event_stream,
     frame,
-    run_chat,
+    run_choices,
 )
-from .wire import ChatCompletionRequest, parse_chat_request, tool_dicts
+from .wire import ChatCompletionRequest, CompletionRequest, parse_chat_request, tool_dicts
 
-__all__ = ["add_chat_routes", "chat_request", "liveness_comment", "logprobs_body"]
+__all__ = [
+    "add_chat_routes",
+    "chat_request",
+    "liveness_comment",
+    "logprobs_body",
+    "sampling_params",
+]
 
 
-def _sampling(req: ChatCompletionRequest) -> SamplingParams:
+def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The engine's sampling parameters from a chat or legacy completions body."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -77,7 +92,7 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
         tool_choice=req.tool_choice,
         response_format=attrs.asdict(req.response_format) if req.response_format else None,
         tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
-        sampling=_sampling(req),
+        sampling=sampling_params(req),
         max_tokens=req.max_output_tokens,
         stop=req.stop_list,
         ignore_eos=req.ignore_eos,
@@ -90,6 +105,7 @@ def chat_request(req: ChatCompletionRequest) -> ChatRequest:
         template_override=req.chat_template_override,
         max_thinking_tokens=req.thinking_budget,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        n=req.n,
     )
 
 
@@ -144,17 +160,28 @@ def _delta(event: ChatEvent) -> dict[str, Any] | None:
 class _Chunks:
     """``sse.Translator`` for chat completions: one chunk per shaped delta,
     usage on every chunk, logprobs riding on the next chunk out (text held
-    back as a possible marker delays them, never drops them)."""
+    back as a possible marker delays them, never drops them). With ``n``
+    choices each chunk names its choice's ``index`` and carries that
+    choice's usage; the chunk that finishes the last choice carries the
+    usage of all (the prompt once)."""
 
-    def __init__(self, cid: str, model: str, include_usage: bool, logprobs: bool) -> None:
+    def __init__(
+        self, cid: str, model: str, include_usage: bool, logprobs: bool, n: int = 1
+    ) -> None:
         self._cid = cid
         self._model = model
         self._created = int(time.time())
         self._include_usage = include_usage
-        self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
+        self._logprobs: list[list[TokenLogprob]] | None = (
+            [[] for _ in range(n)] if logprobs else None
+        )
+        self._n = n
+        self._finished: dict[int, Usage] = {}
 
     def opening(self) -> list[bytes]:
-        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        return [
+            self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._n)
+        ]
 
     def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
         note = liveness_comment(event)
@@ -163,28 +190,35 @@ class _Chunks:
         match event:
             case ChatLogprobs(items=items):
                 if self._logprobs is not None:
-                    self._logprobs += items
+                    self._logprobs[chat.index] += items
                 return []
             case ChatFinished(reason=reason, usage=usage):
-                out = [self._chunk({}, reason, usage)]
+                self._finished[chat.index] = usage
+                if len(self._finished) < self._n:
+                    return [self._chunk(chat.index, {}, reason, usage)]
+                total = combined_usage(list(self._finished.values()))
+                out = [self._chunk(chat.index, {}, reason, total)]
                 if self._include_usage:
-                    body = chunk(self._cid, self._model, self._created, {}, None, usage)
+                    body = chunk(self._cid, self._model, self._created, {}, None, total)
                     body["choices"] = []
                     out.append(frame(body))
                 return [*out, DONE]
             case Failed(error=error):
                 return self.failure(error)
         delta = _delta(event)
-        return [] if delta is None else [self._chunk(delta, None, chat.usage)]
+        return [] if delta is None else [self._chunk(chat.index, delta, None, chat.usage)]
 
     def failure(self, err: GezelError) -> list[bytes]:
         return [frame(error_body(err)), DONE]
 
-    def _chunk(self, delta: dict[str, Any], reason: str | None, usage: Usage | None) -> bytes:
+    def _chunk(
+        self, index: int, delta: dict[str, Any], reason: str | None, usage: Usage | None
+    ) -> bytes:
         body = chunk(self._cid, self._model, self._created, delta, reason, usage)
-        if self._logprobs:
-            body["choices"][0]["logprobs"] = logprobs_body(self._logprobs)
-            self._logprobs = []
+        body["choices"][0]["index"] = index
+        if self._logprobs and self._logprobs[index]:
+            body["choices"][0]["logprobs"] = logprobs_body(self._logprobs[index])
+            self._logprobs[index] = []
         return frame(body)
 
 
@@ -202,10 +236,18 @@ def add_chat_routes(app: QuartTrio, engine: Engine) -> None:
         logprobs = prepared.request.top_logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            translator = _Chunks(cid, model, include_usage, logprobs)
+            translator = _Chunks(cid, model, include_usage, logprobs, req.n)
             return event_stream(ChatStream(engine, prepared, translator))
-        finished, items = await run_chat(engine, prepared)
-        body = completion(cid, model, finished.message, finished.reason, finished.usage)
-        if logprobs:
-            body["choices"][0]["logprobs"] = logprobs_body(items)
+        results = await run_choices(engine, prepared)
+        usage = combined_usage([finished.usage for finished, _ in results])
+        body = completion(cid, model, results[0][0].message, results[0][0].reason, usage)
+        body["choices"] = [
+            {
+                "index": i,
+                "message": finished.message,
+                "finish_reason": finished.reason,
+                "logprobs": logprobs_body(items) if logprobs else None,
+            }
+            for i, (finished, items) in enumerate(results)
+        ]
         return Response(json.dumps(body), mimetype="application/json")
