@@ -81,7 +81,9 @@ def test_echo_and_logprobs_give_the_legacy_object(server: Server) -> None:
     # The echoed prompt's tokens carry no logprob; the generated ones do,
     # with their alternatives (the sampled token always among them).
     assert lp.token_logprobs[:count] == [None] * count
-    generated = list(zip(lp.tokens[count:], lp.token_logprobs[count:], lp.top_logprobs[count:]))
+    generated = list(
+        zip(lp.tokens[count:], lp.token_logprobs[count:], lp.top_logprobs[count:], strict=True)
+    )
     for token, logprob, top in generated:
         assert logprob is not None
         assert logprob <= 0
