@@ -173,6 +173,46 @@ warm_bodies = st.fixed_dictionaries(
     optional={"persist": st.booleans(), "model": st.text(max_size=8), "tools": st.lists(_tool)},
 )
 
+_token_ids = st.lists(st.integers(0, 300), min_size=1, max_size=20)
+_completion_optional: dict[str, st.SearchStrategy[Any]] = {
+    **{
+        k: _chat_optional[k]
+        for k in (
+            "model",
+            "stream",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "stop",
+            "presence_penalty",
+            "logit_bias",
+            "ignore_eos",
+            "min_tokens",
+            "user",
+            "cache_id",
+            "priority",
+        )
+    },
+    "echo": st.booleans(),
+    "logprobs": st.integers(0, 3),
+    "n": st.integers(1, 3),
+    "best_of": st.integers(1, 3),
+}
+completion_bodies = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(max_size=40), _token_ids, st.lists(_token_ids, max_size=2))},
+    optional=_completion_optional,
+)
+tokenize_bodies = st.one_of(
+    st.fixed_dictionaries(
+        {"prompt": st.text(max_size=40)},
+        optional={"add_special_tokens": st.booleans(), "return_token_strs": st.booleans()},
+    ),
+    st.fixed_dictionaries({"messages": st.lists(_message, min_size=1, max_size=3)}),
+)
+detokenize_bodies = st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 300), max_size=20)})
+
 
 @st.composite
 def _mutated(draw: st.DrawFn, bodies: st.SearchStrategy[dict[str, Any]]) -> Any:
@@ -223,8 +263,20 @@ _GET_ROUTES = ["/v1/models", "/health", "/metrics", "/openapi.json", "/v1/cache/
 def requests(draw: st.DrawFn) -> Request:
     """One request to any route, well-formed or not."""
     route = draw(
-        st.sampled_from(["chat", "chat", "chat", "alias", "warm", "delete", "flush", "get", "odd"])
+        st.sampled_from(
+            [
+                *("chat", "chat", "chat", "alias", "warm", "delete", "flush", "get", "odd"),
+                *("completions", "tokenize", "detokenize"),
+            ]
+        )
     )
+    if route == "completions":
+        body = _bounded(draw(_mutated(completion_bodies)))
+        return Request("POST", "/v1/completions", _encode(body))
+    if route == "tokenize":
+        return Request("POST", "/tokenize", _encode(draw(_mutated(tokenize_bodies))))
+    if route == "detokenize":
+        return Request("POST", "/detokenize", _encode(draw(_mutated(detokenize_bodies))))
     if route in ("chat", "alias"):
         path = "/v1/chat/completions" if route == "chat" else "/chat/completions"
         return Request("POST", path, _encode(_bounded(draw(_mutated(chat_bodies)))))

@@ -55,6 +55,10 @@ def test_the_document_covers_every_route_and_field(server: Server) -> None:
         "/v1/cache/{cache_id}",
         "/v1/cache/warm",
         "/admin/flush",
+        "/v1/completions",
+        "/completions",
+        "/tokenize",
+        "/detokenize",
     }
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     for field in ("cache_id", "priority", "tool_grammar", "prompt_cache_key", "metadata"):
