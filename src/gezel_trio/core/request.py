@@ -91,3 +91,6 @@ class GenerationRequest:
     max_thinking_tokens: int | None = None
     # Report each token's logprob and this many alternatives (W2); None: off.
     top_logprobs: int | None = None
+    # The output continues the prompt's text (a raw prompt, legacy
+    # completions): its first space is kept, where a chat answer's is trimmed.
+    continues_text: bool = False

@@ -456,6 +456,7 @@ class Engine:
             constraint=constraint,
             max_thinking_tokens=thinking,
             top_logprobs=chat.top_logprobs,
+            continues_text=chat.prompt is not None,
         )
         return PreparedChat(chat, request)
 

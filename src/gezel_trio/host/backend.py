@@ -154,8 +154,11 @@ class Backend(Protocol):
         """One token's text, for logprobs."""
         ...
 
-    def detokenizer(self) -> Detokenizer:
-        """A fresh streaming detokenizer for one sequence."""
+    def detokenizer(self, keep_leading_space: bool = False) -> Detokenizer:
+        """A fresh streaming detokenizer for one sequence. Without
+        ``keep_leading_space`` it may trim the text's first space (a chat
+        answer); with it, the text is exactly what the tokens decode to
+        after the prompt (a raw prompt's continuation)."""
         ...
 
     def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:

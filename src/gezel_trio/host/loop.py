@@ -357,7 +357,7 @@ class _Host:
                     lane=request.priority,
                     prompt_len=len(request.prompt),
                     cached=seed.reuse,
-                    detok=self.backend.detokenizer(),
+                    detok=self.backend.detokenizer(keep_leading_space=request.continues_text),
                     text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
                 )

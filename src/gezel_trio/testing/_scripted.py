@@ -178,7 +178,7 @@ class ScriptedBackend:
     def running(self) -> tuple[int, ...]:
         return tuple(self._seqs)
 
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self, keep_leading_space: bool = False) -> Detokenizer:
         return _CharDetokenizer()
 
     def decode(self, tokens: Sequence[int]) -> str:
