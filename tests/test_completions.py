@@ -7,6 +7,7 @@ is in ``test_clients.py``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,32 @@ def test_n_choices_share_the_prompt_and_count_it_once(server: Server) -> None:
         for ch in c.choices:
             streamed[ch.index] += ch.text
     assert streamed == texts
+
+
+def prefilled(server: Server) -> float:
+    """``/metrics``: prompt tokens the engine computed by prefill."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    (value,) = re.findall(r"^gezel_prompt_tokens_prefilled_total (\S+)$", text, re.M)
+    return float(value)
+
+
+def test_n_choices_prefill_the_prompt_once(server: Server) -> None:
+    """For n = 4 the engine computes the prompt once: each sibling computes
+    only the prompt's last token (its own logits), seeded from the first."""
+    costs = {}
+    for n, prompt in ((1, "Zebras graze at dawn, " * 6), (4, "Yaks roam the high hills, " * 6)):
+        before = prefilled(server)
+        r = server.client.completions.create(
+            model="demo", prompt=prompt, max_tokens=2, seed=3, n=n, extra_body=FIXED
+        )
+        assert len(r.choices) == n
+        assert r.usage is not None
+        assert r.usage.prompt_tokens_details is not None
+        new = r.usage.prompt_tokens - (r.usage.prompt_tokens_details.cached_tokens or 0)
+        assert new > r.usage.prompt_tokens // 2, "a fresh prompt"
+        costs[n] = (prefilled(server) - before, new)
+    assert costs[1][0] == costs[1][1]
+    assert costs[4][0] == costs[4][1] + 3
 
 
 def test_chat_completions_n_greedy_choices_agree(server: Server) -> None:
