@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
-from trio import MemoryChannelStatistics
 
 from ..core.config import EngineConfig
 from ..core.errors import (
@@ -143,7 +142,7 @@ class _Sink(Protocol):
 
     def send_nowait(self, value: Event, /) -> None: ...
     def close(self) -> None: ...
-    def statistics(self) -> MemoryChannelStatistics: ...
+    def statistics(self) -> trio.MemoryChannelStatistics: ...
 
 
 class _Tagged:
@@ -161,7 +160,7 @@ class _Tagged:
     def close(self) -> None:
         self._send.close()
 
-    def statistics(self) -> MemoryChannelStatistics:
+    def statistics(self) -> trio.MemoryChannelStatistics:
         return self._send.statistics()
 
 
