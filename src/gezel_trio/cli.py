@@ -109,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         default=3,
         help="exit non-zero after this many consecutive failed model steps",
     )
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+    )
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
         "--graceful-timeout",
