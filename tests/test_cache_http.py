@@ -57,12 +57,19 @@ async def test_warm_is_skipped_for_another_tool_roster(dense_model: Path) -> Non
     with trio.fail_after(HANG):
         async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as c:
             base = {"cache_id": "r", "messages": [{"role": "system", "content": SYSTEM}]}
-            assert (await c.post("/v1/cache/warm", json=base)).json()["status"] == "warmed"
+            first = (await c.post("/v1/cache/warm", json=base)).json()
+            assert first["status"] == "warmed"
+            assert (first["warmed"], first["persisted"]) == (True, False)
             again = await c.post("/v1/cache/warm", json={**base, "tools": TOOLS})
             assert again.json() == {
                 "status": "skipped",
                 "cache_id": "r",
                 "reason": "the saved entry was built with a different tool roster",
+                # The seed's fields: the entry left as it was.
+                "warmed": False,
+                "token_count": first["token_count"],
+                "persisted": False,
+                "skipped": "roster-mismatch",
             }
 
 
@@ -77,6 +84,7 @@ async def test_warm_is_skipped_while_a_live_request_holds_the_id(dense_model: Pa
                     json={"cache_id": "busy", "messages": [{"role": "system", "content": SYSTEM}]},
                 )
                 assert r.json()["status"] == "skipped"
+                assert r.json()["skipped"] == "in-flight"
 
 
 async def test_delete_removes_memory_and_disk(dense_model: Path, tmp_path: Path) -> None:
@@ -92,13 +100,22 @@ async def test_delete_removes_memory_and_disk(dense_model: Path, tmp_path: Path)
             d = await c.delete("/v1/cache/gone/with%20../slashes")
             assert d.json() == {
                 "cache_id": "gone/with ../slashes",
+                "evicted": True,
                 "deleted": True,
                 "memory": True,
                 "disk": True,
             }
             assert gzc_files(tmp_path) == []
+            # Absent: the seed's answer, not an error (DELETE is idempotent).
             again = await c.delete("/v1/cache/gone/with%20../slashes")
-            assert again.status_code == 404
+            assert again.status_code == 200
+            assert again.json() == {
+                "cache_id": "gone/with ../slashes",
+                "evicted": False,
+                "deleted": False,
+                "memory": False,
+                "disk": False,
+            }
             r = await c.post("/v1/chat/completions", json=chat("gone/with ../slashes", "Hello."))
             assert r.json()["usage"]["cached_tokens"] == 0
 

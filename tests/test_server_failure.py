@@ -22,6 +22,7 @@ import pytest
 
 from gezel_trio import EngineConfig, open_engine
 from gezel_trio.http.app import HttpSettings, create_app
+from tests.test_seed_compat import LEAF, TAGGED
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +80,20 @@ def test_a_failed_engine_answers_503_with_the_reason_then_exits_non_zero(kind: s
             proc.wait()
         assert proc.stdout is not None
         assert proc.stderr is not None
+        stdout = proc.stdout.read().splitlines()
         stderr = proc.stderr.read()
         proc.stdout.close()
         proc.stderr.close()
     assert "EngineFailure" in stderr or "engine" in stderr
+    # The seed's supervisor reads a bare leaf line as the engine's death:
+    # the death prints one, a failed step the engine survived is tagged.
+    bare = [i for i, line in enumerate(stdout) if LEAF.match(line)]
+    tagged = [i for i, line in enumerate(stdout) if TAGGED.match(line)]
+    assert bare, stdout
+    assert LEAF.match(stdout[-1])
+    if kind == "steps":
+        assert any(line.startswith("[batch] a model step failed") for line in stdout)
+        assert max(tagged) < min(bare)
 
 
 PARENT = """

@@ -6,13 +6,23 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .core.config import EngineConfig
 from .core.errors import ModelLoadError
 from .http.app import HttpSettings
-from .mlx.model_source import resolve_model
+from .mlx.model_source import per_layer_embedding_table, resolve_model
+from .stdout_protocol import (
+    PREFILL_INTERVAL,
+    PREFILL_MIN_TOKENS,
+    LogFormatter,
+    StdoutSettings,
+)
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from .server import ServerConfig
+
+__all__ = ["main", "server_config"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,6 +135,20 @@ def _parser() -> argparse.ArgumentParser:
         help="drain and exit when the parent process dies (sidecar use)",
     )
     s.add_argument("--log-level", default="INFO")
+    s.add_argument(
+        "--prefill-marker-min-tokens",
+        type=int,
+        default=PREFILL_MIN_TOKENS,
+        help="print stdout 'Prefill:' markers for requests with at least this many tokens "
+        "to prefill",
+    )
+    s.add_argument(
+        "--prefill-marker-interval",
+        type=float,
+        default=PREFILL_INTERVAL,
+        help="seconds between two stdout 'Prefill:' markers of one request",
+    )
+    _add_seed_flags(s)
 
     m = sub.add_parser(
         "prepare-model",
@@ -142,6 +166,195 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--kind", choices=["dense", "hybrid"], default="dense")
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     return p
+
+
+def _add_seed_flags(s: argparse.ArgumentParser) -> None:
+    """The seed sidecar's flags that have no twin above, so that its
+    supervisor's command line starts this server (docs/migrating-from-the-seed.md).
+    Each is mapped to ours or honoured; a feature this build lacks is
+    accepted with a one-line notice on stderr (``_seed_notices``)."""
+    g = s.add_argument_group("the seed sidecar's flags")
+    g.add_argument(
+        "--gpu-memory-limit-mb",
+        type=int,
+        default=0,
+        help="the seed's name for --memory-limit-mb (0: unset)",
+    )
+    g.add_argument(
+        "--wired-limit-mb",
+        type=int,
+        default=0,
+        help="memory MLX may wire (pin) on Metal: weights plus planned KV (0: MLX's default)",
+    )
+    g.add_argument(
+        "--stream-tool-calls",
+        nargs="?",
+        const="on",
+        default="on",
+        choices=["on", "off"],
+        help="on (default): tool calls stream as argument deltas; off: each call comes "
+        "whole, in one chunk, when the answer ends",
+    )
+    g.add_argument(
+        "--no-stream-tool-calls",
+        dest="stream_tool_calls",
+        action="store_const",
+        const="off",
+        help="same as --stream-tool-calls off",
+    )
+    # The vision issue replaces this flag with its own; until then it parses.
+    g.add_argument("--vision", action="store_true", help="accepted; this build serves text only")
+    for flag, kind, default in [
+        ("--kv-bits", int, 0),
+        ("--kv-group-size", int, 64),
+        ("--kv-quant-scheme", str, "uniform"),
+        ("--quantized-kv-start", int, 0),
+    ]:
+        g.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            help="accepted; this build keeps the KV cache unquantized",
+        )
+    g.add_argument("--spec-draft-model", default=None, help="accepted; no speculative decoding")
+    g.add_argument("--spec-draft-kind", default=None, help="accepted; no speculative decoding")
+    g.add_argument(
+        "--spec-block-size", type=int, default=None, help="accepted; no speculative decoding"
+    )
+    g.add_argument(
+        "--external-ple-dir",
+        type=Path,
+        default=None,
+        help="accepted; a model with a per-layer embedding table is refused at load "
+        "(this build cannot memory-map it from a derived view)",
+    )
+    g.add_argument(
+        "--allow-resident-ple-fallback",
+        action="store_true",
+        help="with --external-ple-dir: load such a model with its table resident instead",
+    )
+
+
+def _seed_notices(args: argparse.Namespace) -> list[str]:
+    """One line per seed flag that asked for something this build does not
+    do, saying what it does instead. Output is never changed by them."""
+    notes = []
+    if args.kv_bits:
+        notes.append(
+            f"--kv-bits {args.kv_bits}: this build keeps the KV cache unquantized "
+            "(same output, more memory)"
+        )
+    for flag, value, default in [
+        ("--kv-group-size", args.kv_group_size, 64),
+        ("--kv-quant-scheme", args.kv_quant_scheme, "uniform"),
+        ("--quantized-kv-start", args.quantized_kv_start, 0),
+    ]:
+        if value != default:
+            notes.append(f"{flag} {value}: no effect, the KV cache is not quantized")
+    spec = [
+        f"{flag} {value}"
+        for flag, value in [
+            ("--spec-draft-model", args.spec_draft_model),
+            ("--spec-draft-kind", args.spec_draft_kind),
+            ("--spec-block-size", args.spec_block_size),
+        ]
+        if value is not None
+    ]
+    if spec:
+        notes.append(
+            f"{' '.join(spec)}: this build decodes without a drafter (same output, slower)"
+        )
+    if args.vision:
+        notes.append("--vision: this build serves text only; a request with images is refused")
+    if args.allow_resident_ple_fallback and args.external_ple_dir is None:
+        notes.append("--allow-resident-ple-fallback: no effect without --external-ple-dir")
+    if args.max_concurrency == 0:
+        notes.append(
+            "--max-concurrency 0 (the seed's serial path): this build always batches; "
+            "serving one sequence at a time"
+        )
+    if args.gpu_memory_limit_mb and args.memory_limit_mb is not None:
+        notes.append(
+            f"--gpu-memory-limit-mb {args.gpu_memory_limit_mb}: --memory-limit-mb "
+            f"{args.memory_limit_mb:g} wins"
+        )
+    return notes
+
+
+def _check_ple(model_dir: Path, args: argparse.Namespace) -> str | None:
+    """The seed's PLE flags at load: a refusal message, or ``None`` (notices
+    go to stderr)."""
+    if args.external_ple_dir is None:
+        return None
+    table = per_layer_embedding_table(model_dir)
+    if table is None:
+        print(
+            "gezel-trio: --external-ple-dir: not applicable, the model declares no "
+            "per-layer embedding table",
+            file=sys.stderr,
+        )
+        return None
+    if args.allow_resident_ple_fallback:
+        print(
+            f"gezel-trio: --external-ple-dir: {table}; this build cannot serve it from an "
+            "external view, loading it resident (--allow-resident-ple-fallback)",
+            file=sys.stderr,
+        )
+        return None
+    return (
+        f"--external-ple-dir: {table}, and this build cannot memory-map it from an external "
+        "view; the planned memory assumed it would. Pass --allow-resident-ple-fallback to "
+        "load it resident, or serve without --external-ple-dir"
+    )
+
+
+def server_config(
+    args: argparse.Namespace, model_dir: Path, watch_parent: int | None = None
+) -> ServerConfig:
+    """What ``serve``'s flags (ours and the seed's) ask for; ``ValueError``
+    names a value out of range."""
+    from .server import ServerConfig
+
+    engine = EngineConfig(
+        model=model_dir,
+        keep_quantized=args.keep_quantized,
+        # The seed's 0 meant its serial path: one sequence at a time.
+        max_concurrency=args.max_concurrency or 1,
+        prefill_step_size=args.prefill_step_size,
+        max_queue=args.max_queue,
+        default_max_tokens=args.max_tokens_default,
+        continuous_batching=not args.static_waves,
+        persist_dir=args.persist_dir,
+        model_fingerprint=args.model_fingerprint,
+        cache_budget_mb=args.cache_budget_mb,
+        disk_cache_budget_mb=args.disk_cache_budget_mb,
+        memory_limit_mb=(
+            args.memory_limit_mb
+            if args.memory_limit_mb is not None
+            else args.gpu_memory_limit_mb or None
+        ),
+        wired_limit_mb=args.wired_limit_mb or None,
+        stall_timeout=args.stall_timeout or None,
+        max_park_seconds=args.max_park_seconds,
+        shutdown_timeout=args.shutdown_timeout,
+        max_step_failures=args.max_step_failures,
+    )
+    return ServerConfig(
+        engine=engine,
+        http=HttpSettings(
+            host=args.host,
+            api_key=args.api_key,
+            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+            stream_tool_calls=args.stream_tool_calls == "on",
+        ),
+        port=args.port,
+        graceful_timeout=args.graceful_timeout,
+        watch_parent=watch_parent,
+        stdout=StdoutSettings(
+            prefill_min_tokens=args.prefill_marker_min_tokens,
+            prefill_interval=args.prefill_marker_interval,
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,36 +376,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare-model":
         print(model_dir)
         return 0
-
-    from .server import ServerConfig, exit_with_parent, main_serve
-
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        engine = EngineConfig(
-            model=model_dir,
-            keep_quantized=args.keep_quantized,
-            max_concurrency=args.max_concurrency,
-            prefill_step_size=args.prefill_step_size,
-            max_queue=args.max_queue,
-            default_max_tokens=args.max_tokens_default,
-            continuous_batching=not args.static_waves,
-            persist_dir=args.persist_dir,
-            model_fingerprint=args.model_fingerprint,
-            cache_budget_mb=args.cache_budget_mb,
-            disk_cache_budget_mb=args.disk_cache_budget_mb,
-            memory_limit_mb=args.memory_limit_mb,
-            stall_timeout=args.stall_timeout or None,
-            max_park_seconds=args.max_park_seconds,
-            shutdown_timeout=args.shutdown_timeout,
-            max_step_failures=args.max_step_failures,
-        )
-    except ValueError as exc:
-        print(f"gezel-trio: {exc}", file=sys.stderr)
+    refusal = _check_ple(model_dir, args)
+    if refusal is not None:
+        print(f"gezel-trio: {refusal}", file=sys.stderr)
         return 2
+    for note in _seed_notices(args):
+        print(f"gezel-trio: {note}", file=sys.stderr)
+
+    from .server import exit_with_parent, main_serve
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     watch_parent = None
     if args.exit_with_parent:
         try:
@@ -200,15 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             print(f"gezel-trio: {exc}", file=sys.stderr)
             return 2
-    config = ServerConfig(
-        engine=engine,
-        http=HttpSettings(
-            host=args.host,
-            api_key=args.api_key,
-            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        ),
-        port=args.port,
-        graceful_timeout=args.graceful_timeout,
-        watch_parent=watch_parent,
-    )
+    try:
+        config = server_config(args, model_dir, watch_parent)
+    except ValueError as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
     return main_serve(config)

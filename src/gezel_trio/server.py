@@ -3,8 +3,11 @@
 ::
 
     serve()  ── nursery
-                ├─ run_engine          started first; ready = model loaded on
+                ├─ stdout writer       the only writer of stdout (stdout_protocol)
+                ├─ run_engine          started next; ready = model loaded on
                 │   └─ host thread     its thread, so the socket binds only then
+                ├─ stdout watch        the engine's notes -> Prefill markers,
+                │                      tagged contained failures
                 ├─ hypercorn serve     the quart-trio app, bound after the engine
                 └─ signal watcher      SIGINT/SIGTERM -> graceful drain
 
@@ -17,9 +20,10 @@ the host thread stops after its current step and a flush bounded by
 Engine failure: when the engine stops working (its host thread died, or too
 many model steps failed in a row) every request has already failed with
 ``EngineFailure``; ``/health`` answers 503 with the reason for
-``DEAD_LINGER`` seconds, then the server drains like a SIGTERM and
-``serve`` raises the failure, so the process exits non-zero and a
-supervisor restarts it.
+``DEAD_LINGER`` seconds, then the server drains like a SIGTERM, prints the
+failure's traceback untagged on stdout (the one bare leaf line a supervisor
+reads as a death) and ``serve`` raises it, so the process exits non-zero and
+a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from .core.errors import EngineFailure, GezelError
 from .engine import Engine, run_engine
 from .host.backend import Backend
 from .http.app import HttpSettings, create_app
+from .stdout_protocol import StdoutProtocol, StdoutSettings
 
 __all__ = ["ServerConfig", "serve"]
 
@@ -65,6 +70,8 @@ class ServerConfig:
     watch_parent: int | None = None
     # Seconds a failed engine's server keeps answering before it drains.
     dead_linger: float = DEAD_LINGER
+    # The supervisor's stdout lines (prefill marker cadence).
+    stdout: StdoutSettings = attrs.field(factory=StdoutSettings)
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -138,7 +145,11 @@ async def serve(
     hc.errorlog = logging.getLogger("hypercorn.error")
     shutdown = trio.Event()
     died: list[EngineFailure] = []
+    stdout = StdoutProtocol(config.stdout)
     async with trio.open_nursery() as nursery:
+        # First in, so every line below goes out in order through one writer.
+        await nursery.start(stdout.run)
+        stdout.startup_nowait(config.engine.model or "the default model")
         engine: Engine = await nursery.start(
             partial(_run_engine, backend_factory=backend_factory),
             config.engine,
@@ -147,15 +158,27 @@ async def serve(
             config.dead_linger,
         )
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
+        stdout.say_nowait("Model and processor loaded successfully.")
+        stdout.say_nowait(
+            f"[batch] engine ready max_concurrency={config.engine.max_concurrency} "
+            f"prefill_step_size={config.engine.prefill_step_size} "
+            f"context={engine.info.context_length}"
+        )
+        nursery.start_soon(stdout.watch, engine.watch())
         nursery.start_soon(_watch_signals, shutdown)
         if config.watch_parent is not None:
             nursery.start_soon(_watch_parent, config.watch_parent, shutdown)
-        app = create_app(engine, config.http)
+        http = attrs.evolve(config.http, on_bug=partial(stdout.contained_nowait, "http"))
+        app = create_app(engine, http)
         binds = await nursery.start(_serve_http, app, hc, shutdown, nursery.cancel_scope)
+        stdout.say_nowait("Application startup complete.")
         for bind in binds:
+            # The seed printed its server's line by hand; a supervisor may key on it.
+            stdout.say_nowait(f"Uvicorn running on {bind} (Press CTRL+C to quit)")
             # Tests and supervisors read this line to learn the port.
-            print(f"gezel-trio listening on {bind}", flush=True)
+            stdout.say_nowait(f"gezel-trio listening on {bind}")
     if died:
+        stdout.death(died[0])  # the one untagged traceback: the engine is dead
         raise died[0]
 
 

@@ -48,6 +48,9 @@ class EngineConfig:
     disk_cache_budget_mb: float = attrs.field(default=8192.0, validator=attrs.validators.ge(0))
     # Memory ceiling (E4): above 85% of it, no preemption and one request per wave.
     memory_limit_mb: float | None = None
+    # Memory MLX may wire (pin) on Metal: the planned resident set, weights
+    # plus KV, smaller than the ceiling. ``None``: MLX's own choice.
+    wired_limit_mb: float | None = attrs.field(default=None, validator=_optional_positive)
     # Overrides the fingerprint computed from the model directory.
     model_fingerprint: str | None = None
     keep_quantized: bool = False

@@ -25,6 +25,7 @@ from ._engine import (
     GroupHandle,
     Health,
     RequestHandle,
+    RequestNote,
     open_engine,
     run_engine,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "Health",
     "PreparedChat",
     "RequestHandle",
+    "RequestNote",
     "Snapshot",
     "combined_usage",
     "open_engine",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -70,6 +71,7 @@ __all__ = [
     "GroupHandle",
     "Health",
     "RequestHandle",
+    "RequestNote",
     "open_engine",
     "run_engine",
 ]
@@ -117,6 +119,22 @@ class EngineState:
     live: int
     closing: bool
     recent_removals: tuple[Removal, ...]
+
+
+@attrs.frozen
+class RequestNote:
+    """What a watcher of the whole engine (``Engine.watch``) sees of one
+    request: its prefill ``Progress`` and a ``Failed`` that the host thread
+    contained (the request failed alone; the engine goes on), with the
+    request's cache id. For a failure, ``traceback`` holds its lines as
+    Python prints them (the original exception is the cause), taken when
+    the engine delivered it: the request's reader may raise the same error
+    object later, which adds its own frames."""
+
+    rid: int
+    cache_id: str | None
+    event: Progress | Failed
+    traceback: tuple[str, ...] = ()
 
 
 _NO_RESULT: Any = object()
@@ -336,6 +354,8 @@ class Engine:
         self._persistence: str | None = None
         # Why the engine stopped working, once it has (EngineFailure).
         self._failure: EngineFailure | None = None
+        # The one watcher of every request's progress and contained failures.
+        self._watcher: trio.MemorySendChannel[RequestNote] | None = None
 
     # --- public API --------------------------------------------------------
 
@@ -531,6 +551,18 @@ class Engine:
         ``ChatRequest``'s fields. Use the handle in a ``with`` block."""
         prepared = await self.prepare_chat(ChatRequest(messages, **options))
         return self.submit_chat_nowait(prepared)
+
+    def watch(self, max_buffer: int = 256) -> trio.MemoryReceiveChannel[RequestNote]:
+        """A channel of ``RequestNote`` values for every request: prefill
+        progress and failures contained on the host thread, as the engine
+        delivers them (Trio thread, between two steps). The engine never
+        waits for the watcher: when ``max_buffer`` notes are unread, new ones
+        are dropped. One watcher at a time; closing the channel ends it."""
+        send, receive = trio.open_memory_channel[RequestNote](max_buffer)
+        if self._watcher is not None:
+            self._watcher.close()
+        self._watcher = send
+        return receive
 
     def check_admission(self) -> None:
         """Raise ``EngineFailure``, ``EngineClosed`` or ``QueueFull`` if a
@@ -806,6 +838,7 @@ class Engine:
         self._check_stalls(now)
         for rid, event in report.events:
             self._observe(rid, event, now)
+            self._tell_watcher(rid, event)
             self._deliver(rid, event)
         for rid in report.ended:
             self._scheduler.finished(rid)
@@ -934,6 +967,24 @@ class Engine:
             case Failed(error=error):
                 m.e2e.observe(now - live.submitted_at)
                 m.requests.labels("failed", error.code or "").inc()
+
+    def _tell_watcher(self, rid: int, event: Event) -> None:
+        if self._watcher is None or not isinstance(event, Progress | Failed):
+            return
+        live = self._live.get(rid)
+        if live is None:
+            return
+        cache_id = live.request.cache.cache_id if live.request.cache else None
+        lines: tuple[str, ...] = ()
+        if isinstance(event, Failed):
+            text = "".join(traceback.format_exception(event.error))
+            lines = tuple(text.rstrip().splitlines())
+        try:
+            self._watcher.send_nowait(RequestNote(rid, cache_id, event, lines))
+        except trio.WouldBlock:
+            pass  # the watcher is behind: its notes are advisory
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._watcher = None
 
     def _snapshot(self) -> Snapshot:
         state = self.state()

@@ -263,6 +263,10 @@ class _Host:
                 f"this request failed on the engine ({where}): {type(exc).__name__}: {exc}"
             )
         )
+        if err is not exc:
+            # The traceback travels with the event: the Trio side prints it
+            # (the stdout protocol's tagged lines), never this thread.
+            err.__cause__ = exc
         self._events.append((rid, Failed(err)))
         self._ended.append(rid)
 
@@ -513,6 +517,7 @@ class _Host:
         )
         self._step_failure = f"{type(exc).__name__}: {exc}"
         err = EngineFailure(f"the model step failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
         for rid in rids:
             del self.seqs[rid]
         self.backend.reset(lane)

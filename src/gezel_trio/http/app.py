@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -42,6 +43,12 @@ class HttpSettings:
     api_key: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
+    # Off: a streamed tool call comes whole, in one chunk, when the answer
+    # ends (the seed's --stream-tool-calls absent); on: as argument deltas.
+    stream_tool_calls: bool = True
+    # Told of every bug a route survived (answered 500): the server's stdout
+    # protocol prints it tagged, so a supervisor never reads it as a death.
+    on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
 
 
 def _host_name(host: str) -> str:
@@ -123,6 +130,8 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         # A bug, not the client's fault: logged with its traceback, and
         # answered in the envelope like everything else.
         log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+        if settings.on_bug is not None:
+            settings.on_bug(exc, f"{request.method} {request.path} answered 500; serving on")
         return refuse(GezelError(f"internal error: {type(exc).__name__}"))
 
     add_cache_routes(app, engine)
@@ -166,7 +175,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
             ],
         }
 
-    add_chat_routes(app, engine)
+    add_chat_routes(app, engine, stream_tool_calls=settings.stream_tool_calls)
     add_completion_routes(app, engine)
     anthropic_messages.add_messages_routes(app, engine)
 

@@ -19,7 +19,7 @@ from ..core.events import Failed, Finished
 from ..core.request import CacheRequest, GenerationRequest, SamplingParams
 from ..engine import Engine, roster_fingerprint
 from ..host.loop import CacheEvict, CacheFlush, CacheInspect
-from .edge import NotFound, json_body
+from .edge import json_body
 from .wire import WarmRequest, check_cache_id, parse_warm_request, tool_dicts
 
 __all__ = ["add_cache_routes"]
@@ -47,6 +47,11 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
                     "dirty": e.dirty,
                     "pinned": e.pinned,
                     "hits": e.hits,
+                    # The seed sidecar's names for the same values; its
+                    # cache controller reads these.
+                    "token_count": e.tokens,
+                    "est_bytes": e.bytes,
+                    "last_used_ts": e.last_used,
                 }
                 for e in entries
             ],
@@ -77,9 +82,17 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
     async def cache_delete(cache_id: str) -> dict[str, Any]:
         check_cache_id(cache_id, "cache_id")
         memory, disk = await engine.host_call(CacheEvict(cache_id))
-        if not (memory or disk):
-            raise NotFound(f"no cache entry {cache_id[:80]!r}")
-        return {"cache_id": cache_id, "deleted": True, "memory": memory, "disk": disk}
+        # An absent id is not an error (the seed's answer, and DELETE is
+        # idempotent): a controller evicting an entry our own LRU already
+        # dropped gets "evicted": false, not a 404 to handle.
+        deleted = memory or disk
+        return {
+            "cache_id": cache_id,
+            "evicted": deleted,
+            "deleted": deleted,
+            "memory": memory,
+            "disk": disk,
+        }
 
     @app.route("/admin/flush", methods=["POST"])
     async def admin_flush() -> dict[str, Any]:
@@ -104,6 +117,20 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
         return await _warm(engine, parse_warm_request(await json_body()))
 
 
+def _skipped(cache_id: str, prior: int, seed_reason: str, reason: str) -> dict[str, Any]:
+    """A refused warm, in our shape and the seed's (``warmed``,
+    ``token_count`` of the entry left as it was, ``skipped``)."""
+    return {
+        "status": "skipped",
+        "cache_id": cache_id,
+        "reason": reason,
+        "warmed": False,
+        "token_count": prior,
+        "persisted": False,
+        "skipped": seed_reason,
+    }
+
+
 async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
     """Build a cache entry through the engine: one decode step at background
     priority. A history that ends awaiting the assistant (a user or tool turn)
@@ -111,25 +138,17 @@ async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
     snapshotted where two different synthetic user turns diverge."""
     tools = tool_dicts(warm.tools)
     roster = roster_fingerprint(tools)
-    if warm.cache_id in engine.cache_ids_in_use():
-        return {
-            "status": "skipped",
-            "cache_id": warm.cache_id,
-            "reason": "in use by a live request",
-        }
     found, pinned = await engine.host_call(CacheInspect(warm.cache_id))
-    if pinned:
-        return {
-            "status": "skipped",
-            "cache_id": warm.cache_id,
-            "reason": "in use by a live request",
-        }
+    prior = found[0] if found is not None else 0
+    if pinned or warm.cache_id in engine.cache_ids_in_use():
+        return _skipped(warm.cache_id, prior, "in-flight", "in use by a live request")
     if found is not None and found[1] != roster:
-        return {
-            "status": "skipped",
-            "cache_id": warm.cache_id,
-            "reason": "the saved entry was built with a different tool roster",
-        }
+        return _skipped(
+            warm.cache_id,
+            prior,
+            "roster-mismatch",
+            "the saved entry was built with a different tool roster",
+        )
     base = [m.to_template() for m in warm.messages]
     cut: int | None
     if warm.messages[-1].role in ("user", "tool"):
@@ -172,7 +191,16 @@ async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
             match event:
                 case Finished():
                     tokens = len(prompt) if cut is None else cut
-                    return {"status": "warmed", "cache_id": warm.cache_id, "tokens": tokens}
+                    return {
+                        "status": "warmed",
+                        "cache_id": warm.cache_id,
+                        "tokens": tokens,
+                        # The seed's fields. persisted: written to disk at
+                        # once (asked for, and a --persist-dir is set).
+                        "warmed": True,
+                        "token_count": tokens,
+                        "persisted": warm.persist and engine.config.persist_dir is not None,
+                    }
                 case Failed(error=error):
                     raise error
     raise InvalidRequest("the warm request ended without a result")  # pragma: no cover

