@@ -163,6 +163,7 @@ _chat_optional: dict[str, st.SearchStrategy[Any]] = {
     "priority": st.sampled_from(["interactive", "background"]),
     "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()}),
     "max_thinking_tokens": st.integers(0, 8),
+    "n": st.integers(1, 3),
 }
 chat_bodies = st.fixed_dictionaries(
     {"messages": st.lists(_message, min_size=1, max_size=4)}, optional=_chat_optional
@@ -259,6 +260,69 @@ warm_bodies = st.fixed_dictionaries(
     optional={"persist": st.booleans(), "model": st.text(max_size=8), "tools": st.lists(_tool)},
 )
 
+_token_ids = st.lists(st.integers(0, 300), min_size=1, max_size=20)
+_completion_optional: dict[str, st.SearchStrategy[Any]] = {
+    **{
+        k: _chat_optional[k]
+        for k in (
+            "model",
+            "stream",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "stop",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "ignore_eos",
+            "min_tokens",
+            "user",
+            "cache_id",
+            "prefix_cache_ids",
+            "priority",
+        )
+    },
+    "echo": st.booleans(),
+    "logprobs": st.integers(0, 3),
+    "n": st.integers(1, 3),
+    "best_of": st.integers(1, 3),
+    "repetition_context_size": st.integers(1, 64),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "prefix_cache_id": st.text(min_size=1, max_size=12),
+    "suffix": st.sampled_from([None, None, None, "x"]),  # anything but null is a 400
+}
+completion_bodies = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(max_size=40), _token_ids, st.lists(_token_ids, max_size=2))},
+    optional=_completion_optional,
+)
+_tokenize_text_optional: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.text(max_size=8),
+    "add_special_tokens": st.booleans(),
+    "add_special": st.booleans(),
+    "return_token_strs": st.booleans(),
+    "with_pieces": st.booleans(),
+}
+tokenize_bodies = st.one_of(
+    st.fixed_dictionaries({"prompt": st.text(max_size=40)}, optional=_tokenize_text_optional),
+    st.fixed_dictionaries({"content": st.text(max_size=40)}, optional=_tokenize_text_optional),
+    st.fixed_dictionaries(
+        {"messages": st.lists(_message, min_size=1, max_size=3)},
+        optional={
+            "tools": st.lists(_tool, max_size=2),
+            "chat_template_kwargs": _chat_optional["chat_template_kwargs"],
+            "add_generation_prompt": st.booleans(),
+            "return_token_strs": st.booleans(),
+        },
+    ),
+)
+detokenize_bodies = st.fixed_dictionaries(
+    {"tokens": st.lists(st.integers(0, 300), max_size=20)}, optional={"model": st.text(max_size=8)}
+)
+
 
 @st.composite
 def _mutated(
@@ -317,9 +381,17 @@ def requests(draw: st.DrawFn) -> Request:
             [
                 *("chat", "chat", "chat", "alias", "messages", "messages", "count"),
                 *("warm", "delete", "flush", "get", "odd"),
+                *("completions", "tokenize", "detokenize"),
             ]
         )
     )
+    if route == "completions":
+        body = _bounded(draw(_mutated(completion_bodies)))
+        return Request("POST", "/v1/completions", _encode(body))
+    if route == "tokenize":
+        return Request("POST", "/tokenize", _encode(draw(_mutated(tokenize_bodies))))
+    if route == "detokenize":
+        return Request("POST", "/detokenize", _encode(draw(_mutated(detokenize_bodies))))
     if route in ("chat", "alias"):
         path = "/v1/chat/completions" if route == "chat" else "/chat/completions"
         return Request("POST", path, _encode(_bounded(draw(_mutated(chat_bodies)))))

@@ -57,6 +57,10 @@ def test_the_document_covers_every_route_and_field(server: Server) -> None:
         "/v1/cache/{cache_id}",
         "/v1/cache/warm",
         "/admin/flush",
+        "/v1/completions",
+        "/completions",
+        "/tokenize",
+        "/detokenize",
         "/v1/messages",
         "/v1/messages/count_tokens",
     }

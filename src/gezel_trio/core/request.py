@@ -54,7 +54,9 @@ class CacheRequest:
     cannot rewind, checkpoints are kept there. ``snapshot_at`` overrides the
     session's snapshot cut (cache warming); ``persist`` writes the saved
     entry to disk at once; ``roster`` fingerprints the tool list the prompt
-    was rendered with.
+    was rendered with. Sequences with the same ``prefill_group`` continue
+    the same prompt (``n > 1``): the first admitted computes it, the others
+    wait for its state at ``len(prompt) - 1`` and seed from it.
     """
 
     cache_id: str | None = None
@@ -64,6 +66,7 @@ class CacheRequest:
     snapshot_at: int | None = None
     persist: bool = False
     roster: str = ""
+    prefill_group: int | None = None
 
 
 @attrs.frozen
@@ -93,3 +96,6 @@ class GenerationRequest:
     # The images of a vision model's prompt (E9). ``prompt`` is then the
     # cache key (``core.images``): each image's placeholders carry its digest.
     vision: VisionPrompt | None = None
+    # The output continues the prompt's text (a raw prompt, legacy
+    # completions): its first space is kept, where a chat answer's is trimmed.
+    continues_text: bool = False

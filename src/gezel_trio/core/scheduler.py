@@ -103,9 +103,9 @@ class Scheduler:
 
     # --- events ------------------------------------------------------------
 
-    def check_room(self) -> None:
-        """Raise ``QueueFull`` if a new request would be refused."""
-        if len(self.queued) >= self.max_queue + self._free_slots():
+    def check_room(self, count: int = 1) -> None:
+        """Raise ``QueueFull`` if ``count`` new requests would be refused."""
+        if len(self.queued) + count > self.max_queue + self._free_slots():
             raise QueueFull(f"the admission queue is full ({self.max_queue} waiting); retry later")
 
     def enqueue(self, rid: int, priority: Priority) -> None:

@@ -38,6 +38,7 @@ import attrs
 
 from ..core.events import (
     Delta,
+    Event,
     Failed,
     Finished,
     Parked,
@@ -58,15 +59,17 @@ from ..shaping.shaper import (
 )
 
 if TYPE_CHECKING:
-    from ._engine import RequestHandle
+    from ._engine import GroupHandle, RequestHandle
 
 __all__ = [
     "ChatEvent",
     "ChatFinished",
+    "ChatGroupHandle",
     "ChatHandle",
     "ChatLogprobs",
     "ChatRequest",
     "PreparedChat",
+    "combined_usage",
     "roster_fingerprint",
 ]
 
@@ -86,9 +89,15 @@ class ChatRequest:
     """A conversation and how to continue it.
 
     ``messages`` and ``tools`` are OpenAI chat shapes (what a chat template
-    renders). ``tool_choice`` (``"auto"``, ``"none"``, ``"required"`` or a
-    named function), ``response_format`` (``json_object`` / ``json_schema``)
-    and ``tool_grammar`` are enforced by grammars. ``max_tokens`` ``None``
+    renders). Instead of ``messages``, ``prompt`` is a raw prompt (legacy
+    completions): text, tokenized without a chat template, or token ids;
+    its output is plain text (no reasoning or tool-call splitting). ``n``
+    sequences continue the same prompt, computed once
+    (``Engine.submit_chat_group_nowait``).
+
+    ``tool_choice`` (``"auto"``, ``"none"``, ``"required"`` or a named
+    function), ``response_format`` (``json_object`` / ``json_schema``) and
+    ``tool_grammar`` are enforced by grammars. ``max_tokens`` ``None``
     means what the context window leaves, up to the engine's default.
     ``cache_id`` and ``prefix_ids`` name prompt-cache entries; without them
     the request is still cached. ``template_kwargs`` go to the chat template
@@ -96,7 +105,7 @@ class ChatRequest:
     ``images`` fill the ``{"type": "image"}`` content parts, in order.
     """
 
-    messages: Sequence[Mapping[str, Any]]
+    messages: Sequence[Mapping[str, Any]] = ()
     tools: Sequence[Mapping[str, Any]] | None = None
     tool_choice: str | Mapping[str, Any] | None = None
     response_format: Mapping[str, Any] | None = None
@@ -117,11 +126,13 @@ class ChatRequest:
     # The images, in the order their ``{"type": "image"}`` parts appear in
     # ``messages`` (E9); each protocol maps its own image blocks onto these.
     images: tuple[ImagePart, ...] = ()
+    prompt: str | Sequence[int] | None = None
+    n: int = 1
 
     @property
     def parses_tools(self) -> bool:
         """Whether tool markup in the output becomes calls."""
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.tools) and self.tool_choice != "none" and self.prompt is None
 
 
 @attrs.frozen
@@ -170,18 +181,28 @@ ChatEvent = (
 
 class ChatHandle:
     """A submitted chat: iterate it for events, leave its ``with`` block to
-    withdraw it. ``usage`` is the latest usage the engine reported."""
+    withdraw it. ``usage`` is the latest usage the engine reported. In a
+    group (``ChatGroupHandle``) each choice is a ``ChatHandle`` with its
+    ``index``, fed by the group: iterate the group, not the choice."""
 
-    def __init__(self, handle: RequestHandle, prepared: PreparedChat, shaper: Shaper) -> None:
+    def __init__(
+        self,
+        handle: RequestHandle | None,
+        prepared: PreparedChat,
+        shaper: Shaper,
+        index: int = 0,
+    ) -> None:
         self._handle = handle
         self._shaper = shaper
         self._pending: deque[ChatEvent] = deque()
         self._done = False
         self.prepared = prepared
+        self.index = index
         self.usage: Usage | None = None
 
     @property
     def rid(self) -> int:
+        assert self._handle is not None, "a group's choice: see ChatGroupHandle.rids"
         return self._handle.rid
 
     @property
@@ -197,11 +218,13 @@ class ChatHandle:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._handle.__exit__(exc_type, exc, tb)
+        if self._handle is not None:
+            self._handle.__exit__(exc_type, exc, tb)
 
     def close(self) -> None:
         """Withdraw the request (what leaving the ``with`` block does)."""
-        self._handle.__exit__(None, None, None)
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
 
     def __aiter__(self) -> ChatHandle:
         return self
@@ -225,30 +248,102 @@ class ChatHandle:
     async def __anext__(self) -> ChatEvent:
         """The next event; cancellation leaves the request queued or running
         until the ``with`` block is left."""
+        assert self._handle is not None, "a group's choice: iterate the group"
         while not self._pending:
             if self._done:
                 raise StopAsyncIteration
-            event = await self._handle.__anext__()
-            match event:
-                case Delta(text=text, usage=usage, logprobs=logprobs):
-                    self.usage = usage
-                    if logprobs:
-                        self._pending.append(ChatLogprobs(logprobs))
-                    self._pending.extend(self._shaper.feed(text))
-                case Finished(reason=reason, usage=usage, stop_sequence=stop_sequence):
-                    self.usage = usage
-                    self._pending.extend(self._shaper.finish())
-                    called = self._shaper.finish_reason(reason) == "tool_calls"
-                    final: ChatFinishReason = "tool_calls" if called else reason
-                    if final == "length" and self._json_complete():
-                        final = "stop"  # the grammar closed on the budget's last token
-                    self._pending.append(
-                        ChatFinished(final, usage, self._shaper.message(), stop_sequence)
-                    )
-                    self._done = True
-                case Failed():
-                    self._pending.append(event)
-                    self._done = True
-                case _:
-                    self._pending.append(event)
+            self._take(await self._handle.__anext__())
         return self._pending.popleft()
+
+    def _take(self, event: Event) -> None:
+        """Shape one engine event into chat events (queued in ``_pending``)."""
+        match event:
+            case Delta(text=text, usage=usage, logprobs=logprobs):
+                self.usage = usage
+                if logprobs:
+                    self._pending.append(ChatLogprobs(logprobs))
+                self._pending.extend(self._shaper.feed(text))
+            case Finished(reason=reason, usage=usage, stop_sequence=stop_sequence):
+                self.usage = usage
+                self._pending.extend(self._shaper.finish())
+                called = self._shaper.finish_reason(reason) == "tool_calls"
+                final: ChatFinishReason = "tool_calls" if called else reason
+                if final == "length" and self._json_complete():
+                    final = "stop"  # the grammar closed on the budget's last token
+                self._pending.append(
+                    ChatFinished(final, usage, self._shaper.message(), stop_sequence)
+                )
+                self._done = True
+            case Failed():
+                self._pending.append(event)
+                self._done = True
+            case _:
+                self._pending.append(event)
+
+
+def combined_usage(usages: Sequence[Usage]) -> Usage:
+    """The usage of ``n`` choices of one prompt: the prompt counted once
+    (with what the cache served it - the sibling that computed it has the
+    least), the completions summed."""
+    first = min(usages, key=lambda u: u.cached_tokens)
+    return Usage(
+        input_tokens=first.input_tokens,
+        output_tokens=sum(u.output_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+        prompt_tps=first.prompt_tps,
+        generation_tps=round(sum(u.generation_tps for u in usages), 2),
+    )
+
+
+class ChatGroupHandle:
+    """``n`` chats continuing one prompt (``ChatRequest.n``), the prompt
+    computed once (``Engine.submit_chat_group_nowait``). Iterate it for
+    ``(choice, event)`` pairs: ``choice`` is that choice's ``ChatHandle``
+    (its ``index``, its latest ``usage``), the events those a ``ChatHandle``
+    yields, choices interleaved as they are generated; it ends once every
+    choice had its terminal event. Leaving its ``with`` block withdraws
+    every choice still running."""
+
+    def __init__(self, group: GroupHandle, choices: Sequence[ChatHandle]) -> None:
+        self._group = group
+        self.choices = tuple(choices)
+
+    @property
+    def rids(self) -> tuple[int, ...]:
+        return self._group.rids
+
+    @property
+    def usage(self) -> Usage | None:
+        """The choices' usage so far, the prompt counted once."""
+        usages = [c.usage for c in self.choices if c.usage is not None]
+        return combined_usage(usages) if usages else None
+
+    def __enter__(self) -> ChatGroupHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._group.__exit__(exc_type, exc, tb)
+
+    def close(self) -> None:
+        """Withdraw every choice (what leaving the ``with`` block does)."""
+        self._group.__exit__(None, None, None)
+
+    def __aiter__(self) -> ChatGroupHandle:
+        return self
+
+    async def __anext__(self) -> tuple[ChatHandle, ChatEvent]:
+        """The next choice's event; cancellation leaves the choices queued or
+        running until the ``with`` block is left."""
+        while True:
+            for choice in self.choices:
+                if choice._pending:
+                    return choice, choice._pending.popleft()
+            if all(c._done for c in self.choices):
+                raise StopAsyncIteration
+            index, event = await self._group.__anext__()
+            self.choices[index]._take(event)

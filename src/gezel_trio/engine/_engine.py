@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -59,7 +59,7 @@ from ..host.loop import (
 from ..host.prompt_cache import CacheSnapshot, CacheTotals, CacheView
 from ..shaping.prompt import RenderedPrompt
 from ..shaping.shaper import Shaper
-from ._chat import ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
+from ._chat import ChatGroupHandle, ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
 from ._images import ImageLimits, prepare_vision
 from ._metrics import EngineMetrics, Snapshot
 
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Engine",
     "EngineState",
+    "GroupHandle",
     "Health",
     "RequestHandle",
     "RequestNote",
@@ -154,10 +155,38 @@ class _Ticket:
     error: GezelError | None = None
 
 
+class _Sink(Protocol):
+    """Where the engine writes one request's events: its own channel, or its
+    group's shared one (``_Tagged``)."""
+
+    def send_nowait(self, value: Event, /) -> None: ...
+    def close(self) -> None: ...
+    def statistics(self) -> trio.MemoryChannelStatistics: ...
+
+
+class _Tagged:
+    """One group member's end of the group's shared channel: its events go
+    out tagged with its index (a clone of the send side, so the reader's
+    channel ends once every member's end is closed)."""
+
+    def __init__(self, send: trio.MemorySendChannel[tuple[int, Event]], index: int) -> None:
+        self._send = send
+        self._index = index
+
+    def send_nowait(self, value: Event, /) -> None:
+        self._send.send_nowait((self._index, value))
+
+    def close(self) -> None:
+        self._send.close()
+
+    def statistics(self) -> trio.MemoryChannelStatistics:
+        return self._send.statistics()
+
+
 @attrs.define
 class _Live:
     request: GenerationRequest
-    send: trio.MemorySendChannel[Event]
+    send: _Sink
     ticket: _Ticket
     submitted_at: float
     position: int | None = None
@@ -233,6 +262,59 @@ class RequestHandle:
         if isinstance(event, Finished | Failed):
             self._done = True
         return event
+
+
+class GroupHandle:
+    """``n`` submitted sequences of one prompt (``Engine.submit_group_nowait``):
+    iterate it for ``(index, event)`` pairs - each member's events in order,
+    the members interleaved as they are generated - until every member ended
+    with its ``Finished`` or ``Failed``. Leaving its ``with`` block withdraws
+    every member still queued or running."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rids: tuple[int, ...],
+        events: trio.MemoryReceiveChannel[tuple[int, Event]],
+        tickets: tuple[_Ticket, ...],
+    ) -> None:
+        self._engine = engine
+        self._tickets = tickets
+        self._done = [False] * len(rids)
+        self.rids = rids
+        self.events = events
+
+    def __enter__(self) -> GroupHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.events.close()
+        for rid in self.rids:
+            self._engine._withdraw(rid)
+
+    def __aiter__(self) -> GroupHandle:
+        return self
+
+    async def __anext__(self) -> tuple[int, Event]:
+        """The next member's event; cancellation leaves every member queued
+        or running until the ``with`` block is left."""
+        if all(self._done):
+            raise StopAsyncIteration
+        try:
+            index, event = await self.events.receive()
+        except trio.EndOfChannel:
+            index = self._done.index(False)
+            self._done[index] = True
+            error = self._tickets[index].error or EngineClosed("the engine stopped")
+            return index, Failed(error)
+        if isinstance(event, Finished | Failed):
+            self._done[index] = True
+        return index, event
 
 
 class Engine:
@@ -350,13 +432,19 @@ class Engine:
         constrains (worker threads; never the MLX thread), bounded by the
         context window. Raises ``InvalidRequest`` naming the field, before
         anything is queued. Cancelling it queues nothing."""
-        rendered = await self.render_chat(
-            [dict(m) for m in chat.messages],
-            tools=[dict(t) for t in chat.tools] if chat.tools else None,
-            template_kwargs=dict(chat.template_kwargs),
-            template_override=chat.template_override,
-            band_chars=chat.stable_prefix_chars,
-        )
+        limit = self.config.max_concurrency
+        if not 1 <= chat.n <= limit:
+            raise InvalidRequest(f"n must be in [1, {limit}] (--max-concurrency)", param="n")
+        if chat.prompt is not None:
+            rendered = await self._raw_prompt(chat)
+        else:
+            rendered = await self.render_chat(
+                [dict(m) for m in chat.messages],
+                tools=[dict(t) for t in chat.tools] if chat.tools else None,
+                template_kwargs=dict(chat.template_kwargs),
+                template_override=chat.template_override,
+                band_chars=chat.stable_prefix_chars,
+            )
         vision = None
         if chat.images:
             preparer = self._images
@@ -405,16 +493,76 @@ class Engine:
             max_thinking_tokens=thinking,
             top_logprobs=chat.top_logprobs,
             vision=vision,
+            continues_text=chat.prompt is not None,
         )
         return PreparedChat(chat, request)
+
+    async def _raw_prompt(self, chat: ChatRequest) -> RenderedPrompt:
+        """A legacy completion's prompt: text tokenized without a chat
+        template, or token ids as given (checked against the vocabulary by
+        ``check_request``)."""
+        if chat.messages:
+            raise InvalidRequest("send messages or a prompt, not both", param="prompt")
+        if isinstance(chat.prompt, str):
+            return RenderedPrompt(await self.tokenize(chat.prompt))
+        assert chat.prompt is not None
+        return RenderedPrompt(tuple(chat.prompt))
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """``text`` as token ids, without a chat template, on a worker thread
+        (never the MLX thread). If cancelled, the work finishes in its thread
+        and is discarded."""
+        renderer = self.renderer
+        return await trio.to_thread.run_sync(
+            lambda: renderer.encode(text, add_special_tokens=add_special_tokens)
+        )
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids as text, on a worker thread. Raises ``InvalidRequest``
+        for an id outside the vocabulary."""
+        vocab = self.info.vocab_size
+        if vocab and not all(0 <= t < vocab for t in tokens):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
+        renderer = self.renderer
+        ids = list(tokens)
+        return await trio.to_thread.run_sync(lambda: renderer.decode(ids))
+
+    async def token_texts(self, tokens: Sequence[int]) -> tuple[str, ...]:
+        """Each token's own text (for logprobs of a prompt), on a worker
+        thread. Raises ``InvalidRequest`` for an id outside the vocabulary."""
+        vocab = self.info.vocab_size
+        if vocab and not all(0 <= t < vocab for t in tokens):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="tokens")
+        renderer = self.renderer
+        ids = list(tokens)
+        return await trio.to_thread.run_sync(lambda: tuple(renderer.decode([t]) for t in ids))
 
     def submit_chat_nowait(self, prepared: PreparedChat) -> ChatHandle:
         """Queue a prepared chat and return its handle (``submit_nowait``'s
         rules: never blocks; leaving the handle's ``with`` block withdraws
         it). Raises ``EngineClosed`` or ``QueueFull``."""
         handle = self.submit_nowait(prepared.request)
-        shaper = Shaper(self.info, prepared.request.prompt, tools=prepared.chat.parses_tools)
-        return ChatHandle(handle, prepared, shaper)
+        return ChatHandle(handle, prepared, self._shaper(prepared))
+
+    def submit_chat_group_nowait(self, prepared: PreparedChat) -> ChatGroupHandle:
+        """Queue ``prepared.chat.n`` chats continuing the same prompt, which
+        is computed once (``submit_group_nowait``'s rules: choice ``i``
+        samples with ``seed + i``; leaving the handle's ``with`` block
+        withdraws them all). Raises ``EngineClosed``, ``QueueFull`` or
+        ``InvalidRequest``."""
+        group = self.submit_group_nowait(prepared.request, prepared.chat.n)
+        choices = [
+            ChatHandle(None, prepared, self._shaper(prepared), index=i)
+            for i in range(prepared.chat.n)
+        ]
+        return ChatGroupHandle(group, choices)
+
+    def _shaper(self, prepared: PreparedChat) -> Shaper:
+        chat = prepared.chat
+        raw = chat.prompt is not None
+        return Shaper(
+            self.info, prepared.request.prompt, tools=chat.parses_tools, reasoning=not raw
+        )
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatHandle:
         """``prepare_chat`` then ``submit_chat_nowait``: ``options`` are
@@ -558,15 +706,57 @@ class Engine:
         """
         self.check_admission()
         self.check_request(request)
+        send, receive = trio.open_memory_channel[Event](request.max_tokens + _EVENT_SLACK)
+        ticket = _Ticket()
+        rid = self._enqueue(request, send, ticket)
+        return RequestHandle(self, rid, receive, ticket)
+
+    def submit_group_nowait(self, request: GenerationRequest, n: int) -> GroupHandle:
+        """Queue ``n`` sequences that continue the same prompt and return
+        their handle; never blocks. Member ``i`` samples with ``seed + i``
+        (each its own random stream; no seed: each its own random one).
+
+        The prompt is computed once: the first member admitted prefills it,
+        the others wait (holding their slots) until its state at
+        ``len(prompt) - 1`` is in the prompt cache, then seed from there and
+        decode in the same batch (``host.loop``). Raises as
+        ``submit_nowait`` does, ``QueueFull`` unless all ``n`` fit, and
+        ``InvalidRequest`` unless ``1 <= n <= max_concurrency``."""
+        self.check_admission()
+        self.check_request(request)
+        limit = self.config.max_concurrency
+        if not 1 <= n <= limit:
+            raise InvalidRequest(f"n must be in [1, {limit}] (--max-concurrency)", param="n")
+        self._scheduler.check_room(n)
+        cache = request.cache or CacheRequest()
+        if n > 1:
+            cache = attrs.evolve(cache, prefill_group=self._next_rid)
+        send, receive = trio.open_memory_channel[tuple[int, Event]](
+            n * (request.max_tokens + _EVENT_SLACK)
+        )
+        rids, tickets = [], []
+        with send:
+            for i in range(n):
+                seed = request.sampling.seed
+                member = attrs.evolve(
+                    request,
+                    sampling=attrs.evolve(
+                        request.sampling, seed=None if seed is None else seed + i
+                    ),
+                    cache=cache,
+                )
+                tickets.append(_Ticket())
+                rids.append(self._enqueue(member, _Tagged(send.clone(), i), tickets[-1]))
+        return GroupHandle(self, tuple(rids), receive, tuple(tickets))
+
+    def _enqueue(self, request: GenerationRequest, sink: _Sink, ticket: _Ticket) -> int:
         rid = self._next_rid
         self._next_rid += 1
-        send, receive = trio.open_memory_channel[Event](request.max_tokens + _EVENT_SLACK)
         self._scheduler.enqueue(rid, request.priority)
-        ticket = _Ticket()
-        self._live[rid] = _Live(request, send, ticket, submitted_at=trio.current_time())
+        self._live[rid] = _Live(request, sink, ticket, submitted_at=trio.current_time())
         self._wake.set()
         self._notify()
-        return RequestHandle(self, rid, receive, ticket)
+        return rid
 
     def state(self) -> EngineState:
         return EngineState(

@@ -43,7 +43,8 @@ class Detokenizer(Protocol):
 
 
 class PromptRenderer(Protocol):
-    """Turns a conversation into prompt token ids (pure Python, any thread)."""
+    """Turns a conversation into prompt token ids, and text into tokens and
+    back (pure Python, any thread)."""
 
     def render(
         self,
@@ -54,6 +55,14 @@ class PromptRenderer(Protocol):
         template_override: str | None,
         band_chars: int | None = None,
     ) -> RenderedPrompt: ...
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        """Raw text as token ids, no chat template (legacy completions, /tokenize)."""
+        ...
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Token ids (inside the vocabulary) as text."""
+        ...
 
 
 @attrs.frozen
@@ -168,8 +177,11 @@ class Backend(Protocol):
         """One token's text, for logprobs."""
         ...
 
-    def detokenizer(self) -> Detokenizer:
-        """A fresh streaming detokenizer for one sequence."""
+    def detokenizer(self, keep_leading_space: bool = False) -> Detokenizer:
+        """A fresh streaming detokenizer for one sequence. Without
+        ``keep_leading_space`` it may trim the text's first space (a chat
+        answer); with it, the text is exactly what the tokens decode to
+        after the prompt (a raw prompt's continuation)."""
         ...
 
     def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -189,6 +189,18 @@ class _Sequence:
         )
 
 
+@attrs.define
+class _Group:
+    """Sequences of one prompt sharing its prefill (``CacheRequest.prefill_group``):
+    ``prefiller`` computes the prompt; the others wait here until its state at
+    ``len(prompt) - 1`` is in the prompt cache, then seed from it, so they
+    prefill nothing and join the batch at the step the prefiller starts
+    decoding."""
+
+    prefiller: int
+    waiting: list[tuple[int, GenerationRequest]] = attrs.field(factory=list)
+
+
 def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
     disk = None
     if config.persist_dir is not None:
@@ -238,6 +250,9 @@ class _Host:
         self._ended: list[int] = []
         self._stepped = False
         self._step_failure: str | None = None
+        # Prefill sharing (n > 1): groups by id, and each prefiller's group.
+        self._groups: dict[int, _Group] = {}
+        self._prefilling: dict[int, int] = {}
 
     def take_captures(self) -> list[int]:
         out, self._captures = self._captures, []
@@ -251,6 +266,7 @@ class _Host:
         log.error("request %d failed in %s; the batch goes on", rid, where, exc_info=exc)
         if self.seqs.pop(rid, None) is not None:
             self.backend.remove([rid])  # still in the batch: its state is not saved
+        self._left(rid)
         self._quietly(rid, "releasing its cache pins", self.cache.cancelled, rid, None)
         err = (
             exc
@@ -278,6 +294,7 @@ class _Host:
 
     def apply(self, orders: Orders) -> None:
         if orders.remove:
+            self._forget_waiting(orders.remove)
             gone = [rid for rid in orders.remove if self.seqs.pop(rid, None) is not None]
             if gone:
                 states = self.backend.remove(gone)
@@ -285,6 +302,8 @@ class _Host:
                     self._quietly(
                         rid, "its cancellation save", self.cache.cancelled, rid, states.get(rid)
                     )
+                for rid in gone:
+                    self._left(rid)
         for cid, command in orders.commands:
             try:
                 reply = self._run(command)
@@ -295,9 +314,58 @@ class _Host:
         if orders.admit:
             self._admit(orders.admit)
 
-    def _admit(self, admit: tuple[tuple[int, GenerationRequest], ...]) -> None:
+    # --- prefill sharing (n > 1) ---------------------------------------------
+
+    def _admit(self, admit: Sequence[tuple[int, GenerationRequest]]) -> None:
+        """Insert what can start now; a group member whose sibling is still
+        computing the shared prompt waits for it (``_Group``)."""
+        now: list[tuple[int, GenerationRequest]] = []
+        for rid, request in admit:
+            gid = request.cache.prefill_group if request.cache is not None else None
+            group = self._groups.get(gid) if gid is not None else None
+            if group is not None:
+                group.waiting.append((rid, request))
+                continue
+            if gid is not None:
+                self._groups[gid] = _Group(rid)
+                self._prefilling[rid] = gid
+            now.append((rid, request))
+        self._insert(now)
+
+    def _prefilled(self, rid: int) -> None:
+        """``rid`` computed its group's prompt (to ``len(prompt) - 1``; the
+        cache holds it): its waiting siblings start, seeded from there."""
+        gid = self._prefilling.pop(rid, None)
+        if gid is not None:
+            group = self._groups.pop(gid)
+            if group.waiting:
+                log.info(
+                    "request %d: prompt computed once for %d siblings", rid, len(group.waiting)
+                )
+            self._insert(group.waiting)
+
+    def _left(self, rid: int) -> None:
+        """``rid`` left the batch; if it was computing its group's prompt, the
+        first waiting sibling takes over (seeded with whatever was saved)."""
+        gid = self._prefilling.pop(rid, None)
+        if gid is None:
+            return
+        group = self._groups.pop(gid)
+        if group.waiting:
+            (nxt, request), *rest = group.waiting
+            self._groups[gid] = _Group(nxt, rest)
+            self._prefilling[nxt] = gid
+            self._insert([(nxt, request)])
+
+    def _forget_waiting(self, rids: Sequence[int]) -> None:
+        gone = set(rids)
+        for group in self._groups.values():
+            group.waiting = [(r, q) for r, q in group.waiting if r not in gone]
+
+    def _insert(self, admit: Sequence[tuple[int, GenerationRequest]]) -> None:
         now = time.perf_counter()
         admissions = []
+        ready = []
         for rid, request in admit:
             try:
                 admission, seed = self.cache.admit(rid, request)
@@ -305,7 +373,7 @@ class _Host:
                     lane=request.priority,
                     prompt_len=len(request.prompt),
                     cached=seed.reuse,
-                    detok=self.backend.detokenizer(),
+                    detok=self.backend.detokenizer(keep_leading_space=request.continues_text),
                     text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
                 )
@@ -314,12 +382,16 @@ class _Host:
                 continue
             self.seqs[rid] = seq
             admissions.append(admission)
+            if rid in self._prefilling and seed.reuse >= len(request.prompt) - 1:
+                ready.append(rid)  # the cache already held the shared prompt
         refused = self.backend.insert(admissions) if admissions else {}
         for rid, err in refused.items():
             # Refused at insertion (a sampler or processor that could not be
             # built): the request fails alone, the batch goes on.
             self.seqs.pop(rid, None)
             self._fail(rid, "insertion", err)
+        for rid in ready:
+            self._prefilled(rid)
 
     def _run(self, command: HostCommand) -> Any:
         match command:
@@ -371,8 +443,10 @@ class _Host:
                     "its own part of the step (sampler, logits processors, image prefill)",
                     error,
                 )
+        prefilled = []
         for p in out.prefill:
-            if p.rid not in self.seqs:
+            seq = self.seqs.get(p.rid)
+            if seq is None:
                 continue
             self._events.append((p.rid, Progress(p.done, p.total)))
             if p.segment_end:
@@ -380,6 +454,11 @@ class _Host:
                     self._capture(p.rid, p.done)
                 except Exception as exc:
                     self._fail(p.rid, "a snapshot capture", exc)
+                    continue
+            if p.rid in self._prefilling and seq.cached + p.done >= seq.prompt_len - 1:
+                prefilled.append(p.rid)
+        for rid in prefilled:
+            self._prefilled(rid)
         stopped_by_text: list[tuple[int, _Sequence, FinishReason]] = []
         now = time.perf_counter()
         for tok in out.tokens:
@@ -415,6 +494,7 @@ class _Host:
                 self._captures.append(rid)
 
     def _finish(self, rid: int, seq: _Sequence, reason: FinishReason, cap: Captured | None) -> None:
+        self._prefilled(rid)  # (never still computing a shared prompt here; no sibling waits)
         try:
             self.cache.finished(rid, cap)
         except Exception as exc:
@@ -461,6 +541,8 @@ class _Host:
             self._quietly(rid, "releasing its cache pins", self.cache.cancelled, rid, None)
             self._events.append((rid, Failed(err)))
             self._ended.append(rid)
+        for rid in rids:
+            self._left(rid)
 
     def shutdown(self) -> None:
         """Last act on the thread: file what is still running, flush to disk

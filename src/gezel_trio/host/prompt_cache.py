@@ -302,6 +302,9 @@ class PromptCache:
             if pos is not None and reuse < pos < len(prompt):
                 cuts.setdefault(pos, set()).add(role)
 
+        if cr.prefill_group is not None:
+            # Siblings of this prompt (n > 1) seed from its state here.
+            cut(len(prompt) - 1, "retry")
         if cr.snapshot_at is not None:
             cut(cr.snapshot_at, "warm")
         elif not self._trimmable:

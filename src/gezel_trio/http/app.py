@@ -27,6 +27,7 @@ from . import anthropic_messages
 from .cache_api import add_cache_routes
 from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
 from .openai_chat import add_chat_routes
+from .openai_completions import add_completion_routes
 from .openapi import openapi_json
 
 __all__ = ["HttpSettings", "create_app"]
@@ -175,6 +176,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         }
 
     add_chat_routes(app, engine, stream_tool_calls=settings.stream_tool_calls)
+    add_completion_routes(app, engine)
     anthropic_messages.add_messages_routes(app, engine)
 
     return app

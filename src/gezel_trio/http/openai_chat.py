@@ -21,7 +21,15 @@ from quart_trio import QuartTrio
 from ..core.errors import GezelError, InvalidRequest
 from ..core.events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
 from ..core.request import SamplingParams
-from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, ChatRequest, Engine
+from ..engine import (
+    ChatEvent,
+    ChatFinished,
+    ChatHandle,
+    ChatLogprobs,
+    ChatRequest,
+    Engine,
+    combined_usage,
+)
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta
 from .edge import json_body
 from .sse import (
@@ -33,14 +41,21 @@ from .sse import (
     error_body,
     event_stream,
     frame,
-    run_chat,
+    run_choices,
 )
-from .wire import ChatCompletionRequest, parse_chat_request, tool_dicts
+from .wire import ChatCompletionRequest, CompletionRequest, parse_chat_request, tool_dicts
 
-__all__ = ["add_chat_routes", "chat_request", "liveness_comment", "logprobs_body"]
+__all__ = [
+    "add_chat_routes",
+    "chat_request",
+    "liveness_comment",
+    "logprobs_body",
+    "sampling_params",
+]
 
 
-def _sampling(req: ChatCompletionRequest) -> SamplingParams:
+def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The engine's sampling parameters from a chat or legacy completions body."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -81,7 +96,7 @@ def chat_request(req: ChatCompletionRequest, *, vision: bool = True) -> ChatRequ
         tool_choice=req.tool_choice,
         response_format=attrs.asdict(req.response_format) if req.response_format else None,
         tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
-        sampling=_sampling(req),
+        sampling=sampling_params(req),
         max_tokens=req.max_output_tokens,
         stop=req.stop_list,
         ignore_eos=req.ignore_eos,
@@ -95,6 +110,7 @@ def chat_request(req: ChatCompletionRequest, *, vision: bool = True) -> ChatRequ
         max_thinking_tokens=req.thinking_budget,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         images=images,
+        n=req.n,
     )
 
 
@@ -149,7 +165,10 @@ def _delta(event: ChatEvent) -> dict[str, Any] | None:
 class _Chunks:
     """``sse.Translator`` for chat completions: one chunk per shaped delta,
     usage on every chunk, logprobs riding on the next chunk out (text held
-    back as a possible marker delays them, never drops them)."""
+    back as a possible marker delays them, never drops them). With ``n``
+    choices each chunk names its choice's ``index`` and carries that
+    choice's usage; the chunk that finishes the last choice carries the
+    usage of all (the prompt once)."""
 
     def __init__(
         self,
@@ -157,6 +176,7 @@ class _Chunks:
         model: str,
         include_usage: bool,
         logprobs: bool,
+        n: int = 1,
         *,
         stream_tool_calls: bool = True,
     ) -> None:
@@ -164,12 +184,21 @@ class _Chunks:
         self._model = model
         self._created = int(time.time())
         self._include_usage = include_usage
-        self._logprobs: list[TokenLogprob] | None = [] if logprobs else None
-        # --no-stream-tool-calls: each call held back and sent whole at the end.
-        self._held_calls: dict[int, dict[str, Any]] | None = None if stream_tool_calls else {}
+        self._logprobs: list[list[TokenLogprob]] | None = (
+            [[] for _ in range(n)] if logprobs else None
+        )
+        self._n = n
+        self._finished: dict[int, Usage] = {}
+        # --no-stream-tool-calls: each choice's calls held back and sent whole
+        # at its end.
+        self._held_calls: list[dict[int, dict[str, Any]]] | None = (
+            None if stream_tool_calls else [{} for _ in range(n)]
+        )
 
     def opening(self) -> list[bytes]:
-        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+        return [
+            self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._n)
+        ]
 
     def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
         note = liveness_comment(event)
@@ -178,12 +207,12 @@ class _Chunks:
         match event:
             case ChatLogprobs(items=items):
                 if self._logprobs is not None:
-                    self._logprobs += items
+                    self._logprobs[chat.index] += items
                 return []
             case ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments) if (
                 self._held_calls is not None
             ):
-                call = self._held_calls.setdefault(
+                call = self._held_calls[chat.index].setdefault(
                     index,
                     {
                         "index": index,
@@ -195,29 +224,37 @@ class _Chunks:
                 call["function"]["arguments"] += arguments
                 return []
             case ChatFinished(reason=reason, usage=usage):
+                self._finished[chat.index] = usage
+                held = self._held_calls[chat.index] if self._held_calls is not None else {}
                 out = [
-                    self._chunk({"tool_calls": [call]}, None, usage)
-                    for call in (self._held_calls or {}).values()
+                    self._chunk(chat.index, {"tool_calls": [call]}, None, usage)
+                    for call in held.values()
                 ]
-                out.append(self._chunk({}, reason, usage))
+                if len(self._finished) < self._n:
+                    return [*out, self._chunk(chat.index, {}, reason, usage)]
+                total = combined_usage(list(self._finished.values()))
+                out.append(self._chunk(chat.index, {}, reason, total))
                 if self._include_usage:
-                    body = chunk(self._cid, self._model, self._created, {}, None, usage)
+                    body = chunk(self._cid, self._model, self._created, {}, None, total)
                     body["choices"] = []
                     out.append(frame(body))
                 return [*out, DONE]
             case Failed(error=error):
                 return self.failure(error)
         delta = _delta(event)
-        return [] if delta is None else [self._chunk(delta, None, chat.usage)]
+        return [] if delta is None else [self._chunk(chat.index, delta, None, chat.usage)]
 
     def failure(self, err: GezelError) -> list[bytes]:
         return [frame(error_body(err)), DONE]
 
-    def _chunk(self, delta: dict[str, Any], reason: str | None, usage: Usage | None) -> bytes:
+    def _chunk(
+        self, index: int, delta: dict[str, Any], reason: str | None, usage: Usage | None
+    ) -> bytes:
         body = chunk(self._cid, self._model, self._created, delta, reason, usage)
-        if self._logprobs:
-            body["choices"][0]["logprobs"] = logprobs_body(self._logprobs)
-            self._logprobs = []
+        body["choices"][0]["index"] = index
+        if self._logprobs and self._logprobs[index]:
+            body["choices"][0]["logprobs"] = logprobs_body(self._logprobs[index])
+            self._logprobs[index] = []
         return frame(body)
 
 
@@ -236,11 +273,19 @@ def add_chat_routes(app: QuartTrio, engine: Engine, *, stream_tool_calls: bool =
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             translator = _Chunks(
-                cid, model, include_usage, logprobs, stream_tool_calls=stream_tool_calls
+                cid, model, include_usage, logprobs, req.n, stream_tool_calls=stream_tool_calls
             )
             return event_stream(ChatStream(engine, prepared, translator))
-        finished, items = await run_chat(engine, prepared)
-        body = completion(cid, model, finished.message, finished.reason, finished.usage)
-        if logprobs:
-            body["choices"][0]["logprobs"] = logprobs_body(items)
+        results = await run_choices(engine, prepared)
+        usage = combined_usage([finished.usage for finished, _ in results])
+        body = completion(cid, model, results[0][0].message, results[0][0].reason, usage)
+        body["choices"] = [
+            {
+                "index": i,
+                "message": finished.message,
+                "finish_reason": finished.reason,
+                "logprobs": logprobs_body(items) if logprobs else None,
+            }
+            for i, (finished, items) in enumerate(results)
+        ]
         return Response(json.dumps(body), mimetype="application/json")

@@ -52,6 +52,11 @@ _DOCS: dict[str, str] = {
     "reasoning_effort": "OpenAI: none/minimal turn thinking off; low/medium bound it.",
     "repetition_penalty": "mlx-lm: penalize recently generated tokens.",
     "persist": "gezel: write the warmed entry to disk at once.",
+    "n": "Choices of one prompt, computed once; at most --max-concurrency.",
+    "echo": "Prepend the prompt to each choice's text (and its tokens to logprobs).",
+    "best_of": "Must equal n: every generated sequence is returned, none ranked.",
+    "suffix": "Refused (400): no fill-in-the-middle.",
+    "add_special_tokens": "Default true for text; messages are tokenized as chat runs them.",
 }
 
 
@@ -325,6 +330,7 @@ def document(model_id: str) -> dict[str, Any]:
             }
         },
     }
+    paths.update(_completion_paths(b))
     paths.update(_messages_paths(b))
     return {
         "openapi": "3.1.0",
@@ -374,6 +380,66 @@ def _messages_paths(b: _Builder) -> dict[str, Any]:
                 "summary": "The prompt tokens a Messages request would render",
                 "requestBody": _body(b.ref(anthropic_wire.CountTokensRequest)),
                 "responses": _responses(count_ok, *errors, error="AnthropicError"),
+            }
+        },
+    }
+
+
+def _completion_paths(b: _Builder) -> dict[str, Any]:
+    """Legacy completions, /tokenize and /detokenize (W7)."""
+    completion_ok = {
+        "description": "A text_completion object, or with stream: true server-sent "
+        "text_completion chunks ending in data: [DONE].",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {}},
+        },
+    }
+    completion_op = {
+        "summary": "Legacy completion of a raw prompt (no chat template); n choices of "
+        "one prompt computed once",
+        "requestBody": _body(b.ref(wire.CompletionRequest)),
+        "responses": _responses(completion_ok, "400", "413", "415", "429"),
+    }
+    tokenize_ok = _json_ok(
+        "tokens, count and max_model_len (vLLM); token_strs when asked; "
+        "with_pieces: tokens as {id, piece} (llama.cpp).",
+        {
+            "type": "object",
+            "required": ["tokens", "count", "max_model_len"],
+            "properties": {
+                "tokens": {"type": "array"},
+                "count": {"type": "integer"},
+                "max_model_len": {"type": "integer"},
+                "token_strs": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+    )
+    detokenize_ok = _json_ok(
+        "The text, as prompt (vLLM) and content (llama.cpp).",
+        {
+            "type": "object",
+            "required": ["prompt", "content"],
+            "properties": {"prompt": {"type": "string"}, "content": {"type": "string"}},
+        },
+    )
+    return {
+        "/v1/completions": {"post": {**completion_op, "operationId": "completions"}},
+        "/completions": {"post": {**completion_op, "operationId": "completionsAlias"}},
+        "/tokenize": {
+            "post": {
+                "operationId": "tokenize",
+                "summary": "Text (no chat template) or messages (the chat prompt) to token ids",
+                "requestBody": _body(b.ref(wire.TokenizeRequest)),
+                "responses": _responses(tokenize_ok, "400", "413", "415"),
+            }
+        },
+        "/detokenize": {
+            "post": {
+                "operationId": "detokenize",
+                "summary": "Token ids to text",
+                "requestBody": _body(b.ref(wire.DetokenizeRequest)),
+                "responses": _responses(detokenize_ok, "400", "413", "415"),
             }
         },
     }

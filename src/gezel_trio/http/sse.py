@@ -14,7 +14,14 @@ from quart import Response
 
 from ..core.errors import GezelError
 from ..core.events import Failed, TokenLogprob, Usage
-from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatLogprobs, PreparedChat
+from ..engine import (
+    ChatEvent,
+    ChatFinished,
+    ChatGroupHandle,
+    ChatHandle,
+    ChatLogprobs,
+    PreparedChat,
+)
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -30,6 +37,7 @@ __all__ = [
     "event_stream",
     "frame",
     "run_chat",
+    "run_choices",
     "usage_body",
 ]
 
@@ -139,13 +147,18 @@ class ChatStream:
     client closes) and in ``aclose`` (Quart calls it when the response ends
     by any path). Errors after the first byte become the protocol's error
     frames; ``Cancelled`` propagates untouched.
+
+    With ``n > 1`` (``ChatRequest.n``) it submits a group: the translator
+    sees each choice's events with that choice's ``ChatHandle`` (its
+    ``index``), interleaved; the stream ends after every choice finished, or
+    at the first failure.
     """
 
     def __init__(self, engine: Engine, prepared: PreparedChat, translator: Translator) -> None:
         self._engine = engine
         self._prepared = prepared
         self._translator = translator
-        self._chat: ChatHandle | None = None
+        self._chat: ChatHandle | ChatGroupHandle | None = None
         self._pending: deque[bytes] = deque()
         self._started = False
         self._ended = False
@@ -160,21 +173,28 @@ class ChatStream:
             if not self._started:
                 self._start()
                 continue
-            assert self._chat is not None
             try:
-                event = await self._chat.__anext__()
+                chat, event = await self._next_event()
             except StopAsyncIteration:
                 self._close()
                 continue
             except BaseException:
                 self._close()
                 raise
-            self._pending += self._translator.render(event, self._chat)
-            if isinstance(event, ChatFinished | Failed):
-                if isinstance(event, Failed):
-                    log.warning("stream failed: %s", event.error.message)
+            self._pending += self._translator.render(event, chat)
+            if isinstance(event, Failed):
+                log.warning("stream failed: %s", event.error.message)
+                self._close()
+            elif isinstance(event, ChatFinished) and isinstance(self._chat, ChatHandle):
                 self._close()
         return self._pending.popleft()
+
+    async def _next_event(self) -> tuple[ChatHandle, ChatEvent]:
+        chat = self._chat
+        if isinstance(chat, ChatGroupHandle):
+            return await chat.__anext__()
+        assert chat is not None
+        return chat, await chat.__anext__()
 
     async def aclose(self) -> None:
         self._close()
@@ -183,7 +203,10 @@ class ChatStream:
     def _start(self) -> None:
         self._started = True
         try:
-            self._chat = self._engine.submit_chat_nowait(self._prepared)
+            if self._prepared.chat.n > 1:
+                self._chat = self._engine.submit_chat_group_nowait(self._prepared)
+            else:
+                self._chat = self._engine.submit_chat_nowait(self._prepared)
         except GezelError as err:
             self._pending += self._translator.failure(err)
             self._ended = True
@@ -214,6 +237,29 @@ async def run_chat(
                 case Failed(error=error):
                     raise error
     raise GezelError("the request ended without a result")  # pragma: no cover
+
+
+async def run_choices(
+    engine: Engine, prepared: PreparedChat
+) -> list[tuple[ChatFinished, list[TokenLogprob]]]:
+    """``run_chat`` for ``n`` choices (``ChatRequest.n``, one prompt computed
+    once): each choice's terminal event and logprobs, by index; raises the
+    first error. Cancellation withdraws every choice."""
+    n = prepared.chat.n
+    if n == 1:
+        return [await run_chat(engine, prepared)]
+    finished: list[ChatFinished | None] = [None] * n
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    with engine.submit_chat_group_nowait(prepared) as group:
+        async for choice, event in group:
+            match event:
+                case ChatLogprobs(items=items):
+                    logprobs[choice.index] += items
+                case ChatFinished():
+                    finished[choice.index] = event
+                case Failed(error=error):
+                    raise error
+    return [(f, lp) for f, lp in zip(finished, logprobs, strict=True) if f is not None]
 
 
 def event_stream(body: ChatStream) -> Response:

@@ -45,12 +45,15 @@ from .images import from_base64, from_data_url
 __all__ = [
     "MAX_DEPTH",
     "ChatCompletionRequest",
+    "CompletionRequest",
     "ContentPart",
+    "DetokenizeRequest",
     "FieldInvalid",
     "Message",
     "Pattern",
     "Range",
     "StreamOptions",
+    "TokenizeRequest",
     "Tool",
     "ToolCall",
     "WarmRequest",
@@ -60,6 +63,9 @@ __all__ = [
     "check_text",
     "converter",
     "parse_chat_request",
+    "parse_completion_request",
+    "parse_detokenize_request",
+    "parse_tokenize_request",
     "parse_warm_request",
     "structure",
     "tool_dicts",
@@ -77,6 +83,10 @@ MAX_TOOLS = 128
 MAX_TEMPLATE_CHARS = 65_536
 MAX_DEPTH = 64
 MAX_METADATA = 16
+# Choices per request (n); the engine also bounds it by --max-concurrency.
+MAX_N = 8
+# Tokens one /tokenize-style prompt or /detokenize body may carry.
+MAX_PROMPT_TOKENS = 1_000_000
 # OpenAI's seed is an int64; the engine keys its random stream by 64 bits.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
@@ -362,7 +372,8 @@ class ChatCompletionRequest:
     # -1: random; any other int64 (or uint64) seeds the request's own stream.
     seed: int | None = attrs.field(default=None, validator=_range(SEED_MIN, SEED_MAX))
     stop: str | list[str] | None = None
-    n: int = attrs.field(default=1, validator=_range(1, 1))
+    # n > 1: choices of one prompt computed once; also bounded by --max-concurrency.
+    n: int = attrs.field(default=1, validator=_range(1, MAX_N))
     presence_penalty: float | None = attrs.field(default=None, validator=_range(-2, 2))
     frequency_penalty: float | None = attrs.field(default=None, validator=_range(-2, 2))
     repetition_penalty: float | None = attrs.field(default=None, validator=_range(0, 10))
@@ -456,6 +467,107 @@ class ChatCompletionRequest:
         if self.max_thinking_tokens is not None or self.reasoning_effort is None:
             return self.max_thinking_tokens
         return REASONING_EFFORT[self.reasoning_effort][1]
+
+
+@attrs.frozen
+class CompletionRequest:
+    """``POST /v1/completions`` (legacy): a raw prompt, no chat template.
+    ``prompt`` is text, a list of one text, token ids, or a list of one list
+    of token ids; ``suffix`` is refused; ``best_of`` must equal ``n``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    max_tokens: int | None = attrs.field(default=16, validator=_range(1, None))
+    temperature: float | None = attrs.field(default=None, validator=_range(0, 2))
+    top_p: float | None = attrs.field(default=None, validator=_range(0, 1))
+    top_k: int | None = attrs.field(default=None, validator=_range(-1, None))
+    min_p: float | None = attrs.field(default=None, validator=_range(0, 1))
+    seed: int | None = attrs.field(default=None, validator=_range(SEED_MIN, SEED_MAX))
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = attrs.field(default=None, validator=_range(0, 20))
+    n: int = attrs.field(default=1, validator=_range(1, MAX_N))
+    best_of: int | None = attrs.field(default=None, validator=_range(1, MAX_N))
+    suffix: str | None = None
+    presence_penalty: float | None = attrs.field(default=None, validator=_range(-2, 2))
+    frequency_penalty: float | None = attrs.field(default=None, validator=_range(-2, 2))
+    repetition_penalty: float | None = attrs.field(default=None, validator=_range(0, 10))
+    repetition_context_size: int | None = attrs.field(default=None, validator=_range(1, 8192))
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = attrs.field(default=0, validator=_range(0, None))
+    # gezel extensions (W3) that apply to a raw prompt
+    cache_id: str | None = None
+    prefix_cache_id: str | None = None
+    prefix_cache_ids: list[str] | None = None
+    priority: Literal["interactive", "background"] = "interactive"
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def prefix_ids(self) -> tuple[str, ...]:
+        if self.prefix_cache_ids:
+            return tuple(p for p in self.prefix_cache_ids if p)
+        return (self.prefix_cache_id,) if self.prefix_cache_id else ()
+
+    @property
+    def random_seed(self) -> int | None:
+        return None if self.seed == -1 else self.seed
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def raw_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids (validated by ``parse_completion_request``)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[0], list | str):
+            return p[0]
+        return p  # type: ignore[return-value]
+
+
+@attrs.frozen
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's shape; llama.cpp's ``content`` and
+    ``add_special`` are accepted too): text without a chat template, or
+    ``messages`` rendered with it. ``add_special_tokens`` defaults to true
+    for text and false for messages, as in vLLM."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[Message] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    return_token_strs: bool = False
+    with_pieces: bool = False
+
+
+@attrs.frozen
+class DetokenizeRequest:
+    """``POST /detokenize``: token ids back to text (vLLM answers
+    ``prompt``, llama.cpp ``content``: both are in the answer)."""
+
+    tokens: list[int] = attrs.field()
+    model: str | None = None
+
+    @tokens.validator
+    def _check_tokens(self, _: attrs.Attribute[Any], value: list[int]) -> None:
+        if len(value) > MAX_PROMPT_TOKENS:
+            raise _FieldInvalid("tokens", f"at most {MAX_PROMPT_TOKENS} tokens")
 
 
 def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
@@ -567,6 +679,22 @@ def _make_converter() -> cattrs.Converter:
 
     union(str | dict[str, Any], arguments_hook)
 
+    def prompt_hook(value: Any, _: Any) -> Any:
+        def ints(v: Any) -> bool:
+            return isinstance(v, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in v
+            )
+
+        if isinstance(value, str) or ints(value):
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(v, str) for v in value) or all(ints(v) for v in value)
+        ):
+            return value
+        raise TypeError("expected a string, a list of strings, token ids or lists of token ids")
+
+    union(str | list[str] | list[int] | list[list[int]], prompt_hook)
+
     return conv
 
 
@@ -616,11 +744,16 @@ def check_stops(stops: tuple[str, ...], param: str) -> None:
 
 
 def _check_limits(req: ChatCompletionRequest) -> None:
-    check_stops(req.stop_list, "stop")
-    if req.logit_bias is not None:
-        if len(req.logit_bias) > MAX_LOGIT_BIAS:
+    _check_sampling_limits(req.stop_list, req.logit_bias)
+    _check_messages(req)
+
+
+def _check_sampling_limits(stops: tuple[str, ...], logit_bias: dict[str, float] | None) -> None:
+    check_stops(stops, "stop")
+    if logit_bias is not None:
+        if len(logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", param="logit_bias")
-        for key, val in req.logit_bias.items():
+        for key, val in logit_bias.items():
             # Parsed, not tested: "²".isdigit() is true and int("²") raises.
             if not _LOGIT_BIAS_KEY.fullmatch(key):
                 raise InvalidRequest(
@@ -630,6 +763,9 @@ def _check_limits(req: ChatCompletionRequest) -> None:
                 raise InvalidRequest(
                     "logit_bias values must be numbers in [-100, 100]", param="logit_bias"
                 )
+
+
+def _check_messages(req: ChatCompletionRequest) -> None:
     for i, m in enumerate(req.messages):
         if m.role in ("user", "system", "developer") and m.content is None:
             raise InvalidRequest(
@@ -827,6 +963,64 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     req = structure(body, ChatCompletionRequest)
     _check_limits(req)
     return req
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a legacy completions body; ``InvalidRequest`` names the field."""
+    req = structure(body, CompletionRequest)
+    p = req.prompt
+    if isinstance(p, list):
+        if len(p) != 1 and (not p or not isinstance(p[0], int)):
+            raise InvalidRequest(
+                "prompt must be one prompt: a string, token ids, or a list holding one of them",
+                param="prompt",
+            )
+        if not p or (isinstance(p[0], list) and not p[0]):
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+    raw = req.raw_prompt
+    if isinstance(raw, list) and len(raw) > MAX_PROMPT_TOKENS:
+        raise InvalidRequest(f"at most {MAX_PROMPT_TOKENS} prompt tokens", param="prompt")
+    if req.suffix is not None:
+        raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequest(
+            "best_of must equal n: every generated sequence is returned, none ranked",
+            param="best_of",
+        )
+    _check_sampling_limits(req.stop_list, req.logit_bias)
+    for name, value in (("cache_id", req.cache_id), ("prefix_cache_id", req.prefix_cache_id)):
+        check_cache_id(value, name)
+    if req.prefix_cache_ids is not None:
+        if len(req.prefix_cache_ids) > MAX_PREFIX_IDS:
+            raise InvalidRequest(f"at most {MAX_PREFIX_IDS} prefix ids", param="prefix_cache_ids")
+        for i, pid in enumerate(req.prefix_cache_ids):
+            check_cache_id(pid, f"prefix_cache_ids[{i}]")
+    return req
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    req = structure(body, TokenizeRequest)
+    given = [n for n in ("prompt", "content", "messages") if getattr(req, n) is not None]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "send exactly one of prompt (or content) and messages",
+            param=given[-1] if given else None,
+        )
+    if req.messages is not None and not req.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    if req.messages is not None and len(req.messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages", param="messages")
+    if not req.add_generation_prompt:
+        raise InvalidRequest(
+            "add_generation_prompt: false is not supported", param="add_generation_prompt"
+        )
+    _check_kwargs(req.chat_template_kwargs)
+    _check_tools(req.tools)
+    return req
+
+
+def parse_detokenize_request(body: Any) -> DetokenizeRequest:
+    return structure(body, DetokenizeRequest)
 
 
 def parse_warm_request(body: Any) -> WarmRequest:

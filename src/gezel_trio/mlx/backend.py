@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import attrs
 import mlx.core as mx
@@ -90,6 +90,10 @@ def _copy_layer(layer: Any) -> Any:
     out = copy.copy(layer)
     out.state = tree_map(lambda a: mx.array(a) if isinstance(a, mx.array) else a, layer.state)
     return out
+
+
+def _untrimmed(text: str) -> str:
+    return text
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -453,9 +457,17 @@ class MlxBackend:
     def decode(self, tokens: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(tokens)))
 
-    def detokenizer(self) -> Detokenizer:
-        detok: Detokenizer = self._tokenizer.detokenizer
-        return detok
+    def detokenizer(self, keep_leading_space: bool = False) -> Detokenizer:
+        detok: Any = self._tokenizer.detokenizer  # a fresh copy
+        if keep_leading_space:
+            # mlx-lm's SPM detokenizer trims the first space unless told not
+            # to; its BPE one always does (``_maybe_trim_space``): a raw
+            # prompt's continuation (" Paris" after "... France is") keeps it.
+            if hasattr(detok, "trim_space"):
+                detok.trim_space = False
+            if hasattr(detok, "_maybe_trim_space"):
+                detok._maybe_trim_space = _untrimmed
+        return cast(Detokenizer, detok)
 
     def _lane(self, priority: Priority) -> _Lane:
         lane = self._lanes.get(priority)

@@ -234,6 +234,15 @@ class ChatTemplateRenderer:
             bounds = self._boundaries(prepared, text, ends, *used, template_override)
         return RenderedPrompt(tokens, band_end, bounds, text)
 
+    def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        ids: list[int] = hf.encode(text, add_special_tokens=add_special_tokens)
+        return tuple(ids)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        return str(hf.decode(list(tokens)))
+
     def _boundaries(
         self,
         messages: Sequence[dict[str, Any]],

@@ -98,9 +98,13 @@ _FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MIST
 class Shaper:
     """Text in, shaped events out; ``message()`` is the assistant message so far."""
 
-    def __init__(self, info: ModelInfo, prompt: tuple[int, ...], *, tools: bool) -> None:
+    def __init__(
+        self, info: ModelInfo, prompt: tuple[int, ...], *, tools: bool, reasoning: bool = True
+    ) -> None:
+        """``tools``: turn tool markup into calls; ``reasoning``: split the
+        think block out (off for a raw prompt, whose output is plain text)."""
         self._reasoning: ReasoningSplitter | None = None
-        if info.think_markers is not None and info.think_ids is not None:
+        if reasoning and info.think_markers is not None and info.think_ids is not None:
             start, end = info.think_markers
             inside = prompt_opens_thinking_tokens(prompt, info.think_ids)
             self._reasoning = ReasoningSplitter(start, end, starts_inside=inside)

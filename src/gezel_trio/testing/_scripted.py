@@ -91,6 +91,12 @@ class CharRenderer:
             raise InvalidRequest("control characters are not renderable", param="messages")
         return RenderedPrompt(tuple(ord(c) for c in text), band_end, tuple(boundaries))
 
+    def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        return tuple(ord(c) for c in text)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return "".join(chr(t) for t in tokens)
+
 
 @attrs.define
 class _Seq:
@@ -172,7 +178,7 @@ class ScriptedBackend:
     def running(self) -> tuple[int, ...]:
         return tuple(self._seqs)
 
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self, keep_leading_space: bool = False) -> Detokenizer:
         return _CharDetokenizer()
 
     def decode(self, tokens: Sequence[int]) -> str:
