@@ -109,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
         default=3,
         help="exit non-zero after this many consecutive failed model steps",
     )
+    s.add_argument(
+        "--responses-budget-mb",
+        type=float,
+        default=256.0,
+        help="stored Responses (store: true) kept, least recently used dropped beyond it; "
+        "with --persist-dir also on disk",
+    )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
@@ -198,15 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             print(f"gezel-trio: {exc}", file=sys.stderr)
             return 2
-    config = ServerConfig(
-        engine=engine,
-        http=HttpSettings(
-            host=args.host,
-            api_key=args.api_key,
-            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        ),
-        port=args.port,
-        graceful_timeout=args.graceful_timeout,
-        watch_parent=watch_parent,
-    )
+    try:
+        config = ServerConfig(
+            engine=engine,
+            http=HttpSettings(
+                host=args.host,
+                api_key=args.api_key,
+                max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+            ),
+            port=args.port,
+            graceful_timeout=args.graceful_timeout,
+            watch_parent=watch_parent,
+            responses_budget_mb=args.responses_budget_mb,
+        )
+    except ValueError as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
     return main_serve(config)

@@ -5,6 +5,8 @@
     serve()  ── nursery
                 ├─ run_engine          started first; ready = model loaded on
                 │   └─ host thread     its thread, so the socket binds only then
+                ├─ ResponseStore.run   stored Responses, their files, background
+                │                      responses (one task each, cancellable)
                 ├─ hypercorn serve     the quart-trio app, bound after the engine
                 └─ signal watcher      SIGINT/SIGTERM -> graceful drain
 
@@ -41,6 +43,7 @@ from .core.errors import EngineFailure, GezelError
 from .engine import Engine, run_engine
 from .host.backend import Backend
 from .http.app import HttpSettings, create_app
+from .http.response_store import ResponseStore
 
 __all__ = ["ServerConfig", "serve"]
 
@@ -65,6 +68,8 @@ class ServerConfig:
     watch_parent: int | None = None
     # Seconds a failed engine's server keeps answering before it drains.
     dead_linger: float = DEAD_LINGER
+    # Stored Responses (store: true), least recently used dropped beyond this.
+    responses_budget_mb: float = attrs.field(default=256.0, validator=attrs.validators.gt(0))
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -150,7 +155,13 @@ async def serve(
         nursery.start_soon(_watch_signals, shutdown)
         if config.watch_parent is not None:
             nursery.start_soon(_watch_parent, config.watch_parent, shutdown)
-        app = create_app(engine, config.http)
+        persist = config.engine.persist_dir
+        responses = ResponseStore(
+            int(config.responses_budget_mb * 1024 * 1024),
+            persist / "responses" if persist is not None else None,
+        )
+        await nursery.start(responses.run)
+        app = create_app(engine, config.http, responses)
         binds = await nursery.start(_serve_http, app, hc, shutdown, nursery.cancel_scope)
         for bind in binds:
             # Tests and supervisors read this line to learn the port.

@@ -25,7 +25,9 @@ from ..engine import Engine
 from .cache_api import add_cache_routes
 from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
 from .openai_chat import add_chat_routes
+from .openai_responses import add_responses_routes
 from .openapi import openapi_json
+from .response_store import ResponseStore
 
 __all__ = ["HttpSettings", "create_app"]
 
@@ -50,7 +52,12 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0]
 
 
-def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
+def create_app(
+    engine: Engine, settings: HttpSettings, responses: ResponseStore | None = None
+) -> QuartTrio:
+    """The app over ``engine``. ``responses`` holds stored Responses; the
+    server passes the one running in its nursery (without it: an in-memory
+    store that refuses ``background: true``)."""
     app = QuartTrio(__name__)
     # Quart's default 60 s response timeout silently cuts long streams.
     app.config["RESPONSE_TIMEOUT"] = None
@@ -154,5 +161,6 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
         }
 
     add_chat_routes(app, engine)
+    add_responses_routes(app, engine, responses if responses is not None else ResponseStore())
 
     return app
