@@ -153,9 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 s = registry[name]
                 print(f"{name}: {s.doc.strip()}\n")
         else:
+            width = max(map(len, registry)) + 2
             for s in registry.values():
                 extra = "" if s.in_default_run else "  (not in the default run)"
-                print(f"{s.name:<14}{s.summary}{extra}")
+                print(f"{s.name:<{width}}{s.summary}{extra}")
         return 0
     chosen = args.scenarios or [n for n, s in registry.items() if s.in_default_run]
     given = {name: getattr(args, _dest(name)) for name in shared_options(registry)}

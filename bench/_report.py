@@ -179,7 +179,11 @@ def _panel(ax: Any, plot: Plot, colour: dict[str, str]) -> None:
             vals = [ys.get(c) for c in cats]
             ys_bar = [math.nan if v is None else v for v in vals]
             ax.bar(pos, ys_bar, width, label=s.label, color=colour[s.group or s.label])
-        ax.set_xticks(range(len(cats)), [str(c) for c in cats])
+        labels = [str(c) for c in cats]
+        if sum(map(len, labels)) > 40:  # long names: slanted, so they do not overlap
+            ax.set_xticks(range(len(cats)), labels, rotation=25, ha="right", fontsize=8)
+        else:
+            ax.set_xticks(range(len(cats)), labels)
     else:
         for s in plot.series:
             pts = [(x, y) for x, y in zip(s.x, s.y, strict=True) if y is not None]

@@ -106,6 +106,18 @@ def stop(
         return None
 
 
+def rss_kb(pid: int) -> int:
+    """A process's resident memory in kB (Linux ``/proc``; 0 where unknown)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
 def tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])

@@ -26,10 +26,35 @@ def test_registry_finds_every_scenario_module() -> None:
     registry = scenarios.load()
     modules = {p.stem for p in (ROOT / "bench" / "scenarios").glob("[!_]*.py")}
     assert set(registry) == modules
-    assert {"decode", "agent", "scheduler", "grammar", "cache_blocks"} <= set(registry)
+    assert {
+        "decode", "agent", "scheduler", "grammar", "cache_blocks", "toolcall_parsing", "fuzz",
+        "soak",
+    } <= set(registry)  # fmt: skip
     for s in registry.values():
         assert s.summary, s.name
         assert len(s.doc.splitlines()) > 5, f"{s.name}: the docstring says what it measures"
+
+
+def test_the_long_runs_are_not_in_the_default_run() -> None:
+    registry = scenarios.load()
+    assert not registry["soak"].in_default_run
+    assert not registry["fuzz"].in_default_run
+    assert registry["toolcall_parsing"].in_default_run
+    # --quick keeps them short: a smoke run, not the real thing.
+    assert registry["soak"].resolve({}, quick=True)["minutes"] <= 1
+    assert registry["fuzz"].resolve({}, quick=True)["examples"] <= 1000
+
+
+def test_fuzz_names_the_route_of_a_request() -> None:
+    from bench.scenarios.fuzz import route_of
+
+    assert route_of("POST", "/v1/chat/completions") == "chat"
+    assert route_of("POST", "/chat/completions") == "alias"
+    assert route_of("POST", "/v1/cache/warm") == "warm"
+    assert route_of("DELETE", "/v1/cache/a%2Fb") == "delete"
+    assert route_of("POST", "/admin/flush?settle_ms=5") == "flush"
+    assert route_of("GET", "/metrics") == "get"
+    assert route_of("PATCH", "/v1/chat/completions") == "odd"
 
 
 def test_shared_options_parse_alike_and_defaults_pass_choices() -> None:

@@ -2,8 +2,10 @@
 read-only disk, a directory removed while serving.
 
 * SIGKILL during a write, 200 trials: a writer process saves entries (1 MiB
-  each, written in 64 KiB pieces so a kill lands mid-write) and reports each
-  completed save; it is killed at a random moment. The next open loads every
+  each, written in 64 KiB pieces) and reports each completed save. Half the
+  trials run in lockstep with the test and are killed right after a piece it
+  chose at random (so the kill surely lands mid-file); the other half run
+  free and are killed at a random moment. The next open loads every
   completed entry, byte for byte, and every file present is whole - never a
   torn one. Writers are forked from a preloaded ``forkserver`` so 200
   trials take seconds.
@@ -47,7 +49,11 @@ def _payload(cache_id: str) -> bytes:
 
 class _SlowCodec:
     """Writes a 1 MiB state in flushed pieces, so a kill can land mid-file,
-    and its metadata in a header line (as the real codec keeps it in the file)."""
+    and its metadata in a header line (as the real codec keeps it in the file).
+
+    In a lockstep writer each flushed piece is announced on ``_STEP`` and the
+    writer waits for a go-ahead, so the parent can kill it after exactly the
+    piece it chose."""
 
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
         with path.open("wb") as f:
@@ -55,21 +61,29 @@ class _SlowCodec:
             for i in range(PIECES):
                 f.write(state[i * PIECE : (i + 1) * PIECE])
                 f.flush()
+                if _STEP is not None:
+                    _STEP.send(("piece", i))
+                    _STEP.recv()
 
     def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
         header, _, state = payload.partition(b"\n")
         return state, json.loads(header)
 
 
-def _writer(root: str, trial: int, progress: Connection) -> None:
+_STEP: Connection | None = None
+
+
+def _writer(root: str, trial: int, conn: Connection, lockstep: bool) -> None:
     """The child: save entries until killed, reporting each completed one."""
+    global _STEP
+    _STEP = conn if lockstep else None
     disk = DiskCache(Path(root), "fp", _SlowCodec())
     n = 0
     while True:
         key = f"t{trial}-e{n}"
         if not disk.save(key, [n], _payload(key), kind="session", roster=""):
             raise SystemExit(f"save {key} failed")
-        progress.send(n)
+        conn.send(("done", n))
         n += 1
 
 
@@ -77,27 +91,41 @@ def test_sigkill_during_persist_writes_never_leaves_a_torn_entry(tmp_path: Path)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["gezel_trio.host.persist", "tests.test_faults"])
     rng = random.Random(9)
-    loaded = torn = mid_write = 0
+    loaded = torn = mid_write = chosen_mid_write = 0
     for trial in range(TRIALS):
         root = tmp_path / f"trial{trial}"
-        receive, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_writer, args=(str(root), trial, send))
+        # Even trials run in lockstep and die after a chosen piece of the
+        # write after ``wanted`` (a kill known to land mid-file); odd trials
+        # run free and die at whatever moment the timer picks.
+        lockstep = trial % 2 == 0
+        conn, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_writer, args=(str(root), trial, child, lockstep))
         proc.start()
-        send.close()
+        child.close()
         done = -1
         wanted = rng.randrange(0, 3)
-        while done < wanted and receive.poll(30):
-            done = receive.recv()
-        # Kill at a random point of the next write: after 0..15 more pieces'
-        # worth of its progress messages (none come), or at once.
-        if rng.random() < 0.7:
-            receive.poll(rng.uniform(0, 0.02))
+        kill_after_piece = rng.randrange(PIECES)
+        while conn.poll(30):
+            kind, n = conn.recv()
+            if kind == "done":
+                done = n
+                if not lockstep and done >= wanted:
+                    break
+            elif done >= wanted and n == kill_after_piece:
+                chosen_mid_write += 1
+                break
+            else:
+                conn.send("go")
+        if not lockstep and rng.random() < 0.7:
+            conn.poll(rng.uniform(0, 0.02))
         proc.kill()
         proc.join(10)
-        with contextlib.suppress(EOFError):
-            while receive.poll():
-                done = receive.recv()
-        receive.close()
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():
+                kind, n = conn.recv()
+                if kind == "done":
+                    done = n
+        conn.close()
         assert proc.exitcode == -9, "the writer died of SIGKILL"
         segment = next(root.iterdir())
         mid_write += any(p.name.endswith(".tmp.safetensors") for p in segment.iterdir())
@@ -119,8 +147,9 @@ def test_sigkill_during_persist_writes_never_leaves_a_torn_entry(tmp_path: Path)
                 torn += 1
     assert torn == 0
     assert loaded > 0
-    # The kills did land inside writes (a temp file was left to sweep).
-    assert mid_write > TRIALS // 4, f"only {mid_write} of {TRIALS} kills landed mid-write"
+    # Every lockstep kill landed inside a write and left a temp file to sweep.
+    assert chosen_mid_write == (TRIALS + 1) // 2
+    assert mid_write >= chosen_mid_write, f"only {mid_write} of {TRIALS} kills left a temp file"
 
 
 # --- a real full, read-only and vanished disk --------------------------------

@@ -1,7 +1,7 @@
 """Fuzz every route of the real server on the real MLX backend (issue 9).
 
 A bounded number of hypothesis examples (``GEZEL_FUZZ_EXAMPLES``, 1000 by
-default; ``bench/fuzz.py`` runs 50,000) against one server process on the
+default; ``python -m bench fuzz`` runs 50,000) against one server process on the
 tiny dense demo model, while a healthy greedy stream loops beside the
 fuzzer. The strategies and invariants are in ``tests/fuzzing.py``.
 """

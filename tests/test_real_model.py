@@ -138,11 +138,9 @@ def server(smollm2_model: Path) -> Iterator[Server]:
 
 
 def _ask(server: Server, question: str, **kw: Any) -> Any:
+    kw.setdefault("temperature", 0)
     return server.client.chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": question}],
-        temperature=0,
-        **kw,
+        model="smollm2", messages=[{"role": "user", "content": question}], **kw
     )
 
 
@@ -191,6 +189,29 @@ def test_forced_tool_call_parses_and_validates(server: Server) -> None:
     assert call.function.name == "get_weather"
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, WEATHER["function"]["parameters"])
+
+
+def test_a_forced_call_over_free_strings_parses_within_200_tokens(server: Server) -> None:
+    """Nothing in this schema ends the call (free strings, more properties
+    allowed, sampling on): the budget steering does, on the real model."""
+    lookup = {
+        "type": "object",
+        "properties": {"query": {"type": "string"}, "notes": {"type": "string"}},
+        "required": ["query", "notes"],
+    }
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": lookup}}
+    r = _ask(
+        server,
+        "Look up everything you know about the harbour of Oslo and write long notes.",
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=200,
+        temperature=1.0,
+        seed=7,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), lookup)
 
 
 def test_json_schema_response_parses_and_validates(server: Server) -> None:

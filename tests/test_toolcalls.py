@@ -5,8 +5,8 @@ a counter so runs compare equal. The property tests cut the same text at
 random places and require the same events, merged, as one whole piece. The
 cost tests count work instead of timing it (every function call made, see
 ``work``): text four times as long must cost four times as much, never
-sixteen. What that work takes in seconds is measured in
-``bench/toolcall_parsing.py``.
+sixteen. What that work takes in seconds is measured by ``python -m bench
+toolcall_parsing``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,16 @@ from bench._scenario import Scenario
 
 # The order of a bare `python -m bench` (and of --list): cheap ones first; any
 # other module follows in name order.
-_ORDER = ("decode", "cache_blocks", "grammar", "scheduler", "agent")
+_ORDER = (
+    "decode",
+    "cache_blocks",
+    "toolcall_parsing",
+    "grammar",
+    "scheduler",
+    "agent",
+    "fuzz",
+    "soak",
+)
 
 
 def load() -> dict[str, Scenario]:

@@ -199,6 +199,22 @@ class ChatHandle:
     def __aiter__(self) -> ChatHandle:
         return self
 
+    def _json_complete(self) -> bool:
+        """A constrained JSON answer that parses is whole: a prefix of an
+        object or array never parses."""
+        constraint = self.prepared.request.constraint
+        if constraint is None or constraint.kind not in (
+            "json_object",
+            "json_schema",
+            "json_or_tool_call",
+        ):
+            return False
+        try:
+            value = json.loads("".join(self._shaper.content))
+        except ValueError:
+            return False
+        return isinstance(value, dict | list)
+
     async def __anext__(self) -> ChatEvent:
         """The next event; cancellation leaves the request queued or running
         until the ``with`` block is left."""
@@ -215,7 +231,10 @@ class ChatHandle:
                 case Finished(reason=reason, usage=usage):
                     self.usage = usage
                     self._pending.extend(self._shaper.finish())
-                    final: ChatFinishReason = "tool_calls" if self._shaper.calls else reason
+                    called = self._shaper.finish_reason(reason) == "tool_calls"
+                    final: ChatFinishReason = "tool_calls" if called else reason
+                    if final == "length" and self._json_complete():
+                        final = "stop"  # the grammar closed on the budget's last token
                     self._pending.append(ChatFinished(final, usage, self._shaper.message()))
                     self._done = True
                 case Failed():

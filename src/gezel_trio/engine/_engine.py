@@ -336,6 +336,12 @@ class Engine:
             tool_choice=chat.tool_choice,
             tool_grammar=dict(chat.tool_grammar) if chat.tool_grammar else None,
         )
+        thinking = chat.max_thinking_tokens
+        if constraint is not None and self.info.think_ids is not None:
+            # A forced output must fit after the think block: thinking gets
+            # at most what the output does not need (T3).
+            room = max(0, max_tokens - max(64, max_tokens // 2))
+            thinking = room if thinking is None else min(thinking, room)
         request = GenerationRequest(
             prompt=prompt,
             max_tokens=max_tokens,
@@ -352,7 +358,7 @@ class Engine:
                 roster=roster_fingerprint(chat.tools),
             ),
             constraint=constraint,
-            max_thinking_tokens=chat.max_thinking_tokens,
+            max_thinking_tokens=thinking,
             top_logprobs=chat.top_logprobs,
         )
         return PreparedChat(chat, request)

@@ -462,6 +462,7 @@ class MlxBackend:
                     vocab_width=self._vocab_width or self._grammar_tok.vocab_size,
                     eos_ids=eos,
                     start_after_token=think[1] if inside and think is not None else None,
+                    budget=r.max_tokens,
                 )
             )
         return procs

@@ -12,6 +12,7 @@ gets these same events (``Engine.chat``); none shapes text itself.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -69,15 +70,27 @@ class ToolCallDelta:
 
 @attrs.frozen
 class ToolCallDone:
-    """Tool call ``index`` is complete: ``arguments`` is its whole JSON text."""
+    """Tool call ``index`` ended: ``arguments`` is its whole text. ``complete``
+    is false when its markup broke off or its arguments are not a JSON object
+    (a generation cut by ``max_tokens``): such a call is never reported with
+    ``finish_reason: tool_calls``."""
 
     index: int
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
 
 ShapedEvent = TextDelta | ReasoningDelta | ToolCallDelta | ToolCallDone
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
 
 _FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC)}
 
@@ -110,7 +123,9 @@ class Shaper:
         return self._shape(self._split("", final=True))
 
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.calls else reason
+        """``tool_calls`` when the model called and every call is whole;
+        otherwise the engine's reason (``length`` for a call cut short)."""
+        return "tool_calls" if self.calls and all(c.complete for c in self.calls) else reason
 
     def message(self) -> dict[str, Any]:
         """The OpenAI-shaped assistant message: ``content``,
@@ -164,9 +179,11 @@ class Shaper:
                 case CallArgs(index=index, fragment=fragment) if fragment:
                     self._open[index][2].append(fragment)
                     out.append(ToolCallDelta(index, arguments=fragment))
-                case CallEnd(index=index):
+                case CallEnd(index=index, malformed=malformed):
                     cid, name, parts = self._open.pop(index)
-                    done = ToolCallDone(index, cid, name, "".join(parts))
+                    arguments = "".join(parts)
+                    whole = not malformed and _is_object(arguments)
+                    done = ToolCallDone(index, cid, name, arguments, whole)
                     self.calls.append(done)
                     out.append(done)
         return out

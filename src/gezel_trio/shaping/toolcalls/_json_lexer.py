@@ -4,7 +4,7 @@ Used by every format whose calls are JSON: Hermes and the generic format read
 a call object (``{"name": ..., "arguments": ...}``), Mistral the arguments
 value alone.
 
-Why hand-written: ``bench/toolcall_parsing.py`` measured it against what
+Why hand-written: ``python -m bench toolcall_parsing`` measured it against what
 could replace it, on model outputs streamed in chunks of 1-8 characters
 (ns per byte, best of 7, on the shared 2-core dev machine; the library
 columns time the re-parse alone, to which the splitter's own 120-370 ns per

@@ -1,65 +1,10 @@
-"""Tool-call JSON parsing: the hand-written lexer vs a scanner + json.loads vs
-partial-JSON libraries, per byte of streamed output, and what each gets right.
-
-Usage (from the repository root, no model or server needed)::
-
-    python bench/toolcall_parsing.py [--repeats 5] [--mutations 5000]
-                                     [--sections cost growth dense tests mutations]
-                                     [--json OUT]
-
-Systems, all fed the same model outputs in the same random chunks of 1-8
-characters (about one token each, seeded):
-
-``splitter only``
-    the splitter around a body that takes every piece whole and does nothing:
-    what feeding pieces, finding markers and building events cost around any
-    JSON parsing; the other systems' own share is what they add to it.
-``lexer``
-    ``ToolCallSplitter(HERMES)`` as shipped: ``shaping.toolcalls._json_lexer``,
-    an incremental JSON lexer with C-speed fast paths.
-``scanner``
-    the same splitter with ``_json_scan.JsonBody`` in its place: the call
-    object's own syntax checked as it comes, inside a value only strings and
-    brackets tracked, ``json.loads`` on each value once it ends. It was
-    removed after this measurement; the script loads it from the last commit
-    that had it.
-``jiter``, ``partial-json-parser``
-    neither can resume a parse, report where a value ends in longer text, or
-    give back the raw text of a member, so streaming with them means parsing
-    the call's JSON text so far again after every chunk (what partial-JSON
-    tool parsers do): ``jiter.from_json(bytes, partial_mode="trailing-strings")``
-    and ``partial_json_parser.loads``. Only that re-parse is timed (no marker
-    search, no argument deltas), so their figures are lower bounds, to be
-    added to ``splitter only``. partial-json-parser is pure Python and skips
-    outputs over 12 KB (one run of 32 KiB takes over a minute). jiter comes
-    with the test extra (openai needs it); partial-json-parser is no
-    dependency of the project (``pip install partial-json-parser``), and a
-    library that is not installed is left out.
-
-Sections:
-
-``cost``
-    ns per byte of each output, best of ``--repeats``.
-``growth``
-    the same for one arguments object of 2, 8 and 32 KiB: a re-parse per
-    chunk costs O(n) per chunk, so its cost per byte grows with the call.
-``dense``
-    token-dense markup (the timing figure that used to be a test): the lexer's
-    ns per byte at 1/8 and 1/2 MiB in one piece. The tests check the same
-    property by counting work, not time.
-``tests``
-    ``tests/test_toolcalls.py`` run in this process with the scanner swapped
-    in for the lexer.
-``mutations``
-    ``--mutations`` valid calls (followed by prose and a second, valid call),
-    each with one character deleted, inserted or replaced inside the first
-    call's JSON, split by lexer and scanner: how often their events differ,
-    and how often the second call is lost.
+"""The measuring side of the ``toolcall_parsing`` scenario (its documentation
+is there): run in a child process by ``bench._worker``, since it imports
+gezel-trio's tool-call splitter, swaps its JSON body and runs pytest.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import io
@@ -72,11 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-
 # The package's private modules too: the bench swaps the JSON body.
-from gezel_trio.shaping.toolcalls import (  # noqa: E402 (after the path is set)
+from gezel_trio.shaping.toolcalls import (
     HERMES,
     QWEN3_CODER,
     ToolCallSplitter,
@@ -86,7 +28,9 @@ from gezel_trio.shaping.toolcalls import (  # noqa: E402 (after the path is set)
     _mistral,
     collect,
 )
-from gezel_trio.shaping.toolcalls._body import RUNNING  # noqa: E402
+from gezel_trio.shaping.toolcalls._body import RUNNING
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SCANNER = "src/gezel_trio/shaping/toolcalls/_json_scan.py"
 CHUNK_SEED = 20261201
@@ -94,9 +38,11 @@ MiB = 1 << 20
 
 
 def load_scanner() -> Any:
-    """The scanner candidate's JsonBody, from the last commit that had it."""
+    """The scanner candidate's JsonBody, from the last commit that had it.
+    ``--full-history``: without it git's history simplification follows the
+    side of a merge where the file never existed, and finds no commit."""
     last = subprocess.run(
-        ["git", "rev-list", "-n", "1", "HEAD", "--", SCANNER],
+        ["git", "rev-list", "-n", "1", "--full-history", "HEAD", "--", SCANNER],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     # The commit that deleted it, or (before that) the one that last changed it.
@@ -298,16 +244,6 @@ def best(found: dict[str, Run], text: str, repeats: int) -> dict[str, float]:
     return {system: t / len(text.encode()) * 1e9 for system, t in times.items()}
 
 
-def table(title: str, rows: dict[str, dict[str, float]], unit: str) -> str:
-    cols = list(dict.fromkeys(c for row in rows.values() for c in row))
-    lines = [f"\n{title}\n", f"| {'output':24} | " + " | ".join(cols) + " |"]
-    lines.append("|---" + "|--:" * len(cols) + "|")
-    for name, row in rows.items():
-        cells = [f"{row[c]:.0f}" if c in row else "-" for c in cols]
-        lines.append(f"| {name:24} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + f"\n({unit})"
-
-
 # --- sections ------------------------------------------------------------------
 
 
@@ -408,43 +344,27 @@ def mutations(scanner: Any, n: int) -> dict[str, int]:
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--mutations", type=int, default=5000)
-    p.add_argument(
-        "--sections", nargs="+", default=["cost", "growth", "dense", "tests", "mutations"]
-    )
-    p.add_argument("--json", type=Path)
-    args = p.parse_args(argv)
+def growth_cases() -> dict[str, str]:
+    return {f"{k} KiB code string": hermes(code_args(k * 1024)) for k in (2, 8, 32)}
+
+
+def measure(sections: list[str], repeats: int, mutation_count: int) -> Iterator[dict[str, Any]]:
+    """One dict per section (``bench._worker`` sends each as a line); the
+    first names the systems and whether the scanner could be loaded."""
     try:
         scanner = load_scanner()
+        missing = None
     except (RuntimeError, subprocess.CalledProcessError, SyntaxError, ImportError) as e:
-        print(f"scanner not available: {e}", file=sys.stderr)
-        scanner = None
+        scanner, missing = None, f"{type(e).__name__}: {e}"
     found = systems(scanner)
-    print("systems:", ", ".join(found), f"(chunks of 1-8 characters, seed {CHUNK_SEED})")
-    report: dict[str, Any] = {}
-    if "cost" in args.sections:
-        report["cost"] = cost(found, outputs(), args.repeats)
-        print(table("== cost per byte of streamed output ==", report["cost"], "ns/byte"))
-    if "growth" in args.sections:
-        sizes = {f"{k} KiB code string": hermes(code_args(k * 1024)) for k in (2, 8, 32)}
-        report["growth"] = cost(found, sizes, args.repeats)
-        print(table("== one call, growing arguments ==", report["growth"], "ns/byte"))
-    if "dense" in args.sections:
-        report["dense"] = dense(args.repeats)
-        print(table("== token-dense markup in one piece (lexer) ==", report["dense"], "ns/byte"))
-    if "tests" in args.sections and scanner is not None:
-        report["tests"] = tests(scanner)
-        print("\n== tests/test_toolcalls.py with the scanner ==\n", report["tests"])
-    if "mutations" in args.sections and scanner is not None:
-        report["mutations"] = mutations(scanner, args.mutations)
-        print("\n== one character broken in a call's JSON ==\n", report["mutations"])
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    yield {"section": "systems", "systems": list(found), "scanner_missing": missing}
+    if "cost" in sections:
+        yield {"section": "cost", "rows": cost(found, outputs(), repeats)}
+    if "growth" in sections:
+        yield {"section": "growth", "rows": cost(found, growth_cases(), repeats)}
+    if "dense" in sections:
+        yield {"section": "dense", "rows": dense(repeats)}
+    if "tests" in sections and scanner is not None:
+        yield {"section": "tests", "outcomes": tests(scanner)}
+    if "mutations" in sections and scanner is not None:
+        yield {"section": "mutations", "counts": mutations(scanner, mutation_count)}

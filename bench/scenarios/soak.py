@@ -1,0 +1,427 @@
+"""Soak: 8 concurrent clients misbehaving for a long time (issue 9).
+
+Usage (from the repository root)::
+
+    python -m bench soak [--minutes 30] [--clients 8] [--model DIR] [--stall-timeout 5]
+
+One gezel-trio server on the dense demo model of ``--size`` (``bench`` by
+default; ``--model`` for another), as it ships (no ``--keep-quantized``),
+``--stall-timeout 5``. Each client loops over a random mix of:
+
+* ``healthy``: a greedy stream (one of a few prompts with a cache id) that
+  must finish with the same text as that prompt's reference, taken before
+  the soak starts;
+* ``disconnect``: a stream closed after a few chunks;
+* ``cancel``: a non-streaming request whose client gives up (a short read
+  timeout);
+* ``stall``: a stream whose client stops reading (a tiny receive window)
+  until the server withdraws it after ``--stall-timeout``;
+* ``bad``: a request from issue 9's table or another malformed body, which
+  must get a 4xx.
+
+Reported: requests per kind (with how long each took, median and p99),
+failed healthy requests (an error, an error frame, or different text), bad
+requests not refused with a 4xx, and at the end, once idle: running/queued
+sequences, live request channels, pinned cache entries (all must be 0), the
+server's resident memory after warm-up (the first fifth of the run) and at
+the end, with the drift, and the exit code on SIGTERM. Resident memory and
+``/health``'s running/queued/live counts are sampled every 10 s (every
+hundredth of the run when that is shorter) for the curves. A run with a
+failure, a leak or an unclean exit says ``FAIL`` in its notes and
+``"passed": false`` in its JSON.
+
+Not in the default run (30 minutes); ``--quick`` soaks for half a minute with
+2 clients.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import random
+import signal
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+from bench import _servers
+from bench._report import percentile
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, table
+
+PROMPTS = [
+    "Tell me about the harbour at dawn.",
+    "Describe the ledger of ships.",
+    "What do the gulls say?",
+]
+BAD_BODIES: list[dict[str, Any]] = [
+    {"seed": 2**70},
+    {"logit_bias": {"999999999": 5}},
+    {"logit_bias": {"1000000000000000000000000000000": 5}},
+    {"logit_bias": {"²": 5}},
+    {"messages": [{"role": "user", "content": "a\ud800b"}]},
+    {"tools": [{"type": "function", "function": {"name": 5}}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+    {"temperature": "hot"},
+    {"max_tokens": 10**12},
+    {"cache_id": "a\u0000b"},
+    {"frobnicate": 1},
+]
+KINDS = ("healthy", "disconnect", "cancel", "stall", "bad")
+# Each client's draw: healthy requests half of the time.
+_MIX = ["healthy"] * 4 + ["disconnect", "cancel", "bad", "bad", "stall"]
+SAMPLE_PERIOD_S = 10.0
+
+
+def _body(prompt: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+        **kw,
+    }
+
+
+def _stream_text(client: httpx.Client, body: dict[str, Any]) -> tuple[str, str | None]:
+    """The streamed content and the first error frame, if any."""
+    parts: list[str] = []
+    error = None
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            return "", f"status {r.status_code}: {r.read()[:200]!r}"
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = json.dumps(event["error"])[:300]
+                continue
+            for choice in event.get("choices") or []:
+                parts.append(choice.get("delta", {}).get("content") or "")
+    return "".join(parts), error
+
+
+class Soak:
+    def __init__(self, url: str, references: dict[str, str], stall_timeout: float) -> None:
+        self.url = url
+        self.references = references
+        self.stall_timeout = stall_timeout
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.failed: collections.Counter[str] = collections.Counter()
+        self.failures: list[str] = []
+        self.seconds: dict[str, list[float]] = {k: [] for k in KINDS}
+        self.lock = threading.Lock()
+
+    def note(self, kind: str, failure: str | None = None, seconds: float | None = None) -> None:
+        with self.lock:
+            self.counts[kind] += 1
+            if seconds is not None:
+                self.seconds[kind].append(round(seconds, 3))
+            if failure is not None:
+                self.failed[kind] += 1
+                self.failures.append(f"{kind}: {failure}")
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self.lock:
+            return dict(self.counts), dict(self.failed)
+
+    def client_loop(self, seed: int, until: float) -> None:
+        rng = random.Random(seed)
+        client = httpx.Client(base_url=self.url, timeout=120)
+        while time.monotonic() < until:
+            kind = rng.choice(_MIX)
+            t0 = time.monotonic()
+            try:
+                failure = getattr(self, kind)(client, rng)
+            except Exception as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            self.note(kind, failure, time.monotonic() - t0)
+        client.close()
+
+    # Each kind returns what went wrong, or None.
+
+    def healthy(self, client: httpx.Client, rng: random.Random) -> str | None:
+        i = rng.randrange(len(PROMPTS))
+        text, error = _stream_text(client, _body(PROMPTS[i], cache_id=f"soak-{i}"))
+        if error is not None:
+            return error
+        if text != self.references[PROMPTS[i]]:
+            return f"text differs: {text[:80]!r}"
+        return None
+
+    def disconnect(self, client: httpx.Client, rng: random.Random) -> str | None:
+        body = _body(rng.choice(PROMPTS), max_tokens=400, stream=True)
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= rng.randrange(2, 30):
+                    break
+        return None
+
+    def cancel(self, client: httpx.Client, rng: random.Random) -> str | None:
+        body = _body(rng.choice(PROMPTS), max_tokens=400)
+        with contextlib.suppress(httpx.TimeoutException):
+            client.post("/v1/chat/completions", json=body, timeout=rng.uniform(0.05, 0.5))
+        return None
+
+    def bad(self, client: httpx.Client, rng: random.Random) -> str | None:
+        body = {**_body(rng.choice(PROMPTS)), **rng.choice(BAD_BODIES)}
+        raw = json.dumps(body).encode("utf-8", "surrogatepass")
+        r = client.post(
+            "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
+        )
+        ok = 400 <= r.status_code < 500 and "error" in r.json()
+        return None if ok else f"status {r.status_code}: {r.text[:200]}"
+
+    def stall(self, client: httpx.Client, rng: random.Random) -> str | None:
+        """A raw socket with a tiny receive window that stops reading."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        payload = json.dumps(_body(rng.choice(PROMPTS), max_tokens=20_000, stream=True)).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            sock.recv(1024)
+            time.sleep(self.stall_timeout + rng.uniform(1, 4))  # stop reading
+        return None
+
+
+def _health(client: httpx.Client) -> dict[str, Any]:
+    try:
+        got: dict[str, Any] = client.get("/health").json()
+    except Exception as exc:  # a sample, not a verdict: recorded as such
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return got
+
+
+def run(ctx: Context) -> Result:
+    a = ctx.args
+    if a.minutes <= 0 or a.clients < 1:
+        raise ValueError("--minutes > 0 and --clients >= 1 required")
+    model_dir: Path = a.model if a.model is not None else ctx.demo_model("dense")
+    flags = ["--stall-timeout", str(a.stall_timeout), "--log-level", "WARNING"]
+    period = min(SAMPLE_PERIOD_S, max(1.0, a.minutes * 60 / 100))
+    samples: list[dict[str, Any]] = []
+    with _servers.gezel_server(
+        model_dir,
+        ctx.workdir / "gezel.log",
+        flags,
+        stop_signal=signal.SIGTERM,
+        stored_weights=False,
+    ) as server:
+        with ctx.phase("references"), httpx.Client(base_url=server.url, timeout=300) as c:
+            refs = {p: _stream_text(c, _body(p))[0] for p in PROMPTS}
+        soak = Soak(server.url, refs, a.stall_timeout)
+        pid = server.proc.pid
+        with ctx.phase("soak"), httpx.Client(base_url=server.url, timeout=30) as probe:
+            start = time.monotonic()
+            until = start + a.minutes * 60
+            threads = [
+                threading.Thread(target=soak.client_loop, args=(i, until), daemon=True)
+                for i in range(a.clients)
+            ]
+            for t in threads:
+                t.start()
+
+            def sample() -> None:
+                counts, failed = soak.snapshot()
+                health = _health(probe)
+                samples.append(
+                    {
+                        "seconds": round(time.monotonic() - start, 1),
+                        "rss_kb": _servers.rss_kb(pid),
+                        "running": health.get("running"),
+                        "queued": health.get("queued"),
+                        "live": health.get("live"),
+                        "requests": counts,
+                        "failed": failed,
+                    }
+                )
+
+            next_report = start + 60
+            while any(t.is_alive() for t in threads):
+                sample()
+                if time.monotonic() >= next_report:
+                    next_report += 60
+                    counts, failed = soak.snapshot()
+                    ctx.progress(
+                        f"{(time.monotonic() - start) / 60:.0f} min: {sum(counts.values())} "
+                        f"requests, {sum(failed.values())} failed"
+                    )
+                time.sleep(period)  # the sampling period
+            for t in threads:
+                t.join()
+        with ctx.phase("idle check"), httpx.Client(base_url=server.url, timeout=60) as c:
+            deadline = time.monotonic() + 60
+            health = c.get("/health").json()
+            while (health["running"] or health["queued"] or health["live"]) and (
+                time.monotonic() < deadline
+            ):
+                time.sleep(0.5)  # bounded wait for withdrawn streams to leave
+                health = c.get("/health").json()
+            pinned = [e["cache_id"] for e in c.get("/v1/cache/stats").json()["data"] if e["pinned"]]
+            samples.append(
+                {
+                    "seconds": round(time.monotonic() - start, 1),
+                    "rss_kb": _servers.rss_kb(pid),
+                    "running": health["running"],
+                    "queued": health["queued"],
+                    "live": health["live"],
+                    "requests": dict(soak.counts),
+                    "failed": dict(soak.failed),
+                }
+            )
+    return _result(ctx, model_dir, soak, samples, health, pinned, server.exit_code)
+
+
+def _result(
+    ctx: Context,
+    model_dir: Path,
+    soak: Soak,
+    samples: list[dict[str, Any]],
+    health: dict[str, Any],
+    pinned: list[str],
+    exit_code: int | None,
+) -> Result:
+    a = ctx.args
+    warm = [s["rss_kb"] for s in samples if s["seconds"] >= a.minutes * 60 / 5]
+    if not warm:
+        warm = [samples[0]["rss_kb"], samples[-1]["rss_kb"]]
+    after_warmup, at_end = warm[0], warm[-1]
+    drift = (at_end - after_warmup) / after_warmup * 100 if after_warmup else 0.0
+    leaked = bool(health["running"] or health["queued"] or health["live"] or pinned)
+    passed = not soak.failures and not leaked and exit_code == 0
+    data: dict[str, Any] = {
+        "model": str(model_dir),
+        "minutes": a.minutes,
+        "clients": a.clients,
+        "requests": dict(soak.counts),
+        "failed": dict(soak.failed),
+        "failed_healthy": soak.failed["healthy"],
+        "failures": soak.failures[:30],
+        "failure_count": len(soak.failures),
+        "leaks": {
+            "running": health["running"],
+            "queued": health["queued"],
+            "live_channels": health["live"],
+            "pinned": pinned,
+        },
+        "rss_kb": {"after_warmup": after_warmup, "end": at_end, "drift_pct": round(drift, 2)},
+        "exit_code": exit_code,
+        "passed": passed,
+        "samples": samples,
+        "seconds_by_kind": soak.seconds,  # every request's duration, in order of completion
+    }
+    kind_rows = []
+    for k in KINDS:
+        secs = sorted(soak.seconds[k])
+        kind_rows.append(
+            (
+                k,
+                soak.counts[k],
+                soak.failed[k],
+                statistics.median(secs) if secs else None,
+                percentile(secs, 99),
+            )
+        )
+    tables = [
+        table(
+            "Requests by kind",
+            "kind | requests:d | failed:d | median s:.2f | p99 s:.2f",
+            kind_rows,
+            "Seconds: the client's whole request (a stall includes its deliberate "
+            f"{a.stall_timeout:g} s + 1-4 s of not reading).",
+        ),
+        table(
+            "At the end, once idle",
+            "running:d | queued:d | live channels:d | pinned:d | RSS after warm-up MiB:.0f"
+            " | RSS at end MiB:.0f | drift %:.2f | exit code",
+            [
+                (
+                    health["running"],
+                    health["queued"],
+                    health["live"],
+                    len(pinned),
+                    after_warmup / 1024,
+                    at_end / 1024,
+                    drift,
+                    "killed" if exit_code is None else str(exit_code),
+                )
+            ],
+        ),
+    ]
+    notes = [
+        ("PASS" if passed else "FAIL")
+        + f": {len(soak.failures)} failed requests, leaks: {'yes' if leaked else 'none'}, "
+        f"exit code {exit_code}."
+    ]
+    notes += [f"failure: {f[:300]}" for f in soak.failures[:10]]
+    minutes = [s["seconds"] / 60 for s in samples]
+    plots = [
+        Plot(
+            "Request outcomes by kind",
+            "",
+            "requests",
+            (
+                Series("ok", list(KINDS), [soak.counts[k] - soak.failed[k] for k in KINDS]),
+                Series("failed", list(KINDS), [soak.failed[k] for k in KINDS]),
+            ),
+            kind="bar",
+        ),
+        Plot(
+            "Requests completed (cumulative; dashed: failed)",
+            "minutes",
+            "requests",
+            tuple(
+                Series(k, minutes, [s["requests"].get(k, 0) for s in samples], group=k)
+                for k in KINDS
+                if soak.counts[k]
+            )
+            + tuple(
+                Series(f"{k} failed", minutes, [s["failed"].get(k, 0) for s in samples], "--", k)
+                for k in KINDS
+                if soak.failed[k]
+            ),
+        ),
+        Plot(
+            "Server resident memory",
+            "minutes",
+            "RSS MiB",
+            (Series("gezel-trio", minutes, [s["rss_kb"] / 1024 for s in samples]),),
+        ),
+        Plot(
+            "Sequences and channels in the server (/health)",
+            "minutes",
+            "count",
+            tuple(
+                Series(key, minutes, [s.get(key) for s in samples], style)
+                for key, style in (("live", "-"), ("running", "--"), ("queued", ":"))
+            ),
+        ),
+    ]
+    title = f"{a.clients} clients for {a.minutes:g} min on {model_dir.name}"
+    return Result(data, tables, plots, notes, title=title)
+
+
+SCENARIO = Scenario(
+    name="soak",
+    doc=__doc__ or "",
+    run=run,
+    options=(
+        Option("minutes", 30.0, "how long the clients misbehave", float, quick=0.5),
+        Option("clients", 8, "concurrent clients", int, quick=2),
+        Option("stall_timeout", 5.0, "the server's --stall-timeout (s)", float),
+        Option("model", None, "a model directory (default: the dense demo model)", Path),
+    ),
+    in_default_run=False,
+)
