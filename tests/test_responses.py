@@ -216,6 +216,38 @@ def test_function_tool_round_trip(server: Server) -> None:
     assert replay.usage.input_tokens == follow.usage.input_tokens
 
 
+def test_a_forced_call_cut_short_is_incomplete_never_completed(server: Server) -> None:
+    # Too few tokens for the shortest call (about 26 here): the call is
+    # reported incomplete, streamed or not, and a continuation never replays it.
+    kw: dict[str, Any] = dict(
+        input="Weather in Oslo?", tools=TOOLS, tool_choice="required", max_output_tokens=20
+    )
+    r = _create(server, **kw)
+    assert r.status == "incomplete"
+    assert r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls
+    assert all(call.status == "incomplete" for call in calls)
+    events = list(_create(server, **kw, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert not any(e.type == "response.completed" for e in events)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.model_dump() for i in done] == [i.model_dump() for i in events[-1].response.output]
+    follow = _create(server, input="Try again.", previous_response_id=r.id, max_output_tokens=2)
+    replay = _create(
+        server,
+        input=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            *[i.model_dump(exclude_none=True) for i in r.output if i.type != "function_call"],
+            {"role": "user", "content": "Try again."},
+        ],
+        max_output_tokens=2,
+        store=False,
+    )
+    assert follow.usage.input_tokens == replay.usage.input_tokens
+
+
 def test_function_call_arguments_stream(server: Server) -> None:
     events = list(
         _create(
@@ -308,6 +340,8 @@ def test_background_response_runs_and_can_be_cancelled(server: Server) -> None:
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "not found"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
         ({"input": "x", "temprature": 1}, "temprature", "unknown"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "instructions"),
         ({}, "input", "required"),
     ],
 )
@@ -319,6 +353,30 @@ def test_refusals_name_the_field(
     error = resp.json()["error"]
     assert error["param"] == param
     assert words in error["message"]
+
+
+def test_fields_the_sdk_sends_are_accepted(server: Server) -> None:
+    # Newer SDK fields with nothing to change here: accepted, not refused.
+    r = _create(
+        server,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "input_text",
+                        "text": "Hello.",
+                        "prompt_cache_breakpoint": {"mode": "explicit"},
+                    }
+                ],
+            }
+        ],
+        tools=[{**TOOLS[0], "defer_loading": False, "output_schema": None}],
+        reasoning={"context": "auto"},
+        max_output_tokens=2,
+        extra_body={"prompt_cache_options": {"mode": "implicit"}},
+    )
+    assert r.usage.output_tokens == 2
 
 
 def test_stored_responses_survive_a_restart(dense_model: Path, tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ turn on the chain names its cache entry (``responses:<first id>``), so
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -71,6 +72,8 @@ from .sse import ChatStream, event_stream
 from .wire import _CONVERTER
 
 __all__ = ["add_responses_routes", "items_to_messages"]
+
+log = logging.getLogger("gezel_trio.http")
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -150,8 +153,14 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict
 
 
 def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """This response's output items as chat messages (``items_to_messages``)."""
-    items: list[InputItem] = _CONVERTER.structure(output, list[InputItem])
+    """This response's output items as chat messages (``items_to_messages``);
+    a call cut short is left out, so a continuation never renders it."""
+    whole = [
+        item
+        for item in output
+        if not (item["type"] == "function_call" and item["status"] == "incomplete")
+    ]
+    items: list[InputItem] = _CONVERTER.structure(whole, list[InputItem])
     return items_to_messages(items, "output")
 
 
@@ -219,6 +228,7 @@ class _Context:
         usage: Usage | None = None,
         *,
         error: GezelError | None = None,
+        reason: str | None = None,
     ) -> dict[str, Any]:
         req = self.req
         tool_choice: Any = req.tool_choice or "auto"
@@ -235,8 +245,12 @@ class _Context:
             "error": (
                 {"code": "server_error", "message": error.message} if error is not None else None
             ),
+            # OpenAI names two reasons; a call cut short by anything but the
+            # budget (a stop string) is incomplete without one.
             "incomplete_details": (
-                {"reason": "max_output_tokens"} if status == "incomplete" else None
+                {"reason": "max_output_tokens" if reason == "length" else None}
+                if status == "incomplete"
+                else None
             ),
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -294,6 +308,10 @@ class _Output:
         self._logprobs = logprobs
         self._pending_lp: list[dict[str, Any]] = []
         self._item_lp: list[dict[str, Any]] = []
+        # A call whose markup broke off or whose arguments are not a JSON
+        # object (``ToolCallDone.complete``): its item is ``incomplete``, and
+        # so is the response, whatever the engine's finish reason.
+        self.broken_call = False
 
     def feed(self, event: ChatEvent) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -351,10 +369,11 @@ class _Output:
                             "delta": arguments,
                         }
                     )
-            case ToolCallDone(arguments=arguments):
+            case ToolCallDone(arguments=arguments, complete=complete):
                 if self._open is not None and self._open["type"] == "function_call":
                     self._parts = [arguments]
-                    out += self.close("completed")
+                    self.broken_call |= not complete
+                    out += self.close("completed" if complete else "incomplete")
             case ChatLogprobs(items=items):
                 if self._logprobs:
                     self._pending_lp += [_logprob(t) for t in items]
@@ -459,8 +478,10 @@ class _Output:
         ]
 
 
-def _final_status(reason: str) -> str:
-    return "incomplete" if reason == "length" else "completed"
+def _final_status(reason: str, output: _Output) -> str:
+    """``incomplete`` when the budget ran out (``max_output_tokens``) or a
+    call was cut short: a ``completed`` response's calls always parse."""
+    return "incomplete" if reason == "length" or output.broken_call else "completed"
 
 
 # --- streamed responses --------------------------------------------------------
@@ -503,9 +524,9 @@ class _Events:
             return [note]
         match event:
             case ChatFinished(reason=reason, usage=usage):
-                status = _final_status(reason)
+                status = _final_status(reason, self._output)
                 events = self._output.close(status)
-                body = self._ctx.body(status, self._output.items, usage)
+                body = self._ctx.body(status, self._output.items, usage, reason=reason)
                 self._save(body)
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 return self._frames([*events, {"type": kind, "response": body}])
@@ -544,9 +565,9 @@ def _finish(
 ) -> dict[str, Any]:
     """The response's final body, its last item closed."""
     if isinstance(end, ChatFinished):
-        status = _final_status(end.reason)
+        status = _final_status(end.reason, output)
         output.close(status)
-        return ctx.body(status, output.items, end.usage)
+        return ctx.body(status, output.items, end.usage, reason=end.reason)
     output.close("incomplete")
     return ctx.body("failed", output.items, usage, error=end.error)
 
@@ -554,7 +575,9 @@ def _finish(
 async def _background(
     engine: Engine, store: ResponseStore, ctx: _Context, prepared: PreparedChat
 ) -> None:
-    """A background response's job, in the store's nursery."""
+    """A background response's job, in the store's nursery. Whatever happens
+    to it is recorded on it and goes no further: a bug here fails this
+    response, never the store's nursery (nor the server it runs in)."""
     output = _Output(prepared.request.top_logprobs is not None)
     usage: Usage | None = None
     body: dict[str, Any] | None = None
@@ -565,6 +588,9 @@ async def _background(
             body = _finish(ctx, output, end, usage)
     except GezelError as err:
         body = ctx.body("failed", output.items, usage, error=err)
+    except Exception:
+        log.exception("background response %s failed", ctx.rid)
+        body = ctx.body("failed", output.items, usage, error=GezelError("internal error"))
     finally:
         if body is None:  # cancelled: by the client, or by the server's shutdown
             output.close("incomplete")

@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
 
-from . import wire
+from . import responses_wire, wire
 
 __all__ = ["document", "openapi_json"]
 
@@ -52,6 +52,20 @@ _DOCS: dict[str, str] = {
     "reasoning_effort": "OpenAI: none/minimal turn thinking off; low/medium bound it.",
     "repetition_penalty": "mlx-lm: penalize recently generated tokens.",
     "persist": "gezel: write the warmed entry to disk at once.",
+    "previous_response_id": "Continue a stored response's conversation; the prompt cache "
+    "serves what it shares (usage.input_tokens_details.cached_tokens).",
+    "background": "Run after answering (needs store); poll GET, stop with POST .../cancel.",
+    "max_output_tokens": "Generated tokens at most (reasoning included); the end is "
+    "status incomplete with reason max_output_tokens.",
+    "effort": "none/minimal turn thinking off; low/medium bound it; the reasoning is "
+    "returned as reasoning items.",
+    "conversation": "OpenAI platform feature: refused (400) when set.",
+    "prompt": "OpenAI platform feature: refused (400) when set.",
+    "context_management": "OpenAI platform feature: refused (400) when set.",
+    "background_options": "OpenAI platform feature: refused (400) when set.",
+    "moderation": "OpenAI platform feature: refused (400) when set.",
+    "access_programs": "OpenAI platform feature: refused (400) when set.",
+    "image": "OpenAI platform feature: refused (400) when set.",
 }
 
 
@@ -210,6 +224,16 @@ def document(model_id: str) -> dict[str, Any]:
     b = _Builder()
     chat = b.ref(wire.ChatCompletionRequest)
     warm = b.ref(wire.WarmRequest)
+    responses = b.ref(responses_wire.ResponsesRequest)
+    response_id = [
+        {
+            "name": "response_id",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string", "minLength": 1},
+        }
+    ]
+    response_ok = _json_ok("The Response object as stored.")
     chat_ok = {
         "description": "A chat.completion object, or with stream: true server-sent "
         "chat.completion.chunk events ending in data: [DONE].",
@@ -226,6 +250,49 @@ def document(model_id: str) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/chat/completions": {"post": {**chat_op, "operationId": "chatCompletions"}},
         "/chat/completions": {"post": {**chat_op, "operationId": "chatCompletionsAlias"}},
+        "/v1/responses": {
+            "post": {
+                "operationId": "createResponse",
+                "summary": "OpenAI Responses over the same chat path (docs/protocols.md)",
+                "requestBody": _body(responses),
+                "responses": _responses(
+                    {
+                        "description": "A Response object, or with stream: true server-sent "
+                        "response.* events, each with its sequence_number.",
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {}},
+                        },
+                    },
+                    "400",
+                    "413",
+                    "415",
+                    "429",
+                ),
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "operationId": "getResponse",
+                "summary": "A stored response (store: true, the default)",
+                "parameters": response_id,
+                "responses": _responses(response_ok),
+            },
+            "delete": {
+                "operationId": "deleteResponse",
+                "summary": "Forget a stored response (a running background one is cancelled)",
+                "parameters": response_id,
+                "responses": _responses(_json_ok("response.deleted")),
+            },
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": {
+                "operationId": "cancelResponse",
+                "summary": "Cancel a background response; the prompt cache keeps its prefill",
+                "parameters": response_id,
+                "responses": _responses(response_ok, "400"),
+            }
+        },
         "/v1/models": {
             "get": {
                 "operationId": "listModels",

@@ -101,6 +101,9 @@ class ContentItem:
     filename: str | None = None
     detail: str | None = None
     input_audio: dict[str, Any] | None = None
+    # OpenAI's explicit cache breakpoints: accepted, not needed (the prompt
+    # cache is content-addressed: every prefix is found without them).
+    prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -125,6 +128,8 @@ class FunctionCallItem:
     arguments: str
     id: str | None = None
     status: ItemStatus | None = None
+    namespace: str | None = None
+    caller: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -136,6 +141,9 @@ class FunctionCallOutputItem:
     output: str | list[ContentItem]
     id: str | None = None
     status: ItemStatus | None = None
+    name: str | None = None
+    namespace: str | None = None
+    caller: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -175,6 +183,10 @@ class FunctionTool:
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None
+    # Accepted as the SDK sends them; none changes what is generated here.
+    output_schema: dict[str, Any] | None = None
+    allowed_callers: list[Literal["direct", "programmatic"]] | None = None
+    defer_loading: bool | None = None
 
 
 @attrs.frozen
@@ -212,6 +224,9 @@ class ReasoningConfig:
     effort: ReasoningEffort | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    # Past turns' reasoning is rendered as the chat template does it.
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None
 
 
 @attrs.frozen
@@ -247,6 +262,16 @@ class ResponsesRequest:
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    # OpenAI platform features: accepted in the body so the 400 can name
+    # them (see ``_PLATFORM_FIELDS``).
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    background_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
     # gezel extensions, as on chat completions (W3)
     cache_id: str | None = None
     seed: int | None = attrs.field(default=None, validator=_range(SEED_MIN, SEED_MAX))
@@ -414,7 +439,23 @@ _register(str | list[ContentItem], _content)
 # --- the checks that span fields ----------------------------------------------
 
 
+# Request fields that need OpenAI's platform: set, they are a 400 naming them.
+_PLATFORM_FIELDS = {
+    "conversation": "stored conversations are OpenAI's; chain with previous_response_id",
+    "prompt": "stored prompt templates are OpenAI's; send instructions and input",
+    "context_management": "server-side compaction is not supported",
+    "background_options": "completion windows are not supported; background runs at once",
+    "moderation": "moderation is not supported",
+    "access_programs": "access programs are not supported",
+    "image": "image generation is not supported",
+}
+
+
 def _check(req: ResponsesRequest) -> None:
+    for name, why in _PLATFORM_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None and value != [] and value != {}:
+            raise InvalidRequest(f"{name} is not supported by this server: {why}", param=name)
     items = req.items
     if len(items) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} input items", param="input")
