@@ -117,6 +117,38 @@ def test_streamed_events_follow_the_documented_sequence(server: Server) -> None:
     assert server.client.responses.retrieve(final.id).output_text == text
 
 
+def test_reasoning_effort_switches_thinking_and_returns_reasoning_items(server: Server) -> None:
+    kw: dict[str, Any] = dict(input="Hi.", max_output_tokens=8)
+    events = list(_create(server, **kw, reasoning={"effort": "low"}, stream=True))
+    types = [e.type for e in events]
+    deltas = types.count("response.reasoning_text.delta")
+    assert deltas > 0
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.reasoning_text.delta"] * deltas,
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    (item,) = events[-1].response.output
+    assert item.type == "reasoning"
+    assert item.content[0].text == "".join(
+        e.delta for e in events if e.type == "response.reasoning_text.delta"
+    )
+    # The item goes back as input as the SDK dumps it; effort none: no thinking.
+    off = _create(
+        server,
+        input=[{"role": "user", "content": "Hi."}, item.model_dump(exclude_none=True)],
+        reasoning={"effort": "none"},
+        max_output_tokens=4,
+    )
+    assert [i.type for i in off.output] == ["message"]
+
+
 def test_stream_helper_parses_json_schema_output(server: Server) -> None:
     with server.client.responses.stream(
         model="demo",
