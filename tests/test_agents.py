@@ -3,13 +3,13 @@ default model, SmolLM2-135M-Instruct, offline: tracing off, its client
 pointed at the test server. One agent with one function tool runs through
 the Responses API (the SDK's default) and through chat completions
 (``OpenAIChatCompletionsModel``); the requests are recorded to show which
-endpoint served each run. Also here: a ``previous_response_id`` chain on the
-real model, whose every turn the prompt cache serves whole."""
+endpoint served each run. Also here, with the ``openai`` SDK: a streamed
+response continued by ``previous_response_id``, whose second turn the prompt
+cache serves whole."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -99,22 +99,8 @@ def _check_run(result: Any, calls: list[str]) -> None:
 
 
 def test_agent_runs_through_responses_by_default(server: Server) -> None:
-    rec = Recorded(server.url)
-    calls: list[str] = []
-    config = RunConfig(
-        model_provider=OpenAIProvider(openai_client=rec.client),
-        model="default",
-        tracing_disabled=True,
-    )
-    result = _run(
-        rec,
-        Runner.run(_agent(calls), "What is the weather in Paris?", max_turns=4, run_config=config),
-    )
-    _check_run(result, calls)
-    assert rec.paths == ["/v1/responses", "/v1/responses"]
-
-
-def test_agent_streams_through_responses(server: Server) -> None:
+    # Streamed, so the SDK consumes our event sequence as it arrives; its
+    # final result is built from the response.completed events.
     rec = Recorded(server.url)
     calls: list[str] = []
     config = RunConfig(
@@ -150,34 +136,35 @@ def test_agent_runs_through_chat_completions(server: Server) -> None:
     assert rec.paths == ["/v1/chat/completions", "/v1/chat/completions"]
 
 
-def test_a_chain_of_three_turns_reuses_the_whole_conversation(server: Server) -> None:
-    previous = None
-    seen: list[tuple[int, int, int]] = []
-    answers: list[str] = []
-    for question in ("What is the capital of France?", "And of Italy?", "And of Spain?"):
-        r = server.client.responses.create(
-            model="default",
-            instructions="Answer in one sentence.",
-            input=question,
-            previous_response_id=previous,
-            max_output_tokens=32,
-            temperature=0,
-        )
-        assert r.status == "completed"
-        assert r.usage is not None
-        seen.append(
-            (
-                r.usage.input_tokens,
-                r.usage.input_tokens_details.cached_tokens,
-                r.usage.output_tokens,
-            )
-        )
-        answers.append(r.output_text)
-        previous = r.id
-    assert "Paris" in answers[0]
-    assert "Rome" in answers[1]
-    for (inputs, _, outputs), (_, cached, _) in itertools.pairwise(seen):
-        # The previous prompt and everything generated after it (its end
-        # token included) come from the cache.
-        assert cached >= inputs + outputs - 1
-    assert seen[0][1] < seen[1][1] < seen[2][1]
+def test_a_streamed_then_chained_conversation_is_served_from_the_cache(server: Server) -> None:
+    with server.client.responses.stream(
+        model="default",
+        instructions="Answer in one sentence.",
+        input="What is the capital of France?",
+        max_output_tokens=16,
+        temperature=0,
+    ) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        first = stream.get_final_response()
+    assert first.status == "completed"
+    assert first.output_text == text
+    assert "Paris" in text
+    second = server.client.responses.create(
+        model="default",
+        instructions="Answer in one sentence.",
+        input="And of Italy?",
+        previous_response_id=first.id,
+        max_output_tokens=16,
+        temperature=0,
+    )
+    assert "Rome" in second.output_text
+    assert first.usage is not None
+    assert second.usage is not None
+    # The first prompt and everything generated after it (its end token
+    # included) come from the cache.
+    reused = first.usage.input_tokens + first.usage.output_tokens - 1
+    assert second.usage.input_tokens_details.cached_tokens >= reused
+    print(
+        f"chain: turn 2 input {second.usage.input_tokens}, "
+        f"cached {second.usage.input_tokens_details.cached_tokens}"
+    )
