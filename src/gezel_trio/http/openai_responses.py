@@ -680,7 +680,12 @@ def add_responses_routes(app: QuartTrio, engine: Engine, store: ResponseStore) -
         # response is cached by content like any chat.
         cache_id = req.session_id or (f"responses:{root}" if prev is not None else None)
         if req.background and not store.running:
-            raise GezelError("background responses need the server's response store")
+            # An app built without server.serve (an embedder's): no task runs them.
+            raise InvalidRequest(
+                "background responses need the server's response store, which this "
+                "app was built without",
+                param="background",
+            )
         engine.check_admission()
         prepared = await engine.prepare_chat(_chat_request(req, messages, cache_id))
         engine.check_request(prepared.request)
