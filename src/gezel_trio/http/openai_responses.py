@@ -579,7 +579,7 @@ async def _background(
     to it is recorded on it and goes no further: a bug here fails this
     response, never the store's nursery (nor the server it runs in)."""
     output = _Output(prepared.request.top_logprobs is not None)
-    usage: Usage | None = None
+    chat: ChatHandle | None = None
     body: dict[str, Any] | None = None
     try:
         with engine.submit_chat_nowait(prepared) as chat:
@@ -587,12 +587,16 @@ async def _background(
             end, usage = await _run(chat, output)
             body = _finish(ctx, output, end, usage)
     except GezelError as err:
+        usage = chat.usage if chat is not None else None
         body = ctx.body("failed", output.items, usage, error=err)
     except Exception:
         log.exception("background response %s failed", ctx.rid)
+        usage = chat.usage if chat is not None else None
         body = ctx.body("failed", output.items, usage, error=GezelError("internal error"))
     finally:
         if body is None:  # cancelled: by the client, or by the server's shutdown
+            # What it used until then (its prompt, the tokens it generated).
+            usage = chat.usage if chat is not None else None
             output.close("incomplete")
             if store.was_cancelled(ctx.rid):
                 body = ctx.body("cancelled", output.items, usage)
