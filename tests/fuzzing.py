@@ -9,9 +9,10 @@ edge cases including lone surrogates), fields dropped or unknown ones added,
 raw bytes and wrong content types, unknown routes and methods. The
 invariants, checked on every response:
 
-* the status is below 500, and every 4xx is the OpenAI JSON error envelope;
+* the status is below 500, and every 4xx is the OpenAI JSON error envelope
+  (Anthropic's on ``/v1/messages``);
 * a 200 stream never carries an error frame of the engine's own making
-  (``request_failed``, ``engine_failure``);
+  (``request_failed``, ``engine_failure``; ``api_error`` on Messages);
 * the server stays alive (``/health`` answers ``ok`` after each request);
 * a healthy greedy stream, running in a loop beside the fuzzer, produces
   byte-identical text every time (``HealthyStream``).
@@ -226,6 +227,90 @@ responses_bodies = st.fixed_dictionaries(
     {"input": st.one_of(st.text(max_size=60), st.lists(_input_item, min_size=1, max_size=4))},
     optional=_responses_optional,
 )
+_cache_control = st.just({"type": "ephemeral"})
+_text_block = st.fixed_dictionaries(
+    {"type": st.just("text"), "text": st.text(max_size=40)},
+    optional={"cache_control": _cache_control},
+)
+_anthropic_block = st.one_of(
+    _text_block,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": st.text(max_size=8),
+            "name": st.just("q"),
+            "input": st.fixed_dictionaries({}, optional={"q": st.text(max_size=10)}),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": st.text(max_size=8)},
+        optional={
+            "content": st.one_of(st.text(max_size=20), st.lists(_text_block, max_size=2)),
+            "is_error": st.booleans(),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("thinking"), "thinking": st.text(max_size=20)},
+        optional={"signature": st.text(max_size=8)},
+    ),
+    st.fixed_dictionaries({"type": st.just("redacted_thinking"), "data": st.text(max_size=8)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("document"),
+            "source": st.fixed_dictionaries(
+                {
+                    "type": st.just("text"),
+                    "media_type": st.just("text/plain"),
+                    "data": st.text(max_size=40),
+                }
+            ),
+        },
+        optional={"title": st.text(max_size=10), "context": st.text(max_size=10)},
+    ),
+)
+_anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system"]),
+        "content": st.one_of(st.text(max_size=60), st.lists(_anthropic_block, max_size=3)),
+    }
+)
+_anthropic_tool = st.fixed_dictionaries(
+    {
+        "name": st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True),
+        "input_schema": st.just({"type": "object", "properties": {"q": {"type": "string"}}}),
+    },
+    optional={"description": st.text(max_size=30), "cache_control": _cache_control},
+)
+_count_optional: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.text(max_size=10),
+    "system": st.one_of(st.text(max_size=40), st.lists(_text_block, max_size=2)),
+    "tools": st.lists(_anthropic_tool, max_size=2),
+    "tool_choice": st.sampled_from(
+        [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "q"}]
+    ),
+    "thinking": st.sampled_from(
+        [{"type": "disabled"}, {"type": "adaptive"}, {"type": "enabled", "budget_tokens": 4}]
+    ),
+}
+_messages_optional: dict[str, st.SearchStrategy[Any]] = {
+    **_count_optional,
+    "stream": st.booleans(),
+    "stop_sequences": st.lists(st.text(min_size=1, max_size=5), max_size=3),
+    "temperature": st.floats(0, 1),
+    "top_p": st.floats(0, 1),
+    "top_k": st.integers(0, 5000),
+    "metadata": st.fixed_dictionaries({"user_id": st.text(max_size=10)}),
+}
+messages_bodies = st.fixed_dictionaries(
+    {
+        "messages": st.lists(_anthropic_message, min_size=1, max_size=4),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional=_messages_optional,
+)
+count_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(_anthropic_message, min_size=1, max_size=4)}, optional=_count_optional
+)
 warm_bodies = st.fixed_dictionaries(
     {
         "cache_id": st.text(min_size=1, max_size=12),
@@ -293,8 +378,9 @@ def requests(draw: st.DrawFn) -> Request:
     route = draw(
         st.sampled_from(
             [
-                *["chat", "chat", "chat", "alias", "warm", "delete", "flush", "get", "odd"],
-                *["responses", "responses", "response"],
+                *("chat", "chat", "chat", "alias", "messages", "messages", "count"),
+                *("warm", "delete", "flush", "get", "odd"),
+                *("responses", "responses", "response"),
             ]
         )
     )
@@ -308,6 +394,12 @@ def requests(draw: st.DrawFn) -> Request:
         key = urllib.parse.quote(draw(_texts).encode("utf-8", "surrogatepass"), safe="")
         method, tail = draw(st.sampled_from([("GET", ""), ("DELETE", ""), ("POST", "/cancel")]))
         return Request(method, f"/v1/responses/{key or 'x'}{tail}", None, None)
+    if route == "messages":
+        body = draw(_mutated(messages_bodies, _messages_optional))
+        return Request("POST", "/v1/messages", _encode(_bounded(body)))
+    if route == "count":
+        body = draw(_mutated(count_bodies, _count_optional))
+        return Request("POST", "/v1/messages/count_tokens", _encode(body))
     if route == "warm":
         return Request("POST", "/v1/cache/warm", _encode(draw(_mutated(warm_bodies))))
     if route == "delete":
@@ -351,14 +443,25 @@ def check(resp: httpx.Response) -> tuple[str, ...]:
     if resp.status_code >= 500:
         problems.append(f"status {resp.status_code}: {resp.text[:300]}")
     ctype = resp.headers.get("content-type", "")
+    path = resp.request.url.path
+    anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
     if resp.status_code >= 400:
         try:
-            err = resp.json()["error"]
+            body = resp.json()
+            err = body["error"]
             assert isinstance(err["message"], str)
             assert "type" in err
-            assert "code" in err
+            if anthropic:
+                assert body["type"] == "error"
+            else:
+                assert "code" in err
         except Exception:
             problems.append(f"{resp.status_code} without the JSON envelope: {resp.text[:200]}")
+    elif ctype.startswith("text/event-stream") and anthropic:
+        for line in resp.text.splitlines():
+            error = json.loads(line[6:]) if line.startswith('data: {"type":"error"') else None
+            if error is not None and error["error"]["type"] == "api_error":
+                problems.append(f"stream error event: {line[:300]}")
     elif ctype.startswith("text/event-stream"):
         for line in resp.text.splitlines():
             if line.startswith("data: {") and '"error"' in line:

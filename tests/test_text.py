@@ -40,6 +40,14 @@ def test_earliest_of_several_stops_wins() -> None:
     assert run(["one two three"], ("three", "two")) == ("one ", True)
 
 
+def test_the_matched_stop_is_named() -> None:
+    f = TextFilter(("three", "tw", "two"), MARKERS)
+    assert f.feed("one t") == "one "
+    assert f.matched is None
+    assert f.feed("wo three") == ""
+    assert (f.stopped, f.matched) == (True, "tw")  # earliest; then request order
+
+
 def test_nothing_is_emitted_after_a_stop() -> None:
     f = TextFilter(("x",), ())
     assert f.feed("axb") == "a"

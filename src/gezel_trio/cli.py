@@ -116,7 +116,9 @@ def _parser() -> argparse.ArgumentParser:
         help="stored Responses (store: true) kept, least recently used dropped beyond it; "
         "with --persist-dir also on disk",
     )
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+    )
     s.add_argument("--max-body-mb", type=float, default=8.0)
     s.add_argument(
         "--graceful-timeout",

@@ -80,8 +80,12 @@ class Delta:
 
 @attrs.frozen
 class Finished:
+    """The sequence ended: ``reason`` ``stop`` (end of sequence or a stop
+    string: ``stop_sequence`` names the string) or ``length``."""
+
     reason: FinishReason
     usage: Usage
+    stop_sequence: str | None = None
 
 
 @attrs.frozen

@@ -139,11 +139,13 @@ class ChatLogprobs:
 class ChatFinished:
     """The terminal event of a chat that ended normally. ``message`` is the
     whole assistant message (``content``, ``reasoning_content``,
-    ``tool_calls``); ``reason`` is ``tool_calls`` when the model called."""
+    ``tool_calls``); ``reason`` is ``tool_calls`` when the model called;
+    ``stop_sequence`` is the stop string that ended it, if one did."""
 
     reason: ChatFinishReason
     usage: Usage
     message: dict[str, Any]
+    stop_sequence: str | None = None
 
 
 ChatEvent = (
@@ -228,14 +230,16 @@ class ChatHandle:
                     if logprobs:
                         self._pending.append(ChatLogprobs(logprobs))
                     self._pending.extend(self._shaper.feed(text))
-                case Finished(reason=reason, usage=usage):
+                case Finished(reason=reason, usage=usage, stop_sequence=stop_sequence):
                     self.usage = usage
                     self._pending.extend(self._shaper.finish())
                     called = self._shaper.finish_reason(reason) == "tool_calls"
                     final: ChatFinishReason = "tool_calls" if called else reason
                     if final == "length" and self._json_complete():
                         final = "stop"  # the grammar closed on the budget's last token
-                    self._pending.append(ChatFinished(final, usage, self._shaper.message()))
+                    self._pending.append(
+                        ChatFinished(final, usage, self._shaper.message(), stop_sequence)
+                    )
                     self._done = True
                 case Failed():
                     self._pending.append(event)

@@ -400,7 +400,7 @@ class _Host:
         except Exception as exc:
             self._fail(rid, "saving its cache entry", exc)
             return
-        self._events.append((rid, Finished(reason, seq.usage())))
+        self._events.append((rid, Finished(reason, seq.usage(), seq.text.matched)))
         self._ended.append(rid)
 
     def _advance(self, seq: _Sequence, tok: TokenOut, now: float) -> FinishReason | None:

@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..core.errors import GezelError
 from ..engine import Engine
+from . import anthropic_messages
 from .cache_api import add_cache_routes
 from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
 from .openai_chat import add_chat_routes
@@ -52,6 +53,16 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0]
 
 
+def _key_matches(req: Any, key: str) -> bool:
+    """``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY``
+    (Anthropic clients); both compared in constant time, every time."""
+    bearer = req.headers.get("Authorization", "")
+    x_api_key = req.headers.get("x-api-key", "")
+    by_bearer = hmac.compare_digest(bearer.encode(), f"Bearer {key}".encode())
+    by_header = hmac.compare_digest(x_api_key.encode(), key.encode())
+    return by_bearer or (bool(x_api_key) and by_header)
+
+
 def create_app(
     engine: Engine, settings: HttpSettings, responses: ResponseStore | None = None
 ) -> QuartTrio:
@@ -67,6 +78,9 @@ def create_app(
 
     def refuse(err: GezelError) -> Response:
         engine.metrics.http_errors.labels(str(err.status), err.code or "").inc()
+        # Each protocol's errors in its own envelope, whatever raised them.
+        if anthropic_messages.owns(request.path):
+            return anthropic_messages.error_response(err)
         return error_response(err)
 
     @app.before_request
@@ -80,11 +94,9 @@ def create_app(
             # not reach a loopback-bound server.
             if loopback_bound and _host_name(request.host or "") not in _LOOPBACK_HOSTS:
                 raise Forbidden(f"host {request.host!r} is not allowed")
-            if settings.api_key is not None and request.path != "/health":
-                given = request.headers.get("Authorization", "")
-                expected = f"Bearer {settings.api_key}"
-                if not hmac.compare_digest(given.encode(), expected.encode()):
-                    raise Unauthorized("missing or wrong API key")
+            key = settings.api_key
+            if key is not None and request.path != "/health" and not _key_matches(request, key):
+                raise Unauthorized("missing or wrong API key")
         except GezelError as err:
             return refuse(err)
         return None
@@ -162,5 +174,6 @@ def create_app(
 
     add_chat_routes(app, engine)
     add_responses_routes(app, engine, responses if responses is not None else ResponseStore())
+    anthropic_messages.add_messages_routes(app, engine)
 
     return app

@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
 
-from . import responses_wire, wire
+from . import anthropic_wire, responses_wire, wire
 
 __all__ = ["document", "openapi_json"]
 
@@ -72,6 +72,7 @@ _DOCS: dict[str, str] = {
 class _Builder:
     def __init__(self) -> None:
         self.components: dict[str, Any] = {}
+        self._classes: dict[str, type] = {}
 
     def schema(self, tp: Any) -> dict[str, Any]:
         if tp in _SCALARS:
@@ -94,6 +95,9 @@ class _Builder:
 
     def ref(self, cls: type) -> dict[str, Any]:
         name = cls.__name__
+        # Components are named by class: two protocols' classes must not share one.
+        if self._classes.setdefault(name, cls) is not cls:
+            raise TypeError(f"two wire classes are named {name}")
         if name not in self.components:
             self.components[name] = {}  # a placeholder stops recursion
             self.components[name] = self.object(cls)
@@ -160,10 +164,10 @@ _CACHE_ID = {
 }
 
 
-def _error_response(description: str) -> dict[str, Any]:
+def _error_response(description: str, schema: str) -> dict[str, Any]:
     return {
         "description": description,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
     }
 
 
@@ -184,6 +188,20 @@ _ERROR = {
     },
 }
 
+# Anthropic's envelope, on the Messages routes.
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+
 _COMMON_ERRORS = {
     "401": "Missing or wrong API key (with --api-key).",
     "403": "A Host header that is not loopback while bound to loopback.",
@@ -194,7 +212,7 @@ _COMMON_ERRORS = {
 }
 
 
-def _responses(ok: dict[str, Any], *extra: str) -> dict[str, Any]:
+def _responses(ok: dict[str, Any], *extra: str, error: str = "Error") -> dict[str, Any]:
     out: dict[str, Any] = {"200": ok}
     descriptions = {
         "400": "Invalid request; error.param names the field.",
@@ -204,7 +222,7 @@ def _responses(ok: dict[str, Any], *extra: str) -> dict[str, Any]:
         **_COMMON_ERRORS,
     }
     for code in sorted({*extra, *_COMMON_ERRORS}):
-        out[code] = _error_response(descriptions[code])
+        out[code] = _error_response(descriptions[code], error)
     return out
 
 
@@ -374,6 +392,7 @@ def document(model_id: str) -> dict[str, Any]:
             }
         },
     }
+    paths.update(_messages_paths(b))
     return {
         "openapi": "3.1.0",
         "info": {
@@ -382,7 +401,48 @@ def document(model_id: str) -> dict[str, Any]:
             "description": f"OpenAI-compatible MLX inference sidecar serving {model_id}.",
         },
         "paths": paths,
-        "components": {"schemas": {**b.components, "Error": _ERROR}},
+        "components": {
+            "schemas": {**b.components, "Error": _ERROR, "AnthropicError": _ANTHROPIC_ERROR}
+        },
+    }
+
+
+def _messages_paths(b: _Builder) -> dict[str, Any]:
+    """Anthropic Messages (W7): its own bodies and error envelope."""
+    messages_ok = {
+        "description": "A message object, or with stream: true Anthropic's server-sent "
+        "events (message_start ... message_stop, with ping while waiting).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {}},
+        },
+    }
+    count_ok = _json_ok(
+        "The prompt's token count.",
+        {
+            "type": "object",
+            "required": ["input_tokens"],
+            "properties": {"input_tokens": {"type": "integer", "minimum": 0}},
+        },
+    )
+    errors = ("400", "413", "415")
+    return {
+        "/v1/messages": {
+            "post": {
+                "operationId": "anthropicMessages",
+                "summary": "Anthropic Messages (x-api-key and anthropic-version accepted)",
+                "requestBody": _body(b.ref(anthropic_wire.MessagesRequest)),
+                "responses": _responses(messages_ok, *errors, "429", error="AnthropicError"),
+            }
+        },
+        "/v1/messages/count_tokens": {
+            "post": {
+                "operationId": "anthropicCountTokens",
+                "summary": "The prompt tokens a Messages request would render",
+                "requestBody": _body(b.ref(anthropic_wire.CountTokensRequest)),
+                "responses": _responses(count_ok, *errors, error="AnthropicError"),
+            }
+        },
     }
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "MAX_DEPTH",
     "ChatCompletionRequest",
     "ContentPart",
+    "FieldInvalid",
     "Message",
     "Pattern",
     "Range",
@@ -52,7 +53,10 @@ __all__ = [
     "ToolCall",
     "WarmRequest",
     "check_cache_id",
+    "check_parameters",
+    "check_stops",
     "check_text",
+    "converter",
     "parse_chat_request",
     "parse_warm_request",
     "structure",
@@ -83,6 +87,10 @@ class _FieldInvalid(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+# For validators and hooks in other protocols' wire modules.
+FieldInvalid = _FieldInvalid
 
 
 @attrs.frozen
@@ -560,14 +568,19 @@ def _describe(exc: BaseException, path: str = "") -> tuple[str, str | None]:
 _LOGIT_BIAS_KEY = re.compile(r"[0-9]{1,10}", re.ASCII)
 
 
-def _check_limits(req: ChatCompletionRequest) -> None:
-    stops = req.stop_list
+def check_stops(stops: tuple[str, ...], param: str) -> None:
+    """At most ``MAX_STOP_STRINGS`` stop strings of 1 to ``MAX_STOP_CHARS``
+    characters each."""
     if len(stops) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", param=param)
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise InvalidRequest(
-            f"each stop string must have 1 to {MAX_STOP_CHARS} characters", param="stop"
+            f"each stop string must have 1 to {MAX_STOP_CHARS} characters", param=param
         )
+
+
+def _check_limits(req: ChatCompletionRequest) -> None:
+    check_stops(req.stop_list, "stop")
     if req.logit_bias is not None:
         if len(req.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", param="logit_bias")
@@ -629,16 +642,19 @@ def _check_tools(tools: list[Tool] | None) -> None:
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
     for i, tool in enumerate(tools):
-        params = tool.function.parameters
-        if params is None:
-            continue
-        where = f"tools[{i}].function.parameters"
-        try:
-            problem = _schema_problem(json.dumps(params, sort_keys=True))
-        except (TypeError, ValueError, RecursionError) as exc:
-            problem = str(exc)
-        if problem is not None:
-            raise InvalidRequest(f"{where} is not a JSON schema: {problem}", param=where)
+        check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+
+
+def check_parameters(params: dict[str, Any] | None, where: str) -> None:
+    """A tool's parameters must be an object JSON schema; ``where`` names it."""
+    if params is None:
+        return
+    try:
+        problem = _schema_problem(json.dumps(params, sort_keys=True))
+    except (TypeError, ValueError, RecursionError) as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise InvalidRequest(f"{where} is not a JSON schema: {problem}", param=where)
 
 
 @lru_cache(maxsize=256)
@@ -748,13 +764,20 @@ def _path(path: tuple[str | int, ...]) -> str:
     return out
 
 
-def structure(body: Any, cls: type[T]) -> T:
-    """Validate a decoded JSON body into ``cls``; ``InvalidRequest`` names the field."""
+def converter() -> cattrs.Converter:
+    """A copy of the strict converter, for a protocol module to add its own
+    hooks to (tagged unions of blocks) without touching this one."""
+    return _CONVERTER.copy()
+
+
+def structure(body: Any, cls: type[T], conv: cattrs.Converter | None = None) -> T:
+    """Validate a decoded JSON body into ``cls`` (with ``conv``, default the
+    strict converter); ``InvalidRequest`` names the field."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     check_text(body)
     try:
-        return _CONVERTER.structure(body, cls)
+        return (conv or _CONVERTER).structure(body, cls)
     except (ClassValidationError, ForbiddenExtraKeysError, IterableValidationError) as exc:
         msg, path = _describe(exc)
         where = f" at {path}" if path else ""

@@ -38,8 +38,10 @@ class TextFilter:
     """Removes framing markers and ends the text at the first stop string.
 
     ``feed`` returns the text that is now safe to emit; after a stop string is
-    seen, ``stopped`` is true and everything after it is discarded. ``flush``
-    releases the held-back tail when the sequence ends for another reason.
+    seen, ``stopped`` is true, ``matched`` names it (Anthropic's
+    ``stop_sequence`` reports it) and everything after it is discarded.
+    ``flush`` releases the held-back tail when the sequence ends for another
+    reason.
     """
 
     def __init__(self, stops: Iterable[str], markers: Iterable[str]) -> None:
@@ -47,6 +49,7 @@ class TextFilter:
         self._markers = tuple(m for m in markers if m)
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def feed(self, text: str) -> str:
         if self.stopped:
@@ -60,6 +63,8 @@ class TextFilter:
         cut = self._first_stop(buf)
         if cut is not None:
             self.stopped = True
+            # The first stop in request order among those starting at ``cut``.
+            self.matched = next(s for s in self._stops if buf.startswith(s, cut))
             self._pending = ""
             return buf[:cut]
         keep = self._partial_tail(buf)

@@ -1,0 +1,553 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic Messages (SPEC W7).
+
+A thin translation, like ``openai_chat``: the body becomes a ``ChatRequest``
+(system prompt and blocks onto the chat template's roles: ``tool_use`` ->
+the assistant's ``tool_calls``, ``tool_result`` -> ``tool`` messages,
+``thinking`` -> ``reasoning_content``), the engine prepares it before any
+byte is sent, and the chat's shaped events become Anthropic's content
+blocks - streamed as ``message_start``, ``content_block_start`` / ``_delta``
+/ ``_stop``, ``message_delta``, ``message_stop`` (with ``ping`` while the
+request waits or prefills), or returned as one ``message`` object. Errors on
+these routes use Anthropic's envelope
+(``{"type": "error", "error": {"type", "message"}}``).
+
+Usage follows Anthropic's arithmetic: ``input_tokens`` are the prompt
+tokens computed for this request, ``cache_read_input_tokens`` those served
+from the prompt cache (their sum is the prompt), and
+``cache_creation_input_tokens`` is 0 - every prompt is cached as a side
+effect, nothing is billed for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from typing import Any
+
+from quart import Response
+from quart_trio import QuartTrio
+
+from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
+from ..core.events import Failed, Usage
+from ..core.request import SamplingParams
+from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatRequest, Engine
+from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
+from .anthropic_wire import (
+    Block,
+    ContentBlockSourceParam,
+    CountTokensRequest,
+    DocumentBlockParam,
+    ImageBlockParam,
+    MessageParam,
+    MessagesRequest,
+    PlainTextSourceParam,
+    RedactedThinkingBlockParam,
+    TextBlockParam,
+    ThinkingBlockParam,
+    ThinkingConfigAdaptiveParam,
+    ThinkingConfigDisabledParam,
+    ThinkingConfigEnabledParam,
+    ToolChoiceAnyParam,
+    ToolChoiceNoneParam,
+    ToolChoiceToolParam,
+    ToolResultBlockParam,
+    ToolUseBlockParam,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
+from .edge import json_body
+from .openai_chat import liveness_comment
+from .sse import ChatStream, event_stream, run_chat
+
+__all__ = [
+    "MESSAGES_PATH",
+    "add_messages_routes",
+    "chat_request",
+    "error_body",
+    "error_response",
+    "owns",
+]
+
+MESSAGES_PATH = "/v1/messages"
+# Blocks of one turn are paragraphs of one message for the chat template.
+_JOIN = "\n\n"
+_NO_VISION = "image blocks are not supported: this server has no vision model loaded"
+
+
+def owns(path: str) -> bool:
+    """Whether ``path`` is one of this protocol's routes (errors there use
+    Anthropic's envelope)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+# --- errors -----------------------------------------------------------------
+
+# Anthropic's error types by status; anything else 4xx is an invalid request.
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(err: GezelError) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``; the message names
+    the offending field when it does not already."""
+    kind = _ERROR_TYPES.get(err.status)
+    if kind is None:
+        kind = "invalid_request_error" if err.status < 500 else "api_error"
+    message = err.message
+    if err.param and not re.search(rf"(?<![\w.\]]){re.escape(err.param)}(?!\w)", message):
+        message = f"{err.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(err: GezelError) -> Response:
+    resp = Response(json.dumps(error_body(err)), status=err.status, mimetype="application/json")
+    if isinstance(err, QueueFull | EngineClosed):
+        resp.headers["Retry-After"] = str(err.retry_after)
+    return resp
+
+
+# --- request -> engine ----------------------------------------------------------
+
+
+def _document(block: DocumentBlockParam, where: str) -> str:
+    """A text document as paragraphs of its turn: title, context, text."""
+    match block.source:
+        case PlainTextSourceParam(data=data):
+            text = data
+        case ContentBlockSourceParam(content=content):
+            text = _text_of(content, f"{where}.source.content")
+    return _JOIN.join(t for t in (block.title, block.context, text) if t)
+
+
+def _text_of(content: str | list[Any], where: str) -> str:
+    """The text of a system message, a tool result or a document (text
+    blocks and text documents)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, block in enumerate(content):
+        match block:
+            case TextBlockParam(text=text):
+                texts.append(text)
+            case DocumentBlockParam():
+                texts.append(_document(block, f"{where}[{j}]"))
+            case ImageBlockParam():
+                raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
+            case _:
+                raise InvalidRequest(
+                    f"only text blocks may appear here, not {block.type!r}", param=f"{where}[{j}]"
+                )
+    return _JOIN.join(texts)
+
+
+def _user(blocks: list[Block], where: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results (as ``tool`` messages, first, so they
+    follow the calls they answer), then its text."""
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        match block:
+            case TextBlockParam(text=text):
+                texts.append(text)
+            case DocumentBlockParam():
+                texts.append(_document(block, f"{where}[{j}]"))
+            case ToolResultBlockParam(tool_use_id=call_id, content=content, is_error=is_error):
+                text = _text_of(content or "", f"{where}[{j}].content")
+                if is_error:
+                    text = f"Error: {text}"
+                out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            case ImageBlockParam():
+                raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
+            case _:
+                raise InvalidRequest(
+                    f"a user message cannot hold {block.type} blocks", param=f"{where}[{j}]"
+                )
+    if texts:
+        out.append({"role": "user", "content": _JOIN.join(texts)})
+    return out
+
+
+def _assistant(blocks: list[Block], where: str) -> dict[str, Any]:
+    texts: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        match block:
+            case TextBlockParam(text=text):
+                texts.append(text)
+            case ThinkingBlockParam(thinking=text):
+                thinking.append(text)
+            case RedactedThinkingBlockParam():
+                pass  # opaque: nothing a template could render
+            case ToolUseBlockParam(id=call_id, name=name, input=arguments):
+                fn = {"name": name, "arguments": arguments}
+                calls.append({"id": call_id, "type": "function", "function": fn})
+            case ImageBlockParam():
+                raise InvalidRequest(_NO_VISION, param=f"{where}[{j}]")
+            case _:
+                raise InvalidRequest(
+                    f"an assistant message cannot hold {block.type} blocks", param=f"{where}[{j}]"
+                )
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thinking:
+        message["reasoning_content"] = "".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _merge(out: list[dict[str, Any]], message: dict[str, Any]) -> None:
+    """Anthropic combines consecutive turns of one role; so does this, for
+    plain user turns and for assistant turns (templates may insist on
+    alternation)."""
+    last = out[-1] if out else None
+    role = message["role"]
+    if last is None or last["role"] != role or role not in ("user", "assistant"):
+        out.append(message)
+        return
+    if message["role"] == "user":
+        last["content"] = _JOIN.join(t for t in (last["content"], message["content"]) if t)
+        return
+    last["content"] += message["content"]
+    if message.get("reasoning_content"):
+        last["reasoning_content"] = last.get("reasoning_content", "") + message["reasoning_content"]
+    if message.get("tool_calls"):
+        last["tool_calls"] = [*last.get("tool_calls", []), *message["tool_calls"]]
+
+
+def chat_messages(
+    system: str | list[TextBlockParam] | None, messages: list[MessageParam]
+) -> list[dict[str, Any]]:
+    """The conversation in the chat template's roles. ``system`` and the
+    ``system``-role messages before the first turn form one system message;
+    later ``system`` messages stay where they are."""
+    head: list[str] = []
+    if system is not None:
+        head.append(_text_of(system, "system"))
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}].content"
+        if m.role == "system":
+            text = _text_of(m.content, where)
+            if out:
+                out.append({"role": "system", "content": text})
+            else:
+                head.append(text)
+            continue
+        blocks: list[Block] = (
+            [TextBlockParam("text", m.content)] if isinstance(m.content, str) else m.content
+        )
+        turn = _user(blocks, where) if m.role == "user" else [_assistant(blocks, where)]
+        for message in turn:
+            _merge(out, message)
+    if not out:
+        raise InvalidRequest(
+            "messages holds nothing to answer: only system text or empty turns",
+            param="messages",
+        )
+    system_text = _JOIN.join(t for t in head if t)
+    if system_text:
+        out.insert(0, {"role": "system", "content": system_text})
+    return out
+
+
+def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
+    if not req.tools:
+        return None
+    tools = []
+    for t in req.tools:
+        fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
+        if t.description is not None:
+            fn["description"] = t.description
+        if t.strict is not None:
+            fn["strict"] = t.strict
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+def _tool_choice(req: CountTokensRequest) -> str | dict[str, Any] | None:
+    """Anthropic's choice as the engine's: ``any`` is ``required``; a named
+    tool is forced. A forced call is always one call (the grammar allows
+    one), so ``disable_parallel_tool_use`` holds there; under ``auto`` it is
+    not enforced."""
+    match req.tool_choice:
+        case None:
+            return None
+        case ToolChoiceAnyParam():
+            return "required"
+        case ToolChoiceToolParam(name=name):
+            return {"type": "function", "function": {"name": name}}
+        case ToolChoiceNoneParam():
+            return "none"
+    return "auto"
+
+
+def _template_kwargs(req: CountTokensRequest) -> dict[str, Any]:
+    match req.thinking:
+        case ThinkingConfigEnabledParam() | ThinkingConfigAdaptiveParam():
+            return {"enable_thinking": True}
+        case ThinkingConfigDisabledParam():
+            return {"enable_thinking": False}
+    return {}  # the template's own default
+
+
+def chat_request(req: MessagesRequest) -> ChatRequest:
+    """The engine's view of a validated Messages body."""
+    messages = chat_messages(req.system, req.messages)
+    if messages[-1]["role"] == "assistant":
+        raise InvalidRequest(
+            "the last message is the assistant's: continuing a partial assistant "
+            "turn (prefill) is not supported; end with a user message",
+            param="messages",
+        )
+    response_format = None
+    if req.output_config is not None and req.output_config.format is not None:
+        response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": req.output_config.format.schema},
+        }
+    budget = None
+    if isinstance(req.thinking, ThinkingConfigEnabledParam):
+        budget = req.thinking.budget_tokens
+    return ChatRequest(
+        messages=messages,
+        tools=_tools(req),
+        tool_choice=_tool_choice(req),
+        response_format=response_format,
+        sampling=SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+        ),
+        max_tokens=req.max_tokens,
+        stop=tuple(req.stop_sequences or ()),
+        template_kwargs=_template_kwargs(req),
+        max_thinking_tokens=budget,
+    )
+
+
+# --- engine -> response -----------------------------------------------------------
+
+
+def usage_body(u: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": u.input_tokens - u.cached_tokens,
+        "output_tokens": u.output_tokens,
+        "cache_read_input_tokens": u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _stop(finished: ChatFinished) -> tuple[str, str | None]:
+    """``stop_reason`` and ``stop_sequence``."""
+    if finished.reason == "tool_calls":
+        return "tool_use", None
+    if finished.reason == "length":
+        return "max_tokens", None
+    if finished.stop_sequence is not None:
+        return "stop_sequence", finished.stop_sequence
+    return "end_turn", None
+
+
+def _signature(thinking: str) -> str:
+    """The thinking block's ``signature``: a digest of its text. Clients
+    keep it and send it back; it is not checked."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    """A call's arguments as the object ``tool_use.input`` must be; a call
+    cut short (``max_tokens``) that does not parse is an empty object."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def message_body(
+    mid: str, model: str, finished: ChatFinished, *, show_thinking: bool
+) -> dict[str, Any]:
+    msg = finished.message
+    content: list[dict[str, Any]] = []
+    thinking = msg.get("reasoning_content")
+    if thinking:
+        shown = thinking if show_thinking else ""
+        content.append({"type": "thinking", "thinking": shown, "signature": _signature(thinking)})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    for call in msg.get("tool_calls") or ():
+        fn = call["function"]
+        use = {"type": "tool_use", "id": call["id"], "name": fn["name"]}
+        content.append({**use, "input": _arguments(fn["arguments"])})
+    reason, sequence = _stop(finished)
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage_body(finished.usage),
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    body = json.dumps({"type": name, **data}, separators=(",", ":"))
+    return f"event: {name}\ndata: {body}\n\n".encode()
+
+
+_PING = _event("ping", {})
+
+
+class _Events:
+    """``sse.Translator`` for Messages: one content block per run of text,
+    of thinking, or per tool call, opened by the first delta of its kind and
+    closed when another kind starts or the message ends (a thinking block
+    closes with its ``signature_delta``)."""
+
+    def __init__(self, mid: str, model: str, prompt_tokens: int, show_thinking: bool) -> None:
+        self._mid = mid
+        self._model = model
+        self._prompt_tokens = prompt_tokens
+        self._show_thinking = show_thinking
+        self._index = -1
+        self._open: str | None = None  # "text", "thinking" or "tool_use"
+        self._thinking = hashlib.sha256()
+
+    def opening(self) -> list[bytes]:
+        # The split between computed and cached prompt tokens is known once
+        # the request is admitted; message_delta carries it (clients take
+        # its usage as the final count).
+        message: dict[str, Any] = {
+            "id": self._mid,
+            "type": "message",
+            "role": "assistant",
+            "model": self._model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self._prompt_tokens,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
+        }
+        return [_event("message_start", {"message": message}), _PING]
+
+    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+        note = liveness_comment(event)
+        if note is not None:
+            return [_PING, note]
+        match event:
+            case TextDelta(text=text):
+                return [*self._switch("text"), self._delta({"type": "text_delta", "text": text})]
+            case ReasoningDelta(text=text):
+                out = self._switch("thinking")
+                self._thinking.update(text.encode())
+                if self._show_thinking:
+                    out.append(self._delta({"type": "thinking_delta", "thinking": text}))
+                return out
+            case ToolCallDelta(id=call_id, name=name, arguments=arguments) if name is not None:
+                use: dict[str, Any] = {"type": "tool_use", "id": call_id, "name": name}
+                use["input"] = {}  # filled by the input_json_delta fragments
+                out = [*self._close(), *self._start("tool_use", use)]
+                if arguments:
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
+                return out
+            case ToolCallDelta(arguments=arguments) if arguments:
+                return [self._delta({"type": "input_json_delta", "partial_json": arguments})]
+            case ToolCallDone():
+                return self._close()
+            case ChatFinished():
+                reason, sequence = _stop(event)
+                return [
+                    *self._close(),
+                    _event(
+                        "message_delta",
+                        {
+                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                            "usage": usage_body(event.usage),
+                        },
+                    ),
+                    _event("message_stop", {}),
+                ]
+            case Failed(error=error):
+                return self.failure(error)
+        return []
+
+    def failure(self, err: GezelError) -> list[bytes]:
+        return [_event("error", {"error": error_body(err)["error"]})]
+
+    def _switch(self, kind: str) -> list[bytes]:
+        if self._open == kind:
+            return []
+        block: dict[str, Any] = {"type": "text", "text": ""}
+        if kind == "thinking":
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            self._thinking = hashlib.sha256()
+        return [*self._close(), *self._start(kind, block)]
+
+    def _start(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        self._index += 1
+        self._open = kind
+        return [_event("content_block_start", {"index": self._index, "content_block": block})]
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        out = []
+        if self._open == "thinking":
+            signature = self._thinking.hexdigest()
+            out.append(self._delta({"type": "signature_delta", "signature": signature}))
+        self._open = None
+        out.append(_event("content_block_stop", {"index": self._index}))
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"index": self._index, "delta": delta})
+
+
+def _show_thinking(req: CountTokensRequest) -> bool:
+    display = getattr(req.thinking, "display", None)
+    return display != "omitted"
+
+
+def add_messages_routes(app: QuartTrio, engine: Engine) -> None:
+    @app.route(MESSAGES_PATH, methods=["POST"])
+    async def messages() -> Response:
+        req = parse_messages_request(await json_body())
+        engine.check_admission()
+        prepared = await engine.prepare_chat(chat_request(req))
+        # Against the model (token ids, numbers) before any byte is sent.
+        engine.check_request(prepared.request)
+        mid = f"msg_{uuid.uuid4().hex}"
+        model = req.model or engine.info.model_id
+        show = _show_thinking(req)
+        if req.stream:
+            events = _Events(mid, model, len(prepared.request.prompt), show)
+            return event_stream(ChatStream(engine, prepared, events))
+        finished, _ = await run_chat(engine, prepared)
+        body = message_body(mid, model, finished, show_thinking=show)
+        return Response(json.dumps(body), mimetype="application/json")
+
+    @app.route(f"{MESSAGES_PATH}/count_tokens", methods=["POST"])
+    async def count_tokens() -> Response:
+        req = parse_count_tokens_request(await json_body())
+        rendered = await engine.render_chat(
+            chat_messages(req.system, req.messages),
+            tools=_tools(req),
+            template_kwargs=_template_kwargs(req),
+        )
+        body = {"input_tokens": len(rendered.tokens)}
+        return Response(json.dumps(body), mimetype="application/json")
