@@ -50,7 +50,13 @@ __all__ = [
 # are parked most of the time), and a short stall timeout.
 FUZZ_SERVER_ARGS = ("--max-tokens-default", "16", "--max-park-seconds", "0.2")
 
-_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "max_thinking_tokens")
+_LENGTH_FIELDS = (
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "min_tokens",
+    "max_thinking_tokens",
+)
 _HEALTHY_PROMPT = [{"role": "user", "content": "Tell me about the harbour, slowly."}]
 
 # --- hostile JSON values -----------------------------------------------------
@@ -167,6 +173,60 @@ _chat_optional: dict[str, st.SearchStrategy[Any]] = {
 }
 chat_bodies = st.fixed_dictionaries(
     {"messages": st.lists(_message, min_size=1, max_size=4)}, optional=_chat_optional
+)
+_input_item = st.one_of(
+    _message,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": st.text(min_size=1, max_size=8),
+            "name": st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True),
+            "arguments": st.sampled_from(['{"q": "x"}', "{}", "not json"]),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call_output"),
+            "call_id": st.text(min_size=1, max_size=8),
+            "output": st.text(max_size=30),
+        }
+    ),
+)
+_responses_optional: dict[str, st.SearchStrategy[Any]] = {
+    "model": st.text(max_size=10),
+    "instructions": st.text(max_size=40),
+    "stream": st.booleans(),
+    "max_output_tokens": st.integers(1, 8),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "name": st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True),
+            },
+            optional={
+                "parameters": st.just({"type": "object", "properties": {"q": {"type": "string"}}})
+            },
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
+    "text": st.sampled_from(
+        [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"verbosity": "low"}]
+    ),
+    "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(["none", "low", "high"])}),
+    "store": st.booleans(),
+    "background": st.booleans(),
+    "previous_response_id": st.text(min_size=1, max_size=12),
+    "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=3),
+    "prompt_cache_key": st.text(min_size=1, max_size=12),
+    "top_logprobs": st.integers(0, 5),
+    "truncation": st.sampled_from(["disabled", "auto"]),
+}
+responses_bodies = st.fixed_dictionaries(
+    {"input": st.one_of(st.text(max_size=60), st.lists(_input_item, min_size=1, max_size=4))},
+    optional=_responses_optional,
 )
 _cache_control = st.just({"type": "ephemeral"})
 _text_block = st.fixed_dictionaries(
@@ -328,21 +388,24 @@ detokenize_bodies = st.fixed_dictionaries(
 def _mutated(
     draw: st.DrawFn,
     bodies: st.SearchStrategy[dict[str, Any]],
-    optional: dict[str, Any] = _chat_optional,
+    optional: dict[str, st.SearchStrategy[Any]] = _chat_optional,
+    items: str = "messages",
 ) -> Any:
     body = draw(bodies)
     how = draw(st.sampled_from(["keep", "replace", "drop", "unknown", "nested", "whole"]))
     if how == "replace":
-        key = draw(st.sampled_from(sorted({*body, *optional, "messages"})))
+        key = draw(st.sampled_from(sorted({*body, *optional, items})))
         body[key] = draw(hostile)
     elif how == "drop" and body:
         del body[draw(st.sampled_from(sorted(body)))]
     elif how == "unknown":
         body[draw(_texts)] = draw(json_values)
-    elif how == "nested" and body.get("messages"):
-        i = draw(st.integers(0, len(body["messages"]) - 1))
-        field = draw(st.sampled_from(["role", "content", "tool_calls", "name", "refusal", "zz"]))
-        body["messages"][i][field] = draw(hostile)
+    elif how == "nested" and isinstance(body.get(items), list) and body[items]:
+        i = draw(st.integers(0, len(body[items]) - 1))
+        field = draw(
+            st.sampled_from(["role", "content", "tool_calls", "name", "refusal", "type", "zz"])
+        )
+        body[items][i][field] = draw(hostile)
     elif how == "whole":
         return draw(hostile)
     return body
@@ -382,6 +445,7 @@ def requests(draw: st.DrawFn) -> Request:
                 *("chat", "chat", "chat", "alias", "messages", "messages", "count"),
                 *("warm", "delete", "flush", "get", "odd"),
                 *("completions", "tokenize", "detokenize"),
+                *("responses", "responses", "response"),
             ]
         )
     )
@@ -395,6 +459,13 @@ def requests(draw: st.DrawFn) -> Request:
     if route in ("chat", "alias"):
         path = "/v1/chat/completions" if route == "chat" else "/chat/completions"
         return Request("POST", path, _encode(_bounded(draw(_mutated(chat_bodies)))))
+    if route == "responses":
+        body = _mutated(responses_bodies, _responses_optional, "input")
+        return Request("POST", "/v1/responses", _encode(_bounded(draw(body))))
+    if route == "response":
+        key = urllib.parse.quote(draw(_texts).encode("utf-8", "surrogatepass"), safe="")
+        method, tail = draw(st.sampled_from([("GET", ""), ("DELETE", ""), ("POST", "/cancel")]))
+        return Request(method, f"/v1/responses/{key or 'x'}{tail}", None, None)
     if route == "messages":
         body = draw(_mutated(messages_bodies, _messages_optional))
         return Request("POST", "/v1/messages", _encode(_bounded(body)))

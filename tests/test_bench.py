@@ -51,6 +51,8 @@ def test_fuzz_names_the_route_of_a_request() -> None:
     assert route_of("POST", "/v1/chat/completions") == "chat"
     assert route_of("POST", "/chat/completions") == "alias"
     assert route_of("POST", "/v1/cache/warm") == "warm"
+    assert route_of("POST", "/v1/responses") == "responses"
+    assert route_of("POST", "/v1/responses/resp_x/cancel") == "response"
     assert route_of("DELETE", "/v1/cache/a%2Fb") == "delete"
     assert route_of("POST", "/admin/flush?settle_ms=5") == "flush"
     assert route_of("GET", "/metrics") == "get"

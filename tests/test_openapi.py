@@ -49,6 +49,9 @@ def test_the_document_covers_every_route_and_field(server: Server) -> None:
     assert set(doc["paths"]) == {
         "/v1/chat/completions",
         "/chat/completions",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
         "/v1/models",
         "/health",
         "/metrics",

@@ -38,7 +38,7 @@ from bench import _servers
 from bench._report import percentile
 from bench._scenario import Context, Option, Plot, Result, Scenario, Series, table
 
-_ROUTES = ("chat", "alias", "warm", "delete", "flush", "get", "odd")
+_ROUTES = ("chat", "alias", "responses", "response", "warm", "delete", "flush", "get", "odd")
 
 
 def route_of(method: str, path: str) -> str:
@@ -47,6 +47,10 @@ def route_of(method: str, path: str) -> str:
         return "chat"
     if method == "POST" and path == "/chat/completions":
         return "alias"
+    if method == "POST" and path == "/v1/responses":
+        return "responses"
+    if path.startswith("/v1/responses/"):
+        return "response"
     if method == "POST" and path == "/v1/cache/warm":
         return "warm"
     if method == "DELETE" and path.startswith("/v1/cache/"):

@@ -135,6 +135,13 @@ def _parser() -> argparse.ArgumentParser:
         help="largest image once decoded, in pixels (width x height)",
     )
     s.add_argument(
+        "--responses-budget-mb",
+        type=float,
+        default=256.0,
+        help="stored Responses (store: true) kept, least recently used dropped beyond it; "
+        "with --persist-dir also on disk",
+    )
+    s.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
     )
     s.add_argument("--max-body-mb", type=float, default=8.0)
@@ -378,6 +385,7 @@ def server_config(
             prefill_min_tokens=args.prefill_marker_min_tokens,
             prefill_interval=args.prefill_marker_interval,
         ),
+        responses_budget_mb=args.responses_budget_mb,
     )
 
 

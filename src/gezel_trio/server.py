@@ -8,6 +8,8 @@
                 │   └─ host thread     its thread, so the socket binds only then
                 ├─ stdout watch        the engine's notes -> Prefill markers,
                 │                      tagged contained failures
+                ├─ ResponseStore.run   stored Responses, their files, background
+                │                      responses (one task each, cancellable)
                 ├─ hypercorn serve     the quart-trio app, bound after the engine
                 └─ signal watcher      SIGINT/SIGTERM -> graceful drain
 
@@ -45,6 +47,7 @@ from .core.errors import EngineFailure, GezelError
 from .engine import Engine, run_engine
 from .host.backend import Backend
 from .http.app import HttpSettings, create_app
+from .http.response_store import ResponseStore
 from .stdout_protocol import StdoutProtocol, StdoutSettings
 
 __all__ = ["ServerConfig", "serve"]
@@ -72,6 +75,8 @@ class ServerConfig:
     dead_linger: float = DEAD_LINGER
     # The supervisor's stdout lines (prefill marker cadence).
     stdout: StdoutSettings = attrs.field(factory=StdoutSettings)
+    # Stored Responses (store: true), least recently used dropped beyond this.
+    responses_budget_mb: float = attrs.field(default=256.0, validator=attrs.validators.gt(0))
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -169,7 +174,13 @@ async def serve(
         if config.watch_parent is not None:
             nursery.start_soon(_watch_parent, config.watch_parent, shutdown)
         http = attrs.evolve(config.http, on_bug=partial(stdout.contained_nowait, "http"))
-        app = create_app(engine, http)
+        persist = config.engine.persist_dir
+        responses = ResponseStore(
+            int(config.responses_budget_mb * 1024 * 1024),
+            persist / "responses" if persist is not None else None,
+        )
+        await nursery.start(responses.run)
+        app = create_app(engine, http, responses)
         binds = await nursery.start(_serve_http, app, hc, shutdown, nursery.cancel_scope)
         stdout.say_nowait("Application startup complete.")
         for bind in binds:

@@ -28,7 +28,9 @@ from .cache_api import add_cache_routes
 from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
 from .openai_chat import add_chat_routes
 from .openai_completions import add_completion_routes
+from .openai_responses import add_responses_routes
 from .openapi import openapi_json
+from .response_store import ResponseStore
 
 __all__ = ["HttpSettings", "create_app"]
 
@@ -69,7 +71,12 @@ def _key_matches(req: Any, key: str) -> bool:
     return by_bearer or (bool(x_api_key) and by_header)
 
 
-def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
+def create_app(
+    engine: Engine, settings: HttpSettings, responses: ResponseStore | None = None
+) -> QuartTrio:
+    """The app over ``engine``. ``responses`` holds stored Responses; the
+    server passes the one running in its nursery (without it: an in-memory
+    store that refuses ``background: true``)."""
     app = QuartTrio(__name__)
     # Quart's default 60 s response timeout silently cuts long streams.
     app.config["RESPONSE_TIMEOUT"] = None
@@ -177,6 +184,7 @@ def create_app(engine: Engine, settings: HttpSettings) -> QuartTrio:
 
     add_chat_routes(app, engine, stream_tool_calls=settings.stream_tool_calls)
     add_completion_routes(app, engine)
+    add_responses_routes(app, engine, responses if responses is not None else ResponseStore())
     anthropic_messages.add_messages_routes(app, engine)
 
     return app

@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
 
-from . import anthropic_wire, wire
+from . import anthropic_wire, responses_wire, wire
 
 __all__ = ["document", "openapi_json"]
 
@@ -57,6 +57,20 @@ _DOCS: dict[str, str] = {
     "best_of": "Must equal n: every generated sequence is returned, none ranked.",
     "suffix": "Refused (400): no fill-in-the-middle.",
     "add_special_tokens": "Default true for text; messages are tokenized as chat runs them.",
+    "previous_response_id": "Continue a stored response's conversation; the prompt cache "
+    "serves what it shares (usage.input_tokens_details.cached_tokens).",
+    "background": "Run after answering (needs store); poll GET, stop with POST .../cancel.",
+    "max_output_tokens": "Generated tokens at most (reasoning included); the end is "
+    "status incomplete with reason max_output_tokens.",
+    "effort": "none/minimal turn thinking off; low/medium bound it; the reasoning is "
+    "returned as reasoning items.",
+    "ResponsesRequest.conversation": "OpenAI platform feature: refused (400) when set.",
+    "ResponsesRequest.prompt": "OpenAI platform feature: refused (400) when set.",
+    "ResponsesRequest.context_management": "OpenAI platform feature: refused (400) when set.",
+    "ResponsesRequest.background_options": "OpenAI platform feature: refused (400) when set.",
+    "ResponsesRequest.moderation": "OpenAI platform feature: refused (400) when set.",
+    "ResponsesRequest.access_programs": "OpenAI platform feature: refused (400) when set.",
+    "ResponsesRequest.image": "OpenAI platform feature: refused (400) when set.",
 }
 
 
@@ -101,8 +115,10 @@ class _Builder:
         for field in attrs.fields(cls):
             prop = self.schema(hints[field.name])
             _constrain(prop, field)
-            if field.name in _DOCS:
-                prop["description"] = _DOCS[field.name]
+            # A field's doc: its class's own ("Class.field") or the shared one.
+            doc = _DOCS.get(f"{cls.__name__}.{field.name}", _DOCS.get(field.name))
+            if doc is not None:
+                prop["description"] = doc
             props[field.name] = prop
             if field.default is attrs.NOTHING:
                 required.append(field.name)
@@ -233,6 +249,16 @@ def document(model_id: str) -> dict[str, Any]:
     b = _Builder()
     chat = b.ref(wire.ChatCompletionRequest)
     warm = b.ref(wire.WarmRequest)
+    responses = b.ref(responses_wire.ResponsesRequest)
+    response_id = [
+        {
+            "name": "response_id",
+            "in": "path",
+            "required": True,
+            "schema": {"type": "string", "minLength": 1},
+        }
+    ]
+    response_ok = _json_ok("The Response object as stored.")
     chat_ok = {
         "description": "A chat.completion object, or with stream: true server-sent "
         "chat.completion.chunk events ending in data: [DONE].",
@@ -249,6 +275,49 @@ def document(model_id: str) -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v1/chat/completions": {"post": {**chat_op, "operationId": "chatCompletions"}},
         "/chat/completions": {"post": {**chat_op, "operationId": "chatCompletionsAlias"}},
+        "/v1/responses": {
+            "post": {
+                "operationId": "createResponse",
+                "summary": "OpenAI Responses over the same chat path (docs/protocols.md)",
+                "requestBody": _body(responses),
+                "responses": _responses(
+                    {
+                        "description": "A Response object, or with stream: true server-sent "
+                        "response.* events, each with its sequence_number.",
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {}},
+                        },
+                    },
+                    "400",
+                    "413",
+                    "415",
+                    "429",
+                ),
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "operationId": "getResponse",
+                "summary": "A stored response (store: true, the default)",
+                "parameters": response_id,
+                "responses": _responses(response_ok),
+            },
+            "delete": {
+                "operationId": "deleteResponse",
+                "summary": "Forget a stored response (a running background one is cancelled)",
+                "parameters": response_id,
+                "responses": _responses(_json_ok("response.deleted")),
+            },
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": {
+                "operationId": "cancelResponse",
+                "summary": "Cancel a background response; the prompt cache keeps its prefill",
+                "parameters": response_id,
+                "responses": _responses(response_ok, "400"),
+            }
+        },
         "/v1/models": {
             "get": {
                 "operationId": "listModels",

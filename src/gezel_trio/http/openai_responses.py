@@ -1,0 +1,738 @@
+"""``/v1/responses``: OpenAI's Responses API over the same chat path.
+
+A thin translation, like chat completions: the body's ``instructions`` and
+input items (plus, with ``previous_response_id``, the stored conversation
+before them) become a ``ChatRequest``; the engine prepares it before any
+byte is sent, so a bad request is a 400; then the chat's shaped events
+become output items - ``reasoning`` (its text as ``reasoning_text``),
+``message`` (``output_text``) and ``function_call`` - streamed as the
+documented event sequence, each event with its ``sequence_number``::
+
+    response.created, response.in_progress,
+      per item: response.output_item.added,
+        message:   response.content_part.added, response.output_text.delta...,
+                   response.output_text.done, response.content_part.done
+        reasoning: response.content_part.added, response.reasoning_text.delta...,
+                   response.reasoning_text.done, response.content_part.done
+        call:      response.function_call_arguments.delta...,
+                   response.function_call_arguments.done
+      response.output_item.done,
+    response.completed | response.incomplete (max_output_tokens) | response.failed
+
+Stored responses (``store``, the default) live in the ``ResponseStore``:
+``GET`` and ``DELETE /v1/responses/{id}``, ``previous_response_id``, and
+``background: true`` responses, which run as tasks in the store's nursery
+until done or ``POST /v1/responses/{id}/cancel``. A chain's turns reach
+the prompt cache as one growing conversation: each continuation's prompt
+starts with the previous one's (content-addressed), and from the second
+turn on the chain names its cache entry (``responses:<first id>``), so
+``usage.input_tokens_details.cached_tokens`` grows turn by turn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import attrs
+from quart import Response
+from quart_trio import QuartTrio
+
+from ..core.errors import GezelError, InvalidRequest
+from ..core.events import Failed, TokenLogprob, Usage
+from ..core.request import SamplingParams
+from ..engine import (
+    ChatEvent,
+    ChatFinished,
+    ChatHandle,
+    ChatLogprobs,
+    ChatRequest,
+    Engine,
+    PreparedChat,
+)
+from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
+from .edge import NotFound, json_body
+from .openai_chat import liveness_comment
+from .response_store import ResponseStore, StoredResponse
+from .responses_wire import (
+    ContentItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    ToolChoiceFunction,
+    parse_responses_request,
+)
+from .sse import ChatStream, event_stream
+from .wire import _CONVERTER
+
+__all__ = ["add_responses_routes", "items_to_messages"]
+
+log = logging.getLogger("gezel_trio.http")
+
+_LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# --- input items -> chat messages ---------------------------------------------
+
+
+def _content_text(content: str | list[ContentItem], where: str) -> str:
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        match part.type:
+            case "input_text" | "output_text":
+                out.append(part.text or "")
+            case "refusal":
+                out.append(part.refusal or part.text or "")
+            case "input_image":
+                raise InvalidRequest(
+                    "this server has no vision model loaded", param=f"{where}[{j}]"
+                )
+            case _:
+                raise InvalidRequest(
+                    f"{part.type} content is not supported (text only)", param=f"{where}[{j}]"
+                )
+    return "".join(out)
+
+
+def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict[str, Any]]:
+    """Responses items as the chat messages a template renders. The
+    assistant side of a turn - reasoning, message and function-call items in
+    a row - is one assistant message (its reasoning, its text, its calls), as
+    a chat completion's message is, so a replayed output renders as the
+    stored conversation does; a call's output is a ``tool`` message."""
+    out: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None  # the assistant message being gathered
+
+    def assistant() -> dict[str, Any]:
+        nonlocal turn
+        if turn is None:
+            turn = {"role": "assistant", "content": ""}
+            out.append(turn)
+        return turn
+
+    for i, item in enumerate(items):
+        match item:
+            case MessageItem(role="assistant", content=content):
+                assistant()["content"] += _content_text(content, f"{where}[{i}].content")
+            case MessageItem(role=role, content=content):
+                turn = None
+                text = _content_text(content, f"{where}[{i}].content")
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+            case FunctionCallItem(call_id=call_id, name=name, arguments=arguments):
+                calls = assistant().setdefault("tool_calls", [])
+                calls.append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    }
+                )
+            case FunctionCallOutputItem(call_id=call_id, output=output):
+                turn = None
+                text = _content_text(output, f"{where}[{i}].output")
+                out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            case ReasoningItem(content=content, summary=summary):
+                parts = content if content else summary
+                text = "".join(p.text for p in parts)
+                if text:
+                    msg = assistant()
+                    msg["reasoning_content"] = msg.get("reasoning_content", "") + text
+    return out
+
+
+def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This response's output items as chat messages (``items_to_messages``);
+    a call cut short is left out, so a continuation never renders it."""
+    whole = [
+        item
+        for item in output
+        if not (item["type"] == "function_call" and item["status"] == "incomplete")
+    ]
+    items: list[InputItem] = _CONVERTER.structure(whole, list[InputItem])
+    return items_to_messages(items, "output")
+
+
+# --- the response object ------------------------------------------------------
+
+
+def _usage(u: Usage | None) -> dict[str, Any] | None:
+    if u is None:
+        return None
+    return {
+        "input_tokens": u.input_tokens,
+        "input_tokens_details": {
+            "cached_tokens": u.cached_tokens,
+            "cache_write_tokens": max(0, u.input_tokens - u.cached_tokens),
+        },
+        "output_tokens": u.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+def _tools_echo(req: ResponsesRequest) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+            "strict": t.strict if t.strict is not None else True,
+        }
+        for t in req.tools or []
+    ]
+
+
+def _format_echo(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None:
+        return {"type": "text"}
+    out: dict[str, Any] = {"type": fmt.type}
+    if fmt.type == "json_schema":
+        out.update(
+            name=fmt.name or "response",
+            schema=fmt.schema,
+            strict=fmt.strict,
+            description=fmt.description,
+        )
+    return out
+
+
+@attrs.define
+class _Context:
+    """What one response is: its id, request, model name and chain."""
+
+    rid: str
+    req: ResponsesRequest
+    model: str
+    history: list[dict[str, Any]]  # stored conversation + this input (no instructions)
+    root: str
+    created_at: int = attrs.field(factory=lambda: int(time.time()))
+
+    def body(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: Usage | None = None,
+        *,
+        error: GezelError | None = None,
+        reason: str | None = None,
+    ) -> dict[str, Any]:
+        req = self.req
+        tool_choice: Any = req.tool_choice or "auto"
+        if isinstance(tool_choice, ToolChoiceFunction):
+            tool_choice = {"type": "function", "name": tool_choice.name}
+        done = status in ("completed", "incomplete", "failed", "cancelled")
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "background": bool(req.background),
+            "error": (
+                {"code": "server_error", "message": error.message} if error is not None else None
+            ),
+            # OpenAI names two reasons; a call cut short by anything but the
+            # budget (a stop string) is incomplete without one.
+            "incomplete_details": (
+                {"reason": "max_output_tokens" if reason == "length" else None}
+                if status == "incomplete"
+                else None
+            ),
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "prompt_cache_key": req.prompt_cache_key,
+            "reasoning": {
+                "effort": req.effort,
+                "summary": req.reasoning.summary if req.reasoning is not None else None,
+            },
+            "safety_identifier": req.safety_identifier,
+            "service_tier": "default",
+            "store": req.stores,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": _format_echo(req), "verbosity": "medium"},
+            "tool_choice": tool_choice,
+            "tools": _tools_echo(req),
+            "top_logprobs": req.top_logprobs or 0,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "usage": _usage(usage) if done else None,
+            "user": req.user,
+            "metadata": req.metadata or {},
+        }
+
+    def record(self, body: dict[str, Any]) -> StoredResponse:
+        messages = self.history + _output_messages(body["output"])
+        return StoredResponse(self.rid, body, messages, self.root)
+
+
+# --- output items and their stream events ---------------------------------------
+
+
+def _logprob(t: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": t.token,
+        "logprob": t.logprob,
+        "bytes": list(t.token.encode()),
+        "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(s.encode())} for s, lp in t.top],
+    }
+
+
+class _Output:
+    """A chat's shaped events as Responses output items, with the stream
+    events that build them. Every caller (streamed, not, background) feeds
+    every event, so the three agree on the items."""
+
+    def __init__(self, logprobs: bool) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._parts: list[str] = []
+        self._logprobs = logprobs
+        self._pending_lp: list[dict[str, Any]] = []
+        self._item_lp: list[dict[str, Any]] = []
+        # A call whose markup broke off or whose arguments are not a JSON
+        # object (``ToolCallDone.complete``): its item is ``incomplete``, and
+        # so is the response, whatever the engine's finish reason.
+        self.broken_call = False
+
+    def feed(self, event: ChatEvent) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        match event:
+            case TextDelta(text=text):
+                out += self._ensure("message")
+                item = self._open
+                assert item is not None
+                self._parts.append(text)
+                lp, self._pending_lp = self._pending_lp, []
+                self._item_lp += lp
+                out.append(
+                    {
+                        "type": "response.output_text.delta",
+                        "item_id": item["id"],
+                        "output_index": len(self.items) - 1,
+                        "content_index": 0,
+                        "delta": text,
+                        "logprobs": lp,
+                    }
+                )
+            case ReasoningDelta(text=text):
+                out += self._ensure("reasoning")
+                item = self._open
+                assert item is not None
+                self._parts.append(text)
+                out.append(
+                    {
+                        "type": "response.reasoning_text.delta",
+                        "item_id": item["id"],
+                        "output_index": len(self.items) - 1,
+                        "content_index": 0,
+                        "delta": text,
+                    }
+                )
+            case ToolCallDelta(id=call_id, name=name, arguments=arguments):
+                if name is not None:
+                    out += self.close("completed")
+                    item = {
+                        "id": _new_id("fc"),
+                        "type": "function_call",
+                        "status": "in_progress",
+                        "call_id": call_id,
+                        "name": name,
+                        "arguments": "",
+                    }
+                    out += self._add(item)
+                if arguments and self._open is not None:
+                    self._parts.append(arguments)
+                    out.append(
+                        {
+                            "type": "response.function_call_arguments.delta",
+                            "item_id": self._open["id"],
+                            "output_index": len(self.items) - 1,
+                            "delta": arguments,
+                        }
+                    )
+            case ToolCallDone(arguments=arguments, complete=complete):
+                if self._open is not None and self._open["type"] == "function_call":
+                    self._parts = [arguments]
+                    self.broken_call |= not complete
+                    out += self.close("completed" if complete else "incomplete")
+            case ChatLogprobs(items=items):
+                if self._logprobs:
+                    self._pending_lp += [_logprob(t) for t in items]
+        return out
+
+    def close(self, status: str) -> list[dict[str, Any]]:
+        """Finish the item being generated (if any) with ``status``."""
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        index = len(self.items) - 1
+        text = "".join(self._parts)
+        self._parts = []
+        out: list[dict[str, Any]] = []
+        base = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            lp = self._item_lp + self._pending_lp
+            self._item_lp, self._pending_lp = [], []
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": lp}
+            item["content"] = [part]
+            out += [
+                {
+                    "type": "response.output_text.done",
+                    **base,
+                    "content_index": 0,
+                    "text": text,
+                    "logprobs": lp,
+                },
+                {"type": "response.content_part.done", **base, "content_index": 0, "part": part},
+            ]
+        elif item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            item["content"] = [part]
+            out += [
+                {"type": "response.reasoning_text.done", **base, "content_index": 0, "text": text},
+                {"type": "response.content_part.done", **base, "content_index": 0, "part": part},
+            ]
+        else:
+            item["arguments"] = text
+            out.append(
+                {
+                    "type": "response.function_call_arguments.done",
+                    **base,
+                    "name": item["name"],
+                    "arguments": text,
+                }
+            )
+        item["status"] = status
+        out.append({"type": "response.output_item.done", "output_index": index, "item": item})
+        return out
+
+    def _ensure(self, kind: str) -> list[dict[str, Any]]:
+        if self._open is not None and self._open["type"] == kind:
+            return []
+        out = self.close("completed")
+        if kind == "message":
+            item: dict[str, Any] = {
+                "id": _new_id("msg"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            part: dict[str, Any] = {
+                "type": "output_text",
+                "text": "",
+                "annotations": [],
+                "logprobs": [],
+            }
+        else:
+            item = {
+                "id": _new_id("rs"),
+                "type": "reasoning",
+                "status": "in_progress",
+                "summary": [],
+                "content": [],
+            }
+            part = {"type": "reasoning_text", "text": ""}
+        out += self._add(item)
+        out.append(
+            {
+                "type": "response.content_part.added",
+                "item_id": item["id"],
+                "output_index": len(self.items) - 1,
+                "content_index": 0,
+                "part": part,
+            }
+        )
+        return out
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        self._open = item
+        self._parts = []
+        return [
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.items) - 1,
+                "item": dict(item),
+            }
+        ]
+
+
+def _final_status(reason: str, output: _Output) -> str:
+    """``incomplete`` when the budget ran out (``max_output_tokens``) or a
+    call was cut short: a ``completed`` response's calls always parse."""
+    return "incomplete" if reason == "length" or output.broken_call else "completed"
+
+
+# --- streamed responses --------------------------------------------------------
+
+
+class _Events:
+    """``sse.Translator`` for Responses: named events with sequence numbers.
+    The response is stored before its terminal event is written, so a client
+    that reads ``response.completed`` can continue from it at once."""
+
+    def __init__(self, ctx: _Context, store: ResponseStore, output: _Output) -> None:
+        self._ctx = ctx
+        self._store = store
+        self._output = output
+        self._seq = 0
+        self._opened = False
+
+    def _frame(self, event: dict[str, Any]) -> bytes:
+        event["sequence_number"] = self._seq
+        self._seq += 1
+        data = json.dumps(event, separators=(",", ":"))
+        return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+    def _frames(self, events: list[dict[str, Any]]) -> list[bytes]:
+        return [self._frame(e) for e in events]
+
+    def opening(self) -> list[bytes]:
+        self._opened = True
+        body = self._ctx.body("in_progress", [])
+        return self._frames(
+            [
+                {"type": "response.created", "response": body},
+                {"type": "response.in_progress", "response": body},
+            ]
+        )
+
+    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+        note = liveness_comment(event)
+        if note is not None:
+            return [note]
+        match event:
+            case ChatFinished(reason=reason, usage=usage):
+                status = _final_status(reason, self._output)
+                events = self._output.close(status)
+                body = self._ctx.body(status, self._output.items, usage, reason=reason)
+                self._save(body)
+                kind = "response.completed" if status == "completed" else "response.incomplete"
+                return self._frames([*events, {"type": kind, "response": body}])
+            case Failed(error=error):
+                return self._failed(error, chat.usage)
+        return self._frames(self._output.feed(event))
+
+    def failure(self, err: GezelError) -> list[bytes]:
+        return self._failed(err, None)
+
+    def _failed(self, err: GezelError, usage: Usage | None) -> list[bytes]:
+        frames = [] if self._opened else self.opening()
+        events = self._output.close("incomplete")
+        body = self._ctx.body("failed", self._output.items, usage, error=err)
+        self._save(body)
+        return frames + self._frames([*events, {"type": "response.failed", "response": body}])
+
+    def _save(self, body: dict[str, Any]) -> None:
+        if self._ctx.req.stores:
+            self._store.put(self._ctx.record(body))
+
+
+# --- not streamed, and in the background --------------------------------------------
+
+
+async def _run(chat: ChatHandle, output: _Output) -> tuple[ChatFinished | Failed, Usage | None]:
+    async for event in chat:
+        output.feed(event)
+        if isinstance(event, ChatFinished | Failed):
+            return event, chat.usage
+    raise GezelError("the request ended without a result")  # pragma: no cover
+
+
+def _finish(
+    ctx: _Context, output: _Output, end: ChatFinished | Failed, usage: Usage | None
+) -> dict[str, Any]:
+    """The response's final body, its last item closed."""
+    if isinstance(end, ChatFinished):
+        status = _final_status(end.reason, output)
+        output.close(status)
+        return ctx.body(status, output.items, end.usage, reason=end.reason)
+    output.close("incomplete")
+    return ctx.body("failed", output.items, usage, error=end.error)
+
+
+async def _background(
+    engine: Engine, store: ResponseStore, ctx: _Context, prepared: PreparedChat
+) -> None:
+    """A background response's job, in the store's nursery. Whatever happens
+    to it is recorded on it and goes no further: a bug here fails this
+    response, never the store's nursery (nor the server it runs in)."""
+    output = _Output(prepared.request.top_logprobs is not None)
+    chat: ChatHandle | None = None
+    body: dict[str, Any] | None = None
+    try:
+        with engine.submit_chat_nowait(prepared) as chat:
+            store.put(ctx.record(ctx.body("in_progress", [])))
+            end, usage = await _run(chat, output)
+            body = _finish(ctx, output, end, usage)
+    except GezelError as err:
+        usage = chat.usage if chat is not None else None
+        body = ctx.body("failed", output.items, usage, error=err)
+    except Exception:
+        log.exception("background response %s failed", ctx.rid)
+        usage = chat.usage if chat is not None else None
+        body = ctx.body("failed", output.items, usage, error=GezelError("internal error"))
+    finally:
+        if body is None:  # cancelled: by the client, or by the server's shutdown
+            # What it used until then (its prompt, the tokens it generated).
+            usage = chat.usage if chat is not None else None
+            output.close("incomplete")
+            if store.was_cancelled(ctx.rid):
+                body = ctx.body("cancelled", output.items, usage)
+            else:
+                gone = GezelError("the server shut down before this response finished")
+                body = ctx.body("failed", output.items, usage, error=gone)
+        if store.get(ctx.rid) is not None:  # not deleted meanwhile
+            store.put(ctx.record(body))
+
+
+# --- routes ---------------------------------------------------------------------------
+
+
+def _chat_request(
+    req: ResponsesRequest, messages: list[dict[str, Any]], cache_id: str | None
+) -> ChatRequest:
+    tools = None
+    if req.tools:
+        tools = []
+        for t in req.tools:
+            fn: dict[str, Any] = {"name": t.name}
+            if t.description is not None:
+                fn["description"] = t.description
+            if t.parameters is not None:
+                fn["parameters"] = t.parameters
+            if t.strict is not None:
+                fn["strict"] = t.strict
+            tools.append({"type": "function", "function": fn})
+    choice: str | dict[str, Any] | None
+    if isinstance(req.tool_choice, ToolChoiceFunction):
+        choice = {"type": "function", "function": {"name": req.tool_choice.name}}
+    else:
+        choice = req.tool_choice
+    logprobs = req.top_logprobs is not None or _LOGPROBS_INCLUDE in (req.include or [])
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=choice,
+        response_format=req.response_format,
+        sampling=SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=None if req.seed == -1 else req.seed,
+        ),
+        max_tokens=req.max_output_tokens,
+        priority=req.priority,
+        cache_id=cache_id,
+        template_kwargs=req.template_kwargs,
+        max_thinking_tokens=req.thinking_budget,
+        top_logprobs=(req.top_logprobs or 0) if logprobs else None,
+    )
+
+
+def _not_found(rid: str) -> NotFound:
+    return NotFound(f"no stored response {rid!r}", param="response_id")
+
+
+def add_responses_routes(app: QuartTrio, engine: Engine, store: ResponseStore) -> None:
+    @app.route("/v1/responses", methods=["POST"])
+    async def create_response() -> Response:
+        req = parse_responses_request(await json_body())
+        prev: StoredResponse | None = None
+        if req.previous_response_id is not None:
+            prev = store.get(req.previous_response_id)
+            if prev is None:
+                raise InvalidRequest(
+                    f"previous response {req.previous_response_id!r} not found",
+                    param="previous_response_id",
+                )
+            if prev.body.get("status") in ("queued", "in_progress"):
+                raise InvalidRequest(
+                    f"previous response {prev.id!r} has not finished",
+                    param="previous_response_id",
+                )
+        new = items_to_messages(req.items)
+        history = (prev.messages if prev is not None else []) + new
+        if not history:
+            raise InvalidRequest("input is required", param="input")
+        messages = history
+        if req.instructions:
+            messages = [{"role": "system", "content": req.instructions}, *history]
+        rid = _new_id("resp")
+        root = prev.root if prev is not None else rid
+        # The chain's own prompt-cache entry from its second turn on; a lone
+        # response is cached by content like any chat.
+        cache_id = req.session_id or (f"responses:{root}" if prev is not None else None)
+        if req.background and not store.running:
+            # An app built without server.serve (an embedder's): no task runs them.
+            raise InvalidRequest(
+                "background responses need the server's response store, which this "
+                "app was built without",
+                param="background",
+            )
+        engine.check_admission()
+        prepared = await engine.prepare_chat(_chat_request(req, messages, cache_id))
+        engine.check_request(prepared.request)
+        ctx = _Context(rid, req, req.model or engine.info.model_id, history, root)
+        if req.background:
+            body = ctx.body("queued", [])
+            store.put(ctx.record(body))
+            store.start_background(rid, lambda: _background(engine, store, ctx, prepared))
+            return Response(json.dumps(body), mimetype="application/json")
+        output = _Output(prepared.request.top_logprobs is not None)
+        if req.stream:
+            return event_stream(ChatStream(engine, prepared, _Events(ctx, store, output)))
+        with engine.submit_chat_nowait(prepared) as chat:
+            end, usage = await _run(chat, output)
+        body = _finish(ctx, output, end, usage)
+        if req.stores:
+            store.put(ctx.record(body))
+        if isinstance(end, Failed):
+            raise end.error
+        return Response(json.dumps(body), mimetype="application/json")
+
+    @app.route("/v1/responses/<rid>", methods=["GET"])
+    async def get_response(rid: str) -> Response:
+        rec = store.get(rid)
+        if rec is None:
+            raise _not_found(rid)
+        return Response(json.dumps(rec.body), mimetype="application/json")
+
+    @app.route("/v1/responses/<rid>", methods=["DELETE"])
+    async def delete_response(rid: str) -> Response:
+        if not store.delete(rid):
+            raise _not_found(rid)
+        body = {"id": rid, "object": "response.deleted", "deleted": True}
+        return Response(json.dumps(body), mimetype="application/json")
+
+    @app.route("/v1/responses/<rid>/cancel", methods=["POST"])
+    async def cancel_response(rid: str) -> Response:
+        rec = store.get(rid)
+        if rec is None:
+            raise _not_found(rid)
+        if not rec.body.get("background"):
+            raise InvalidRequest("only background responses can be cancelled", param="response_id")
+        # The job records itself as cancelled as it leaves: wait for that.
+        await store.cancel(rid)
+        rec = store.get(rid) or rec
+        return Response(json.dumps(rec.body), mimetype="application/json")

@@ -1,0 +1,518 @@
+"""``POST /v1/responses`` bodies as typed, validated values (OpenAI Responses).
+
+The same strict rules as ``wire``: wrong types are errors, unknown fields are
+refused, every error names its field path. Input items and tools are
+discriminated by their ``type``; a type this server cannot serve (a hosted
+tool such as ``web_search``, an item such as ``computer_call_output``) is a
+400 that names it, never silently dropped. The classes are also the source of
+the ``/openapi.json`` schemas for the route.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+from cattrs.gen import make_dict_structure_fn
+
+from ..core.errors import InvalidRequest
+from .wire import (
+    _CONVERTER,
+    _TOOL_NAME,
+    MAX_MESSAGES,
+    MAX_METADATA,
+    MAX_TOOLS,
+    REASONING_EFFORT,
+    SEED_MAX,
+    SEED_MIN,
+    Pattern,
+    Range,
+    ReasoningEffort,
+    _check_kwargs,
+    _FieldInvalid,
+    _schema_problem,
+    check_cache_id,
+    structure,
+)
+
+__all__ = [
+    "FunctionCallItem",
+    "FunctionCallOutputItem",
+    "InputItem",
+    "MessageItem",
+    "ReasoningItem",
+    "ResponsesRequest",
+    "parse_responses_request",
+]
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+# Input item and tool types OpenAI defines that need its hosted services or
+# a client-side harness this server does not run: named in the 400.
+HOSTED_ITEM_TYPES = (
+    "item_reference",
+    "file_search_call",
+    "web_search_call",
+    "computer_call",
+    "computer_call_output",
+    "image_generation_call",
+    "code_interpreter_call",
+    "local_shell_call",
+    "local_shell_call_output",
+    "shell_call",
+    "shell_call_output",
+    "apply_patch_call",
+    "apply_patch_call_output",
+    "mcp_list_tools",
+    "mcp_approval_request",
+    "mcp_approval_response",
+    "mcp_call",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "tool_search_call",
+    "tool_search_output",
+    "compaction",
+)
+
+
+def _range(lo: float | None, hi: float | None) -> Range:
+    return Range(lo, hi)
+
+
+@attrs.frozen
+class ContentItem:
+    """A part of a message's content: ``input_text`` (user, system,
+    developer), ``output_text`` / ``refusal`` (replayed assistant output).
+    Images, files and audio are refused (no vision or audio model)."""
+
+    type: Literal[
+        "input_text", "output_text", "refusal", "input_image", "input_file", "input_audio"
+    ]
+    text: str | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    file_data: str | None = None
+    file_url: str | None = None
+    filename: str | None = None
+    detail: str | None = None
+    input_audio: dict[str, Any] | None = None
+    # OpenAI's explicit cache breakpoints: accepted, not needed (the prompt
+    # cache is content-addressed: every prefix is found without them).
+    prompt_cache_breakpoint: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class MessageItem:
+    """A message (``type`` may be left out, as in OpenAI's easy input form)."""
+
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentItem]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    status: ItemStatus | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+
+@attrs.frozen
+class FunctionCallItem:
+    """A function call the model made (replayed output)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: ItemStatus | None = None
+    namespace: str | None = None
+    caller: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class FunctionCallOutputItem:
+    """A function call's result, linked to its call by ``call_id``."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ContentItem]
+    id: str | None = None
+    status: ItemStatus | None = None
+    name: str | None = None
+    namespace: str | None = None
+    caller: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class SummaryText:
+    type: Literal["summary_text"]
+    text: str
+
+
+@attrs.frozen
+class ReasoningText:
+    type: Literal["reasoning_text"]
+    text: str
+
+
+@attrs.frozen
+class ReasoningItem:
+    """A reasoning item (replayed output): its text goes back to the chat
+    template as the next assistant turn's reasoning."""
+
+    type: Literal["reasoning"]
+    summary: list[SummaryText] = attrs.field(factory=list)
+    id: str | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: ItemStatus | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+@attrs.frozen
+class FunctionTool:
+    """A function tool; ``parameters`` must be a JSON schema."""
+
+    type: Literal["function"]
+    name: str = attrs.field(validator=Pattern(_TOOL_NAME))
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+    # Accepted as the SDK sends them; none changes what is generated here.
+    output_schema: dict[str, Any] | None = None
+    allowed_callers: list[Literal["direct", "programmatic"]] | None = None
+    defer_loading: bool | None = None
+
+
+@attrs.frozen
+class ToolChoiceFunction:
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["auto", "none", "required"] | ToolChoiceFunction
+
+
+@attrs.frozen
+class TextFormat:
+    """``text.format``: plain text, any JSON object, or JSON matching ``schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+@attrs.frozen
+class TextConfig:
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+@attrs.frozen
+class ReasoningConfig:
+    """``effort`` switches thinking (``none``/``minimal`` off) and bounds it
+    (``low`` 512 tokens, ``medium`` 2048); the reasoning comes back as
+    ``reasoning`` items with ``reasoning_text`` content."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    # Past turns' reasoning is rendered as the chat template does it.
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None
+
+
+@attrs.frozen
+class ResponsesStreamOptions:
+    include_obfuscation: bool | None = None
+
+
+@attrs.frozen
+class ResponsesRequest:
+    model: str | None = None
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = attrs.field(default=None, validator=_range(1, None))
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: int | None = attrs.field(default=None, validator=_range(1, None))
+    temperature: float | None = attrs.field(default=None, validator=_range(0, 2))
+    top_p: float | None = attrs.field(default=None, validator=_range(0, 1))
+    top_logprobs: int | None = attrs.field(default=None, validator=_range(0, 20))
+    include: list[str] | None = None
+    store: bool | None = None
+    background: bool | None = None
+    stream: bool | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    # OpenAI platform features: accepted in the body so the 400 can name
+    # them (see ``_PLATFORM_FIELDS``).
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    background_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None
+    # gezel extensions, as on chat completions (W3)
+    cache_id: str | None = None
+    seed: int | None = attrs.field(default=None, validator=_range(SEED_MIN, SEED_MAX))
+    priority: Literal["interactive", "background"] = "interactive"
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_thinking_tokens: int | None = attrs.field(default=None, validator=_range(0, None))
+
+    @property
+    def items(self) -> list[InputItem]:
+        """``input`` as items: a string is one user message."""
+        if self.input is None:
+            return []
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    @property
+    def stores(self) -> bool:
+        """``store`` defaults to true, as OpenAI's."""
+        return self.store is not False
+
+    @property
+    def session_id(self) -> str | None:
+        return self.cache_id if self.cache_id is not None else self.prompt_cache_key
+
+    @property
+    def effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs`` with ``reasoning.effort`` folded in, as
+        chat completions fold ``reasoning_effort``."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.effort is not None:
+            thinking, _ = REASONING_EFFORT[self.effort]
+            kwargs.setdefault("enable_thinking", thinking)
+            kwargs.setdefault("reasoning_effort", self.effort)
+        return kwargs
+
+    @property
+    def thinking_budget(self) -> int | None:
+        if self.max_thinking_tokens is not None or self.effort is None:
+            return self.max_thinking_tokens
+        return REASONING_EFFORT[self.effort][1]
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """``text.format`` in the chat-completions ``response_format`` shape
+        the grammar compiler reads."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        spec: dict[str, Any] = {"name": fmt.name or "response", "schema": fmt.schema}
+        if fmt.strict is not None:
+            spec["strict"] = fmt.strict
+        return {"type": "json_schema", "json_schema": spec}
+
+
+# --- structure hooks: items and tools are told apart by their ``type`` -------
+
+
+def _item_type(value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {type(value).__name__}")
+    if "type" not in value and "role" in value:
+        return "message"
+    return value.get("type")
+
+
+_ITEM_CLASSES: dict[str, type] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
+}
+
+
+def _input_item(value: Any, _: Any) -> InputItem:
+    kind = _item_type(value)
+    cls = _ITEM_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        if kind in HOSTED_ITEM_TYPES:
+            raise _FieldInvalid(
+                "type",
+                f"input items of type {kind!r} are not supported: this server runs "
+                "messages, function calls and their outputs, and reasoning items",
+            )
+        choices = ", ".join(repr(k) for k in _ITEM_CLASSES)
+        raise _FieldInvalid("type", f"an input item's type must be one of {choices}; got {kind!r}")
+    item: InputItem = _CONVERTER.structure(value, cls)
+    return item
+
+
+# The attrs structure function itself: ``_CONVERTER.structure(value,
+# FunctionTool)`` would come back to ``_tool``.
+_plain_tool = make_dict_structure_fn(FunctionTool, _CONVERTER, _cattrs_forbid_extra_keys=True)
+
+
+def _tool(value: Any, _: Any) -> FunctionTool:
+    kind = _item_type(value)
+    if kind != "function":
+        raise _FieldInvalid(
+            "type",
+            f"tools of type {kind!r} are not supported: this server runs function "
+            "tools only (hosted tools such as web search, file search or computer "
+            "use need OpenAI's platform)",
+        )
+    tool: FunctionTool = _plain_tool(value, FunctionTool)
+    return tool
+
+
+def _tool_choice(value: Any, _: Any) -> ToolChoice:
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise TypeError(f"must be 'auto', 'none', 'required' or an object; got {value!r}")
+        return value  # type: ignore[return-value]
+    kind = _item_type(value)
+    if kind != "function":
+        raise _FieldInvalid(
+            "type",
+            f"tool_choice of type {kind!r} is not supported: name a function "
+            '({"type": "function", "name": ...}) or use auto, none or required',
+        )
+    choice: ToolChoiceFunction = _CONVERTER.structure(value, ToolChoiceFunction)
+    return choice
+
+
+def _input(value: Any, _: Any) -> str | list[InputItem]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        items: list[InputItem] = _CONVERTER.structure(value, list[InputItem])
+        return items
+    raise TypeError("expected a string or a list of input items")
+
+
+def _content(value: Any, _: Any) -> str | list[ContentItem]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts: list[ContentItem] = _CONVERTER.structure(value, list[ContentItem])
+        return parts
+    raise TypeError("expected a string or a list of content parts")
+
+
+def _register(tp: Any, hook: Callable[[Any, Any], Any]) -> None:
+    """``hook`` for ``tp`` and ``tp | None`` on the wire converter."""
+
+    def maybe(value: Any, t: Any) -> Any:
+        return None if value is None and t != tp else hook(value, t)
+
+    _CONVERTER.register_structure_hook_func(lambda t: t in (tp, tp | None), maybe)
+
+
+_register(InputItem, _input_item)
+_register(FunctionTool, _tool)
+_register(ToolChoice, _tool_choice)
+_register(str | list[InputItem], _input)
+_register(str | list[ContentItem], _content)
+
+
+# --- the checks that span fields ----------------------------------------------
+
+
+# Request fields that need OpenAI's platform: set, they are a 400 naming them.
+_PLATFORM_FIELDS = {
+    "conversation": "stored conversations are OpenAI's; chain with previous_response_id",
+    "prompt": "stored prompt templates are OpenAI's; send instructions and input",
+    "context_management": "server-side compaction is not supported",
+    "background_options": "completion windows are not supported; background runs at once",
+    "moderation": "moderation is not supported",
+    "access_programs": "access programs are not supported",
+    "image": "image generation is not supported",
+}
+
+
+def _check(req: ResponsesRequest) -> None:
+    for name, why in _PLATFORM_FIELDS.items():
+        value = getattr(req, name)
+        if value is not None and value != [] and value != {}:
+            raise InvalidRequest(f"{name} is not supported by this server: {why}", param=name)
+    items = req.items
+    if len(items) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} input items", param="input")
+    for name, value in (
+        ("cache_id", req.cache_id),
+        ("prompt_cache_key", req.prompt_cache_key),
+        ("previous_response_id", req.previous_response_id),
+    ):
+        check_cache_id(value, name)
+    _check_kwargs(req.chat_template_kwargs)
+    if req.tools is not None:
+        if len(req.tools) > MAX_TOOLS:
+            raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
+        for i, tool in enumerate(req.tools):
+            if tool.parameters is None:
+                continue
+            where = f"tools[{i}].parameters"
+            try:
+                problem = _schema_problem(json.dumps(tool.parameters, sort_keys=True))
+            except (TypeError, ValueError, RecursionError) as exc:
+                problem = str(exc)
+            if problem is not None:
+                raise InvalidRequest(f"{where} is not a JSON schema: {problem}", param=where)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema" and fmt.schema is None:
+        raise InvalidRequest(
+            "text.format of type json_schema needs a schema", param="text.format.schema"
+        )
+    if req.metadata is not None:
+        if len(req.metadata) > MAX_METADATA:
+            raise InvalidRequest(f"at most {MAX_METADATA} metadata pairs", param="metadata")
+        for key, value in req.metadata.items():
+            if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+                raise InvalidRequest(
+                    "metadata maps keys of at most 64 characters to strings of at most 512",
+                    param=f"metadata.{key[:64]}",
+                )
+    if req.truncation == "auto":
+        raise InvalidRequest(
+            'truncation "auto" (dropping the oldest input to fit) is not supported; '
+            'use "disabled": a prompt that does not fit is a 400',
+            param="truncation",
+        )
+    if req.background:
+        if not req.stores:
+            raise InvalidRequest(
+                "background responses must be stored (store: true)", param="background"
+            )
+        if req.stream:
+            raise InvalidRequest(
+                "background responses are not streamed here: poll GET /v1/responses/{id}",
+                param="stream",
+            )
+
+
+def parse_responses_request(body: Any) -> ResponsesRequest:
+    """Validate a decoded JSON body; raises ``InvalidRequest`` naming the field."""
+    req = structure(body, ResponsesRequest)
+    _check(req)
+    return req
