@@ -448,3 +448,47 @@ async def test_anthropic_image_blocks_are_the_same_image_as_chat_image_urls(
     assert "messages[0].content[0].source.url" in str(far.value)
     assert "only appear in a user message" in str(misplaced.value)
     assert "messages[1].content[0]" in str(misplaced.value)
+
+
+async def test_responses_input_images_are_the_same_image_and_ride_a_chain(
+    vision_model: Path,
+) -> None:
+    """The openai SDK's Responses API with an ``input_image``: the same
+    prompt and greedy words as the chat route's ``image_url``, and a
+    ``previous_response_id`` continuation still sees the picture (its
+    prefix, image included, comes from the cache). A remote URL is a 400
+    naming the part."""
+    question = [
+        {"type": "input_image", "image_url": SUN},
+        {"type": "input_text", "text": "What is in this picture?"},
+    ]
+    with trio.fail_after(HANG):
+        async with served(vision_model) as (_engine, url):
+            c = client(url)
+            chat = await in_thread(lambda: complete(c, ask(SUN)))
+
+            def respond(content: Any, **kw: Any) -> Any:
+                return c.responses.create(
+                    model="demo",
+                    input=[{"role": "user", "content": content}],
+                    max_output_tokens=10,
+                    temperature=0,
+                    **kw,
+                )
+
+            first = await in_thread(lambda: respond(question))
+            second = await in_thread(
+                lambda: respond("And what colour is it?", previous_response_id=first.id)
+            )
+            remote = [{"type": "input_image", "image_url": "https://example.com/a.png"}]
+            with pytest.raises(openai.BadRequestError) as far:
+                await in_thread(lambda: respond(remote))
+            c.close()
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    assert first.usage.input_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
+    assert first.output_text == chat.choices[0].message.content
+    assert second.status in ("completed", "incomplete")
+    # The chain's prompt starts with the first turn, picture and all, cached.
+    assert second.usage.input_tokens_details.cached_tokens > IMAGE_START + IMAGE_TOKENS
+    assert "remote image URLs are not fetched" in str(far.value)
+    assert "input[0].content[0].image_url" in str(far.value)

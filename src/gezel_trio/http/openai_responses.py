@@ -43,6 +43,7 @@ from quart_trio import QuartTrio
 
 from ..core.errors import GezelError, InvalidRequest
 from ..core.events import Failed, TokenLogprob, Usage
+from ..core.images import ImagePart
 from ..core.request import SamplingParams
 from ..engine import (
     ChatEvent,
@@ -55,6 +56,7 @@ from ..engine import (
 )
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from .edge import NotFound, json_body
+from .images import from_data_url
 from .openai_chat import liveness_comment
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
@@ -97,13 +99,50 @@ def _content_text(content: str | list[ContentItem], where: str) -> str:
                 out.append(part.refusal or part.text or "")
             case "input_image":
                 raise InvalidRequest(
-                    "this server has no vision model loaded", param=f"{where}[{j}]"
+                    "an input_image may only appear in a user message", param=f"{where}[{j}]"
                 )
             case _:
                 raise InvalidRequest(
-                    f"{part.type} content is not supported (text only)", param=f"{where}[{j}]"
+                    f"{part.type} content is not supported (text and images only)",
+                    param=f"{where}[{j}]",
                 )
     return "".join(out)
+
+
+def _user_content(content: str | list[ContentItem], where: str) -> str | list[dict[str, Any]]:
+    """A user message's content: its text, or with ``input_image`` parts a
+    list of text and ``{"type": "image"}`` parts. An image part keeps its
+    ``data:`` URL (checked here) and where it came from, so a stored
+    conversation carries its pictures into a ``previous_response_id``
+    continuation; templates read only ``type``."""
+    if isinstance(content, str) or all(p.type != "input_image" for p in content):
+        return _content_text(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type != "input_image":
+            parts.append({"type": "text", "text": _content_text([part], f"{where}[{j}]")})
+            continue
+        param = f"{where}[{j}].image_url"
+        if part.image_url is None:
+            raise InvalidRequest(
+                "an input_image needs image_url (file_id needs the Files API, which this "
+                "server does not have)",
+                param=param,
+            )
+        from_data_url(part.image_url, param)  # a 400 naming the part, now
+        parts.append({"type": "image", "image_url": part.image_url, "param": param})
+    return parts
+
+
+def _images(messages: list[dict[str, Any]]) -> tuple[ImagePart, ...]:
+    """The pictures of a conversation's image parts, in prompt order."""
+    return tuple(
+        from_data_url(part["image_url"], part["param"])
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image" and "image_url" in part
+    )
 
 
 def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict[str, Any]]:
@@ -126,6 +165,11 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict
         match item:
             case MessageItem(role="assistant", content=content):
                 assistant()["content"] += _content_text(content, f"{where}[{i}].content")
+            case MessageItem(role="user", content=content):
+                turn = None
+                out.append(
+                    {"role": "user", "content": _user_content(content, f"{where}[{i}].content")}
+                )
             case MessageItem(role=role, content=content):
                 turn = None
                 text = _content_text(content, f"{where}[{i}].content")
@@ -647,6 +691,7 @@ def _chat_request(
         template_kwargs=req.template_kwargs,
         max_thinking_tokens=req.thinking_budget,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
+        images=_images(messages),
     )
 
 

@@ -84,8 +84,9 @@ def _range(lo: float | None, hi: float | None) -> Range:
 @attrs.frozen
 class ContentItem:
     """A part of a message's content: ``input_text`` (user, system,
-    developer), ``output_text`` / ``refusal`` (replayed assistant output).
-    Images, files and audio are refused (no vision or audio model)."""
+    developer), ``output_text`` / ``refusal`` (replayed assistant output),
+    ``input_image`` (a ``data:`` URL, in user messages, for a vision model).
+    Files and audio are refused."""
 
     type: Literal[
         "input_text", "output_text", "refusal", "input_image", "input_file", "input_audio"
