@@ -250,3 +250,30 @@ async def test_a_shared_system_prompt_is_stored_once(dense_model: Path) -> None:
         assert unique * per_token <= totals.bytes <= (unique + 3 * 63) * per_token
         assert totals.logical_bytes >= held * per_token
         assert totals.logical_bytes - totals.bytes >= 3 * 100 * per_token
+
+
+async def test_an_anonymous_entry_listed_in_stats_can_be_deleted_by_its_id(
+    dense_model: Path, tmp_path: Path
+) -> None:
+    """Stats lists an unnamed entry under an ``anon:`` id; DELETE with that
+    id frees it from memory and disk, and the same request then finds
+    nothing to reuse."""
+    import httpx2 as httpx
+
+    messages = convo("Which berth has the Aurora?")
+    with trio.fail_after(HANG):
+        async with server(dense_model, persist_dir=tmp_path) as (_engine, client, url):
+            first = await client.chat(messages)
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                assert (await http.post("/admin/flush?settle_ms=5000")).json()["flushed"] > 0
+                stats = (await http.get("/v1/cache/stats")).json()
+                ids = [e["cache_id"] for e in stats["data"] if e["cache_id"].startswith("anon:")]
+                assert ids, stats
+                deleted = [(await http.delete(f"/v1/cache/{i}")).json() for i in ids]
+                after = (await http.get("/v1/cache/stats")).json()
+            again = await client.chat(messages)
+    assert all(d["evicted"] and d["memory"] for d in deleted), deleted
+    assert any(d["disk"] for d in deleted), deleted
+    assert not [e for e in after["data"] if e["cache_id"] in ids]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 0

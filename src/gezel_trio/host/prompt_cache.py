@@ -662,15 +662,24 @@ class PromptCache:
 
     def evict(self, key: str) -> tuple[bool, bool]:
         """Drop the name ``key`` and its alternates from memory and disk:
-        ``(in_memory, on_disk)``. Blocks other entries share stay."""
+        ``(in_memory, on_disk)``. Blocks other entries share stay. An
+        ``anon:...`` id (as stats lists an unnamed entry) drops that entry."""
         entry = self.store.named(key)
         mem = entry is not None
-        for victim in [entry, *self.store.owned(key)]:
+        victims = [entry, *self.store.owned(key)]
+        if key.startswith("anon:"):
+            # The id stats shows for an anonymous entry is its file key.
+            unnamed = [e for e in self.store if e.key is None and _file_key(e) == key]
+            mem = mem or bool(unnamed)
+            victims += unnamed
+        for victim in victims:
             if victim is not None:
                 self.store.remove(victim)
         on_disk = False
         if self.disk is not None:
             on_disk = self.disk.delete("name:" + key)
+            if key.startswith("anon:"):
+                on_disk = self.disk.delete(key) or on_disk
             for found in list(self.disk.index.values()):
                 if found.owner == key:
                     self.disk.delete(found.file_key)
