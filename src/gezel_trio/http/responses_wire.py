@@ -24,7 +24,6 @@ from .wire import (
     MAX_MESSAGES,
     MAX_METADATA,
     MAX_TOOLS,
-    REASONING_EFFORT,
     SEED_MAX,
     SEED_MIN,
     Pattern,
@@ -34,6 +33,8 @@ from .wire import (
     _FieldInvalid,
     _schema_problem,
     check_cache_id,
+    effort_template_kwargs,
+    effort_thinking_budget,
     structure,
 )
 
@@ -306,18 +307,11 @@ class ResponsesRequest:
     def template_kwargs(self) -> dict[str, Any]:
         """``chat_template_kwargs`` with ``reasoning.effort`` folded in, as
         chat completions fold ``reasoning_effort``."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.effort is not None:
-            thinking, _ = REASONING_EFFORT[self.effort]
-            kwargs.setdefault("enable_thinking", thinking)
-            kwargs.setdefault("reasoning_effort", self.effort)
-        return kwargs
+        return effort_template_kwargs(self.chat_template_kwargs, self.effort)
 
     @property
     def thinking_budget(self) -> int | None:
-        if self.max_thinking_tokens is not None or self.effort is None:
-            return self.max_thinking_tokens
-        return REASONING_EFFORT[self.effort][1]
+        return effort_thinking_budget(self.max_thinking_tokens, self.effort)
 
     @property
     def response_format(self) -> dict[str, Any] | None:

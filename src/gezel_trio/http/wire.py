@@ -356,6 +356,28 @@ REASONING_EFFORT: dict[str, tuple[bool, int | None]] = {
 }
 
 
+def effort_template_kwargs(
+    chat_template_kwargs: dict[str, Any] | None, effort: str | None
+) -> dict[str, Any]:
+    """Template kwargs with a reasoning effort folded in: it switches
+    thinking (unless the kwargs say otherwise) and is passed on for
+    templates that read it (chat's ``reasoning_effort``, Responses'
+    ``reasoning.effort``)."""
+    kwargs = dict(chat_template_kwargs or {})
+    if effort is not None:
+        thinking, _ = REASONING_EFFORT[effort]
+        kwargs.setdefault("enable_thinking", thinking)
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
+
+
+def effort_thinking_budget(max_thinking_tokens: int | None, effort: str | None) -> int | None:
+    """An explicit thinking budget, else what the effort implies."""
+    if max_thinking_tokens is not None or effort is None:
+        return max_thinking_tokens
+    return REASONING_EFFORT[effort][1]
+
+
 @attrs.frozen
 class ChatCompletionRequest:
     messages: list[Message] = attrs.field()
@@ -454,19 +476,12 @@ class ChatCompletionRequest:
         """``chat_template_kwargs`` with ``reasoning_effort`` folded in: it
         switches thinking (unless the kwargs say otherwise) and is passed on
         for templates that read it."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            thinking, _ = REASONING_EFFORT[self.reasoning_effort]
-            kwargs.setdefault("enable_thinking", thinking)
-            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-        return kwargs
+        return effort_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     @property
     def thinking_budget(self) -> int | None:
         """``max_thinking_tokens``, else what ``reasoning_effort`` implies."""
-        if self.max_thinking_tokens is not None or self.reasoning_effort is None:
-            return self.max_thinking_tokens
-        return REASONING_EFFORT[self.reasoning_effort][1]
+        return effort_thinking_budget(self.max_thinking_tokens, self.reasoning_effort)
 
 
 @attrs.frozen
