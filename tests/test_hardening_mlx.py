@@ -26,7 +26,7 @@ from gezel_trio import (
     open_engine,
 )
 from gezel_trio.core.request import GenerationRequest as Request
-from gezel_trio.host.backend import Backend
+from gezel_trio.core.backend import Backend
 from gezel_trio.mlx.backend import MlxBackend
 
 HANG = 60

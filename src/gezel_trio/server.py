@@ -42,10 +42,10 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
 from .engine import Engine, run_engine
-from .host.backend import Backend
 from .http.app import HttpSettings, create_app
 from .http.response_store import ResponseStore
 from .stdout_protocol import StdoutProtocol, StdoutSettings

@@ -7,18 +7,33 @@ rendering a conversation into tokens is ``prompt``'s job.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import attrs
 
+from .constraint import Constraint
 from .images import VisionPrompt
 
-if TYPE_CHECKING:
-    from ..shaping.grammar import Constraint
-
-__all__ = ["CacheRequest", "GenerationRequest", "Priority", "SamplingParams"]
+__all__ = ["CacheRequest", "GenerationRequest", "Priority", "RenderedPrompt", "SamplingParams"]
 
 Priority = Literal["interactive", "background"]
+
+
+@attrs.frozen
+class RenderedPrompt:
+    """Prompt tokens, and where the shared band ends in them (the first
+    ``band_chars`` characters of the system message), when asked for.
+    ``boundaries`` are token indices where a message ends and every later
+    turn of the same conversation shares the tokens before it (the end of
+    the system turn, the end of the history), for renderers asked to find
+    them: models whose caches cannot rewind keep checkpoints there."""
+
+    tokens: tuple[int, ...]
+    band_end: int | None = None
+    boundaries: tuple[int, ...] = ()
+    # The rendered text: a vision model's processor tokenizes it again,
+    # expanding each image marker (``core.images``).
+    text: str = ""
 
 
 @attrs.frozen

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import trio
 
+from ..core.backend import Backend, ConstraintCompiler, ImagePreparer, PromptRenderer
 from ..core.config import EngineConfig
 from ..core.errors import (
     EngineClosed,
@@ -44,9 +45,8 @@ from ..core.errors import (
 )
 from ..core.events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed
 from ..core.model import ModelInfo
-from ..core.request import CacheRequest, GenerationRequest
+from ..core.request import CacheRequest, GenerationRequest, RenderedPrompt
 from ..core.scheduler import Scheduler
-from ..host.backend import Backend, ConstraintCompiler, ImagePreparer, PromptRenderer
 from ..host.loop import (
     CommandFailed,
     HostCommand,
@@ -57,7 +57,6 @@ from ..host.loop import (
     run_host_inline,
 )
 from ..host.prompt_cache import CacheSnapshot, CacheTotals, CacheView
-from ..shaping.prompt import RenderedPrompt
 from ..shaping.shaper import Shaper
 from ._chat import ChatGroupHandle, ChatHandle, ChatRequest, PreparedChat, roster_fingerprint
 from ._images import ImageLimits, prepare_vision

@@ -20,11 +20,11 @@ from typing import Any
 
 import attrs
 
+from ..core.backend import ImagePreparer
 from ..core.config import EngineConfig
 from ..core.errors import InvalidImage, InvalidRequest
 from ..core.images import ImagePart, ImageSpan, VisionPrompt, key_prompt, place_images
-from ..host.backend import ImagePreparer
-from ..shaping.prompt import RenderedPrompt
+from ..core.request import RenderedPrompt
 
 __all__ = ["ImageLimits", "decode_image", "prepare_vision"]
 

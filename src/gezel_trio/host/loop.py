@@ -30,6 +30,15 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from ..core.backend import (
+    Backend,
+    Captured,
+    ConstraintCompiler,
+    Detokenizer,
+    ImagePreparer,
+    PromptRenderer,
+    TokenOut,
+)
 from ..core.config import EngineConfig
 from ..core.errors import EngineFailure, GezelError, RequestFailed
 from ..core.events import (
@@ -45,15 +54,6 @@ from ..core.events import (
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
-from .backend import (
-    Backend,
-    Captured,
-    ConstraintCompiler,
-    Detokenizer,
-    ImagePreparer,
-    PromptRenderer,
-    TokenOut,
-)
 from .persist import DiskCache
 from .prompt_cache import CacheSnapshot, PromptCache
 

@@ -45,7 +45,6 @@ __all__ = [
     "DiskEntry",
     "Loaded",
     "StateCodec",
-    "fingerprint_model_dir",
     "safe_fingerprint",
 ]
 
@@ -88,21 +87,6 @@ class Loaded:
     kind: str
     roster: str
     owner: str | None = None
-
-
-def fingerprint_model_dir(model_dir: Path) -> str:
-    """A short, stable id for a model: its config, tokenizer and the names and
-    sizes of its weight files (hashing gigabytes of weights at every start
-    would cost more than it protects)."""
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        p = model_dir / name
-        if p.is_file():
-            h.update(name.encode())
-            h.update(p.read_bytes())
-    for p in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{p.name}:{p.stat().st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 def safe_fingerprint(value: str) -> str:

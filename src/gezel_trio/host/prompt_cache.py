@@ -39,10 +39,10 @@ from typing import Any, Protocol
 
 import attrs
 
+from ..core.backend import Admission, Captured
 from ..core.cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
 from ..core.cache_store import CacheStore, Entry, EntryKind, Seed
 from ..core.request import CacheRequest, GenerationRequest
-from .backend import Admission, Captured
 from .persist import DiskCache, DiskEntry
 
 __all__ = ["CacheOps", "CacheSnapshot", "CacheTotals", "CacheView", "PromptCache", "SeedInfo"]

@@ -38,19 +38,19 @@ from mlx_lm.sample_utils import (
     make_repetition_penalty,
 )
 
+from ..core.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
 from ..core.config import EngineConfig
+from ..core.constraint import Constraint
 from ..core.errors import InvalidRequest
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority, SamplingParams
-from ..host.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
-from ..host.persist import fingerprint_model_dir
-from ..shaping.grammar import Constraint, ToolFormatName, build_constraint
+from ..shaping.grammar import ToolFormatName, build_constraint
 from ..shaping.prompt import ChatTemplateRenderer
 from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
-from .loading import load_model
+from .loading import fingerprint_model_dir, load_model
 from .model_source import resolve_model
 from .vision import VisionModel, VisionPrefill, fresh_cache
 

@@ -69,8 +69,9 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
+from ..core.constraint import Constraint
 from ..core.errors import InvalidRequest
-from ..shaping.grammar import Constraint, parser_limits
+from ..shaping.grammar import parser_limits
 
 __all__ = [
     "CLOSERS",

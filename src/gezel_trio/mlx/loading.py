@@ -20,6 +20,7 @@ One log line says which BLAS MLX is bound to and which weight format runs.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -37,7 +38,7 @@ from . import blas
 from .model_source import resolve_model
 from .vision import is_vision_model, load_vision
 
-__all__ = ["LoadedModel", "hold_float32", "load_model"]
+__all__ = ["LoadedModel", "fingerprint_model_dir", "hold_float32", "load_model"]
 
 log = logging.getLogger("gezel_trio.mlx")
 
@@ -161,3 +162,18 @@ def _as_float32(m: Any) -> Any:
             out.bias = m.bias.astype(mx.float32)
     out.weight = w
     return out
+
+
+def fingerprint_model_dir(model_dir: Path) -> str:
+    """A short, stable id for a model: its config, tokenizer and the names and
+    sizes of its weight files (hashing gigabytes of weights at every start
+    would cost more than it protects)."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        p = model_dir / name
+        if p.is_file():
+            h.update(name.encode())
+            h.update(p.read_bytes())
+    for p in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{p.name}:{p.stat().st_size}".encode())
+    return h.hexdigest()[:16]

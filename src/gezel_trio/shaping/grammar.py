@@ -67,6 +67,7 @@ from typing import Any, Final, Literal
 import attrs
 import llguidance
 
+from ..core.constraint import Constraint, ConstraintKind
 from ..core.errors import InvalidRequest
 
 __all__ = [
@@ -79,9 +80,6 @@ __all__ = [
     "parser_limits",
 ]
 
-ConstraintKind = Literal[
-    "json_object", "json_schema", "tool_call", "tool_name", "json_or_tool_call"
-]
 
 # 64 KiB is far above real tool or response schemas (a few KiB) and keeps a
 # worst-case compile near 20 ms; a 1.4 MB, 100k-entry enum takes 0.5 s.
@@ -138,22 +136,6 @@ def parser_limits() -> Any:
         # Errors go back to the client; the full grammar dump is noise there.
         verbose_errors=False,
     )
-
-
-@attrs.frozen
-class Constraint:
-    """A compiled, validated structure constraint for one request.
-
-    ``grammar`` is a serialized llguidance grammar (``LLMatcher`` input).
-    ``tool_names`` lists the functions a call may name (empty for plain
-    JSON). ``special_tokens`` are the tokenizer tokens the grammar refers to;
-    a model whose tokenizer lacks them cannot serve it.
-    """
-
-    kind: ConstraintKind
-    grammar: str = attrs.field(repr=False)
-    tool_names: tuple[str, ...] = ()
-    special_tokens: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -13,31 +13,13 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
 from ..core.cache_plan import common_prefix
 from ..core.errors import InvalidRequest
+from ..core.request import RenderedPrompt
 
 log = logging.getLogger("gezel_trio.prompt")
 
 __all__ = ["ChatTemplateRenderer", "RenderedPrompt", "generic_tool_messages"]
-
-
-@attrs.frozen
-class RenderedPrompt:
-    """Prompt tokens, and where the shared band ends in them (the first
-    ``band_chars`` characters of the system message), when asked for.
-    ``boundaries`` are token indices where a message ends and every later
-    turn of the same conversation shares the tokens before it (the end of
-    the system turn, the end of the history), for renderers asked to find
-    them: models whose caches cannot rewind keep checkpoints there."""
-
-    tokens: tuple[int, ...]
-    band_end: int | None = None
-    boundaries: tuple[int, ...] = ()
-    # The rendered text: a vision model's processor tokenizes it again,
-    # expanding each image marker (``core.images``).
-    text: str = ""
 
 
 def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:

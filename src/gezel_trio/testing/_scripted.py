@@ -21,11 +21,10 @@ from typing import Any
 
 import attrs
 
+from ..core.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
 from ..core.errors import InvalidRequest
 from ..core.model import ModelInfo
-from ..core.request import GenerationRequest, Priority
-from ..host.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
-from ..shaping.prompt import RenderedPrompt
+from ..core.request import GenerationRequest, Priority, RenderedPrompt
 
 __all__ = ["EOS", "ScriptedBackend", "ScriptedState", "StepFailure"]
 

@@ -14,9 +14,8 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from ..core.model import ModelInfo
-from ..core.request import GenerationRequest, Priority
-from ..shaping.prompt import RenderedPrompt
+from .model import ModelInfo
+from .request import GenerationRequest, Priority, RenderedPrompt
 
 __all__ = [
     "Admission",
