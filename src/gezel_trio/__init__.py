@@ -3,23 +3,30 @@
 The public API for Trio programs (no HTTP involved)::
 
     async with open_engine(EngineConfig(model=path)) as engine:
-        prompt = (await engine.render_chat([{"role": "user", "content": "hi"}])).tokens
-        with engine.submit_nowait(GenerationRequest(prompt, max_tokens=32)) as handle:
-            async for event in handle:
+        with await engine.chat([{"role": "user", "content": "hi"}], max_tokens=32) as chat:
+            async for choice, event in chat:
                 match event:
-                    case Delta(text=text): print(text, end="")
-                    case Finished(reason=reason): ...
+                    case TextDelta(text=text): print(text, end="")
+                    case ChatFinished(reason=reason): ...
 
 Cancelling the scope around the ``with`` block withdraws the request.
+``open_engine`` and ``run_engine`` here run the MLX backend
+(``gezel_trio.mlx.mlx_backend``); ``gezel_trio.engine`` has the same two
+with the backend as a required argument.
 
-Importing the package binds MLX to OpenBLAS on Linux (see ``gezel_trio.blas``),
-so import it before anything imports ``mlx``.
+Importing the package binds MLX to OpenBLAS on Linux (see
+``gezel_trio.mlx.blas``), so import it before anything imports ``mlx``.
 """
 
 from .mlx import blas
 
 blas.preload()  # before any of our modules (or yours) imports mlx
 
+from contextlib import AbstractAsyncContextManager
+
+import trio
+
+from . import engine as _engine
 from .core.config import EngineConfig
 from .core.errors import (
     EngineClosed,
@@ -46,27 +53,50 @@ from .core.events import (
 from .core.model import ModelInfo
 from .core.request import CacheRequest, GenerationRequest, Priority, SamplingParams
 from .engine import (
+    BackendFactory,
+    ChatChoice,
     ChatEvent,
     ChatFinished,
-    ChatGroupHandle,
     ChatHandle,
     ChatLogprobs,
     ChatRequest,
     Engine,
     EngineState,
-    GroupHandle,
     PreparedChat,
     RequestHandle,
-    open_engine,
-    run_engine,
+    Warmed,
 )
+from .host.loop import HostRunner, in_thread
+from .mlx import mlx_backend
 from .shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 
+
+def open_engine(
+    config: EngineConfig,
+    backend_factory: BackendFactory = mlx_backend,
+    *,
+    host: HostRunner = in_thread,
+) -> AbstractAsyncContextManager[Engine]:
+    """``gezel_trio.engine.open_engine`` over the MLX backend by default."""
+    return _engine.open_engine(config, backend_factory, host=host)
+
+
+async def run_engine(
+    config: EngineConfig,
+    backend_factory: BackendFactory = mlx_backend,
+    *,
+    task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """``gezel_trio.engine.run_engine`` over the MLX backend by default."""
+    await _engine.run_engine(config, backend_factory, task_status=task_status)
+
+
 __all__ = [
+    "BackendFactory",
     "CacheRequest",
+    "ChatChoice",
     "ChatEvent",
     "ChatFinished",
-    "ChatGroupHandle",
     "ChatHandle",
     "ChatLogprobs",
     "ChatRequest",
@@ -81,7 +111,6 @@ __all__ = [
     "Finished",
     "GenerationRequest",
     "GezelError",
-    "GroupHandle",
     "InvalidRequest",
     "ModelInfo",
     "ModelLoadError",
@@ -102,6 +131,8 @@ __all__ = [
     "ToolCallDelta",
     "ToolCallDone",
     "Usage",
+    "Warmed",
+    "mlx_backend",
     "open_engine",
     "run_engine",
 ]

@@ -48,6 +48,7 @@ from .core.errors import EngineFailure, GezelError
 from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app
 from .http.response_store import ResponseStore
+from .mlx import mlx_backend
 from .stdout_protocol import StdoutProtocol, StdoutSettings
 
 __all__ = ["ServerConfig", "serve"]
@@ -107,7 +108,8 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
-        await run_engine(config, backend_factory=backend_factory, task_status=task_status)
+        # The composition root picks the backend: MLX unless a test injects one.
+        await run_engine(config, backend_factory or mlx_backend, task_status=task_status)
     except EngineFailure as failure:  # only raised once the engine was ready
         died.append(failure)
         log.critical("the engine failed (%s): exiting after a drain", failure.message)

@@ -1,52 +1,49 @@
-"""The engine's Trio side: the task that owns the model and its host
-thread, the requests it serves, and the chat-level API every caller uses.
+"""The engine's Trio side: the task that owns the model and its host loop,
+the requests it serves, and the chat-level API every caller uses.
 
-``Engine`` (``open_engine``, ``run_engine``) queues requests and exchanges
-orders and events with the host thread once per step; ``RequestHandle`` is
-one submitted request; ``ChatRequest`` / ``ChatHandle`` are the same at the
-level of messages and shaped events (``Engine.chat``); ``EngineMetrics`` is
-an engine's Prometheus registry.
+Three parts, a module each: ``Preparer`` (``_prepare``: rendering, images,
+grammars on worker threads, then the pure checks of ``core.prepare``),
+``HostLink`` (``_link``: the scheduler, every request's channel and the
+once-per-step exchange with the host loop) and ``Engine`` (``_engine``: the
+facade - prepare, submit, chat, warm, health, close). ``RequestHandle`` is
+the one handle of a submitted request (``n >= 1`` sequences of one prompt);
+``ChatHandle`` is the same at the level of shaped chat events.
 """
 
+from ..core.prepare import ChatRequest, PreparedChat, roster_fingerprint
+from ..host.exchange import Evicted
 from ._chat import (
+    ChatChoice,
     ChatEvent,
     ChatFinished,
-    ChatGroupHandle,
     ChatHandle,
     ChatLogprobs,
-    ChatRequest,
-    PreparedChat,
     combined_usage,
-    roster_fingerprint,
 )
-from ._engine import (
-    Engine,
-    EngineState,
-    GroupHandle,
-    Health,
-    RequestHandle,
-    RequestNote,
-    open_engine,
-    run_engine,
-)
+from ._engine import BackendFactory, Engine, open_engine, run_engine
+from ._handle import RequestHandle
+from ._link import EngineState, Health, RequestNote
 from ._metrics import EngineMetrics, Snapshot
+from ._warm import Warmed
 
 __all__ = [
+    "BackendFactory",
+    "ChatChoice",
     "ChatEvent",
     "ChatFinished",
-    "ChatGroupHandle",
     "ChatHandle",
     "ChatLogprobs",
     "ChatRequest",
     "Engine",
     "EngineMetrics",
     "EngineState",
-    "GroupHandle",
+    "Evicted",
     "Health",
     "PreparedChat",
     "RequestHandle",
     "RequestNote",
     "Snapshot",
+    "Warmed",
     "combined_usage",
     "open_engine",
     "roster_fingerprint",

@@ -1,38 +1,42 @@
-"""The chat-level engine API: messages in, shaped events out (SPEC H1).
+"""The chat-level engine API: messages in, shaped events out.
 
 This is the one path every caller takes - each HTTP protocol and every Trio
 program that embeds the engine. A ``ChatRequest`` names a conversation and
 what to do with it; ``Engine.prepare_chat`` renders it with the model's chat
-template and compiles its constraints (worker threads, never the MLX thread)
-into a ``PreparedChat``; ``Engine.submit_chat_nowait`` queues that and
-returns a ``ChatHandle``. ``await engine.chat(messages, ...)`` does both::
+template, compiles its constraints (worker threads, never the MLX thread)
+and checks it, into a ``PreparedChat``; ``Engine.submit_chat_nowait`` queues
+that and returns a ``ChatHandle``. ``await engine.chat(messages, ...)`` does
+both::
 
     with await engine.chat(messages, tools=tools, max_tokens=256) as chat:
-        async for event in chat:
+        async for choice, event in chat:
             match event:
                 case TextDelta(text=text): ...
                 case ToolCallDone(name=name, arguments=arguments): ...
                 case ChatFinished(reason=reason, message=message): ...
 
-A handle yields the shaped events (``TextDelta``, ``ReasoningDelta``,
-``ToolCallDelta``, ``ToolCallDone``), ``ChatLogprobs`` when asked for, the
-engine's liveness notes (``Queued``, ``Progress``, ``Parked``, ``Resumed``),
-and exactly one terminal event: ``ChatFinished`` (``stop``, ``length`` or
-``tool_calls``, with usage and the whole assistant message) or ``Failed``.
+A handle has ``n`` choices (``ChatRequest.n``, one prompt computed once);
+iterating it yields ``(choice, event)`` pairs, the choices interleaved as
+they are generated. A choice yields the shaped events (``TextDelta``,
+``ReasoningDelta``, ``ToolCallDelta``, ``ToolCallDone``), ``ChatLogprobs``
+when asked for, the engine's liveness notes (``Queued``, ``Progress``,
+``Parked``, ``Resumed``), and exactly one terminal event: ``ChatFinished``
+(``stop``, ``length`` or ``tool_calls``, with usage and the whole assistant
+message) or ``Failed``.
 
-Cancellation is ``submit_nowait``'s: leaving the handle's ``with`` block by
-any path withdraws the request, and the prompt cache keeps what it computed.
-Cancelling ``prepare_chat`` (or ``chat`` before it returns) submits nothing.
+Cancellation is ``RequestHandle``'s: leaving the handle's ``with`` block by
+any path withdraws every choice, and the prompt cache keeps what it
+computed. Cancelling ``prepare_chat`` (or ``chat`` before it returns)
+submits nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -48,8 +52,8 @@ from ..core.events import (
     TokenLogprob,
     Usage,
 )
-from ..core.images import ImagePart
-from ..core.request import GenerationRequest, Priority, SamplingParams
+from ..core.model import ModelInfo
+from ..core.prepare import PreparedChat
 from ..shaping.shaper import (
     ReasoningDelta,
     Shaper,
@@ -57,91 +61,18 @@ from ..shaping.shaper import (
     ToolCallDelta,
     ToolCallDone,
 )
-
-if TYPE_CHECKING:
-    from ._engine import GroupHandle, RequestHandle
+from ._handle import RequestHandle
 
 __all__ = [
+    "ChatChoice",
     "ChatEvent",
     "ChatFinished",
-    "ChatGroupHandle",
     "ChatHandle",
     "ChatLogprobs",
-    "ChatRequest",
-    "PreparedChat",
     "combined_usage",
-    "roster_fingerprint",
 ]
 
 ChatFinishReason = Literal["stop", "length", "tool_calls"]
-
-
-def roster_fingerprint(tools: Sequence[Mapping[str, Any]] | None) -> str:
-    """A short id of the exact tool list a prompt was rendered with."""
-    if not tools:
-        return "none"
-    canon = json.dumps(list(tools), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()[:16]
-
-
-@attrs.frozen
-class ChatRequest:
-    """A conversation and how to continue it.
-
-    ``messages`` and ``tools`` are OpenAI chat shapes (what a chat template
-    renders). Instead of ``messages``, ``prompt`` is a raw prompt (legacy
-    completions): text, tokenized without a chat template, or token ids;
-    its output is plain text (no reasoning or tool-call splitting). ``n``
-    sequences continue the same prompt, computed once
-    (``Engine.submit_chat_group_nowait``).
-
-    ``tool_choice`` (``"auto"``, ``"none"``, ``"required"`` or a named
-    function), ``response_format`` (``json_object`` / ``json_schema``) and
-    ``tool_grammar`` are enforced by grammars. ``max_tokens`` ``None``
-    means what the context window leaves, up to the engine's default.
-    ``cache_id`` and ``prefix_ids`` name prompt-cache entries; without them
-    the request is still cached. ``template_kwargs`` go to the chat template
-    (``enable_thinking``); ``max_thinking_tokens`` bounds a think block.
-    ``images`` fill the ``{"type": "image"}`` content parts, in order.
-    """
-
-    messages: Sequence[Mapping[str, Any]] = ()
-    tools: Sequence[Mapping[str, Any]] | None = None
-    tool_choice: str | Mapping[str, Any] | None = None
-    response_format: Mapping[str, Any] | None = None
-    tool_grammar: Mapping[str, Any] | None = None
-    sampling: SamplingParams = attrs.field(factory=SamplingParams)
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: Priority = "interactive"
-    cache_id: str | None = None
-    prefix_ids: tuple[str, ...] = ()
-    stable_prefix_chars: int | None = None
-    template_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
-    template_override: str | None = None
-    max_thinking_tokens: int | None = None
-    top_logprobs: int | None = None
-    # The images, in the order their ``{"type": "image"}`` parts appear in
-    # ``messages`` (E9); each protocol maps its own image blocks onto these.
-    images: tuple[ImagePart, ...] = ()
-    prompt: str | Sequence[int] | None = None
-    n: int = 1
-
-    @property
-    def parses_tools(self) -> bool:
-        """Whether tool markup in the output becomes calls."""
-        return bool(self.tools) and self.tool_choice != "none" and self.prompt is None
-
-
-@attrs.frozen
-class PreparedChat:
-    """A rendered chat with its constraints compiled: ``request`` is what the
-    engine will run; nothing is queued yet."""
-
-    chat: ChatRequest
-    request: GenerationRequest
 
 
 @attrs.frozen
@@ -179,20 +110,11 @@ ChatEvent = (
 )
 
 
-class ChatHandle:
-    """A submitted chat: iterate it for events, leave its ``with`` block to
-    withdraw it. ``usage`` is the latest usage the engine reported. In a
-    group (``ChatGroupHandle``) each choice is a ``ChatHandle`` with its
-    ``index``, fed by the group: iterate the group, not the choice."""
+class ChatChoice:
+    """One choice of a chat: its ``index``, the latest ``usage`` the engine
+    reported for it, and the shaper that turns its text into chat events."""
 
-    def __init__(
-        self,
-        handle: RequestHandle | None,
-        prepared: PreparedChat,
-        shaper: Shaper,
-        index: int = 0,
-    ) -> None:
-        self._handle = handle
+    def __init__(self, prepared: PreparedChat, shaper: Shaper, index: int) -> None:
         self._shaper = shaper
         self._pending: deque[ChatEvent] = deque()
         self._done = False
@@ -201,33 +123,8 @@ class ChatHandle:
         self.usage: Usage | None = None
 
     @property
-    def rid(self) -> int:
-        assert self._handle is not None, "a group's choice: see ChatGroupHandle.rids"
-        return self._handle.rid
-
-    @property
     def prompt_tokens(self) -> int:
         return len(self.prepared.request.prompt)
-
-    def __enter__(self) -> ChatHandle:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._handle is not None:
-            self._handle.__exit__(exc_type, exc, tb)
-
-    def close(self) -> None:
-        """Withdraw the request (what leaving the ``with`` block does)."""
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-
-    def __aiter__(self) -> ChatHandle:
-        return self
 
     def _json_complete(self) -> bool:
         """A constrained JSON answer that parses is whole: a prefix of an
@@ -244,16 +141,6 @@ class ChatHandle:
         except ValueError:
             return False
         return isinstance(value, dict | list)
-
-    async def __anext__(self) -> ChatEvent:
-        """The next event; cancellation leaves the request queued or running
-        until the ``with`` block is left."""
-        assert self._handle is not None, "a group's choice: iterate the group"
-        while not self._pending:
-            if self._done:
-                raise StopAsyncIteration
-            self._take(await self._handle.__anext__())
-        return self._pending.popleft()
 
     def _take(self, event: Event) -> None:
         """Shape one engine event into chat events (queued in ``_pending``)."""
@@ -295,22 +182,22 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
     )
 
 
-class ChatGroupHandle:
-    """``n`` chats continuing one prompt (``ChatRequest.n``), the prompt
-    computed once (``Engine.submit_chat_group_nowait``). Iterate it for
-    ``(choice, event)`` pairs: ``choice`` is that choice's ``ChatHandle``
-    (its ``index``, its latest ``usage``), the events those a ``ChatHandle``
-    yields, choices interleaved as they are generated; it ends once every
-    choice had its terminal event. Leaving its ``with`` block withdraws
-    every choice still running."""
+class ChatHandle:
+    """A submitted chat (``Engine.submit_chat_nowait``): iterate it for
+    ``(choice, event)`` pairs until every choice had its terminal event;
+    leave its ``with`` block to withdraw every choice still running."""
 
-    def __init__(self, group: GroupHandle, choices: Sequence[ChatHandle]) -> None:
-        self._group = group
+    def __init__(self, handle: RequestHandle, choices: Sequence[ChatChoice]) -> None:
+        self._handle = handle
         self.choices = tuple(choices)
 
     @property
+    def prepared(self) -> PreparedChat:
+        return self.choices[0].prepared
+
+    @property
     def rids(self) -> tuple[int, ...]:
-        return self._group.rids
+        return self._handle.rids
 
     @property
     def usage(self) -> Usage | None:
@@ -318,7 +205,12 @@ class ChatGroupHandle:
         usages = [c.usage for c in self.choices if c.usage is not None]
         return combined_usage(usages) if usages else None
 
-    def __enter__(self) -> ChatGroupHandle:
+    @property
+    def finished(self) -> bool:
+        """Every choice had its terminal event and nothing is left to read."""
+        return all(c._done and not c._pending for c in self.choices)
+
+    def __enter__(self) -> ChatHandle:
         return self
 
     def __exit__(
@@ -327,16 +219,16 @@ class ChatGroupHandle:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._group.__exit__(exc_type, exc, tb)
+        self._handle.close()
 
     def close(self) -> None:
         """Withdraw every choice (what leaving the ``with`` block does)."""
-        self._group.__exit__(None, None, None)
+        self._handle.close()
 
-    def __aiter__(self) -> ChatGroupHandle:
+    def __aiter__(self) -> ChatHandle:
         return self
 
-    async def __anext__(self) -> tuple[ChatHandle, ChatEvent]:
+    async def __anext__(self) -> tuple[ChatChoice, ChatEvent]:
         """The next choice's event; cancellation leaves the choices queued or
         running until the ``with`` block is left."""
         while True:
@@ -345,5 +237,20 @@ class ChatGroupHandle:
                     return choice, choice._pending.popleft()
             if all(c._done for c in self.choices):
                 raise StopAsyncIteration
-            index, event = await self._group.__anext__()
+            index, event = await self._handle.__anext__()
             self.choices[index]._take(event)
+
+
+def open_chat(handle: RequestHandle, prepared: PreparedChat, info: ModelInfo) -> ChatHandle:
+    """The chat-level handle over ``handle``: one shaper per choice."""
+    chat = prepared.chat
+    raw = chat.prompt is not None
+    choices = [
+        ChatChoice(
+            prepared,
+            Shaper(info, prepared.request.prompt, tools=chat.parses_tools, reasoning=not raw),
+            index=i,
+        )
+        for i in range(handle.n)
+    ]
+    return ChatHandle(handle, choices)

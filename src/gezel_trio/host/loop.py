@@ -1,44 +1,45 @@
-"""The engine's host thread: the only place a backend (and so MLX) is touched.
+"""The engine's host loop: the only place a backend (and so MLX) is touched.
 
-``run_host`` is the body of the engine's single long
-``trio.to_thread.run_sync`` call. It loads the backend, then loops: exchange
-the last step's events for new orders with the Trio side (one
-``trio.from_thread.run_sync`` per step), apply the orders, step the backend,
-turn its tokens into text events. When nothing is running it blocks in
-``trio.from_thread.run(link.wait_for_work)``, so an idle engine costs nothing
-and needs no polling.
+One driver, ``_drive``, holds the loop: exchange the last step's report for
+new orders with the Trio side, apply the orders, step the backend, turn its
+tokens into text events; with nothing to do, wait for work. It is a
+synchronous generator that *yields* what it needs from the Trio side
+(``_Exchange``, ``_Idle``, an observer's ``_At``) and does no I/O itself, so
+one loop runs two ways:
+
+* ``in_thread`` - the engine's single long ``trio.to_thread.run_sync`` call,
+  reaching the Trio side with ``trio.from_thread`` once per step. An idle
+  engine blocks in ``trio.from_thread.run(link.wait_for_work)``, so it costs
+  nothing and needs no polling.
+* ``inline(observer)`` - the same loop as a Trio task, for backends that need
+  no thread (``gezel_trio.testing``), so a whole engine runs in one Trio run
+  under ``MockClock``.
 
 The prompt cache (``PromptCache``) lives here too, beside the states it keeps:
 admission seeds each sequence from it, segment ends capture snapshots, and
 every ending - finished, stopped by text, withdrawn, failed - goes through it
 exactly once, which is what releases its pins.
 
-Cancellation: the thread cannot be interrupted mid-step. The Trio side answers
-the next exchange with ``stop`` once the engine task is cancelled or closing;
-the thread then applies the final removals (filing cancellation snapshots),
-flushes dirty cache entries to disk and returns. An idle wait raises
-``trio.Cancelled`` in this thread, which propagates out after the same flush.
+Cancellation: a step is never interrupted. Before each exchange the threaded
+loop asks ``trio.from_thread.check_cancelled()``; an idle wait is cancelled
+where it waits. Either way ``trio.Cancelled`` unwinds the loop, which files a
+cancellation save for every sequence still running, flushes dirty cache
+entries to disk within ``shutdown_timeout`` and closes the backend before
+``Cancelled`` propagates. The Trio side also ends the loop with
+``Orders.stop`` (closing, or the engine failed).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Protocol
 
 import attrs
 import trio
 
-from ..core.backend import (
-    Backend,
-    Captured,
-    ConstraintCompiler,
-    Detokenizer,
-    ImagePreparer,
-    PromptRenderer,
-    TokenOut,
-)
+from ..core.backend import Backend, Captured, Detokenizer, TokenOut
 from ..core.config import EngineConfig
 from ..core.errors import EngineFailure, GezelError, RequestFailed
 from ..core.events import (
@@ -51,113 +52,22 @@ from ..core.events import (
     TokenLogprob,
     Usage,
 )
-from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
+from .exchange import (
+    CommandFailed,
+    EngineLink,
+    Observer,
+    Orders,
+    Point,
+    StepReport,
+)
 from .persist import DiskCache
-from .prompt_cache import CacheSnapshot, PromptCache
+from .prompt_cache import PromptCache
 
-__all__ = [
-    "CacheEvict",
-    "CacheFlush",
-    "CacheInspect",
-    "CommandFailed",
-    "EngineLink",
-    "HostCommand",
-    "Observer",
-    "Orders",
-    "Point",
-    "StepReport",
-    "run_host",
-    "run_host_inline",
-]
+__all__ = ["HostRunner", "in_thread", "inline"]
 
 log = logging.getLogger("gezel_trio.host")
-
-
-@attrs.frozen
-class CacheEvict:
-    cache_id: str
-
-
-@attrs.frozen
-class CacheFlush:
-    pass
-
-
-@attrs.frozen
-class CacheInspect:
-    cache_id: str
-
-
-HostCommand = CacheEvict | CacheFlush | CacheInspect
-
-
-@attrs.frozen
-class StepReport:
-    """What one step produced, per request id; ``ended`` lists sequences that
-    left the backend by themselves (their last event is in ``events``).
-    ``cache_view`` is set when the prompt cache changed; ``replies`` answer
-    the previous orders' commands. ``stepped`` says a model step ran and
-    ``step_failure`` why it failed, if it did; ``persistence`` names the
-    disk cache's current trouble (``None``: fine, or no disk cache)."""
-
-    events: tuple[tuple[int, Event], ...] = ()
-    ended: tuple[int, ...] = ()
-    replies: tuple[tuple[int, Any], ...] = ()
-    cache_view: CacheSnapshot | None = None
-    memory: int | None = None
-    stepped: bool = False
-    step_failure: str | None = None
-    persistence: str | None = None
-
-    @property
-    def has_news(self) -> bool:
-        """Something the Trio side must hear before the host may sleep."""
-        return bool(
-            self.events
-            or self.ended
-            or self.replies
-            or self.cache_view is not None
-            or self.step_failure
-        )
-
-
-@attrs.frozen
-class CommandFailed:
-    """A host command raised; ``Engine.host_call`` re-raises it as ``RequestFailed``."""
-
-    error: str
-
-
-@attrs.frozen
-class Orders:
-    """Before the next step: remove, run commands, admit, then step ``lane``
-    (``None``: nothing to step). ``parked``/``resumed`` are for observers."""
-
-    stop: bool = False
-    remove: tuple[int, ...] = ()
-    admit: tuple[tuple[int, GenerationRequest], ...] = ()
-    commands: tuple[tuple[int, HostCommand], ...] = ()
-    lane: Priority | None = None
-    parked: tuple[int, ...] = ()
-    resumed: tuple[int, ...] = ()
-
-
-class EngineLink(Protocol):
-    """The Trio side, as the host thread sees it. ``ready`` and ``exchange``
-    are called with ``trio.from_thread.run_sync``; ``wait_for_work`` with
-    ``trio.from_thread.run``."""
-
-    def ready(
-        self,
-        info: ModelInfo,
-        renderer: PromptRenderer,
-        compiler: ConstraintCompiler | None,
-        images: ImagePreparer | None = None,
-    ) -> None: ...
-    def exchange(self, report: StepReport) -> Orders: ...
-    async def wait_for_work(self) -> None: ...
 
 
 @attrs.define
@@ -306,7 +216,7 @@ class _Host:
                     self._left(rid)
         for cid, command in orders.commands:
             try:
-                reply = self._run(command)
+                reply = command.run(self.cache)
             except Exception as exc:
                 log.exception("host command %s failed", type(command).__name__)
                 reply = CommandFailed(f"{type(exc).__name__}: {exc}")
@@ -392,15 +302,6 @@ class _Host:
             self._fail(rid, "insertion", err)
         for rid in ready:
             self._prefilled(rid)
-
-    def _run(self, command: HostCommand) -> Any:
-        match command:
-            case CacheEvict(cache_id=cache_id):
-                return self.cache.evict(cache_id)
-            case CacheFlush():
-                return self.cache.flush()
-            case CacheInspect(cache_id=cache_id):
-                return (self.cache.inspect(cache_id), self.cache.pinned(cache_id))
 
     def report(self) -> StepReport:
         view = None
@@ -559,24 +460,35 @@ class _Host:
         self.cache.flush(deadline=None if timeout is None else time.monotonic() + timeout)
 
 
+# --- the one loop, and the two ways to run it ------------------------------
+
+
 @attrs.frozen
-class Point:
-    """A named moment in the engine's life, for observers (``gezel_trio.testing``):
-    ``admitted``, ``prefill`` (chunk ``index`` of a request done), ``decode``
-    (token ``index`` emitted), ``snapshot`` (a snapshot captured), ``finished``,
-    ``removed`` (a withdrawn request left the batch), ``parked``, ``resumed``,
-    ``shutdown`` (the engine began to stop)."""
-
-    kind: str
-    rid: int | None = None
-    index: int = 0
+class _Ready:
+    backend: Backend
 
 
-class Observer(Protocol):
-    async def at(self, point: Point) -> None:
-        """Called with the world stopped at ``point``; the engine resumes when
-        it returns."""
-        ...
+@attrs.frozen
+class _Exchange:
+    report: StepReport
+
+
+@attrs.frozen
+class _Stepped:
+    """A model step ran: an inline loop lets other tasks run."""
+
+
+@attrs.frozen
+class _Idle:
+    """Nothing to step and nothing to report: wait for work."""
+
+
+@attrs.frozen
+class _At:
+    point: Point
+
+
+_Need = _Ready | _Exchange | _Stepped | _Idle | _At
 
 
 def _make_host(backend: Backend, config: EngineConfig) -> _Host:
@@ -589,84 +501,48 @@ def _make_host(backend: Backend, config: EngineConfig) -> _Host:
     )
 
 
-def run_host(link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
-    """Body of the host thread; returns when the engine orders ``stop``.
-    Anything that escapes it kills the engine (``run_engine`` fails every
-    request with ``EngineFailure``)."""
-    backend = make_backend()
-    host: _Host | None = None
-    try:
-        host = _make_host(backend, config)
-        trio.from_thread.run_sync(
-            link.ready, backend.info, backend.renderer, backend.compiler, backend.images
-        )
-        report = host.report()
-        while True:
-            orders = trio.from_thread.run_sync(link.exchange, report)
-            host.apply(orders)
-            if orders.stop:
-                return
-            if host.seqs and orders.lane is not None:
-                report = host.step(orders.lane)
-                continue
-            report = host.report()
-            if not report.has_news:
-                # Only an empty report may wait: news (a request refused at
-                # insertion, a command's reply) is delivered first.
-                trio.from_thread.run(link.wait_for_work)
-    finally:
-        try:
-            if host is not None:
-                host.shutdown()
-        finally:
-            backend.close()
-
-
-async def run_host_inline(
-    link: EngineLink,
-    make_backend: Callable[[], Backend],
-    config: EngineConfig,
-    observer: Observer | None = None,
-) -> None:
-    """The same loop as ``run_host``, as a Trio task: for backends that need no
-    thread (the scripted testing backend), so a test runs the whole engine in
-    one Trio run under ``MockClock``. ``observer.at`` is awaited at each named
-    point, which stops the world there. Cancellation: the loop stops at its
-    next checkpoint; the final removals and the flush run, unshielded and
-    synchronous, before ``Cancelled`` propagates."""
-    backend = make_backend()
+def _drive(
+    backend: Backend, config: EngineConfig, observed: bool
+) -> Generator[_Need, Orders | None, None]:
+    """The host loop. It yields what it needs from the Trio side and is sent
+    the answer (``Orders`` for an ``_Exchange``, ``None`` otherwise); it
+    returns when the orders say ``stop``. Closing it (the runner was
+    cancelled, or failed) runs the same shutdown: cancellation saves, the
+    flush, the backend closed."""
     host: _Host | None = None
     chunks: dict[int, int] = {}
     try:
         host = _make_host(backend, config)
-        link.ready(backend.info, backend.renderer, backend.compiler, backend.images)
+        yield _Ready(backend)
         report = host.report()
         while True:
-            orders = link.exchange(report)
+            orders = yield _Exchange(report)
+            assert orders is not None
             host.apply(orders)
-            points = [Point("removed", rid) for rid in orders.remove]
-            points += [Point("admitted", rid) for rid, _ in orders.admit]
-            points += [Point("parked", rid) for rid in orders.parked]
-            points += [Point("resumed", rid) for rid in orders.resumed]
+            points: list[Point] = []
+            if observed:
+                points += [Point("removed", rid) for rid in orders.remove]
+                points += [Point("admitted", rid) for rid, _ in orders.admit]
+                points += [Point("parked", rid) for rid in orders.parked]
+                points += [Point("resumed", rid) for rid in orders.resumed]
             idle = False
             if orders.stop:
                 points.append(Point("shutdown"))
             elif host.seqs and orders.lane is not None:
                 report = host.step(orders.lane)
-                points += _points(report, host, chunks)
             else:
                 report = host.report()
-                points += _points(report, host, chunks)
+                # Only an empty report may wait: news (a request refused at
+                # insertion, a command's reply) is delivered first.
                 idle = not report.has_news
-            if observer is not None:
+            if observed:
+                if not orders.stop:
+                    points += _points(report, host, chunks)
                 for point in points:
-                    await observer.at(point)
+                    yield _At(point)
             if orders.stop:
                 return
-            if idle:
-                await link.wait_for_work()
-            else:
-                await trio.lowlevel.checkpoint()
+            yield _Idle() if idle else _Stepped()
     finally:
         try:
             if host is not None:
@@ -688,3 +564,82 @@ def _points(report: StepReport, host: _Host, chunks: dict[int, int]) -> list[Poi
                 chunks.pop(rid, None)
                 out.append(Point("finished", rid))
     return out
+
+
+class HostRunner(Protocol):
+    """How the engine runs its host loop: ``in_thread`` (the default) or
+    ``inline(observer)``. Returns when the loop stops; anything that escapes
+    it is a bug in the host, which kills the engine."""
+
+    def __call__(
+        self, link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig
+    ) -> Awaitable[None]: ...
+
+
+async def in_thread(
+    link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig
+) -> None:
+    """Run the host loop on one thread for the engine's whole life (MLX
+    streams are thread-local). The thread is never abandoned: cancelling this
+    ends the loop at its next exchange or idle wait, after the shutdown."""
+    await trio.to_thread.run_sync(
+        _in_thread, link, make_backend, config, thread_name="gezel-mlx-host"
+    )
+
+
+def _in_thread(link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
+    backend = make_backend()
+    driver = _drive(backend, config, observed=False)
+    try:
+        need = next(driver)
+        while True:
+            reply: Orders | None = None
+            match need:
+                case _Ready(backend=b):
+                    trio.from_thread.run_sync(link.ready, b.info, b.renderer, b.compiler, b.images)
+                case _Exchange(report=report):
+                    trio.from_thread.check_cancelled()
+                    reply = trio.from_thread.run_sync(link.exchange, report)
+                case _Idle():
+                    trio.from_thread.run(link.wait_for_work)
+            need = driver.send(reply)
+    except StopIteration:
+        return
+    finally:
+        driver.close()
+
+
+def inline(observer: Observer | None = None) -> HostRunner:
+    """Run the host loop as a Trio task, for a backend that needs no thread
+    (the scripted testing backend). ``observer.at`` is awaited at each named
+    point, which stops the world there. Cancellation ends the loop at its
+    next checkpoint, after the shutdown (synchronous, unshielded)."""
+
+    async def run(
+        link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig
+    ) -> None:
+        backend = make_backend()
+        driver = _drive(backend, config, observed=observer is not None)
+        try:
+            need = next(driver)
+            while True:
+                reply: Orders | None = None
+                match need:
+                    case _Ready(backend=b):
+                        link.ready(b.info, b.renderer, b.compiler, b.images)
+                    case _Exchange(report=report):
+                        reply = link.exchange(report)
+                    case _Stepped():
+                        await trio.lowlevel.checkpoint()
+                    case _Idle():
+                        await link.wait_for_work()
+                    case _At(point=point):
+                        assert observer is not None
+                        await observer.at(point)
+                need = driver.send(reply)
+        except StopIteration:
+            return
+        finally:
+            driver.close()
+
+    return run

@@ -33,7 +33,7 @@ from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
 from ..core.events import Failed, Usage
 from ..core.images import ImagePart
 from ..core.request import SamplingParams
-from ..engine import ChatEvent, ChatFinished, ChatHandle, ChatRequest, Engine
+from ..engine import ChatChoice, ChatEvent, ChatFinished, ChatRequest, Engine
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from .anthropic_wire import (
     Block,
@@ -498,7 +498,7 @@ class _Events:
         }
         return [_event("message_start", {"message": message}), _PING]
 
-    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+    def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
         note = liveness_comment(event)
         if note is not None:
             return [_PING, note]
@@ -580,10 +580,7 @@ def add_messages_routes(app: QuartTrio, engine: Engine) -> None:
     @app.route(MESSAGES_PATH, methods=["POST"])
     async def messages() -> Response:
         req = parse_messages_request(await json_body())
-        engine.check_admission()
         prepared = await engine.prepare_chat(chat_request(req))
-        # Against the model (token ids, numbers) before any byte is sent.
-        engine.check_request(prepared.request)
         mid = f"msg_{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         show = _show_thinking(req)
@@ -602,16 +599,14 @@ def add_messages_routes(app: QuartTrio, engine: Engine) -> None:
         if images:
             # An image is as many tokens as its processor makes of it: the
             # engine prepares the whole request (decoding on a worker thread).
-            prepared = await engine.prepare_chat(
+            count = await engine.count_tokens(
                 ChatRequest(
                     messages=messages,
                     tools=_tools(req),
                     template_kwargs=_template_kwargs(req),
-                    max_tokens=1,
                     images=tuple(images),
                 )
             )
-            count = len(prepared.request.prompt)
         else:
             rendered = await engine.render_chat(
                 messages, tools=_tools(req), template_kwargs=_template_kwargs(req)

@@ -1,8 +1,8 @@
-"""Prompt-cache endpoints (SPEC W5, C8, O2): stats, delete, warm, flush.
+"""Prompt-cache endpoints: stats, delete, warm, flush.
 
 Cache state lives on the engine's host thread; these handlers read the view
-the engine publishes after each step, or run a command there between two
-steps with ``Engine.host_call``.
+the engine publishes after each step, or ask the engine for an operation
+(``evict``, ``flush``, ``warm``) that runs there between two steps.
 """
 
 from __future__ import annotations
@@ -13,20 +13,13 @@ import trio
 from quart import request
 from quart_trio import QuartTrio
 
-from ..core.cache_plan import common_prefix
 from ..core.errors import InvalidRequest
-from ..core.events import Failed, Finished
-from ..core.request import CacheRequest, GenerationRequest, SamplingParams
-from ..engine import Engine, roster_fingerprint
-from ..host.loop import CacheEvict, CacheFlush, CacheInspect
+from ..engine import Engine
 from .edge import json_body
 from .wire import WarmRequest, check_cache_id, parse_warm_request, tool_dicts
 
 __all__ = ["add_cache_routes"]
 
-# Two different synthetic user turns: where their renders diverge is a cut
-# that any real next turn shares too (C8).
-_SYNTHETIC_USERS = ("Hello.", "What can you help me with today?")
 MAX_SETTLE_MS = 60_000
 
 
@@ -81,7 +74,8 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
     @app.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
     async def cache_delete(cache_id: str) -> dict[str, Any]:
         check_cache_id(cache_id, "cache_id")
-        memory, disk = await engine.host_call(CacheEvict(cache_id))
+        evicted = await engine.evict(cache_id)
+        memory, disk = evicted.memory, evicted.disk
         # An absent id is not an error (the seed's answer, and DELETE is
         # idempotent): a controller evicting an entry our own LRU already
         # dropped gets "evicted": false, not a 404 to handle.
@@ -109,7 +103,7 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
             with trio.move_on_after(settle_ms / 1000):
                 await engine.settle()
                 settled = True
-        written = await engine.host_call(CacheFlush())
+        written = await engine.flush()
         return {"flushed": written, "settled": settled}
 
     @app.route("/v1/cache/warm", methods=["POST"])
@@ -117,96 +111,32 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
         return await _warm(engine, parse_warm_request(await json_body()))
 
 
-def _skipped(cache_id: str, prior: int, seed_reason: str, reason: str) -> dict[str, Any]:
-    """A refused warm, in our shape and the seed's (``warmed``,
-    ``token_count`` of the entry left as it was, ``skipped``)."""
-    return {
-        "status": "skipped",
-        "cache_id": cache_id,
-        "reason": reason,
-        "warmed": False,
-        "token_count": prior,
-        "persisted": False,
-        "skipped": seed_reason,
-    }
-
-
 async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
-    """Build a cache entry through the engine: one decode step at background
-    priority. A history that ends awaiting the assistant (a user or tool turn)
-    is the next prompt itself and is warmed as it is; otherwise the entry is
-    snapshotted where two different synthetic user turns diverge."""
-    tools = tool_dicts(warm.tools)
-    roster = roster_fingerprint(tools)
-    found, pinned = await engine.host_call(CacheInspect(warm.cache_id))
-    prior = found[0] if found is not None else 0
-    if pinned or warm.cache_id in engine.cache_ids_in_use():
-        return _skipped(warm.cache_id, prior, "in-flight", "in use by a live request")
-    if found is not None and found[1] != roster:
-        return _skipped(
-            warm.cache_id,
-            prior,
-            "roster-mismatch",
-            "the saved entry was built with a different tool roster",
-        )
-    for i, m in enumerate(warm.messages):
-        if m.has_images():
-            raise InvalidRequest(
-                "cache warming takes text only; a request with images is cached as it runs",
-                param=f"messages[{i}].content",
-            )
-    base = [m.to_template() for m in warm.messages]
-    cut: int | None
-    if warm.messages[-1].role in ("user", "tool"):
-        # Appending a synthetic user turn here would break alternation
-        # (templates that enforce it refuse two user turns in a row).
-        rendered = await engine.render_chat(
-            base,
-            tools=tools,
-            template_kwargs=warm.chat_template_kwargs,
-            template_override=warm.chat_template_override,
-        )
-        prompt, cut = rendered.tokens, None
-    else:
-        renders = [
-            await engine.render_chat(
-                [*base, {"role": "user", "content": text}],
-                tools=tools,
-                template_kwargs=warm.chat_template_kwargs,
-                template_override=warm.chat_template_override,
-            )
-            for text in _SYNTHETIC_USERS
-        ]
-        prompt = renders[0].tokens
-        cut = common_prefix(prompt, renders[1].tokens)
-        if cut < 1:
-            raise InvalidRequest(
-                "nothing in these messages is shared by a next turn", param="messages"
-            )
-    gen = GenerationRequest(
-        prompt=prompt,
-        max_tokens=1,
-        sampling=SamplingParams(temperature=0.0),
-        priority="background",
-        cache=CacheRequest(
-            cache_id=warm.cache_id, snapshot_at=cut, persist=warm.persist, roster=roster
-        ),
+    """``Engine.warm``, in our shape and the seed's (``warmed``,
+    ``token_count``, ``persisted``; a refusal's ``skipped`` reason)."""
+    done = await engine.warm(
+        [m.to_template() for m in warm.messages],
+        cache_id=warm.cache_id,
+        tools=tool_dicts(warm.tools),
+        template_kwargs=warm.chat_template_kwargs,
+        template_override=warm.chat_template_override,
+        persist=warm.persist,
     )
-    with engine.submit_nowait(gen) as handle:
-        async for event in handle:
-            match event:
-                case Finished():
-                    tokens = len(prompt) if cut is None else cut
-                    return {
-                        "status": "warmed",
-                        "cache_id": warm.cache_id,
-                        "tokens": tokens,
-                        # The seed's fields. persisted: written to disk at
-                        # once (asked for, and a --persist-dir is set).
-                        "warmed": True,
-                        "token_count": tokens,
-                        "persisted": warm.persist and engine.config.persist_dir is not None,
-                    }
-                case Failed(error=error):
-                    raise error
-    raise InvalidRequest("the warm request ended without a result")  # pragma: no cover
+    if done.status == "skipped":
+        return {
+            "status": "skipped",
+            "cache_id": done.cache_id,
+            "reason": done.reason,
+            "warmed": False,
+            "token_count": done.tokens,
+            "persisted": False,
+            "skipped": done.code,
+        }
+    return {
+        "status": "warmed",
+        "cache_id": done.cache_id,
+        "tokens": done.tokens,
+        "warmed": True,
+        "token_count": done.tokens,
+        "persisted": done.persisted,
+    }

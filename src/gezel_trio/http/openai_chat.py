@@ -22,9 +22,9 @@ from ..core.errors import GezelError, InvalidRequest
 from ..core.events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
 from ..core.request import SamplingParams
 from ..engine import (
+    ChatChoice,
     ChatEvent,
     ChatFinished,
-    ChatHandle,
     ChatLogprobs,
     ChatRequest,
     Engine,
@@ -200,7 +200,7 @@ class _Chunks:
             self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._n)
         ]
 
-    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+    def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
         note = liveness_comment(event)
         if note is not None:
             return [note]
@@ -263,10 +263,7 @@ def add_chat_routes(app: QuartTrio, engine: Engine, *, stream_tool_calls: bool =
     @app.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
         req = parse_chat_request(await json_body())
-        engine.check_admission()
         prepared = await engine.prepare_chat(chat_request(req, vision=engine.info.vision))
-        # Against the model (token ids, numbers) before any byte is sent.
-        engine.check_request(prepared.request)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         logprobs = prepared.request.top_logprobs is not None

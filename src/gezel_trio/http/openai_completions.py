@@ -25,9 +25,9 @@ from quart_trio import QuartTrio
 from ..core.errors import GezelError, InvalidRequest
 from ..core.events import Failed, TokenLogprob, Usage
 from ..engine import (
+    ChatChoice,
     ChatEvent,
     ChatFinished,
-    ChatHandle,
     ChatLogprobs,
     ChatRequest,
     Engine,
@@ -162,7 +162,7 @@ class _TextChunks:
             return []
         return [self._chunk(i, self._echo.text, None, None) for i in range(self._n)]
 
-    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+    def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
         note = liveness_comment(event)
         if note is not None:
             return [note]
@@ -209,10 +209,7 @@ def add_completion_routes(app: QuartTrio, engine: Engine) -> None:
     @app.route("/completions", methods=["POST"])
     async def completions() -> Response:
         req = parse_completion_request(await json_body())
-        engine.check_admission()
         prepared = await engine.prepare_chat(completion_request(req))
-        # Against the model (token ids, numbers) before any byte is sent.
-        engine.check_request(prepared.request)
         echo = await _echo(engine, req, prepared.request.prompt)
         cid = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id

@@ -46,6 +46,7 @@ from ..core.events import Failed, TokenLogprob, Usage
 from ..core.images import ImagePart
 from ..core.request import SamplingParams
 from ..engine import (
+    ChatChoice,
     ChatEvent,
     ChatFinished,
     ChatHandle,
@@ -562,7 +563,7 @@ class _Events:
             ]
         )
 
-    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+    def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
         note = liveness_comment(event)
         if note is not None:
             return [note]
@@ -597,7 +598,7 @@ class _Events:
 
 
 async def _run(chat: ChatHandle, output: _Output) -> tuple[ChatFinished | Failed, Usage | None]:
-    async for event in chat:
+    async for _, event in chat:
         output.feed(event)
         if isinstance(event, ChatFinished | Failed):
             return event, chat.usage
@@ -735,9 +736,7 @@ def add_responses_routes(app: QuartTrio, engine: Engine, store: ResponseStore) -
                 "app was built without",
                 param="background",
             )
-        engine.check_admission()
         prepared = await engine.prepare_chat(_chat_request(req, messages, cache_id))
-        engine.check_request(prepared.request)
         ctx = _Context(rid, req, req.model or engine.info.model_id, history, root)
         if req.background:
             body = ctx.body("queued", [])

@@ -15,9 +15,9 @@ from quart import Response
 from ..core.errors import GezelError
 from ..core.events import Failed, TokenLogprob, Usage
 from ..engine import (
+    ChatChoice,
     ChatEvent,
     ChatFinished,
-    ChatGroupHandle,
     ChatHandle,
     ChatLogprobs,
     PreparedChat,
@@ -128,7 +128,7 @@ class Translator(Protocol):
         """Frames sent once the chat is queued."""
         ...
 
-    def render(self, event: ChatEvent, chat: ChatHandle) -> list[bytes]:
+    def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
         """Frames for one event; the terminal event's end the stream."""
         ...
 
@@ -148,17 +148,16 @@ class ChatStream:
     by any path). Errors after the first byte become the protocol's error
     frames; ``Cancelled`` propagates untouched.
 
-    With ``n > 1`` (``ChatRequest.n``) it submits a group: the translator
-    sees each choice's events with that choice's ``ChatHandle`` (its
-    ``index``), interleaved; the stream ends after every choice finished, or
-    at the first failure.
+    The translator sees each event with its ``ChatChoice`` (its ``index``;
+    with ``n > 1`` the choices interleaved); the stream ends after every
+    choice finished, or at the first failure.
     """
 
     def __init__(self, engine: Engine, prepared: PreparedChat, translator: Translator) -> None:
         self._engine = engine
         self._prepared = prepared
         self._translator = translator
-        self._chat: ChatHandle | ChatGroupHandle | None = None
+        self._chat: ChatHandle | None = None
         self._pending: deque[bytes] = deque()
         self._started = False
         self._ended = False
@@ -173,8 +172,9 @@ class ChatStream:
             if not self._started:
                 self._start()
                 continue
+            assert self._chat is not None
             try:
-                chat, event = await self._next_event()
+                chat, event = await self._chat.__anext__()
             except StopAsyncIteration:
                 self._close()
                 continue
@@ -185,16 +185,9 @@ class ChatStream:
             if isinstance(event, Failed):
                 log.warning("stream failed: %s", event.error.message)
                 self._close()
-            elif isinstance(event, ChatFinished) and isinstance(self._chat, ChatHandle):
+            elif isinstance(event, ChatFinished) and self._chat.finished:
                 self._close()
         return self._pending.popleft()
-
-    async def _next_event(self) -> tuple[ChatHandle, ChatEvent]:
-        chat = self._chat
-        if isinstance(chat, ChatGroupHandle):
-            return await chat.__anext__()
-        assert chat is not None
-        return chat, await chat.__anext__()
 
     async def aclose(self) -> None:
         self._close()
@@ -203,10 +196,7 @@ class ChatStream:
     def _start(self) -> None:
         self._started = True
         try:
-            if self._prepared.chat.n > 1:
-                self._chat = self._engine.submit_chat_group_nowait(self._prepared)
-            else:
-                self._chat = self._engine.submit_chat_nowait(self._prepared)
+            self._chat = self._engine.submit_chat_nowait(self._prepared)
         except GezelError as err:
             self._pending += self._translator.failure(err)
             self._ended = True
@@ -223,35 +213,22 @@ class ChatStream:
 async def run_chat(
     engine: Engine, prepared: PreparedChat
 ) -> tuple[ChatFinished, list[TokenLogprob]]:
-    """Run a chat to its end for a non-streamed response: its terminal event
-    and the logprobs it reported; raises its error. Cancellation (the client
-    left) withdraws it."""
-    logprobs: list[TokenLogprob] = []
-    with engine.submit_chat_nowait(prepared) as chat:
-        async for event in chat:
-            match event:
-                case ChatLogprobs(items=items):
-                    logprobs += items
-                case ChatFinished():
-                    return event, logprobs
-                case Failed(error=error):
-                    raise error
-    raise GezelError("the request ended without a result")  # pragma: no cover
+    """Run a one-choice chat to its end for a non-streamed response: its
+    terminal event and the logprobs it reported; raises its error."""
+    return (await run_choices(engine, prepared))[0]
 
 
 async def run_choices(
     engine: Engine, prepared: PreparedChat
 ) -> list[tuple[ChatFinished, list[TokenLogprob]]]:
-    """``run_chat`` for ``n`` choices (``ChatRequest.n``, one prompt computed
-    once): each choice's terminal event and logprobs, by index; raises the
-    first error. Cancellation withdraws every choice."""
+    """Run a chat's ``n`` choices to their end for a non-streamed response:
+    each choice's terminal event and logprobs, by index; raises the first
+    error. Cancellation (the client left) withdraws every choice."""
     n = prepared.chat.n
-    if n == 1:
-        return [await run_chat(engine, prepared)]
     finished: list[ChatFinished | None] = [None] * n
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    with engine.submit_chat_group_nowait(prepared) as group:
-        async for choice, event in group:
+    with engine.submit_chat_nowait(prepared) as chat:
+        async for choice, event in chat:
             match event:
                 case ChatLogprobs(items=items):
                     logprobs[choice.index] += items
@@ -259,7 +236,10 @@ async def run_choices(
                     finished[choice.index] = event
                 case Failed(error=error):
                     raise error
-    return [(f, lp) for f, lp in zip(finished, logprobs, strict=True) if f is not None]
+    done = [(f, lp) for f, lp in zip(finished, logprobs, strict=True) if f is not None]
+    if not done:
+        raise GezelError("the request ended without a result")  # pragma: no cover
+    return done
 
 
 def event_stream(body: ChatStream) -> Response:

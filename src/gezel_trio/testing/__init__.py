@@ -26,7 +26,8 @@ import attrs
 
 from ..core.config import EngineConfig
 from ..engine import Engine, open_engine
-from ..host.loop import Point
+from ..host.exchange import Point
+from ..host.loop import inline
 from ._breakpoints import Breakpoint, Breakpoints
 from ._scripted import EOS, ScriptedBackend, ScriptedState, StepFailure
 
@@ -81,7 +82,5 @@ async def open_test_engine(
         shutdown_timeout=shutdown_timeout,
         max_step_failures=max_step_failures,
     )
-    async with open_engine(
-        config, backend_factory=lambda _: backend, inline=True, observer=breakpoints
-    ) as engine:
+    async with open_engine(config, lambda _: backend, host=inline(breakpoints)) as engine:
         yield TestEngine(engine, backend, breakpoints)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import trio
 
-from ..host.loop import Point
+from ..host.exchange import Point
 
 __all__ = ["Breakpoint", "Breakpoints"]
 

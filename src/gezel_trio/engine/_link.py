@@ -1,0 +1,617 @@
+"""The Trio half of the host exchange: every request's channel, the
+scheduler, and the once-per-step conversation with the host loop.
+
+The host loop (``host.loop``) calls ``exchange`` once per step with what the
+step produced; the link delivers each event to its request's channel (never
+blocking: ``send_nowait``), watches for readers that stopped draining,
+observes latencies for the metrics, answers cache commands with their typed
+results, asks the pure ``Scheduler`` what to do next and returns the orders.
+When nothing runs, the host loop waits in ``wait_for_work`` until something
+is submitted, withdrawn or commanded.
+
+Everything here runs in the Trio thread, between two host steps, and never
+awaits except ``wait_for_work``, ``call`` and ``wait_until``.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from ..core.backend import ConstraintCompiler, ImagePreparer, PromptRenderer
+from ..core.config import EngineConfig
+from ..core.errors import (
+    EngineClosed,
+    EngineFailure,
+    GezelError,
+    RequestFailed,
+    SlowConsumer,
+)
+from ..core.events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed
+from ..core.model import ModelInfo
+from ..core.request import CacheRequest, GenerationRequest
+from ..core.scheduler import Scheduler
+from ..host.exchange import CommandFailed, HostCommand, Orders, StepReport
+from ..host.prompt_cache import CacheSnapshot
+from ._handle import RequestHandle, Ticket
+from ._metrics import EngineMetrics, Snapshot
+
+__all__ = ["EngineState", "Health", "HostLink", "Loaded", "Removal", "RequestNote"]
+
+log = logging.getLogger("gezel_trio.engine")
+
+R = TypeVar("R")
+
+# Events per request beyond one per generated token: prefill progress and the
+# final event. A reader that falls further behind than this is dropped rather
+# than allowed to stall the engine (docs/architecture.md, "Backpressure").
+_EVENT_SLACK = 256
+# How long /health keeps saying "degraded" after a failed model step.
+DEGRADED_FOR = 60.0
+_LIVENESS_LOG_EVERY = 5.0
+# Live MLX memory above this share of ``memory_limit_mb`` is "tight": no
+# preemption, one request per wave.
+_TIGHT = 0.85
+
+
+@attrs.frozen
+class Removal:
+    """A withdrawn running sequence and the engine steps around its removal."""
+
+    rid: int
+    withdrawn_at_step: int
+    removed_at_step: int
+
+
+@attrs.frozen
+class Health:
+    """What ``/health`` says: ``ok``, ``degraded`` (serving, with
+    ``reasons``), ``shutting_down``, or ``failed`` (the engine stopped
+    working; ``reasons`` says why)."""
+
+    status: str
+    reasons: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class EngineState:
+    """A consistent view of the engine between two steps."""
+
+    step: int
+    queued: tuple[int, ...]
+    running: tuple[int, ...]
+    parked: tuple[int, ...]
+    live: int
+    closing: bool
+    recent_removals: tuple[Removal, ...]
+
+
+@attrs.frozen
+class RequestNote:
+    """What a watcher of the whole engine (``Engine.watch``) sees of one
+    request: its prefill ``Progress`` and a ``Failed`` that the host thread
+    contained (the request failed alone; the engine goes on), with the
+    request's cache id. For a failure, ``traceback`` holds its lines as
+    Python prints them (the original exception is the cause), taken when
+    the engine delivered it: the request's reader may raise the same error
+    object later, which adds its own frames."""
+
+    rid: int
+    cache_id: str | None
+    event: Progress | Failed
+    traceback: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Loaded:
+    """What the host loop hands over once the model is loaded."""
+
+    info: ModelInfo
+    renderer: PromptRenderer
+    compiler: ConstraintCompiler | None
+    images: ImagePreparer | None
+
+
+_NO_RESULT: Any = object()
+
+
+@attrs.define
+class _Call:
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: Any = _NO_RESULT
+
+
+@attrs.define
+class _Live:
+    """One member of a submitted request, while it is queued or running."""
+
+    request: GenerationRequest
+    send: trio.MemorySendChannel[tuple[int, Event]]
+    index: int
+    ticket: Ticket
+    submitted_at: float
+    position: int | None = None
+    logged_at: float = float("-inf")
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    # Stall detection: events buffered after the last exchange, and when the
+    # reader was last seen draining.
+    buffered: int = 0
+    drained_at: float = 0.0
+
+    def send_nowait(self, event: Event) -> None:
+        self.send.send_nowait((self.index, event))
+
+
+def _describe(event: Event) -> str:
+    match event:
+        case Progress(done=done, total=total):
+            return f"prefill {done}/{total}"
+        case Queued(position=position):
+            return f"queued at position {position}"
+        case Parked():
+            return "parked for interactive work"
+        case Resumed():
+            return "resumed"
+    return type(event).__name__
+
+
+def _is_note(event: Event) -> bool:
+    """Liveness notes: advisory, dropped rather than queued for a busy reader."""
+    return isinstance(event, Progress | Queued | Parked | Resumed)
+
+
+class HostLink:
+    """The engine's requests and its half of the host exchange (Trio thread)."""
+
+    def __init__(self, config: EngineConfig, metrics: EngineMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.loaded: Loaded | None = None
+        self.is_loaded = trio.Event()
+        self._scheduler = Scheduler(
+            max_running=config.max_concurrency,
+            max_queue=config.max_queue,
+            continuous=config.continuous_batching,
+            max_park=config.max_park_seconds,
+        )
+        self._live: dict[int, _Live] = {}
+        # Running sequences whose caller left, with the step at which it left.
+        self._withdrawn: dict[int, int] = {}
+        self._removals: deque[Removal] = deque(maxlen=64)
+        self._next_rid = 0
+        self._step = 0
+        self._closing = False
+        self._wake = trio.Event()
+        self._changed = trio.Event()
+        self._commands: list[tuple[int, HostCommand[Any]]] = []
+        self._calls: dict[int, _Call] = {}
+        self._next_call = 0
+        self.cache = CacheSnapshot()
+        self._memory = 0
+        # Consecutive failed model steps, and the last failure (time, reason).
+        self._step_failures = 0
+        self._last_step_failure: tuple[float, str] | None = None
+        self._persistence: str | None = None
+        # Why the engine stopped working, once it has.
+        self.failure: EngineFailure | None = None
+        # The one watcher of every request's progress and contained failures.
+        self._watcher: trio.MemorySendChannel[RequestNote] | None = None
+        metrics.watch(self._snapshot)
+
+    # --- submission ----------------------------------------------------------
+
+    def check_admission(self, n: int = 1) -> None:
+        """Raise ``EngineFailure``, ``EngineClosed`` or ``QueueFull`` if ``n``
+        sequences would be refused now."""
+        if self.failure is not None:
+            raise EngineFailure(self.failure.message)
+        if self._closing:
+            raise EngineClosed("the server is shutting down")
+        self._scheduler.check_room(n)
+
+    def submit(self, request: GenerationRequest, n: int) -> RequestHandle:
+        """Queue ``n`` members continuing ``request``'s prompt (checked by the
+        caller). Member ``i`` samples with ``seed + i``; with ``n > 1`` they
+        share one prefill (``CacheRequest.prefill_group``)."""
+        self.check_admission(n)
+        cache = request.cache or CacheRequest()
+        if n > 1:
+            cache = attrs.evolve(cache, prefill_group=self._next_rid)
+        send, receive = trio.open_memory_channel[tuple[int, Event]](
+            n * (request.max_tokens + _EVENT_SLACK)
+        )
+        now = trio.current_time()
+        rids, tickets = [], []
+        with send:
+            for i in range(n):
+                member = request
+                if n > 1:
+                    seed = request.sampling.seed
+                    sampling = attrs.evolve(
+                        request.sampling, seed=None if seed is None else seed + i
+                    )
+                    member = attrs.evolve(request, sampling=sampling, cache=cache)
+                rid = self._next_rid
+                self._next_rid += 1
+                tickets.append(Ticket())
+                self._scheduler.enqueue(rid, member.priority)
+                self._live[rid] = _Live(member, send.clone(), i, tickets[-1], submitted_at=now)
+                rids.append(rid)
+        self._wake.set()
+        self._notify()
+        return RequestHandle(self.withdraw, tuple(rids), receive, tuple(tickets))
+
+    def withdraw(self, rid: int) -> None:
+        """The reader left: a queued member is never admitted, a running one
+        leaves the batch at the next step. Never blocks."""
+        where = self._scheduler.withdraw(rid)
+        if where == "running":
+            self._withdrawn.setdefault(rid, self._step)
+        live = self._live.pop(rid, None)
+        if live is not None:
+            if live.ticket.error is None:
+                self.metrics.requests.labels("withdrawn", "").inc()
+            live.send.close()
+        self._wake.set()
+        self._notify()
+
+    async def call(self, command: HostCommand[R]) -> R:
+        """Run a cache command on the host thread, between two steps, and
+        return its result. Raises ``EngineClosed`` if the engine stops first,
+        ``RequestFailed`` if the command raised. Cancelling the wait leaves
+        the command to run; its result is dropped."""
+        if self._closing:
+            raise EngineClosed("the engine is shutting down")
+        cid = self._next_call
+        self._next_call += 1
+        call = _Call()
+        self._calls[cid] = call
+        self._commands.append((cid, command))
+        self._wake.set()
+        try:
+            await call.done.wait()
+        finally:
+            self._calls.pop(cid, None)
+        if call.result is _NO_RESULT:
+            raise EngineClosed("the engine stopped before the command ran")
+        if isinstance(call.result, CommandFailed):
+            raise RequestFailed(f"the cache command failed: {call.result.error}")
+        result: R = call.result
+        return result
+
+    def watch(self, max_buffer: int) -> trio.MemoryReceiveChannel[RequestNote]:
+        send, receive = trio.open_memory_channel[RequestNote](max_buffer)
+        if self._watcher is not None:
+            self._watcher.close()
+        self._watcher = send
+        return receive
+
+    # --- observation -----------------------------------------------------------
+
+    def state(self) -> EngineState:
+        return EngineState(
+            step=self._step,
+            queued=self._scheduler.queued,
+            running=self._scheduler.running,
+            parked=self._scheduler.parked,
+            live=len(self._live),
+            closing=self._closing,
+            recent_removals=tuple(self._removals),
+        )
+
+    async def wait_until(self, predicate: Callable[[EngineState], bool]) -> EngineState:
+        while True:
+            state = self.state()
+            if predicate(state):
+                return state
+            await self._changed.wait()
+
+    @property
+    def settled(self) -> bool:
+        """Every withdrawn sequence has left the batch."""
+        return not self._withdrawn
+
+    def health(self) -> Health:
+        if self.failure is not None:
+            return Health("failed", (self.failure.message,))
+        if self._closing:
+            return Health("shutting_down")
+        reasons = []
+        last = self._last_step_failure
+        if last is not None and trio.current_time() - last[0] < DEGRADED_FOR:
+            reasons.append(f"a model step failed: {last[1]}")
+        if self._persistence is not None:
+            reasons.append(f"persistence: {self._persistence}")
+        return Health("degraded" if reasons else "ok", tuple(reasons))
+
+    def cache_ids_in_use(self) -> set[str]:
+        ids: set[str] = set()
+        for live in self._live.values():
+            cr = live.request.cache
+            if cr is not None:
+                ids.update(k for k in (cr.cache_id, *cr.prefix_ids) if k)
+        return ids
+
+    @property
+    def memory_tight(self) -> bool:
+        limit = self.config.memory_limit_mb
+        return limit is not None and self._memory > _TIGHT * limit * 1024 * 1024
+
+    def _snapshot(self) -> Snapshot:
+        totals = self.cache.totals
+        return Snapshot(
+            running=len(self._scheduler.running),
+            waiting=len(self._scheduler.queued),
+            parked=len(self._scheduler.parked),
+            steps=self._step,
+            cache_entries=totals.entries,
+            cache_bytes=totals.bytes,
+            cache_blocks=totals.blocks,
+            cache_lookups=totals.lookups,
+            cache_hits=totals.hits,
+            memory_bytes=self._memory,
+        )
+
+    # --- ending --------------------------------------------------------------
+
+    def close_nowait(self) -> None:
+        """Stop admitting; fail every queued and running request with
+        ``EngineClosed``. The host loop stops at its next exchange."""
+        if self._closing:
+            return
+        self._fail_everything(EngineClosed("the engine shut down"))
+
+    def die(self, error: EngineFailure) -> None:
+        """The engine stopped working: ``/health`` fails with the reason and
+        every request, queued or running, fails with ``error``."""
+        if self.failure is None:
+            self.failure = error
+        self._fail_everything(error)
+
+    def _fail_everything(self, error: GezelError) -> None:
+        self._closing = True
+        queued, running = self._scheduler.withdraw_all()
+        for rid in running:
+            self._withdrawn.setdefault(rid, self._step)
+        for rid in (*queued, *running):
+            self._end(rid, Failed(error))
+        for call in self._calls.values():
+            call.done.set()  # result stays _NO_RESULT: the caller gets EngineClosed
+        self._wake.set()
+        self._notify()
+
+    # --- the host loop's side ------------------------------------------------
+
+    def ready(
+        self,
+        info: ModelInfo,
+        renderer: PromptRenderer,
+        compiler: ConstraintCompiler | None,
+        images: ImagePreparer | None = None,
+    ) -> None:
+        """The model is loaded; the engine task reports ready."""
+        self.loaded = Loaded(info, renderer, compiler, images)
+        self.is_loaded.set()
+
+    async def wait_for_work(self) -> None:
+        await self._wake.wait()
+
+    def exchange(self, report: StepReport) -> Orders:
+        """Take one step's report; return the orders for the next."""
+        now = trio.current_time()
+        self._take(report, now)
+        if self._failed_step(report, now):
+            return Orders(stop=True)
+        # Anything submitted after this point wakes an idle host loop.
+        self._wake = trio.Event()
+        if report.memory is not None:
+            self._memory = report.memory
+        plan = self._scheduler.plan(memory_tight=self.memory_tight, now=now)
+        for rid in plan.parked:
+            self._deliver(rid, Parked())
+        for rid in plan.resumed:
+            self._deliver(rid, Resumed())
+        self._announce_queue()
+        for rid in plan.remove:
+            left_at = self._withdrawn.pop(rid, self._step)
+            self._removals.append(Removal(rid, left_at, self._step))
+        admit = tuple((rid, self._live[rid].request) for rid in plan.admit)
+        for rid, request in admit:
+            live = self._live[rid]
+            live.admitted_at = live.drained_at = now
+            self.metrics.queue.observe(now - live.submitted_at)
+            log.info(
+                "admit request %d priority=%s prompt=%d max_tokens=%d running=%d queued=%d",
+                rid,
+                request.priority,
+                len(request.prompt),
+                request.max_tokens,
+                len(self._scheduler.running),
+                len(self._scheduler.queued),
+            )
+        self.metrics.preemptions.inc(len(plan.parked))
+        commands, self._commands = tuple(self._commands), []
+        for live in self._live.values():
+            live.buffered = live.send.statistics().current_buffer_used
+        self._notify()
+        return Orders(
+            stop=self._closing and self._scheduler.idle,
+            remove=plan.remove,
+            admit=admit,
+            commands=commands,
+            lane=plan.lane,
+            parked=plan.parked,
+            resumed=plan.resumed,
+        )
+
+    def _take(self, report: StepReport, now: float) -> None:
+        """Deliver what the last step produced."""
+        if report.cache_view is not None:
+            self.cache = report.cache_view
+        self._persistence = report.persistence
+        for cid, result in report.replies:
+            call = self._calls.pop(cid, None)
+            if call is not None:
+                call.result = result
+                call.done.set()
+        self._check_stalls(now)
+        for rid, event in report.events:
+            self._observe(rid, event, now)
+            self._tell_watcher(rid, event)
+            self._deliver(rid, event)
+        for rid in report.ended:
+            self._scheduler.finished(rid)
+            # A request withdrawn in the step it finished in leaves here.
+            self._withdrawn.pop(rid, None)
+            self._end(rid, None)
+        if report.events or report.ended:
+            self._step += 1
+
+    def _failed_step(self, report: StepReport, now: float) -> bool:
+        """Count consecutive failed model steps; at ``max_step_failures`` the
+        engine dies (True: the host must stop)."""
+        if report.step_failure is None:
+            if report.stepped:
+                self._step_failures = 0
+            return False
+        self._step_failures += 1
+        self._last_step_failure = (now, report.step_failure)
+        self.metrics.step_failures.inc()
+        limit = self.config.max_step_failures
+        if self._step_failures < limit:
+            return False
+        self.die(
+            EngineFailure(f"{limit} consecutive model steps failed; last: {report.step_failure}")
+        )
+        return True
+
+    def _check_stalls(self, now: float) -> None:
+        """Withdraw running requests whose reader drained nothing for
+        ``stall_timeout`` seconds (docs/architecture.md, "Backpressure")."""
+        limit = self.config.stall_timeout
+        if limit is None:
+            return
+        for rid in self._scheduler.running:
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            used = live.send.statistics().current_buffer_used
+            if used == 0 or used < live.buffered:
+                live.drained_at = now
+            elif now - live.drained_at >= limit:
+                log.warning(
+                    "request %d: the client drained nothing for %.0f s; withdrawn", rid, limit
+                )
+                live.ticket.error = SlowConsumer(
+                    f"the client read nothing for {limit:g} s; the request was withdrawn"
+                )
+                self.metrics.requests.labels("failed", SlowConsumer.code).inc()
+                self.withdraw(rid)
+
+    def _observe(self, rid: int, event: Event, now: float) -> None:
+        """Request timings for the latency histograms."""
+        live = self._live.get(rid)
+        if live is None:
+            return
+        m = self.metrics
+        match event:
+            case Delta(usage=usage):
+                if live.first_token_at is None:
+                    live.first_token_at = now
+                    m.ttft.observe(now - live.submitted_at)
+                    prefill = usage.input_tokens - usage.cached_tokens
+                    if live.admitted_at is not None and now > live.admitted_at and prefill > 0:
+                        m.prefill_rate.observe(prefill / (now - live.admitted_at))
+                elif live.last_token_at is not None:
+                    m.itl.observe(now - live.last_token_at)
+                live.last_token_at = now
+            case Finished(reason=reason, usage=usage):
+                m.e2e.observe(now - live.submitted_at)
+                m.requests.labels(reason, "").inc()
+                m.prompt_tokens.inc(usage.input_tokens)
+                m.cached_tokens.inc(usage.cached_tokens)
+                m.prefilled_tokens.inc(usage.input_tokens - usage.cached_tokens)
+                m.generation_tokens.inc(usage.output_tokens)
+            case Failed(error=error):
+                m.e2e.observe(now - live.submitted_at)
+                m.requests.labels("failed", error.code or "").inc()
+
+    def _tell_watcher(self, rid: int, event: Event) -> None:
+        if self._watcher is None or not isinstance(event, Progress | Failed):
+            return
+        live = self._live.get(rid)
+        if live is None:
+            return
+        cache_id = live.request.cache.cache_id if live.request.cache else None
+        lines: tuple[str, ...] = ()
+        if isinstance(event, Failed):
+            text = "".join(traceback.format_exception(event.error))
+            lines = tuple(text.rstrip().splitlines())
+        try:
+            self._watcher.send_nowait(RequestNote(rid, cache_id, event, lines))
+        except trio.WouldBlock:
+            pass  # the watcher is behind: its notes are advisory
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._watcher = None
+
+    def _announce_queue(self) -> None:
+        """Tell each waiting request its place when it changes."""
+        for position, rid in enumerate(self._scheduler.queued):
+            live = self._live.get(rid)
+            if live is not None and live.position != position:
+                live.position = position
+                self._deliver(rid, Queued(position))
+
+    def _deliver(self, rid: int, event: Event) -> None:
+        live = self._live.get(rid)
+        if live is None:
+            return
+        if _is_note(event):
+            self._log_liveness(rid, live, event)
+        try:
+            live.send_nowait(event)
+        except trio.WouldBlock:
+            if _is_note(event):
+                return  # a busy reader may miss some liveness notes
+            # The reader stopped draining: drop it rather than stall the engine.
+            live.ticket.error = SlowConsumer("the client stopped reading; request dropped")
+            self.withdraw(rid)
+        except trio.BrokenResourceError:
+            self.withdraw(rid)  # the reader closed its end: the client left
+
+    def _log_liveness(self, rid: int, live: _Live, event: Event) -> None:
+        """The same liveness the stream shows, in the log; prefill progress
+        at most every few seconds per request."""
+        now = trio.current_time()
+        if isinstance(event, Progress):
+            if now - live.logged_at < _LIVENESS_LOG_EVERY and event.done < event.total:
+                return
+            live.logged_at = now
+        cache_id = live.request.cache.cache_id if live.request.cache else None
+        log.info("request %d cache_id=%s %s", rid, cache_id or "-", _describe(event))
+
+    def _end(self, rid: int, final: Event | None) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        if final is not None:
+            try:
+                live.send_nowait(final)
+            except trio.WouldBlock:
+                if isinstance(final, Failed):
+                    live.ticket.error = final.error
+            except trio.BrokenResourceError:
+                pass  # nobody is listening any more
+        live.send.close()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
