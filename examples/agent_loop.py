@@ -75,7 +75,7 @@ def run_tool(name: str, arguments: str) -> str:
 async def turn(engine: Any, messages: list[dict[str, Any]], **options: Any) -> dict[str, Any]:
     """One model turn, streamed to stdout; returns the assistant message."""
     with await engine.chat(messages, sampling=GREEDY, **options) as chat:
-        async for event in chat:
+        async for _, event in chat:
             match event:
                 case TextDelta(text=text):
                     print(text, end="", flush=True)
@@ -102,7 +102,7 @@ async def summarise(engine: Any, notes: list[str], done: trio.Event) -> None:
         {"role": "user", "content": "\n".join(notes)},
     ]
     with await engine.chat(messages, priority="background", sampling=GREEDY, max_tokens=24) as chat:
-        async for event in chat:
+        async for _, event in chat:
             match event:
                 case Parked():
                     print("[summary parked for the agent's turn]", flush=True)

@@ -39,7 +39,7 @@ async def main(model: Path | None) -> None:
             prompt, max_tokens=24, sampling=SamplingParams(temperature=0.7, seed=1)
         )
         with engine.submit_nowait(request) as handle:
-            async for event in handle:
+            async for _, event in handle:
                 match event:
                     case Delta(text=text):
                         print(text, end="", flush=True)
@@ -53,7 +53,7 @@ async def main(model: Path | None) -> None:
         endless = GenerationRequest(prompt, max_tokens=10_000, ignore_eos=True)
         with trio.CancelScope() as scope, engine.submit_nowait(endless) as handle:
             tokens = 0
-            async for event in handle:
+            async for _, event in handle:
                 if isinstance(event, Delta):
                     tokens += 1
                     if tokens == 5:

@@ -109,7 +109,7 @@ async def turn(
     )
     generated: list[int] = []
     with engine.submit_nowait(req) as handle:
-        async for event in handle:
+        async for _, event in handle:
             match event:
                 case Delta(tokens=tokens):
                     generated += tokens
@@ -237,7 +237,7 @@ async def test_cancelled_decode_is_saved_and_the_retry_reuses_it(kind: str, mode
             )
             with engine.submit_nowait(req) as handle:
                 seen = 0
-                async for event in handle:
+                async for _, event in handle:
                     if isinstance(event, Delta):
                         seen += 1
                         if seen == 3:
@@ -265,7 +265,7 @@ async def test_cancelled_prefill_saves_the_last_chunk_edge(kind: str, model: Pat
             req = GenerationRequest(rendered.tokens, 5, greedy, cache=CacheRequest(cache_id="p"))
             done_at_cancel = 0
             with engine.submit_nowait(req) as handle:
-                async for event in handle:
+                async for _, event in handle:
                     if getattr(event, "done", 0) >= 3 * step:
                         done_at_cancel = event.done  # type: ignore[attr-defined]
                         break
@@ -286,7 +286,7 @@ async def test_cancelled_while_queued_saves_nothing(model: Path) -> None:
             rendered = await engine.render_chat(messages)
             blocker = GenerationRequest(rendered.tokens, 10_000, ignore_eos=True)
             with engine.submit_nowait(blocker) as first:
-                async for event in first:
+                async for _, event in first:
                     if isinstance(event, Delta):
                         break
                 queued = GenerationRequest(rendered.tokens, 4, cache=CacheRequest(cache_id="never"))

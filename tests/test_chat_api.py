@@ -61,7 +61,7 @@ def test_a_chat_yields_text_then_exactly_one_terminal_event() -> None:
             events = []
             with await t.engine.chat(MESSAGES, max_tokens=7, sampling=GREEDY) as chat:
                 assert chat.prompt_tokens == len(chat.prepared.request.prompt)
-                events = [e async for e in chat]
+                events = [e async for _, e in chat]
             text = "".join(e.text for e in events if isinstance(e, TextDelta))
             terminal = [e for e in events if isinstance(e, ChatFinished | Failed)]
             assert terminal == [events[-1]]
@@ -80,14 +80,14 @@ def test_leaving_the_block_withdraws_the_chat() -> None:
     async def scenario() -> None:
         async with open_test_engine(ScriptedBackend()) as t:
             with await t.engine.chat(MESSAGES, max_tokens=1000, ignore_eos=True) as chat:
-                async for event in chat:
+                async for _, event in chat:
                     if isinstance(event, TextDelta):
                         break
             state = await t.engine.wait_until(lambda s: s.running == () and s.live == 0)
-            assert state.recent_removals[-1].rid == chat.rid
+            assert state.recent_removals[-1].rid == chat.rids[0]
             # What it computed is cached: the same chat again reuses it.
             with await t.engine.chat(MESSAGES, max_tokens=1) as again:
-                events = [e async for e in again]
+                events = [e async for _, e in again]
             finished = events[-1]
             assert isinstance(finished, ChatFinished)
             assert finished.usage.cached_tokens == again.prompt_tokens - 1
@@ -116,7 +116,7 @@ async def test_a_forced_tool_call_arrives_as_deltas_then_one_whole_call(
                 MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=120, sampling=GREEDY
             )
             with chat:
-                events = [e async for e in chat]
+                events = [e async for _, e in chat]
     deltas = [e for e in events if isinstance(e, ToolCallDelta)]
     (done,) = [e for e in events if isinstance(e, ToolCallDone)]
     finished = events[-1]
@@ -147,7 +147,7 @@ async def test_reasoning_and_logprobs_are_shaped(dense_model: Path) -> None:
                 ignore_eos=True,
             )
             with chat:
-                events = [e async for e in chat]
+                events = [e async for _, e in chat]
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     text = "".join(e.text for e in events if isinstance(e, TextDelta))
     logprobs = [lp for e in events if isinstance(e, ChatLogprobs) for lp in e.items]

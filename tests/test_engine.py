@@ -40,7 +40,7 @@ async def prompt_for(engine: Engine, text: str = "Tell me a story.") -> tuple[in
 async def collect(engine: Engine, req: GenerationRequest) -> tuple[str, Finished]:
     parts: list[str] = []
     with engine.submit_nowait(req) as handle:
-        async for event in handle:
+        async for _, event in handle:
             match event:
                 case Delta(text=text):
                     parts.append(text)
@@ -128,7 +128,7 @@ async def test_more_requests_than_slots_all_complete(any_model: Path) -> None:
             async def one(i: int, task_status: trio.TaskStatus[None]) -> None:
                 with engine.submit_nowait(greedy(prompt, lengths[i], ignore_eos=True)) as h:
                     task_status.started()
-                    async for event in h:
+                    async for _, event in h:
                         if isinstance(event, Finished):
                             done[i] = event
 
@@ -149,12 +149,12 @@ async def test_withdrawn_sequence_leaves_within_one_step(any_model: Path) -> Non
             prompt = await prompt_for(engine)
             seen = 0
             with engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True)) as handle:
-                async for event in handle:
+                async for _, event in handle:
                     if isinstance(event, Delta):
                         seen += 1
                         if seen == 3:
                             break
-            rid = handle.rid
+            rid = handle.rids[0]
             state = await engine.wait_until(lambda s: any(r.rid == rid for r in s.recent_removals))
             removal = next(r for r in state.recent_removals if r.rid == rid)
             assert removal.removed_at_step - removal.withdrawn_at_step <= 1
@@ -169,8 +169,8 @@ async def test_cancelled_caller_scope_withdraws_the_request(dense_model: Path) -
             rid = -1
             request = greedy(prompt, 10_000, ignore_eos=True)
             with trio.CancelScope() as scope, engine.submit_nowait(request) as handle:
-                rid = handle.rid
-                async for event in handle:
+                rid = handle.rids[0]
+                async for _, event in handle:
                     if isinstance(event, Delta):
                         scope.cancel()
             assert scope.cancelled_caught
@@ -186,12 +186,12 @@ async def test_queued_request_that_leaves_is_never_admitted(dense_model: Path) -
         async with open_engine(config) as engine:
             prompt = await prompt_for(engine)
             with engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True)) as first:
-                async for event in first:
+                async for _, event in first:
                     if isinstance(event, Delta):
                         break
                 with engine.submit_nowait(greedy(prompt, 5)) as second:
-                    assert engine.state().queued == (second.rid,)
-                waiting_rid = second.rid
+                    assert engine.state().queued == (second.rids[0],)
+                waiting_rid = second.rids[0]
                 assert engine.state().queued == ()
             await engine.wait_until(lambda s: s.running == () and s.live == 0)
             assert all(r.rid != waiting_rid for r in engine.state().recent_removals)
@@ -246,10 +246,10 @@ async def test_closing_fails_live_requests_with_engine_closed(dense_model: Path)
             prompt = await prompt_for(engine)
             running = engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True))
             queued = engine.submit_nowait(greedy(prompt, 5))
-            await engine.wait_until(lambda s: s.running == (running.rid,))
+            await engine.wait_until(lambda s: s.running == (running.rids[0],))
             engine.close_nowait()
             with running, queued:
-                events = [e async for e in running][-1:] + [e async for e in queued][-1:]
+                events = [e async for _, e in running][-1:] + [e async for _, e in queued][-1:]
             with pytest.raises(EngineClosed):
                 engine.submit_nowait(greedy(prompt, 5))
         assert [type(e) for e in events] == [Failed, Failed]
@@ -276,7 +276,7 @@ async def test_thinking_budget_is_respected_to_the_token(any_model: Path) -> Non
                 )
                 tokens: list[int] = []
                 with engine.submit_nowait(req) as handle:
-                    async for event in handle:
+                    async for _, event in handle:
                         if isinstance(event, Delta):
                             tokens += event.tokens
                 assert tokens.index(think[1]) == budget

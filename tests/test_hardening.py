@@ -128,7 +128,7 @@ def test_consecutive_step_failures_stop_the_engine() -> None:
         running = t.engine.submit_nowait(req(max_tokens=3))
         handles.append(t.engine.submit_nowait(req(max_tokens=3)))  # queued behind it
         with running:
-            async for _ in running:
+            async for _, _ in running:
                 pass
 
     async def scenario() -> None:
@@ -136,7 +136,7 @@ def test_consecutive_step_failures_stop_the_engine() -> None:
         t, failure = await until_the_engine_fails(backend, body, max_concurrency=1)
         assert "3 consecutive model steps failed" in failure.message
         assert t.engine.health().status == "failed"
-        events = [e async for e in handles[0]]  # what the queued request heard
+        events = [e async for _, e in handles[0]]  # what the queued request heard
         assert isinstance(events[-1], Failed)
         assert isinstance(events[-1].error, EngineFailure)
         with pytest.raises(EngineFailure):
@@ -156,7 +156,7 @@ def test_a_dead_host_fails_every_request_with_engine_failure() -> None:
         assert "host thread died" in failure.message
         for handle in handles:
             with handle:
-                events = [e async for e in handle]
+                events = [e async for _, e in handle]
             assert isinstance(events[-1], Failed)
             assert isinstance(events[-1].error, EngineFailure)
         health = t.engine.health()
@@ -241,11 +241,11 @@ def test_a_reader_that_stops_reading_is_withdrawn_after_stall_timeout() -> None:
                 trio.lowlevel.current_clock().jump(31)  # type: ignore[attr-defined]
                 token3.release()
                 await t.engine.wait_until(
-                    lambda s: any(r.rid == silent.rid for r in s.recent_removals)
+                    lambda s: any(r.rid == silent.rids[0] for r in s.recent_removals)
                 )
             assert isinstance(reading[-1], Finished), "a reader that reads is never withdrawn"
             with silent:
-                events = [e async for e in silent]
+                events = [e async for _, e in silent]
             assert isinstance(events[-1], Failed)
             assert isinstance(events[-1].error, SlowConsumer)
             assert sum(isinstance(e, Delta) for e in events) < 100

@@ -56,7 +56,7 @@ def _faulty(config: EngineConfig) -> Backend:
 async def _run(engine: Any, req: GenerationRequest) -> tuple[str, Any]:
     parts: list[str] = []
     with engine.submit_nowait(req) as handle:
-        async for event in handle:
+        async for _, event in handle:
             if isinstance(event, Delta):
                 parts.append(event.text)
             if isinstance(event, Finished | Failed):

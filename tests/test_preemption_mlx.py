@@ -42,7 +42,7 @@ def request(tokens: tuple[int, ...], n: int, priority: str) -> GenerationRequest
 
 async def read(engine: Engine, req: GenerationRequest, into: list[Any]) -> None:
     with engine.submit_nowait(req) as handle:
-        async for event in handle:
+        async for _, event in handle:
             into.append(event)
 
 

@@ -44,7 +44,7 @@ def run(scenario: object) -> None:
 
 
 async def drain(engine: Engine, request: GenerationRequest, n: int) -> list[tuple[int, object]]:
-    with engine.submit_group_nowait(request, n) as group:
+    with engine.submit_nowait(request, n) as group:
         return [pair async for pair in group]
 
 
@@ -96,11 +96,11 @@ def test_a_prefiller_that_leaves_hands_the_prompt_to_a_sibling() -> None:
         async with open_test_engine(ScriptedBackend(prefill_step=4)) as t:
             request = GenerationRequest(PROMPT, max_tokens=3)
             bp = t.breakpoints.add("prefill", index=2)
-            with t.engine.submit_group_nowait(request, 3) as group:
+            with t.engine.submit_nowait(request, 3) as group:
                 await bp.reached()
                 # The world is stopped after the prefiller's second chunk; it
                 # alone is withdrawn (white-box: groups withdraw as a whole).
-                t.engine._withdraw(group.rids[0])
+                t.engine.link.withdraw(group.rids[0])
                 bp.release()
                 events = [pair async for pair in group]
             ends = {i: e for i, e in events if isinstance(e, Finished | Failed)}
@@ -120,13 +120,13 @@ def test_n_is_bounded_by_max_concurrency_and_the_queue() -> None:
         async with open_test_engine(ScriptedBackend(), max_concurrency=2, max_queue=1) as t:
             request = GenerationRequest(PROMPT, max_tokens=2)
             with pytest.raises(InvalidRequest) as err:
-                t.engine.submit_group_nowait(request, 3)
+                t.engine.submit_nowait(request, 3)
             assert err.value.param == "n"
             with pytest.raises(InvalidRequest):
                 await t.engine.prepare_chat(ChatRequest([{"role": "user", "content": "hi"}], n=3))
-            with t.engine.submit_group_nowait(request, 2):
+            with t.engine.submit_nowait(request, 2):
                 with pytest.raises(QueueFull):  # two slots taken, one queue place left
-                    t.engine.submit_group_nowait(request, 2)
+                    t.engine.submit_nowait(request, 2)
             assert t.engine.state().live == 0
 
     run(scenario)
@@ -139,7 +139,7 @@ def test_chat_choices_are_shaped_each_with_its_index() -> None:
             prepared = await t.engine.prepare_chat(chat)
             texts: dict[int, str] = {0: "", 1: ""}
             finished = {}
-            with t.engine.submit_chat_group_nowait(prepared) as group:
+            with t.engine.submit_chat_nowait(prepared) as group:
                 async for choice, event in group:
                     if isinstance(event, TextDelta):
                         texts[choice.index] += event.text

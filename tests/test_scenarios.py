@@ -49,7 +49,7 @@ def req(cache_id: str | None = None, max_tokens: int = 6, **kw: Any) -> Generati
 
 async def drain(t: TestEngine, request: GenerationRequest) -> list[Any]:
     with t.engine.submit_nowait(request) as handle:
-        return [e async for e in handle]
+        return [e async for _, e in handle]
 
 
 def spawn(
@@ -63,7 +63,7 @@ def spawn(
 
     async def read() -> None:
         with handle:
-            into.extend([e async for e in handle])
+            into.extend([e async for _, e in handle])
 
     nursery.start_soon(read)
 
@@ -110,7 +110,7 @@ def test_cancel_while_queued_is_never_admitted() -> None:
                 with trio.CancelScope() as scope:
                     scope.cancel()  # the caller of the queued request gives up
                     with t.engine.submit_nowait(req("b")) as queued:
-                        assert t.engine.state().queued == (queued.rid,)
+                        assert t.engine.state().queued == (queued.rids[0],)
                         await trio.sleep_forever()
                 first_token.release()
             await assert_clean(t)
@@ -312,7 +312,7 @@ def test_cancel_while_parked_leaves_the_parked_wave() -> None:
 
             async def background_reader() -> None:
                 with background_scope, handle:
-                    async for _ in handle:
+                    async for _, _ in handle:
                         pass
 
             async with trio.open_nursery() as nursery:
@@ -402,7 +402,7 @@ def test_a_burst_of_200_clients_leaving_at_random_points_leaks_nothing() -> None
                     async def client(h: Any = handle, n: int = leave_after) -> None:
                         with h:
                             seen = 0
-                            async for _ in h:
+                            async for _, _ in h:
                                 seen += 1
                                 if seen >= n:
                                     return  # the client disconnects here

@@ -368,7 +368,7 @@ async def test_a_failing_image_prefill_fails_that_request_alone(vision_model: Pa
 
             async def run(name: str, prepared: Any) -> None:
                 with engine.submit_chat_nowait(prepared) as handle:
-                    async for event in handle:
+                    async for _, event in handle:
                         ends[name] = event
 
             async with trio.open_nursery() as nursery:

@@ -200,6 +200,10 @@ class ChatHandle:
         return self._handle.rids
 
     @property
+    def prompt_tokens(self) -> int:
+        return self.choices[0].prompt_tokens
+
+    @property
     def usage(self) -> Usage | None:
         """The choices' usage so far, the prompt counted once."""
         usages = [c.usage for c in self.choices if c.usage is not None]

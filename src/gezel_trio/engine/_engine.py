@@ -222,14 +222,15 @@ async def run_engine(
     Neither comes wrapped in an exception group.
     """
     link = HostLink(config, EngineMetrics())
-    died: list[Exception] = []
+    died: list[GezelError] = []
 
     async def run_host() -> None:
         try:
             await host(link, lambda: backend_factory(config), config)
         except Exception as exc:
-            # Kept, not raised here: the nursery would wrap it in a group.
-            died.append(exc)
+            # Every request hears why at once; the caller below, unwrapped
+            # (raised here, the nursery would wrap it in a group).
+            died.append(_failure(link, exc))
         finally:
             link.close_nowait()
             link.is_loaded.set()  # a load that failed wakes the wait below
@@ -243,7 +244,7 @@ async def run_engine(
     finally:
         link.close_nowait()
     if died:
-        raise _failure(link, died[0])
+        raise died[0]
     if link.failure is not None:
         raise link.failure  # too many failed model steps
 
