@@ -1,5 +1,5 @@
 """The content-addressed prompt-cache store: a trie of token blocks, the
-entries that end in it, a byte budget, pins (SPEC C4, C9).
+entries that end in it, a byte budget, pins.
 
 Pure bookkeeping: no MLX, no Trio, no clock. Block payloads and the states
 of layers that cannot be cut into blocks are opaque objects the backend made,

@@ -44,9 +44,9 @@ class InvalidRequest(GezelError, ValueError):
 
 class InvalidImage(InvalidRequest):
     """An image that cannot be used: not a ``data:`` URL, not base64, not a
-    PNG, JPEG, WebP or GIF, truncated, or over a limit. A 400 (SPEC E9 said
-    422; every other bad input is a 400, so images are too), ``param``
-    naming the content part."""
+    PNG, JPEG, WebP or GIF, truncated, or over a limit. A 400, not a 422:
+    every other bad input is a 400, so images are too; ``param`` names the
+    content part."""
 
     code = "invalid_image"
 

@@ -1,5 +1,5 @@
 """Images in a prompt, as pure values: what a protocol hands the engine, and
-how a prompt's cache key carries each image's identity (SPEC E9).
+how a prompt's cache key carries each image's identity.
 
 A protocol maps its own image block (chat ``image_url``, the ``images``
 extension, Responses ``input_image``, Anthropic ``image``) onto one

@@ -28,5 +28,5 @@ class ModelInfo:
     # Width of the model's logits: every token id a request names (logit_bias)
     # must be below it. 0: unknown (no such check).
     vocab_size: int = 0
-    # Whether the model takes images (a vision-language model, E9).
+    # Whether the model takes images (a vision-language model).
     vision: bool = False

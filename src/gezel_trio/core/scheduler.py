@@ -13,13 +13,13 @@ Policy:
 * At most ``max_running`` sequences share the batch.
 * ``interactive`` work is admitted before ``background`` work, and the two
   never share a batch: each class has its own lane (its own generator).
-* Preemption (E3): when interactive work waits while a background wave runs,
+* Preemption: when interactive work waits while a background wave runs,
   the background lane is parked - it simply stops being stepped, keeping its
   state - and the interactive lane runs; once no interactive work is left the
   background lane resumes from the exact step it stopped at. ``plan`` reports
   which lane to step and which sequences were just parked or resumed.
 * When memory is tight (``plan(memory_tight=True)``) nothing is preempted and
-  a lane admits only into an empty batch, one request at a time (E4).
+  a lane admits only into an empty batch, one request at a time.
 * Background arrivals wait while interactive work runs over a parked wave.
 * A parked wave is never starved: once it has been parked ``max_park``
   seconds (``plan(now=...)``; the caller owns the clock), the two lanes take

@@ -1,4 +1,4 @@
-"""Prompt-cache files on disk (SPEC C5, C9).
+"""Prompt-cache files on disk.
 
 Layout: ``<persist_dir>/<model fingerprint>-v<FORMAT_VERSION>/<sha256(file key)>.gzc``.
 A file key (the prompt cache's ``name:<cache id>`` or ``anon:<token hash>``)

@@ -4,29 +4,29 @@ Lives on the engine's host thread beside the backend whose opaque states it
 keeps; it touches those states only through the backend's cache operations,
 so the same logic serves the MLX backend and the scripted testing backend.
 The entries themselves live in ``cache_store.CacheStore``, one
-content-addressed store for every request (SPEC C9): a request without any
+content-addressed store for every request: a request without any
 cache id is cached exactly like a named session, and a name is only a handle
 onto an entry that lives longer.
 
-For each admitted sequence it decides (SPEC C1-C9):
+For each admitted sequence it decides:
 
 * where to start: the deepest position of the store the prompt shares (any
   prefix of a stored path on models whose caches rewind; an entry end on the
   others), or a longer one from disk, which is loaded into the store first.
   The lookup runs at admission, on this thread, so whatever a sibling saved
-  while this request waited is already seen (C2's late re-check).
+  while this request waited is already seen.
 * where to cut (models whose caches cannot rewind): at the message
   boundaries the renderer found (end of the system turn, end of the
   history), at ``len(prompt) - 1`` so a retried request resumes at once,
   and at the shared band's end. Each cut is saved as an entry the moment it
   is captured, so a later failure cannot lose it and a sibling can use it.
 * what to save when it ends: the final state, whatever the ending - a
-  finished turn its post-generation state, a cancelled one (C7) whatever it
+  finished turn its post-generation state, a cancelled one whatever it
   had computed beyond its seed (a chunk edge of its prefill, or the prompt
   plus the tokens generated before the client left). A state whose layer
   offsets disagree with its tokens is never saved.
 
-Every decision is one log line on ``gezel_trio.cache`` (O4).
+Every decision is one log line on ``gezel_trio.cache``.
 """
 
 from __future__ import annotations
@@ -431,8 +431,9 @@ class PromptCache:
         state: Any,
         entry: Entry | None = None,
     ) -> None:
-        """Seed the most specific prefix id from this session (C6), once per
-        process; a prefix entry is never replaced by a longer one."""
+        """Seed the most specific prefix id from this session, once per process,
+        so sibling sessions inherit the shared head; a prefix entry is never
+        replaced by a longer one."""
         if not cr.prefix_ids:
             return
         pid = cr.prefix_ids[0]

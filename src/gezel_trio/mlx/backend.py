@@ -203,7 +203,7 @@ def _last_token(tokens: mx.array) -> int | None:
 
 
 def _thinking_budget(budget: int, think_ids: tuple[int, int], inside: bool) -> LogitsProcessor:
-    """Force ``</think>`` once ``budget`` thinking tokens were generated (T4).
+    """Force ``</think>`` once ``budget`` thinking tokens were generated.
 
     Called before each sampling; from the second call on, the context's last
     token is the one sampled by the previous call, which is how it tracks
@@ -330,7 +330,7 @@ class MlxBackend:
         self._stream = mx.new_stream(mx.default_device())
         if config.memory_limit_mb is not None:
             # Cap MLX's buffer cache (freed buffers kept for reuse) at a quarter
-            # of the ceiling, so cached buffers never crowd out live ones (E4).
+            # of the ceiling, so cached buffers never crowd out live ones.
             mx.set_cache_limit(int(config.memory_limit_mb * 1024 * 1024 / 4))
         if config.wired_limit_mb is not None:
             if mx.metal.is_available():
@@ -401,13 +401,13 @@ class MlxBackend:
         self._no_stops = StopSequences()
         # One generator per priority lane: a parked background wave keeps its
         # generator (KV, processors, positions) untouched while the
-        # interactive lane's generator runs (E3).
+        # interactive lane's generator runs, and resumes at the step it stopped.
         self._lanes: dict[Priority, _Lane] = {}
         self._lane_of: dict[int, _Lane] = {}
         # Requests that asked for logprobs: how many alternatives each wants.
         self._logprobs: dict[int, int] = {}
         self._faults = _Faults()
-        # Image prefills waiting for their lane's steps, oldest first (E9).
+        # Image prefills waiting for their lane's steps, oldest first.
         self._prefills: dict[Priority, list[tuple[VisionPrefill, Admission]]] = {}
         # Sequences with images in a BatchGenerator: their key prompt (the
         # tokens the host and the cache see) and how many tokens their image
@@ -598,7 +598,7 @@ class MlxBackend:
             self._logprobs[rid] = r.top_logprobs
 
     def _key(self, rid: int, tokens: Sequence[int]) -> tuple[int, ...]:
-        """A sequence's tokens as the cache knows them (image keys, E9)."""
+        """A sequence's tokens as the cache knows them, each image keyed by its content."""
         key = self._keys.get(rid)
         if key is None:
             return tuple(tokens)

@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding on the engine's host thread (SPEC T3).
+"""Grammar-constrained decoding on the engine's host thread.
 
 ``grammar.build_constraint`` compiles a request's constraint on the HTTP
 side; here it becomes an mlx-lm logits processor that masks every token the
@@ -38,7 +38,7 @@ any that raise logits (``logit_bias``) so a bias cannot revive a masked
 token, and a "hold EOS for ``min_tokens``" processor must not run after it
 once the grammar is complete, or every logit would be ``-inf``.
 
-Forced output completes (SPEC T3): with ``budget`` (the sequence's
+Forced output completes: with ``budget`` (the sequence's
 ``max_tokens``), once the tokens left fall to ``closing_reserve(budget)``
 the processor steers to the shortest valid end instead of masking only:
 among the tokens the grammar allows it picks the first of a short list of
@@ -51,7 +51,7 @@ completes within its budget even on a random-weight model; if it still
 cannot, the sequence ends by ``length`` and the shaper reports ``length``,
 never a call over unparseable arguments.
 
-Thinking (SPEC T4): with ``start_after_token`` (``</think>``'s id) the
+Thinking: with ``start_after_token`` (``</think>``'s id) the
 processor leaves logits untouched until that token has been generated; the
 grammar then applies to what follows it, and the tag itself is not fed to the
 matcher.

@@ -594,7 +594,7 @@ def _tokenizer_config(head: _Header, special: Mapping[str, str | None]) -> dict[
 
 
 def _generation_config(head: _Header) -> dict[str, Any]:
-    # End of turn and end of message end a generation as EOS does (E7).
+    # End of turn and end of message end a generation as EOS does: they join the stop set.
     eos = [
         i
         for key in ("eos", "eot", "eom")

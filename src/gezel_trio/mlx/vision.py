@@ -1,4 +1,4 @@
-"""Vision-language models through mlx-vlm, on the engine's host thread (E9).
+"""Vision-language models through mlx-vlm, on the engine's host thread.
 
 mlx-vlm loads the model (the directory's ``model_type`` decides: a config
 with a ``vision_config`` and the processor's files is a vision model) and its

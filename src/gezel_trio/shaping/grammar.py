@@ -1,6 +1,6 @@
 """Compile a request's structure constraints into one llguidance grammar.
 
-This is the pure front half of constrained decoding (SPEC T3): it turns
+This is the pure front half of constrained decoding: it turns
 ``response_format``, ``tools`` / ``tool_choice`` and the gezel ``tool_grammar``
 extension into a frozen ``Constraint`` holding a serialized llguidance grammar,
 and compiles that grammar once so a bad schema is a 400 before any stream

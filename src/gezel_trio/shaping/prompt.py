@@ -129,7 +129,7 @@ class ChatTemplateRenderer:
 
     ``tool_calls`` ids and ``tool_call_id`` are passed only to templates that
     need them: a probe render, once per template, shows whether the template
-    drops a tool result that is not linked to its call (T1). When a template
+    drops a tool result that is not linked to its call. When a template
     rejects the kwargs, rendering falls back in rungs - without the
     reasoning-depth kwargs, without any kwargs, and last, logged loudly,
     without the tools - rather than failing the turn.
@@ -169,7 +169,7 @@ class ChatTemplateRenderer:
         elif not self._linkage_needed(template, template_override):
             prepared = [_strip_linkage(m) for m in prepared]
         # No enable_thinking unless the request sends one: every template
-        # follows its own default (T1).
+        # follows its own default.
         kwargs: dict[str, Any] = dict(template_kwargs)
         depthless = {k: v for k, v in kwargs.items() if k not in _REASONING_DEPTH_KEYS}
         rungs: list[tuple[dict[str, Any], Sequence[dict[str, Any]] | None, str]] = [
@@ -298,7 +298,7 @@ class ChatTemplateRenderer:
         """Who renders: the Hugging Face tokenizer itself, unless mlx-lm's
         wrapper brings a renderer of its own. The wrapper sets
         ``enable_thinking`` to whether the vocabulary has think tokens when a
-        request names none; the template's own default must decide (T1)."""
+        request names none; the template's own default must decide."""
         hf = getattr(self._tokenizer, "_tokenizer", None)
         if (
             not hasattr(hf, "apply_chat_template")  # a Hugging Face tokenizer itself

@@ -1,7 +1,7 @@
 """Tool-call markup in streamed model output, split out as OpenAI tool-call deltas.
 
 Pure string logic (stdlib and attrs only), used per sequence like
-:mod:`gezel_trio.text`: the detokenized text of each step goes into
+:mod:`gezel_trio.shaping.text`: the detokenized text of each step goes into
 :meth:`ToolCallSplitter.feed`, typed events come out. Argument text is
 streamed as it is generated, not handed over as one whole call at the end.
 
