@@ -126,7 +126,7 @@ class StepOutput:
 
 
 class ImagePreparer(Protocol):
-    """A vision model's processor (E9): tokenizes a rendered prompt with each
+    """A vision model's processor: tokenizes a rendered prompt with each
     image marker expanded to the image's placeholder tokens, and turns the
     decoded images into the model's input features. Runs on a worker thread
     (image resizing and normalising are CPU work); the features are only
@@ -235,7 +235,7 @@ class Backend(Protocol):
         ...
 
     def memory_in_use(self) -> int:
-        """Bytes of live accelerator memory (for the memory ceiling, E4)."""
+        """Bytes of live accelerator memory (for the memory ceiling, --memory-limit-mb)."""
         ...
 
     def reclaim(self) -> None:

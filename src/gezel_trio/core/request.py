@@ -58,12 +58,12 @@ class SamplingParams:
 
 @attrs.frozen
 class CacheRequest:
-    """How a request uses the prompt cache (SPEC C1-C9).
+    """How a request uses the prompt cache.
 
     ``cache_id`` names the session entry to reuse and save; ``prefix_ids``
     (most specific first) are shared entries to fall back on and to seed.
     Without any of this a request still reuses the longest cached prefix of
-    any entry (C9). ``band_end`` is the token index where the shared band
+    any entry. ``band_end`` is the token index where the shared band
     (``stable_prefix_chars``) ends; ``boundaries`` are token indices where a
     message ends (``RenderedPrompt.boundaries``): on models whose caches
     cannot rewind, checkpoints are kept there. ``snapshot_at`` overrides the
@@ -102,13 +102,13 @@ class GenerationRequest:
     min_tokens: int = 0
     priority: Priority = "interactive"
     cache: CacheRequest | None = None
-    # Constrained decoding (T3), compiled by ``Engine.compile_constraint``.
+    # Constrained decoding (a grammar), compiled by ``Engine.compile_constraint``.
     constraint: Constraint | None = None
-    # Force the end of thinking after this many thinking tokens (T4).
+    # Force the end of thinking after this many thinking tokens.
     max_thinking_tokens: int | None = None
-    # Report each token's logprob and this many alternatives (W2); None: off.
+    # Report each token's logprob and this many alternatives; None: off.
     top_logprobs: int | None = None
-    # The images of a vision model's prompt (E9). ``prompt`` is then the
+    # The images of a vision model's prompt. ``prompt`` is then the
     # cache key (``core.images``): each image's placeholders carry its digest.
     vision: VisionPrompt | None = None
     # The output continues the prompt's text (a raw prompt, legacy

@@ -1,4 +1,4 @@
-"""Images into a vision prompt, on a worker thread (SPEC E9).
+"""Images into a vision prompt, on a worker thread.
 
 ``prepare_vision`` runs in ``trio.to_thread.run_sync``, never on the Trio
 thread and never on the MLX host thread: it decodes each ``ImagePart``
@@ -28,7 +28,7 @@ from ..core.request import RenderedPrompt
 
 __all__ = ["ImageLimits", "decode_image", "prepare_vision"]
 
-# What Pillow calls the formats the server takes (E9: PNG, JPEG, WebP, GIF).
+# What Pillow calls the formats the server takes: PNG, JPEG, WebP, GIF.
 _FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}
 
 

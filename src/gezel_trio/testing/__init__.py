@@ -1,4 +1,4 @@
-"""Deterministic engine tests without MLX (SPEC H2).
+"""Deterministic engine tests without MLX.
 
 ``ScriptedBackend`` implements the engine's backend protocol exactly - chunked
 prefill, one token per decode step, trimmable or untrimmable cache states,
