@@ -25,8 +25,8 @@ from gezel_trio import (
     SamplingParams,
     open_engine,
 )
-from gezel_trio.core.request import GenerationRequest as Request
 from gezel_trio.core.backend import Backend
+from gezel_trio.core.request import GenerationRequest as Request
 from gezel_trio.mlx.backend import MlxBackend
 
 HANG = 60

@@ -18,8 +18,8 @@ from typing import Any
 import attrs
 import pytest
 
-from gezel_trio.core.request import CacheRequest, GenerationRequest
 from gezel_trio.core.backend import Captured
+from gezel_trio.core.request import CacheRequest, GenerationRequest
 from gezel_trio.host.persist import DiskCache
 from gezel_trio.host.prompt_cache import PromptCache
 

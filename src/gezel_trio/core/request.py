@@ -88,8 +88,8 @@ class CacheRequest:
 class GenerationRequest:
     """One sequence to generate.
 
-    ``max_tokens`` is already bounded by the context window (the HTTP layer
-    and ``Engine.submit_nowait`` both check it). ``stop`` strings end the
+    ``max_tokens`` is already bounded by the context window
+    (``core.prepare.check_request`` checks it, once). ``stop`` strings end the
     turn and are not emitted. ``ignore_eos`` and ``min_tokens`` make
     fixed-length generations for benchmarking, as vLLM offers.
     """

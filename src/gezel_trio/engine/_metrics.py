@@ -60,7 +60,7 @@ class _StateCollector(Collector):
         for name, doc, value in (
             ("gezel_num_requests_running", "Requests in the batch (both lanes).", s.running),
             ("gezel_num_requests_waiting", "Requests queued for a slot.", s.waiting),
-            ("gezel_num_requests_parked", "Background requests parked for interactive work.", s.parked),
+            ("gezel_num_requests_parked", "Background requests parked for interactive.", s.parked),
             ("gezel_cache_entries", "Prompt-cache entries in memory.", s.cache_entries),
             (
                 "gezel_cache_bytes",
