@@ -42,6 +42,7 @@ import trio
 
 from .core.errors import EngineFailure
 from .core.events import Failed, Progress
+from .core.settings import setting
 from .engine import RequestNote
 
 __all__ = [
@@ -79,10 +80,19 @@ class StdoutSettings:
     least this many prompt tokens to prefill (cached ones do not count).
     ``prefill_interval``: seconds between two markers of one request."""
 
-    prefill_min_tokens: int = attrs.field(
-        default=PREFILL_MIN_TOKENS, validator=attrs.validators.ge(0)
+    prefill_min_tokens: int = setting(
+        PREFILL_MIN_TOKENS,
+        flag="--prefill-marker-min-tokens",
+        help="print stdout 'Prefill:' markers for requests with at least this many tokens "
+        "to prefill",
+        validator=attrs.validators.ge(0),
     )
-    prefill_interval: float = attrs.field(default=PREFILL_INTERVAL, validator=_interval)
+    prefill_interval: float = setting(
+        PREFILL_INTERVAL,
+        flag="--prefill-marker-interval",
+        help="seconds between two stdout 'Prefill:' markers of one request",
+        validator=_interval,
+    )
 
 
 def prefill_marker(done: int, total: int, cache_id: str | None) -> str:
