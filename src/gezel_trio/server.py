@@ -208,7 +208,7 @@ async def serve(
 
 
 def exit_with_parent() -> int | None:
-    """Drain and exit when our parent dies (O2). On Linux the kernel sends
+    """Drain and exit when our parent dies. On Linux the kernel sends
     SIGTERM (prctl PR_SET_PDEATHSIG), so a sidecar whose app crashed drains
     like any other SIGTERM, and this returns ``None``. Elsewhere (macOS) it
     returns the parent's pid, for ``ServerConfig.watch_parent`` to poll."""
