@@ -175,6 +175,8 @@ class _Out:
         # A wait with a deadline gave up: from then on nothing waits.
         self._stalled = False
         self._gone = False  # nobody reads any more (or the stream was closed)
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
+        self._errors = getattr(stream, "errors", None) or "strict"
         self._fd: int | None
         try:
             self._fd = stream.fileno()
@@ -203,12 +205,12 @@ class _Out:
                 self.stream.write(text)
                 self.stream.flush()
             except (BrokenPipeError, ValueError):
-                self._gone = True  # nobody reads stdout any more: nothing to tell
+                pass  # nobody reads stdout any more (or it was closed): nothing to tell
             return 0
         try:
-            self._pending += text.encode(self.stream.encoding, self.stream.errors or "strict")
-        except (AttributeError, ValueError):
-            return text.count("\n")  # as a text stream would: the lines are lost
+            self._pending += text.encode(self._encoding, self._errors)
+        except ValueError:
+            return text.count("\n")  # as the text stream would have: these lines are lost
         if self._stalled:
             deadline = time.monotonic()  # what the pipe takes at once, no more
         while self._pending:
@@ -329,7 +331,7 @@ class StdoutProtocol:
         while True:
             try:
                 lines.append(self._receive.receive_nowait())
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            except (trio.WouldBlock, trio.EndOfChannel):
                 return lines
 
     async def watch(self, notes: trio.MemoryReceiveChannel[RequestNote]) -> None:
