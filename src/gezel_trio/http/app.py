@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ..core.errors import GezelError
+from ..core.settings import MIB, setting
 from ..engine import Engine
 from . import anthropic_messages
 from .cache_api import add_cache_routes
@@ -41,13 +42,27 @@ _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 @attrs.frozen
 class HttpSettings:
-    host: str = "127.0.0.1"
-    api_key: str | None = None
-    max_body_bytes: int = 8 * 1024 * 1024
+    """The HTTP edge's settings, declared like ``EngineConfig``'s (``core.settings``)."""
+
+    host: str = setting("127.0.0.1", flag="--host", help="the address to listen on")
+    api_key: str | None = setting(
+        None,
+        flag="--api-key",
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+    )
+    max_body_bytes: int = setting(
+        8 * MIB, flag="--max-body-mb", flag_type=float, per_unit=MIB, help="largest request body"
+    )
     allowed_origins: tuple[str, ...] = ()
     # Off: a streamed tool call comes whole, in one chunk, when the answer
     # ends (the seed's --stream-tool-calls absent); on: as argument deltas.
-    stream_tool_calls: bool = True
+    stream_tool_calls: bool = setting(
+        True,
+        flag="--stream-tool-calls",
+        on_off=True,
+        help="on: tool calls stream as argument deltas; off: each call comes whole, "
+        "in one chunk, when the answer ends",
+    )
     # Told of every bug a route survived (answered 500): the server's stdout
     # protocol prints it tagged, so a supervisor never reads it as a death.
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -57,30 +57,20 @@ class TestEngine:
 async def open_test_engine(
     backend: ScriptedBackend | None = None,
     *,
-    max_concurrency: int = 4,
-    max_queue: int = 64,
-    persist_dir: Path | None = None,
     cache_budget_mb: float = 64.0,
-    memory_limit_mb: float | None = None,
-    stall_timeout: float | None = 30.0,
-    max_park_seconds: float = 30.0,
-    shutdown_timeout: float = 30.0,
-    max_step_failures: int = 3,
+    **overrides: Any,
 ) -> AsyncIterator[TestEngine]:
-    """An engine over a scripted backend, its host loop a Trio task."""
+    """An engine over a scripted backend, its host loop a Trio task.
+
+    ``overrides`` sets any other ``EngineConfig`` field by name (an unknown
+    name is a ``TypeError``); the rest keep ``EngineConfig``'s defaults,
+    except the prefill step, the backend's own, and a cache budget small
+    enough for a test to fill."""
     backend = backend or ScriptedBackend()
     breakpoints = Breakpoints()
     config = EngineConfig(
-        max_concurrency=max_concurrency,
-        max_queue=max_queue,
-        prefill_step_size=backend.prefill_step,
-        persist_dir=persist_dir,
+        **{"prefill_step_size": backend.prefill_step, **overrides},
         cache_budget_mb=cache_budget_mb,
-        memory_limit_mb=memory_limit_mb,
-        stall_timeout=stall_timeout,
-        max_park_seconds=max_park_seconds,
-        shutdown_timeout=shutdown_timeout,
-        max_step_failures=max_step_failures,
     )
     async with open_engine(config, lambda _: backend, host=inline(breakpoints)) as engine:
         yield TestEngine(engine, backend, breakpoints)

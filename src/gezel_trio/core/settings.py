@@ -1,0 +1,115 @@
+"""Settings declared once: a config class's field carries its help and its flag.
+
+A field declared with ``setting`` is an ordinary ``attrs`` field (its
+default, its validator) with a ``Setting`` in its metadata: the help text
+and, where the command line sets it, the flag's name and how a flag value
+becomes the field's value. The CLI builds its flags by walking
+``attrs.fields`` of the config classes and builds the configs back from the
+parsed flags the same way, so a default is written in one place and
+``gezel-trio serve --help`` shows it::
+
+    max_queue: int = setting(
+        64, flag="--max-queue", help="requests that may wait for a slot; beyond it: 429"
+    )
+
+A flag's value maps onto its field's in one of a few declared ways: as it
+is; in a larger unit (``per_unit``: a flag in MB over a field in bytes);
+with 0 meaning ``None`` (``zero_is_none``: the CLI's word for "unset");
+and for a ``bool`` field, a bare switch that turns it on (a field that
+defaults off) or off (one that defaults on), or ``on_off``: the flag takes
+``on`` or ``off`` and ``--no-<name>`` means off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+
+__all__ = ["MIB", "Setting", "flag_default", "from_flag", "setting", "settings_of"]
+
+_T = TypeVar("_T")
+
+MIB = 1024 * 1024
+# The metadata key under which a field carries its Setting.
+_KEY = "gezel_trio.setting"
+
+_Validator = Callable[[Any, Any, Any], Any]
+
+
+@attrs.frozen
+class Setting:
+    """What a field says about itself beyond its type and default."""
+
+    help: str
+    # The command-line flag (``--max-queue``); ``None``: not settable there.
+    flag: str | None = None
+    # The flag's type where it differs from the field's (an ``int`` flag
+    # over a ``float`` field); ``None``: the field's own.
+    flag_type: Callable[[str], Any] | None = None
+    # Field units per flag unit: ``MIB`` for a flag in MB over bytes. The
+    # flag's value is rounded down to a whole number of field units.
+    per_unit: int = 1
+    # The least a converted value may be (a positive field stays positive
+    # however small the figure in the larger unit).
+    at_least: int | None = None
+    # The flag's 0 means the field's ``None``.
+    zero_is_none: bool = False
+    # A ``bool`` field set by ``--name on|off`` (a bare ``--name``: on) and
+    # ``--no-name``.
+    on_off: bool = False
+
+
+def setting(
+    default: _T,
+    *,
+    help: str,
+    flag: str | None = None,
+    validator: _Validator | Sequence[_Validator] | None = None,
+    flag_type: Callable[[str], Any] | None = None,
+    per_unit: int = 1,
+    at_least: int | None = None,
+    zero_is_none: bool = False,
+    on_off: bool = False,
+) -> _T:
+    """An ``attrs`` field with ``default`` and ``validator`` that carries a
+    ``Setting``: its help and, with ``flag``, how the CLI sets it."""
+    meta = Setting(help, flag, flag_type, per_unit, at_least, zero_is_none, on_off)
+    # attrs.field returns its own placeholder, typed as the default's type.
+    field: _T = attrs.field(default=default, validator=validator, metadata={_KEY: meta})
+    return field
+
+
+def settings_of(cls: type) -> list[tuple[attrs.Attribute[Any], Setting]]:
+    """The fields of the attrs class ``cls`` declared with ``setting``, in order."""
+    return [(f, f.metadata[_KEY]) for f in attrs.fields(cls) if _KEY in f.metadata]
+
+
+def flag_default(field: attrs.Attribute[Any], meta: Setting) -> Any:
+    """The field's default as its flag says it: the flag shows the field's
+    own default, so the two cannot drift."""
+    default = field.default
+    if meta.on_off:
+        return "on" if default else "off"
+    if isinstance(default, bool):
+        return False  # a bare switch, absent
+    if default is None and meta.zero_is_none:
+        return (meta.flag_type or int)("0")  # the flag's own "0", parsed as argparse would
+    if default is not None and meta.per_unit != 1:
+        return default / meta.per_unit
+    return default
+
+
+def from_flag(field: attrs.Attribute[Any], meta: Setting, value: Any) -> Any:
+    """The field's value for the flag's ``value``."""
+    if meta.on_off:
+        return value == "on"
+    if isinstance(field.default, bool) and field.default:
+        return not value  # a bare switch turns off what is on by default
+    if meta.zero_is_none and not value:
+        return None
+    if value is not None and meta.per_unit != 1:
+        scaled = int(value * meta.per_unit)
+        return scaled if meta.at_least is None else max(meta.at_least, scaled)
+    return value

@@ -1,0 +1,140 @@
+"""Settings declared once (``gezel_trio.core.settings``): the config classes'
+fields are the only place a default is written, so ``serve``'s flags, its
+``--help`` and the test factory cannot drift from them.
+
+``tests/test_cli_seed.py`` checks the seed sidecar's flags and their special
+mappings; this module checks the derivation itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from gezel_trio import cli
+from gezel_trio.core.config import EngineConfig
+from gezel_trio.core.settings import MIB, Setting, flag_default, settings_of
+from gezel_trio.http.app import HttpSettings
+from gezel_trio.server import ServerConfig
+from gezel_trio.stdout_protocol import StdoutSettings
+from gezel_trio.testing import open_test_engine
+
+CONFIGS = [EngineConfig, HttpSettings, ServerConfig, StdoutSettings]
+
+
+def _flagged() -> list[tuple[type, attrs.Attribute[Any], Setting]]:
+    return [
+        (cls, field, meta)
+        for cls in CONFIGS
+        for field, meta in settings_of(cls)
+        if meta.flag is not None
+    ]
+
+
+def _help_entries(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """``serve --help``, one entry per flag: the text argparse prints from
+    the flag's name up to the next flag or group, on one line."""
+    monkeypatch.setenv("COLUMNS", "100")
+    entries: dict[str, list[str]] = {}
+    flag = None
+    for line in _serve_parser().format_help().splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+        elif not line.startswith("    "):
+            flag = None  # a heading, or the usage
+        if flag is not None:
+            entries.setdefault(flag, []).append(line)
+    return {flag: " ".join(" ".join(lines).split()) for flag, lines in entries.items()}
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = cli._parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    serve: argparse.ArgumentParser = sub.choices["serve"]
+    return serve
+
+
+def test_every_setting_declares_its_help() -> None:
+    for cls in CONFIGS:
+        for field, meta in settings_of(cls):
+            assert meta.help.strip(), f"{cls.__name__}.{field.name}"
+
+
+def test_every_setting_with_a_flag_shows_its_default_in_help(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    entries = _help_entries(monkeypatch)
+    flagged = _flagged()
+    assert len(flagged) >= 29
+    for cls, field, meta in flagged:
+        assert meta.flag is not None
+        entry = entries[meta.flag]
+        default = flag_default(field, meta)
+        shown = "none" if default is None else "off" if default is False else str(default)
+        assert entry.endswith(f"(default: {shown})"), (cls.__name__, field.name, entry)
+    # Figures as a reader of --help sees them, in the flag's unit.
+    assert entries["--max-queue"].endswith("(default: 64)")
+    assert entries["--max-image-mb"].endswith("(default: 8.0)")
+    assert entries["--max-body-mb"].endswith("(default: 8.0)")
+    assert entries["--wired-limit-mb"].endswith("(default: 0)")
+    assert entries["--static-waves"].endswith("(default: off)")
+    assert entries["--stream-tool-calls"].endswith("(default: on)")
+    assert entries["--model"].endswith("(default: none)")
+    assert "85% of" in entries["--memory-limit-mb"]
+
+
+def test_every_flag_of_serve_shows_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    entries = _help_entries(monkeypatch)
+    # The seed's flags and the process's own too, except a flag that only
+    # restates another (--no-stream-tool-calls) and --help.
+    quiet = {"-h", "--no-stream-tool-calls"}
+    assert len(entries) > 40
+    for flag, entry in entries.items():
+        assert flag in quiet or "(default: " in entry, entry
+
+
+def test_no_flags_give_exactly_the_config_classes_defaults(tmp_path: Path) -> None:
+    args = cli._parser().parse_args(["serve"])
+    config = cli.server_config(args, tmp_path)
+    assert config.engine == EngineConfig(model=tmp_path)
+    assert config.http == HttpSettings()
+    assert config.stdout == StdoutSettings()
+    assert config == ServerConfig(engine=EngineConfig(model=tmp_path))
+
+
+def test_a_flag_in_mb_sets_bytes_and_zero_means_unset(tmp_path: Path) -> None:
+    argv = ["serve", "--max-image-mb", "0.5", "--max-body-mb", "2", "--stall-timeout", "0"]
+    config = cli.server_config(cli._parser().parse_args(argv), tmp_path)
+    assert config.engine.max_image_bytes == MIB // 2
+    assert config.http.max_body_bytes == 2 * MIB
+    assert config.engine.stall_timeout is None
+    assert config.engine.continuous_batching is True
+    argv = ["serve", "--static-waves", "--keep-quantized", "--max-tokens-default", "9"]
+    config = cli.server_config(cli._parser().parse_args(argv), tmp_path)
+    assert config.engine.continuous_batching is False
+    assert config.engine.keep_quantized is True
+    assert config.engine.default_max_tokens == 9
+
+
+def test_an_out_of_range_flag_names_its_setting(tmp_path: Path) -> None:
+    args = cli._parser().parse_args(["serve", "--max-queue", "-1"])
+    with pytest.raises(ValueError, match="max_queue"):
+        cli.server_config(args, tmp_path)
+
+
+async def test_the_test_factory_takes_any_engine_setting() -> None:
+    async with open_test_engine(max_images=2, default_max_tokens=7) as t:
+        assert (t.engine.config.max_images, t.engine.config.default_max_tokens) == (2, 7)
+    async with open_test_engine() as t:
+        # Its own defaults: the backend's prefill step, a test-sized cache;
+        # every other setting is EngineConfig's.
+        config = t.engine.config
+        assert (config.prefill_step_size, config.cache_budget_mb) == (t.backend.prefill_step, 64)
+        assert attrs.evolve(config, prefill_step_size=512, cache_budget_mb=2048.0) == EngineConfig()
+    with pytest.raises(TypeError, match="no_such_setting"):
+        async with open_test_engine(no_such_setting=1):
+            pass
