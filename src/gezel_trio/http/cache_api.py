@@ -1,4 +1,4 @@
-"""Prompt-cache endpoints (SPEC W5, C8, O2): stats, delete, warm, flush.
+"""Prompt-cache endpoints: stats, delete, warm, flush.
 
 Cache state lives on the engine's host thread; these handlers read the view
 the engine publishes after each step, or run a command there between two
@@ -11,7 +11,6 @@ from typing import Any
 
 import trio
 from quart import request
-from quart_trio import QuartTrio
 
 from ..core.cache_plan import common_prefix
 from ..core.errors import InvalidRequest
@@ -19,19 +18,24 @@ from ..core.events import Failed, Finished
 from ..core.request import CacheRequest, GenerationRequest, SamplingParams
 from ..engine import Engine, roster_fingerprint
 from ..host.loop import CacheEvict, CacheFlush, CacheInspect
-from .edge import json_body
-from .wire import WarmRequest, check_cache_id, parse_warm_request, tool_dicts
+from .checks import check_cache_id
+from .edge import ProtocolBlueprint, error_response, json_body, refusal
+from .openai_wire import WarmRequest, parse_warm_request, tool_dicts
 
-__all__ = ["add_cache_routes"]
+__all__ = ["blueprint"]
 
 # Two different synthetic user turns: where their renders diverge is a cut
-# that any real next turn shares too (C8).
+# that any real next turn shares too, so the warmed entry serves it.
 _SYNTHETIC_USERS = ("Hello.", "What can you help me with today?")
 MAX_SETTLE_MS = 60_000
 
 
-def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
-    @app.route("/v1/cache/stats")
+def blueprint(engine: Engine) -> ProtocolBlueprint:
+    """The prompt-cache routes over ``engine``; errors leave in the OpenAI
+    envelope."""
+    bp = ProtocolBlueprint("cache_api", __name__, refusal(engine, error_response))
+
+    @bp.route("/v1/cache/stats")
     async def cache_stats() -> dict[str, Any]:
         entries = engine.cache_view
         t = engine.cache_totals
@@ -78,7 +82,7 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
             },
         }
 
-    @app.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
+    @bp.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
     async def cache_delete(cache_id: str) -> dict[str, Any]:
         check_cache_id(cache_id, "cache_id")
         memory, disk = await engine.host_call(CacheEvict(cache_id))
@@ -94,7 +98,7 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
             "disk": disk,
         }
 
-    @app.route("/admin/flush", methods=["POST"])
+    @bp.route("/admin/flush", methods=["POST"])
     async def admin_flush() -> dict[str, Any]:
         raw = request.args.get("settle_ms", "0")
         try:
@@ -112,9 +116,11 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
         written = await engine.host_call(CacheFlush())
         return {"flushed": written, "settled": settled}
 
-    @app.route("/v1/cache/warm", methods=["POST"])
+    @bp.route("/v1/cache/warm", methods=["POST"])
     async def cache_warm() -> dict[str, Any]:
         return await _warm(engine, parse_warm_request(await json_body()))
+
+    return bp
 
 
 def _skipped(cache_id: str, prior: int, seed_reason: str, reason: str) -> dict[str, Any]:
