@@ -1,5 +1,5 @@
-"""The HTTP app on a real hypercorn socket, in this Trio run, so a test can
-watch the engine's state while a client misbehaves."""
+"""The server (``server.serve``) on a real socket, in this Trio run, so a
+test can watch the engine's state while a client misbehaves."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from typing import Any
 
 import httpx2 as httpx
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
-from gezel_trio import Engine, EngineConfig, open_engine
-from gezel_trio.http.app import HttpSettings, create_app
+from gezel_trio import Engine, EngineConfig
+from gezel_trio.http.app import HttpSettings
+from gezel_trio.server import ServerConfig, serve
 
 HANG = 60
 
@@ -25,24 +24,20 @@ HANG = 60
 async def served(
     model: Path, settings: HttpSettings | None = None, **engine_kw: Any
 ) -> AsyncIterator[tuple[Engine, str]]:
-    async with open_engine(EngineConfig(model=model, **engine_kw)) as engine:  # type: ignore[arg-type]
-        config = Config()
-        config.bind = ["127.0.0.1:0"]
-        config.accesslog = None
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(
-                partial(
-                    serve,
-                    create_app(engine, settings or HttpSettings()),
-                    config,
-                    shutdown_trigger=shutdown.wait,
-                )
-            )
-            try:
-                yield engine, binds[0]
-            finally:
-                shutdown.set()
+    """``server.serve`` on a free loopback port: the engine and the URL.
+    Leaving the block cancels the server (and closes the engine)."""
+    config = ServerConfig(
+        engine=EngineConfig(model=model, **engine_kw),  # type: ignore[arg-type]
+        http=settings or HttpSettings(),
+        port=0,
+    )
+    engines: list[Engine] = []
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, config, on_engine=engines.append))
+        try:
+            yield engines[0], binds[0]
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager

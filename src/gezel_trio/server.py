@@ -151,11 +151,26 @@ def _bracket(host: str) -> str:
 
 
 async def serve(
-    config: ServerConfig, *, backend_factory: Callable[[EngineConfig], Backend] | None = None
+    config: ServerConfig,
+    *,
+    backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    on_engine: Callable[[Engine], object] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the server until SIGINT/SIGTERM drains it (or until cancelled).
-    Raises ``EngineFailure`` after draining if the engine stopped working.
-    ``backend_factory`` replaces the MLX backend (fault-injection tests)."""
+
+    Startable like hypercorn's ``serve``: ``binds = await
+    nursery.start(serve, config)`` returns once the model has loaded and the
+    sockets are bound, with the bound addresses (``http://127.0.0.1:PORT``;
+    port 0 picks a free one). Cancelling it stops the server without a
+    drain: in-flight requests are cancelled, the engine closes and its host
+    thread stops after its current step and the shutdown flush.
+
+    Raises ``EngineFailure`` after draining if the engine stopped working;
+    a model that does not load is a ``ModelLoadError`` out of its nursery
+    (in an exception group), before ``started``. ``backend_factory``
+    replaces the MLX backend (fault-injection tests); ``on_engine`` is
+    handed the engine once it is ready (tests read its state)."""
     hc = HypercornConfig()
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout
@@ -178,6 +193,8 @@ async def serve(
             died,
             config.dead_linger,
         )
+        if on_engine is not None:
+            on_engine(engine)
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
         stdout.say_nowait("Model and processor loaded successfully.")
         stdout.say_nowait(
@@ -204,6 +221,7 @@ async def serve(
             stdout.say_nowait(f"Uvicorn running on {bind} (Press CTRL+C to quit)")
             # Tests and supervisors read this line to learn the port.
             stdout.say_nowait(f"gezel-trio listening on {bind}")
+        task_status.started(binds)
     if died:
         stdout.death(died[0])  # the one untagged traceback: the engine is dead
         raise died[0]

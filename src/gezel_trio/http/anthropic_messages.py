@@ -1,4 +1,4 @@
-"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic Messages (SPEC W7).
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens``: Anthropic Messages.
 
 A thin translation, like ``openai_chat``: the body becomes a ``ChatRequest``
 (system prompt and blocks onto the chat template's roles: ``tool_use`` ->
@@ -8,8 +8,8 @@ byte is sent, and the chat's shaped events become Anthropic's content
 blocks - streamed as ``message_start``, ``content_block_start`` / ``_delta``
 / ``_stop``, ``message_delta``, ``message_stop`` (with ``ping`` while the
 request waits or prefills), or returned as one ``message`` object. Errors on
-these routes use Anthropic's envelope
-(``{"type": "error", "error": {"type", "message"}}``).
+these routes, and on any path under ``/v1/messages``, use Anthropic's
+envelope (``{"type": "error", "error": {"type", "message"}}``).
 
 Usage follows Anthropic's arithmetic: ``input_tokens`` are the prompt
 tokens computed for this request, ``cache_read_input_tokens`` those served
@@ -27,7 +27,6 @@ import uuid
 from typing import Any
 
 from quart import Response
-from quart_trio import QuartTrio
 
 from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
 from ..core.events import Failed, Usage
@@ -58,30 +57,22 @@ from .anthropic_wire import (
     parse_count_tokens_request,
     parse_messages_request,
 )
-from .edge import json_body
+from .edge import ProtocolBlueprint, json_body, refusal
 from .images import from_base64, from_data_url
-from .openai_chat import liveness_comment
-from .sse import ChatStream, event_stream, run_chat
+from .sse import ChatStream, event_stream, liveness_comment, run_chat
 
 __all__ = [
     "MESSAGES_PATH",
-    "add_messages_routes",
+    "blueprint",
     "chat_request",
     "error_body",
     "error_response",
-    "owns",
 ]
 
 MESSAGES_PATH = "/v1/messages"
 # Blocks of one turn are paragraphs of one message for the chat template.
 _JOIN = "\n\n"
 _IMAGE_HERE = "an image block may only appear in a user message, beside its text"
-
-
-def owns(path: str) -> bool:
-    """Whether ``path`` is one of this protocol's routes (errors there use
-    Anthropic's envelope)."""
-    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 
 
 # --- errors -----------------------------------------------------------------
@@ -110,6 +101,7 @@ def error_body(err: GezelError) -> dict[str, Any]:
 
 
 def error_response(err: GezelError) -> Response:
+    """Anthropic's envelope as a response (``error_body``)."""
     resp = Response(json.dumps(error_body(err)), status=err.status, mimetype="application/json")
     if isinstance(err, QueueFull | EngineClosed):
         resp.headers["Retry-After"] = str(err.retry_after)
@@ -576,8 +568,15 @@ def _show_thinking(req: CountTokensRequest) -> bool:
     return display != "omitted"
 
 
-def add_messages_routes(app: QuartTrio, engine: Engine) -> None:
-    @app.route(MESSAGES_PATH, methods=["POST"])
+def blueprint(engine: Engine) -> ProtocolBlueprint:
+    """``/v1/messages`` and ``/v1/messages/count_tokens`` over ``engine``;
+    errors here and anywhere under ``/v1/messages`` leave in Anthropic's
+    envelope."""
+    bp = ProtocolBlueprint(
+        "anthropic_messages", __name__, refusal(engine, error_response), url_prefix=MESSAGES_PATH
+    )
+
+    @bp.route("", methods=["POST"])
     async def messages() -> Response:
         req = parse_messages_request(await json_body())
         prepared = await engine.prepare_chat(chat_request(req))
@@ -591,7 +590,7 @@ def add_messages_routes(app: QuartTrio, engine: Engine) -> None:
         body = message_body(mid, model, finished, show_thinking=show)
         return Response(json.dumps(body), mimetype="application/json")
 
-    @app.route(f"{MESSAGES_PATH}/count_tokens", methods=["POST"])
+    @bp.route("/count_tokens", methods=["POST"])
     async def count_tokens() -> Response:
         req = parse_count_tokens_request(await json_body())
         images: list[ImagePart] = []
@@ -614,3 +613,5 @@ def add_messages_routes(app: QuartTrio, engine: Engine) -> None:
             count = len(rendered.tokens)
         body = {"input_tokens": count}
         return Response(json.dumps(body), mimetype="application/json")
+
+    return bp

@@ -1,4 +1,4 @@
-"""Anthropic Messages request bodies as strict attrs classes (SPEC W7).
+"""Anthropic Messages request bodies as strict attrs classes.
 
 ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` take the shapes
 of the current ``anthropic`` SDK (``anthropic/types/message_create_params.py``
@@ -6,7 +6,7 @@ and the ``*Param`` classes it names; the classes here keep those names), so
 whatever the SDK or a Claude-style client sends is accepted: a ``system``
 role inside ``messages``, ``cache_control`` on any block, the SDK's newer
 top-level fields (``output_config``, ``container``, ``service_tier`` ...).
-Anything nobody defines is refused by name, like every body (``wire``).
+Anything nobody defines is refused by name, like every body (``http.strict``).
 
 Blocks are a tagged union on ``type``: each kind is its own class, so a
 ``text`` block without ``text`` is refused with that path, and a documented
@@ -26,17 +26,8 @@ import attrs
 import cattrs
 
 from ..core.errors import InvalidRequest
-from .wire import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
-    FieldInvalid,
-    Pattern,
-    Range,
-    check_parameters,
-    check_stops,
-    converter,
-    structure,
-)
+from .checks import MAX_TOOLS, check_messages, check_parameters, check_stops
+from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
 
 __all__ = [
     "Block",
@@ -266,7 +257,7 @@ class ToolChoiceAutoParam:
 
 @attrs.frozen
 class ToolChoiceAnyParam:
-    """Call some tool: the output is constrained to one call (T3)."""
+    """Call some tool: a grammar constrains the output to one call."""
 
     type: Literal["any"]
     disable_parallel_tool_use: bool | None = None
@@ -274,7 +265,7 @@ class ToolChoiceAnyParam:
 
 @attrs.frozen
 class ToolChoiceToolParam:
-    """Call this tool: the output is constrained to one call of it (T3)."""
+    """Call this tool: a grammar constrains the output to one call of it."""
 
     type: Literal["tool"]
     name: str
@@ -291,7 +282,7 @@ ToolChoice = ToolChoiceAutoParam | ToolChoiceAnyParam | ToolChoiceToolParam | To
 
 @attrs.frozen
 class ThinkingConfigEnabledParam:
-    """Thinking on, closed after ``budget_tokens`` (T4)."""
+    """Thinking on, the think block closed after ``budget_tokens`` tokens."""
 
     type: Literal["enabled"]
     budget_tokens: int = attrs.field(validator=Range(1, None))
@@ -321,7 +312,7 @@ class MetadataParam:
 
 @attrs.frozen
 class JSONOutputFormatParam:
-    """Structured output: the answer is constrained to this JSON schema (T3)."""
+    """Structured output: a grammar constrains the answer to this JSON schema."""
 
     type: Literal["json_schema"]
     schema: dict[str, Any]
@@ -333,18 +324,11 @@ class OutputConfigParam:
     format: JSONOutputFormatParam | None = None
 
 
-def _messages_validator(_: Any, __: attrs.Attribute[Any], value: list[MessageParam]) -> None:
-    if not value:
-        raise FieldInvalid("messages", "messages must not be empty")
-    if len(value) > MAX_MESSAGES:
-        raise FieldInvalid("messages", f"at most {MAX_MESSAGES} messages")
-
-
 @attrs.frozen(kw_only=True)
 class CountTokensRequest:
     """``POST /v1/messages/count_tokens``: the prompt a Messages request would render."""
 
-    messages: list[MessageParam] = attrs.field(validator=_messages_validator)
+    messages: list[MessageParam] = attrs.field(validator=check_messages)
     model: str | None = None
     system: str | list[TextBlockParam] | None = None
     tools: list[ToolParam] | None = None
@@ -411,14 +395,10 @@ def _tagged(
 
 
 def _converter() -> cattrs.Converter:
-    conv = converter()
+    conv = strict_converter()
 
     def register(tp: Any, hook: Callable[[Any, Any], Any]) -> None:
-        # Also ``tp | None``: an absent optional field is None, never a hook call.
-        def maybe(value: Any, t: Any) -> Any:
-            return None if value is None and t != tp else hook(value, t)
-
-        conv.register_structure_hook_func(lambda t: t in (tp, tp | None), maybe)
+        register_union(conv, tp, hook)
 
     register(Block, _tagged(conv, Block, "a content block's", _unserved_block))
     register(ResultBlock, _tagged(conv, ResultBlock, "a tool_result block's", _unserved_block))

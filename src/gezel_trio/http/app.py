@@ -1,4 +1,11 @@
-"""The quart-trio application: routes, validation at the edge, error mapping.
+"""The quart-trio application: one blueprint per protocol, the server's own
+routes, the checks every request passes, and error mapping.
+
+Each protocol is a ``ProtocolBlueprint`` that answers its own errors in its
+own envelope (Anthropic's on ``/v1/messages``, OpenAI's elsewhere). What
+fails before a route's view runs - a refused key or host, a body too large,
+an unknown path or method - is answered here, in the envelope of the
+blueprint whose route or ``url_prefix`` the path is, else OpenAI's.
 
 The app holds a reference to the engine it was created for; it owns no tasks.
 A streaming response's generator submits the request as its first act and
@@ -24,12 +31,16 @@ from werkzeug.exceptions import HTTPException
 from ..core.errors import GezelError
 from ..core.settings import MIB, setting
 from ..engine import Engine
-from . import anthropic_messages
-from .cache_api import add_cache_routes
-from .edge import Forbidden, HttpError, NotFound, Unauthorized, error_response
-from .openai_chat import add_chat_routes
-from .openai_completions import add_completion_routes
-from .openai_responses import add_responses_routes
+from . import anthropic_messages, cache_api, openai_chat, openai_completions, openai_responses
+from .edge import (
+    Forbidden,
+    HttpError,
+    NotFound,
+    ProtocolBlueprint,
+    Unauthorized,
+    error_response,
+    refusal,
+)
 from .openapi import openapi_json
 from .response_store import ResponseStore
 
@@ -99,12 +110,23 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     loopback_bound = settings.host in _LOOPBACK_HOSTS
 
+    protocols: list[ProtocolBlueprint] = [
+        cache_api.blueprint(engine),
+        openai_chat.blueprint(engine, stream_tool_calls=settings.stream_tool_calls),
+        openai_completions.blueprint(engine),
+        openai_responses.blueprint(engine, responses if responses is not None else ResponseStore()),
+        anthropic_messages.blueprint(engine),
+    ]
+    refuse_openai = refusal(engine, error_response)
+
     def refuse(err: GezelError) -> Response:
-        engine.metrics.http_errors.labels(str(err.status), err.code or "").inc()
-        # Each protocol's errors in its own envelope, whatever raised them.
-        if anthropic_messages.owns(request.path):
-            return anthropic_messages.error_response(err)
-        return error_response(err)
+        # Each protocol's errors in its own envelope, whatever raised them:
+        # the blueprint of the matched route, else the one whose url_prefix
+        # the path is under (an unknown path or method there).
+        for protocol in protocols:
+            if request.blueprint == protocol.name or protocol.owns(request.path):
+                return protocol.refuse(err)
+        return refuse_openai(err)
 
     @app.before_request
     async def guard() -> Response | None:
@@ -124,7 +146,7 @@ def create_app(
             return refuse(err)
         return None
 
-    # Every error leaves as the OpenAI JSON envelope, never an HTML page.
+    # Every error leaves as a JSON envelope, never an HTML page.
     @app.errorhandler(GezelError)
     async def on_gezel_error(err: GezelError) -> Response:
         return refuse(err)
@@ -156,7 +178,8 @@ def create_app(
             settings.on_bug(exc, f"{request.method} {request.path} answered 500; serving on")
         return refuse(GezelError(f"internal error: {type(exc).__name__}"))
 
-    add_cache_routes(app, engine)
+    for protocol in protocols:
+        app.register_blueprint(protocol)
 
     @app.route("/health")
     async def health() -> Response:
@@ -196,10 +219,5 @@ def create_app(
                 }
             ],
         }
-
-    add_chat_routes(app, engine, stream_tool_calls=settings.stream_tool_calls)
-    add_completion_routes(app, engine)
-    add_responses_routes(app, engine, responses if responses is not None else ResponseStore())
-    anthropic_messages.add_messages_routes(app, engine)
 
     return app

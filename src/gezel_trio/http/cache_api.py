@@ -11,20 +11,24 @@ from typing import Any
 
 import trio
 from quart import request
-from quart_trio import QuartTrio
 
 from ..core.errors import InvalidRequest
 from ..engine import Engine
-from .edge import json_body
-from .wire import WarmRequest, check_cache_id, parse_warm_request, tool_dicts
+from .checks import check_cache_id
+from .edge import ProtocolBlueprint, error_response, json_body, refusal
+from .openai_wire import WarmRequest, parse_warm_request, tool_dicts
 
-__all__ = ["add_cache_routes"]
+__all__ = ["blueprint"]
 
 MAX_SETTLE_MS = 60_000
 
 
-def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
-    @app.route("/v1/cache/stats")
+def blueprint(engine: Engine) -> ProtocolBlueprint:
+    """The prompt-cache routes over ``engine``; errors leave in the OpenAI
+    envelope."""
+    bp = ProtocolBlueprint("cache_api", __name__, refusal(engine, error_response))
+
+    @bp.route("/v1/cache/stats")
     async def cache_stats() -> dict[str, Any]:
         entries = engine.cache_view
         t = engine.cache_totals
@@ -71,7 +75,7 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
             },
         }
 
-    @app.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
+    @bp.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
     async def cache_delete(cache_id: str) -> dict[str, Any]:
         check_cache_id(cache_id, "cache_id")
         evicted = await engine.evict(cache_id)
@@ -88,7 +92,7 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
             "disk": disk,
         }
 
-    @app.route("/admin/flush", methods=["POST"])
+    @bp.route("/admin/flush", methods=["POST"])
     async def admin_flush() -> dict[str, Any]:
         raw = request.args.get("settle_ms", "0")
         try:
@@ -106,9 +110,11 @@ def add_cache_routes(app: QuartTrio, engine: Engine) -> None:
         written = await engine.flush()
         return {"flushed": written, "settled": settled}
 
-    @app.route("/v1/cache/warm", methods=["POST"])
+    @bp.route("/v1/cache/warm", methods=["POST"])
     async def cache_warm() -> dict[str, Any]:
         return await _warm(engine, parse_warm_request(await json_body()))
+
+    return bp
 
 
 async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:

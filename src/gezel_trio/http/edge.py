@@ -1,25 +1,31 @@
-"""The HTTP edge's shared pieces: error classes, error responses, JSON bodies."""
+"""The HTTP edge's shared pieces: error classes, the OpenAI error envelope,
+the blueprint every protocol is, and JSON bodies."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import trio
-from quart import Response, request
+from quart import Blueprint, Response, request
 
-from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
+from ..core.errors import EngineClosed, GezelError, QueueFull
+from ..engine import Engine
 from .sse import error_body
+from .strict import parse_json
 
 __all__ = [
+    "Envelope",
     "Forbidden",
     "HttpError",
     "NotFound",
+    "ProtocolBlueprint",
     "Unauthorized",
     "UnsupportedMedia",
     "error_response",
     "json_body",
-    "parse_json",
+    "refusal",
 ]
 
 
@@ -58,26 +64,51 @@ class HttpError(GezelError):
         self.code = code
 
 
+# How one protocol writes an error as a response.
+Envelope = Callable[[GezelError], Response]
+
+
 def error_response(err: GezelError) -> Response:
+    """The OpenAI envelope: ``{"error": {"message", "type", "code", "param"}}``."""
     resp = Response(json.dumps(error_body(err)), status=err.status, mimetype="application/json")
     if isinstance(err, QueueFull | EngineClosed):
         resp.headers["Retry-After"] = str(err.retry_after)
     return resp
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
+def refusal(engine: Engine, envelope: Envelope) -> Envelope:
+    """``envelope``, each error counted in ``engine``'s metrics first."""
+
+    def refuse(err: GezelError) -> Response:
+        engine.metrics.http_errors.labels(str(err.status), err.code or "").inc()
+        return envelope(err)
+
+    return refuse
 
 
-def parse_json(raw: str | bytes) -> Any:
-    """Strict JSON: ``NaN`` and ``Infinity`` (which Python's parser accepts)
-    are refused, as are integers too long to parse; ``InvalidRequest`` on
-    any of it."""
-    try:
-        return json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        # JSONDecodeError is a ValueError; so are int-length limits.
-        raise InvalidRequest(f"the body is not valid JSON: {str(exc)[:200]}") from None
+class ProtocolBlueprint(Blueprint):
+    """One protocol's routes, and how its errors leave (``refuse``).
+
+    The errors its views raise are handled here. What fails before a view
+    runs - a refused key or host, an unknown path or method under
+    ``url_prefix`` - reaches the app's handlers, which ask ``owns`` and
+    answer with this blueprint's ``refuse`` too."""
+
+    def __init__(
+        self, name: str, import_name: str, refuse: Envelope, *, url_prefix: str | None = None
+    ) -> None:
+        super().__init__(name, import_name, url_prefix=url_prefix)
+        self.refuse = refuse
+        self.register_error_handler(GezelError, self._on_error)
+
+    def owns(self, path: str) -> bool:
+        """Whether ``path`` lies under this blueprint's ``url_prefix``."""
+        prefix = self.url_prefix
+        return prefix is not None and (path == prefix or path.startswith(prefix + "/"))
+
+    async def _on_error(self, err: GezelError) -> Response:
+        # A coroutine: Quart would run a plain function on a worker thread.
+        return self.refuse(err)
 
 
 async def json_body() -> Any:
@@ -85,7 +116,8 @@ async def json_body() -> Any:
     megabytes must not hold the event loop."""
     ctype = (request.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
     if ctype != "application/json":
-        # A web page's text/plain form post must not run a completion (O5).
+        # A web page's text/plain form post (which a browser sends to any
+        # origin without asking) must not run a completion.
         raise UnsupportedMedia("requests must be sent as application/json")
     raw = await request.get_data(as_text=False)
     if len(raw) < 65_536:

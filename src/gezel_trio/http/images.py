@@ -1,4 +1,4 @@
-"""Protocol image blocks onto the engine's one image part (SPEC E9).
+"""Protocol image blocks onto the engine's one image part.
 
 Each protocol finds its own blocks (chat ``image_url`` parts and the
 ``images`` extension here; Responses ``input_image`` and Anthropic ``image``
@@ -16,7 +16,7 @@ from ..core.images import ImagePart
 
 __all__ = ["SUPPORTED_TYPES", "from_base64", "from_data_url"]
 
-# The media types a request may declare (E9: PNG, JPEG, WebP, GIF first frame).
+# The media types a request may declare (a GIF is read for its first frame).
 SUPPORTED_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif"})
 
 

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: OpenAI chat completions (SPEC W1-W3).
+"""``POST /v1/chat/completions``: OpenAI chat completions, with the gezel
+extensions (cache ids, priorities, template kwargs, thinking budgets).
 
 A thin translation: the wire body becomes a ``ChatRequest``, the engine
 prepares it (render, constraints, checks) before any byte is sent, so a bad
@@ -16,11 +17,9 @@ from typing import Any
 
 import attrs
 from quart import Response
-from quart_trio import QuartTrio
 
 from ..core.errors import GezelError, InvalidRequest
-from ..core.events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
-from ..core.request import SamplingParams
+from ..core.events import Failed, TokenLogprob, Usage
 from ..engine import (
     ChatChoice,
     ChatEvent,
@@ -31,44 +30,21 @@ from ..engine import (
     combined_usage,
 )
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta
-from .edge import json_body
+from .edge import ProtocolBlueprint, error_response, json_body, refusal
+from .openai_wire import ChatCompletionRequest, parse_chat_request, sampling_params, tool_dicts
 from .sse import (
     DONE,
     ChatStream,
     chunk,
-    comment,
     completion,
     error_body,
     event_stream,
     frame,
+    liveness_comment,
     run_choices,
 )
-from .wire import ChatCompletionRequest, CompletionRequest, parse_chat_request, tool_dicts
 
-__all__ = [
-    "add_chat_routes",
-    "chat_request",
-    "liveness_comment",
-    "logprobs_body",
-    "sampling_params",
-]
-
-
-def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """The engine's sampling parameters from a chat or legacy completions body."""
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-    return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k,
-        min_p=req.min_p or 0.0,
-        seed=req.random_seed,
-        repetition_penalty=req.repetition_penalty,
-        repetition_context_size=req.repetition_context_size or 20,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias=req.bias,
-    )
+__all__ = ["blueprint", "chat_request", "logprobs_body"]
 
 
 def _refuse_unsupported(req: ChatCompletionRequest, *, vision: bool) -> None:
@@ -126,20 +102,6 @@ def logprobs_body(items: list[TokenLogprob]) -> dict[str, Any]:
             for t in items
         ]
     }
-
-
-def liveness_comment(event: ChatEvent) -> bytes | None:
-    """The SSE comment that shows a slow stream is alive (E6), if any."""
-    match event:
-        case Progress(done=done, total=total):
-            return comment(f"prefill {done}/{total}")
-        case Queued(position=position):
-            return comment(f"queued {position}")
-        case Parked():
-            return comment("parked")
-        case Resumed():
-            return comment("resumed")
-    return None
 
 
 def _delta(event: ChatEvent) -> dict[str, Any] | None:
@@ -258,9 +220,13 @@ class _Chunks:
         return frame(body)
 
 
-def add_chat_routes(app: QuartTrio, engine: Engine, *, stream_tool_calls: bool = True) -> None:
-    @app.route("/v1/chat/completions", methods=["POST"])
-    @app.route("/chat/completions", methods=["POST"])
+def blueprint(engine: Engine, *, stream_tool_calls: bool = True) -> ProtocolBlueprint:
+    """The chat completions route (and its alias without ``/v1``) over
+    ``engine``; errors leave in the OpenAI envelope."""
+    bp = ProtocolBlueprint("openai_chat", __name__, refusal(engine, error_response))
+
+    @bp.route("/v1/chat/completions", methods=["POST"])
+    @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
         req = parse_chat_request(await json_body())
         prepared = await engine.prepare_chat(chat_request(req, vision=engine.info.vision))
@@ -286,3 +252,5 @@ def add_chat_routes(app: QuartTrio, engine: Engine, *, stream_tool_calls: bool =
             for i, (finished, items) in enumerate(results)
         ]
         return Response(json.dumps(body), mimetype="application/json")
+
+    return bp

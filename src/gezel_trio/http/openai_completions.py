@@ -1,5 +1,5 @@
 """``POST /v1/completions`` (legacy OpenAI completions), ``POST /tokenize``
-and ``POST /detokenize`` (SPEC W7).
+and ``POST /detokenize``.
 
 A legacy completion is a chat with a raw prompt (``ChatRequest.prompt``):
 no chat template, plain text out, through the same engine path as chat
@@ -20,7 +20,6 @@ import uuid
 from typing import Any
 
 from quart import Response
-from quart_trio import QuartTrio
 
 from ..core.errors import GezelError, InvalidRequest
 from ..core.events import Failed, TokenLogprob, Usage
@@ -34,18 +33,27 @@ from ..engine import (
     combined_usage,
 )
 from ..shaping.shaper import TextDelta
-from .edge import json_body
-from .openai_chat import liveness_comment, sampling_params
-from .sse import DONE, ChatStream, error_body, event_stream, frame, run_choices, usage_body
-from .wire import (
+from .edge import ProtocolBlueprint, error_response, json_body, refusal
+from .openai_wire import (
     CompletionRequest,
     parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,
+    sampling_params,
     tool_dicts,
 )
+from .sse import (
+    DONE,
+    ChatStream,
+    error_body,
+    event_stream,
+    frame,
+    liveness_comment,
+    run_choices,
+    usage_body,
+)
 
-__all__ = ["add_completion_routes", "completion_request"]
+__all__ = ["blueprint", "completion_request"]
 
 
 def completion_request(req: CompletionRequest) -> ChatRequest:
@@ -204,9 +212,13 @@ async def _echo(engine: Engine, req: CompletionRequest, prompt: tuple[int, ...])
     return _Echo(text, tokens)
 
 
-def add_completion_routes(app: QuartTrio, engine: Engine) -> None:
-    @app.route("/v1/completions", methods=["POST"])
-    @app.route("/completions", methods=["POST"])
+def blueprint(engine: Engine) -> ProtocolBlueprint:
+    """Legacy completions (and the alias without ``/v1``), ``/tokenize`` and
+    ``/detokenize`` over ``engine``; errors leave in the OpenAI envelope."""
+    bp = ProtocolBlueprint("openai_completions", __name__, refusal(engine, error_response))
+
+    @bp.route("/v1/completions", methods=["POST"])
+    @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:
         req = parse_completion_request(await json_body())
         prepared = await engine.prepare_chat(completion_request(req))
@@ -233,7 +245,7 @@ def add_completion_routes(app: QuartTrio, engine: Engine) -> None:
         body = _body(cid, model, int(time.time()), choices, usage)
         return Response(json.dumps(body), mimetype="application/json")
 
-    @app.route("/tokenize", methods=["POST"])
+    @bp.route("/tokenize", methods=["POST"])
     async def tokenize() -> dict[str, Any]:
         req = parse_tokenize_request(await json_body())
         if req.messages is not None:
@@ -269,8 +281,10 @@ def add_completion_routes(app: QuartTrio, engine: Engine) -> None:
                 body["tokens"] = [{"id": t, "piece": p} for t, p in zip(tokens, strs, strict=True)]
         return body
 
-    @app.route("/detokenize", methods=["POST"])
+    @bp.route("/detokenize", methods=["POST"])
     async def detokenize() -> dict[str, Any]:
         req = parse_detokenize_request(await json_body())
         text = await engine.detokenize(req.tokens)
         return {"prompt": text, "content": text}
+
+    return bp

@@ -39,7 +39,6 @@ from typing import Any
 
 import attrs
 from quart import Response
-from quart_trio import QuartTrio
 
 from ..core.errors import GezelError, InvalidRequest
 from ..core.events import Failed, TokenLogprob, Usage
@@ -56,9 +55,8 @@ from ..engine import (
     PreparedChat,
 )
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
-from .edge import NotFound, json_body
+from .edge import NotFound, ProtocolBlueprint, error_response, json_body, refusal
 from .images import from_data_url
-from .openai_chat import liveness_comment
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
     ContentItem,
@@ -70,11 +68,13 @@ from .responses_wire import (
     ResponsesRequest,
     ToolChoiceFunction,
     parse_responses_request,
+    structure_items,
 )
-from .sse import ChatStream, event_stream
-from .wire import _CONVERTER
+from .sse import ChatStream, event_stream, liveness_comment
 
-__all__ = ["add_responses_routes", "items_to_messages"]
+__all__ = ["RESPONSES_PATH", "blueprint", "items_to_messages"]
+
+RESPONSES_PATH = "/v1/responses"
 
 log = logging.getLogger("gezel_trio.http")
 
@@ -205,8 +205,7 @@ def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for item in output
         if not (item["type"] == "function_call" and item["status"] == "incomplete")
     ]
-    items: list[InputItem] = _CONVERTER.structure(whole, list[InputItem])
-    return items_to_messages(items, "output")
+    return items_to_messages(structure_items(whole), "output")
 
 
 # --- the response object ------------------------------------------------------
@@ -700,8 +699,14 @@ def _not_found(rid: str) -> NotFound:
     return NotFound(f"no stored response {rid!r}", param="response_id")
 
 
-def add_responses_routes(app: QuartTrio, engine: Engine, store: ResponseStore) -> None:
-    @app.route("/v1/responses", methods=["POST"])
+def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
+    """``/v1/responses`` and its stored responses (in ``store``) over
+    ``engine``; errors leave in the OpenAI envelope."""
+    bp = ProtocolBlueprint(
+        "openai_responses", __name__, refusal(engine, error_response), url_prefix=RESPONSES_PATH
+    )
+
+    @bp.route("", methods=["POST"])
     async def create_response() -> Response:
         req = parse_responses_request(await json_body())
         prev: StoredResponse | None = None
@@ -755,21 +760,21 @@ def add_responses_routes(app: QuartTrio, engine: Engine, store: ResponseStore) -
             raise end.error
         return Response(json.dumps(body), mimetype="application/json")
 
-    @app.route("/v1/responses/<rid>", methods=["GET"])
+    @bp.route("/<rid>", methods=["GET"])
     async def get_response(rid: str) -> Response:
         rec = store.get(rid)
         if rec is None:
             raise _not_found(rid)
         return Response(json.dumps(rec.body), mimetype="application/json")
 
-    @app.route("/v1/responses/<rid>", methods=["DELETE"])
+    @bp.route("/<rid>", methods=["DELETE"])
     async def delete_response(rid: str) -> Response:
         if not store.delete(rid):
             raise _not_found(rid)
         body = {"id": rid, "object": "response.deleted", "deleted": True}
         return Response(json.dumps(body), mimetype="application/json")
 
-    @app.route("/v1/responses/<rid>/cancel", methods=["POST"])
+    @bp.route("/<rid>/cancel", methods=["POST"])
     async def cancel_response(rid: str) -> Response:
         rec = store.get(rid)
         if rec is None:
@@ -780,3 +785,5 @@ def add_responses_routes(app: QuartTrio, engine: Engine, store: ResponseStore) -
         await store.cancel(rid)
         rec = store.get(rid) or rec
         return Response(json.dumps(rec.body), mimetype="application/json")
+
+    return bp

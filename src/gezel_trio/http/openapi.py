@@ -1,6 +1,7 @@
-"""``GET /openapi.json``: the wire contract as an OpenAPI 3.1 document (W4).
+"""``GET /openapi.json``: the wire contract as an OpenAPI 3.1 document.
 
-Request schemas are generated from the attrs classes in ``wire`` - the same
+Request schemas are generated from the attrs classes in the wire modules
+(``openai_wire``, ``responses_wire``, ``anthropic_wire``) - the same
 classes that validate requests - so the document cannot drift from what the
 server accepts: a field's annotation is its type, a ``Range`` validator its
 ``minimum``/``maximum``, a ``Pattern`` its ``pattern``, and every object
@@ -18,7 +19,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
 
-from . import anthropic_wire, responses_wire, wire
+from . import anthropic_wire, openai_wire, responses_wire
+from .checks import MAX_CACHE_ID_CHARS, MAX_MESSAGES
+from .strict import Pattern, Range
 
 __all__ = ["document", "openapi_json"]
 
@@ -31,18 +34,19 @@ _SCALARS: dict[Any, dict[str, Any]] = {
     Any: {},
 }
 
-# What the gezel extensions and a few OpenAI fields mean here (W3, W6).
+# What the gezel extensions and a few OpenAI fields mean here.
 _DOCS: dict[str, str] = {
-    "cache_id": "gezel: the prompt-cache session entry to reuse and save (C1).",
-    "prefix_cache_id": "gezel: a shared prefix entry to seed from and publish to (C6).",
-    "prefix_cache_ids": "gezel: shared prefix entries, most specific first (C2, C6).",
-    "stable_prefix_chars": "gezel: characters of the system message that siblings share (C6).",
-    "priority": "gezel: interactive (default) or background; background waves park (E2, E3).",
+    "cache_id": "gezel: the prompt-cache session entry to reuse and save.",
+    "prefix_cache_id": "gezel: a shared prefix entry to seed from and publish to.",
+    "prefix_cache_ids": "gezel: shared prefix entries, most specific first.",
+    "stable_prefix_chars": "gezel: characters of the system message that siblings share.",
+    "priority": "gezel: interactive (default) or background; background requests "
+    "are parked while interactive ones run.",
     "chat_template_override": "gezel: a Jinja chat template used instead of the model's.",
     "chat_template_kwargs": "gezel: extra variables for the chat template (enable_thinking ...).",
-    "max_thinking_tokens": "gezel: close the think block after this many tokens (T4).",
-    "tool_grammar": 'gezel: {"mode": "name-only"} constrains tool names with a grammar (T3).',
-    "disable_speculation": "gezel: opt out of speculative decoding (E8).",
+    "max_thinking_tokens": "gezel: close the think block after this many tokens.",
+    "tool_grammar": 'gezel: {"mode": "name-only"} constrains tool names with a grammar.',
+    "disable_speculation": "gezel: opt out of speculative decoding.",
     "ignore_eos": "vLLM: generate exactly max_tokens tokens.",
     "min_tokens": "vLLM: hold end-of-sequence back for this many tokens.",
     "top_k": "Sample from the k most likely tokens; at or above the vocabulary: no filter.",
@@ -144,29 +148,29 @@ def _constrain(prop: dict[str, Any], field: attrs.Attribute[Any]) -> None:
     v = field.validator
     checks = getattr(v, "_validators", (v,))
     for check in checks:
-        if isinstance(check, wire.Range):
+        if isinstance(check, Range):
             if check.lo is not None:
                 target["minimum"] = check.lo
             if check.hi is not None:
                 target["maximum"] = check.hi
-        elif isinstance(check, wire.Pattern):
+        elif isinstance(check, Pattern):
             target["pattern"] = f"^{check.regex}$"
     if field.name == "messages":
         target["minItems"] = 1
-        target["maxItems"] = wire.MAX_MESSAGES
+        target["maxItems"] = MAX_MESSAGES
     if field.name in _CACHE_ID_FIELDS:
         target.update(_CACHE_ID)
     if field.name == "prefix_cache_ids":
         target["items"] = dict(_CACHE_ID)
-        target["maxItems"] = wire.MAX_PREFIX_IDS
+        target["maxItems"] = openai_wire.MAX_PREFIX_IDS
 
 
 _CACHE_ID_FIELDS = ("cache_id", "prefix_cache_id", "prompt_cache_key")
-# What ``wire.check_cache_id`` accepts: 1..4096 characters, no control characters.
+# What ``checks.check_cache_id`` accepts: 1..4096 characters, no control characters.
 _CACHE_ID = {
     "type": "string",
     "minLength": 1,
-    "maxLength": wire.MAX_CACHE_ID_CHARS,
+    "maxLength": MAX_CACHE_ID_CHARS,
     "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$",
 }
 
@@ -247,8 +251,8 @@ def _body(ref: dict[str, Any]) -> dict[str, Any]:
 @lru_cache(maxsize=8)
 def document(model_id: str) -> dict[str, Any]:
     b = _Builder()
-    chat = b.ref(wire.ChatCompletionRequest)
-    warm = b.ref(wire.WarmRequest)
+    chat = b.ref(openai_wire.ChatCompletionRequest)
+    warm = b.ref(openai_wire.WarmRequest)
     responses = b.ref(responses_wire.ResponsesRequest)
     response_id = [
         {
@@ -354,14 +358,14 @@ def document(model_id: str) -> dict[str, Any]:
         "/v1/cache/stats": {
             "get": {
                 "operationId": "cacheStats",
-                "summary": "Prompt-cache entries in memory (W5)",
+                "summary": "Prompt-cache entries in memory",
                 "responses": _responses(_json_ok("Entries with id, tokens, bytes, last use.")),
             }
         },
         "/v1/cache/{cache_id}": {
             "delete": {
                 "operationId": "cacheDelete",
-                "summary": "Drop an entry from memory and disk (W5)",
+                "summary": "Drop an entry from memory and disk",
                 "parameters": [
                     {
                         "name": "cache_id",
@@ -376,7 +380,7 @@ def document(model_id: str) -> dict[str, Any]:
         "/v1/cache/warm": {
             "post": {
                 "operationId": "cacheWarm",
-                "summary": "Build a cache entry through the engine (C8)",
+                "summary": "Build a cache entry through the engine",
                 "requestBody": _body(warm),
                 "responses": _responses(
                     _json_ok("warmed or skipped, with the reason."), "400", "413", "415", "429"
@@ -386,7 +390,7 @@ def document(model_id: str) -> dict[str, Any]:
         "/admin/flush": {
             "post": {
                 "operationId": "adminFlush",
-                "summary": "Persist every dirty entry, after settling cancellations (W5)",
+                "summary": "Persist every dirty entry, after settling cancellations",
                 "parameters": [
                     {
                         "name": "settle_ms",
@@ -416,7 +420,7 @@ def document(model_id: str) -> dict[str, Any]:
 
 
 def _messages_paths(b: _Builder) -> dict[str, Any]:
-    """Anthropic Messages (W7): its own bodies and error envelope."""
+    """Anthropic Messages: its own bodies and error envelope."""
     messages_ok = {
         "description": "A message object, or with stream: true Anthropic's server-sent "
         "events (message_start ... message_stop, with ping while waiting).",
@@ -455,7 +459,7 @@ def _messages_paths(b: _Builder) -> dict[str, Any]:
 
 
 def _completion_paths(b: _Builder) -> dict[str, Any]:
-    """Legacy completions, /tokenize and /detokenize (W7)."""
+    """Legacy completions, /tokenize and /detokenize."""
     completion_ok = {
         "description": "A text_completion object, or with stream: true server-sent "
         "text_completion chunks ending in data: [DONE].",
@@ -467,7 +471,7 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
     completion_op = {
         "summary": "Legacy completion of a raw prompt (no chat template); n choices of "
         "one prompt computed once",
-        "requestBody": _body(b.ref(wire.CompletionRequest)),
+        "requestBody": _body(b.ref(openai_wire.CompletionRequest)),
         "responses": _responses(completion_ok, "400", "413", "415", "429"),
     }
     tokenize_ok = _json_ok(
@@ -499,7 +503,7 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
             "post": {
                 "operationId": "tokenize",
                 "summary": "Text (no chat template) or messages (the chat prompt) to token ids",
-                "requestBody": _body(b.ref(wire.TokenizeRequest)),
+                "requestBody": _body(b.ref(openai_wire.TokenizeRequest)),
                 "responses": _responses(tokenize_ok, "400", "413", "415"),
             }
         },
@@ -507,7 +511,7 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
             "post": {
                 "operationId": "detokenize",
                 "summary": "Token ids to text",
-                "requestBody": _body(b.ref(wire.DetokenizeRequest)),
+                "requestBody": _body(b.ref(openai_wire.DetokenizeRequest)),
                 "responses": _responses(detokenize_ok, "400", "413", "415"),
             }
         },

@@ -1,42 +1,36 @@
 """``POST /v1/responses`` bodies as typed, validated values (OpenAI Responses).
 
-The same strict rules as ``wire``: wrong types are errors, unknown fields are
-refused, every error names its field path. Input items and tools are
-discriminated by their ``type``; a type this server cannot serve (a hosted
-tool such as ``web_search``, an item such as ``computer_call_output``) is a
-400 that names it, never silently dropped. The classes are also the source of
-the ``/openapi.json`` schemas for the route.
+The same strict rules as every body (``http.strict``): wrong types are
+errors, unknown fields are refused, every error names its field path. Input
+items and tools are discriminated by their ``type`` (hooks on this module's
+own converter); a type this server cannot serve (a hosted tool such as
+``web_search``, an item such as ``computer_call_output``) is a 400 that
+names it, never silently dropped. The classes are also the source of the
+``/openapi.json`` schemas for the route.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
+import cattrs
 from cattrs.gen import make_dict_structure_fn
 
 from ..core.errors import InvalidRequest
-from .wire import (
-    _CONVERTER,
-    _TOOL_NAME,
+from .checks import (
     MAX_MESSAGES,
-    MAX_METADATA,
     MAX_TOOLS,
     SEED_MAX,
     SEED_MIN,
-    Pattern,
-    Range,
-    ReasoningEffort,
-    _check_kwargs,
-    _FieldInvalid,
-    _schema_problem,
+    TOOL_NAME,
     check_cache_id,
-    effort_template_kwargs,
-    effort_thinking_budget,
-    structure,
+    check_metadata,
+    check_parameters,
+    check_template_kwargs,
 )
+from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_thinking_budget
+from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
 
 __all__ = [
     "FunctionCallItem",
@@ -46,6 +40,7 @@ __all__ = [
     "ReasoningItem",
     "ResponsesRequest",
     "parse_responses_request",
+    "structure_items",
 ]
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -76,10 +71,6 @@ HOSTED_ITEM_TYPES = (
     "tool_search_output",
     "compaction",
 )
-
-
-def _range(lo: float | None, hi: float | None) -> Range:
-    return Range(lo, hi)
 
 
 @attrs.frozen
@@ -181,7 +172,7 @@ class FunctionTool:
     """A function tool; ``parameters`` must be a JSON schema."""
 
     type: Literal["function"]
-    name: str = attrs.field(validator=Pattern(_TOOL_NAME))
+    name: str = attrs.field(validator=Pattern(TOOL_NAME))
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
     description: str | None = None
@@ -245,13 +236,13 @@ class ResponsesRequest:
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = attrs.field(default=None, validator=_range(1, None))
+    max_tool_calls: int | None = attrs.field(default=None, validator=Range(1, None))
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    max_output_tokens: int | None = attrs.field(default=None, validator=_range(1, None))
-    temperature: float | None = attrs.field(default=None, validator=_range(0, 2))
-    top_p: float | None = attrs.field(default=None, validator=_range(0, 1))
-    top_logprobs: int | None = attrs.field(default=None, validator=_range(0, 20))
+    max_output_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
+    temperature: float | None = attrs.field(default=None, validator=Range(0, 2))
+    top_p: float | None = attrs.field(default=None, validator=Range(0, 1))
+    top_logprobs: int | None = attrs.field(default=None, validator=Range(0, 20))
     include: list[str] | None = None
     store: bool | None = None
     background: bool | None = None
@@ -274,12 +265,12 @@ class ResponsesRequest:
     moderation: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
     image: dict[str, Any] | None = None
-    # gezel extensions, as on chat completions (W3)
+    # gezel extensions, as on chat completions
     cache_id: str | None = None
-    seed: int | None = attrs.field(default=None, validator=_range(SEED_MIN, SEED_MAX))
+    seed: int | None = attrs.field(default=None, validator=Range(SEED_MIN, SEED_MAX))
     priority: Literal["interactive", "background"] = "interactive"
     chat_template_kwargs: dict[str, Any] | None = None
-    max_thinking_tokens: int | None = attrs.field(default=None, validator=_range(0, None))
+    max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
 
     @property
     def items(self) -> list[InputItem]:
@@ -347,88 +338,82 @@ _ITEM_CLASSES: dict[str, type] = {
 }
 
 
-def _input_item(value: Any, _: Any) -> InputItem:
-    kind = _item_type(value)
-    cls = _ITEM_CLASSES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        if kind in HOSTED_ITEM_TYPES:
-            raise _FieldInvalid(
-                "type",
-                f"input items of type {kind!r} are not supported: this server runs "
-                "messages, function calls and their outputs, and reasoning items",
+def _converter() -> cattrs.Converter:
+    conv = strict_converter()
+
+    def input_item(value: Any, _: Any) -> InputItem:
+        kind = _item_type(value)
+        cls = _ITEM_CLASSES.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            if kind in HOSTED_ITEM_TYPES:
+                raise FieldInvalid(
+                    "type",
+                    f"input items of type {kind!r} are not supported: this server runs "
+                    "messages, function calls and their outputs, and reasoning items",
+                )
+            choices = ", ".join(repr(k) for k in _ITEM_CLASSES)
+            raise FieldInvalid(
+                "type", f"an input item's type must be one of {choices}; got {kind!r}"
             )
-        choices = ", ".join(repr(k) for k in _ITEM_CLASSES)
-        raise _FieldInvalid("type", f"an input item's type must be one of {choices}; got {kind!r}")
-    item: InputItem = _CONVERTER.structure(value, cls)
-    return item
+        item: InputItem = conv.structure(value, cls)
+        return item
+
+    # The attrs structure function itself: ``conv.structure(value,
+    # FunctionTool)`` would come back to ``tool``.
+    plain_tool = make_dict_structure_fn(FunctionTool, conv, _cattrs_forbid_extra_keys=True)
+
+    def tool(value: Any, _: Any) -> FunctionTool:
+        kind = _item_type(value)
+        if kind != "function":
+            raise FieldInvalid(
+                "type",
+                f"tools of type {kind!r} are not supported: this server runs function "
+                "tools only (hosted tools such as web search, file search or computer "
+                "use need OpenAI's platform)",
+            )
+        structured: FunctionTool = plain_tool(value, FunctionTool)
+        return structured
+
+    def tool_choice(value: Any, _: Any) -> ToolChoice:
+        if isinstance(value, str):
+            if value not in ("auto", "none", "required"):
+                raise TypeError(f"must be 'auto', 'none', 'required' or an object; got {value!r}")
+            return value  # type: ignore[return-value]
+        kind = _item_type(value)
+        if kind != "function":
+            raise FieldInvalid(
+                "type",
+                f"tool_choice of type {kind!r} is not supported: name a function "
+                '({"type": "function", "name": ...}) or use auto, none or required',
+            )
+        choice: ToolChoiceFunction = conv.structure(value, ToolChoiceFunction)
+        return choice
+
+    def input_(value: Any, _: Any) -> str | list[InputItem]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            items: list[InputItem] = conv.structure(value, list[InputItem])
+            return items
+        raise TypeError("expected a string or a list of input items")
+
+    def content(value: Any, _: Any) -> str | list[ContentItem]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            parts: list[ContentItem] = conv.structure(value, list[ContentItem])
+            return parts
+        raise TypeError("expected a string or a list of content parts")
+
+    register_union(conv, InputItem, input_item)
+    register_union(conv, FunctionTool, tool)
+    register_union(conv, ToolChoice, tool_choice)
+    register_union(conv, str | list[InputItem], input_)
+    register_union(conv, str | list[ContentItem], content)
+    return conv
 
 
-# The attrs structure function itself: ``_CONVERTER.structure(value,
-# FunctionTool)`` would come back to ``_tool``.
-_plain_tool = make_dict_structure_fn(FunctionTool, _CONVERTER, _cattrs_forbid_extra_keys=True)
-
-
-def _tool(value: Any, _: Any) -> FunctionTool:
-    kind = _item_type(value)
-    if kind != "function":
-        raise _FieldInvalid(
-            "type",
-            f"tools of type {kind!r} are not supported: this server runs function "
-            "tools only (hosted tools such as web search, file search or computer "
-            "use need OpenAI's platform)",
-        )
-    tool: FunctionTool = _plain_tool(value, FunctionTool)
-    return tool
-
-
-def _tool_choice(value: Any, _: Any) -> ToolChoice:
-    if isinstance(value, str):
-        if value not in ("auto", "none", "required"):
-            raise TypeError(f"must be 'auto', 'none', 'required' or an object; got {value!r}")
-        return value  # type: ignore[return-value]
-    kind = _item_type(value)
-    if kind != "function":
-        raise _FieldInvalid(
-            "type",
-            f"tool_choice of type {kind!r} is not supported: name a function "
-            '({"type": "function", "name": ...}) or use auto, none or required',
-        )
-    choice: ToolChoiceFunction = _CONVERTER.structure(value, ToolChoiceFunction)
-    return choice
-
-
-def _input(value: Any, _: Any) -> str | list[InputItem]:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        items: list[InputItem] = _CONVERTER.structure(value, list[InputItem])
-        return items
-    raise TypeError("expected a string or a list of input items")
-
-
-def _content(value: Any, _: Any) -> str | list[ContentItem]:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts: list[ContentItem] = _CONVERTER.structure(value, list[ContentItem])
-        return parts
-    raise TypeError("expected a string or a list of content parts")
-
-
-def _register(tp: Any, hook: Callable[[Any, Any], Any]) -> None:
-    """``hook`` for ``tp`` and ``tp | None`` on the wire converter."""
-
-    def maybe(value: Any, t: Any) -> Any:
-        return None if value is None and t != tp else hook(value, t)
-
-    _CONVERTER.register_structure_hook_func(lambda t: t in (tp, tp | None), maybe)
-
-
-_register(InputItem, _input_item)
-_register(FunctionTool, _tool)
-_register(ToolChoice, _tool_choice)
-_register(str | list[InputItem], _input)
-_register(str | list[ContentItem], _content)
+_CONVERTER = _converter()
 
 
 # --- the checks that span fields ----------------------------------------------
@@ -460,34 +445,18 @@ def _check(req: ResponsesRequest) -> None:
         ("previous_response_id", req.previous_response_id),
     ):
         check_cache_id(value, name)
-    _check_kwargs(req.chat_template_kwargs)
+    check_template_kwargs(req.chat_template_kwargs)
     if req.tools is not None:
         if len(req.tools) > MAX_TOOLS:
             raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
         for i, tool in enumerate(req.tools):
-            if tool.parameters is None:
-                continue
-            where = f"tools[{i}].parameters"
-            try:
-                problem = _schema_problem(json.dumps(tool.parameters, sort_keys=True))
-            except (TypeError, ValueError, RecursionError) as exc:
-                problem = str(exc)
-            if problem is not None:
-                raise InvalidRequest(f"{where} is not a JSON schema: {problem}", param=where)
+            check_parameters(tool.parameters, f"tools[{i}].parameters")
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema" and fmt.schema is None:
         raise InvalidRequest(
             "text.format of type json_schema needs a schema", param="text.format.schema"
         )
-    if req.metadata is not None:
-        if len(req.metadata) > MAX_METADATA:
-            raise InvalidRequest(f"at most {MAX_METADATA} metadata pairs", param="metadata")
-        for key, value in req.metadata.items():
-            if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
-                raise InvalidRequest(
-                    "metadata maps keys of at most 64 characters to strings of at most 512",
-                    param=f"metadata.{key[:64]}",
-                )
+    check_metadata(req.metadata)
     if req.truncation == "auto":
         raise InvalidRequest(
             'truncation "auto" (dropping the oldest input to fit) is not supported; '
@@ -508,6 +477,13 @@ def _check(req: ResponsesRequest) -> None:
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """Validate a decoded JSON body; raises ``InvalidRequest`` naming the field."""
-    req = structure(body, ResponsesRequest)
+    req = structure(body, ResponsesRequest, _CONVERTER)
     _check(req)
     return req
+
+
+def structure_items(items: list[dict[str, Any]]) -> list[InputItem]:
+    """Output items as served (plain mappings) back into input items, as a
+    continuation replays them."""
+    structured: list[InputItem] = _CONVERTER.structure(items, list[InputItem])
+    return structured

@@ -13,7 +13,7 @@ import trio
 from quart import Response
 
 from ..core.errors import GezelError
-from ..core.events import Failed, TokenLogprob, Usage
+from ..core.events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
 from ..engine import (
     ChatChoice,
     ChatEvent,
@@ -36,6 +36,7 @@ __all__ = [
     "error_body",
     "event_stream",
     "frame",
+    "liveness_comment",
     "run_chat",
     "run_choices",
     "usage_body",
@@ -56,9 +57,25 @@ def comment(text: str) -> bytes:
     return b": " + text.replace("\n", " ").encode() + b"\n\n"
 
 
+def liveness_comment(event: ChatEvent) -> bytes | None:
+    """The SSE comment that shows a slow stream is alive (prefill progress,
+    its place in the queue, parked and resumed), if ``event`` is one."""
+    match event:
+        case Progress(done=done, total=total):
+            return comment(f"prefill {done}/{total}")
+        case Queued(position=position):
+            return comment(f"queued {position}")
+        case Parked():
+            return comment("parked")
+        case Resumed():
+            return comment("resumed")
+    return None
+
+
 def usage_body(u: Usage) -> dict[str, Any]:
-    """gezel's usage names (W1) alongside the standard OpenAI ones, so both
-    kinds of client read the same object."""
+    """gezel's usage names (``input_tokens``, ``cached_tokens``, the rates)
+    alongside the standard OpenAI ones, so both kinds of client read the
+    same object."""
     return {
         "input_tokens": u.input_tokens,
         "output_tokens": u.output_tokens,

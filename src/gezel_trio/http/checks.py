@@ -1,0 +1,182 @@
+"""What a field's type cannot say, checked the same way by every protocol.
+
+The bounds on one request (stop strings, messages, tools, cache ids,
+template kwargs, metadata, seeds) keep a hostile body from costing the
+engine anything; the rest are values that must be valid as something else
+(a tool's parameters as a JSON schema, a chat template override as a Jinja
+template that compiles). Each raises ``InvalidRequest`` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from functools import lru_cache
+from typing import Any
+
+import attrs
+import jsonschema
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..core.errors import InvalidRequest
+from .strict import FieldInvalid
+
+__all__ = [
+    "MAX_CACHE_ID_CHARS",
+    "MAX_MESSAGES",
+    "MAX_METADATA",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_TEMPLATE_CHARS",
+    "MAX_TEMPLATE_KWARGS_CHARS",
+    "MAX_TOOLS",
+    "SEED_MAX",
+    "SEED_MIN",
+    "TOOL_NAME",
+    "check_cache_id",
+    "check_messages",
+    "check_metadata",
+    "check_parameters",
+    "check_stops",
+    "check_template",
+    "check_template_kwargs",
+]
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 4096
+MAX_CACHE_ID_CHARS = 4096
+MAX_TOOLS = 128
+MAX_TEMPLATE_CHARS = 65_536
+MAX_TEMPLATE_KWARGS_CHARS = 16_384
+MAX_METADATA = 16
+# OpenAI's seed is an int64; the engine keys its random stream by 64 bits.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# OpenAI's function names (chat tools and Responses tools).
+TOOL_NAME = r"[A-Za-z0-9_-]{1,64}"
+
+
+def check_messages(_: Any, attr: attrs.Attribute[Any], value: list[Any]) -> None:
+    """A field validator for a conversation: 1 to ``MAX_MESSAGES`` turns."""
+    if not value:
+        raise FieldInvalid(attr.name, f"{attr.name} must not be empty")
+    if len(value) > MAX_MESSAGES:
+        raise FieldInvalid(attr.name, f"at most {MAX_MESSAGES} {attr.name}")
+
+
+def check_stops(stops: tuple[str, ...], param: str) -> None:
+    """At most ``MAX_STOP_STRINGS`` stop strings of 1 to ``MAX_STOP_CHARS``
+    characters each."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings", param=param)
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise InvalidRequest(
+            f"each stop string must have 1 to {MAX_STOP_CHARS} characters", param=param
+        )
+
+
+def check_cache_id(value: str | None, param: str) -> None:
+    """Any text is a valid id (ids are hashed, never used as paths), but an
+    empty or unbounded one, or one with control characters (NUL separates
+    internal keys), is a client bug worth naming."""
+    if value is None:
+        return
+    if not value:
+        raise InvalidRequest(f"{param} must not be empty", param=param)
+    if len(value) > MAX_CACHE_ID_CHARS:
+        raise InvalidRequest(f"{param} is longer than {MAX_CACHE_ID_CHARS} characters", param=param)
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        raise InvalidRequest(f"{param} must not contain control characters", param=param)
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """``chat_template_kwargs`` must be JSON of at most
+    ``MAX_TEMPLATE_KWARGS_CHARS`` characters."""
+    if kwargs is None:
+        return
+    try:
+        size = len(json.dumps(kwargs))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(str(exc), param="chat_template_kwargs") from exc
+    if size > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequest("chat_template_kwargs is too large", param="chat_template_kwargs")
+
+
+def check_metadata(metadata: dict[str, Any] | None) -> None:
+    """OpenAI's ``metadata``: at most ``MAX_METADATA`` pairs of a key of at
+    most 64 characters and a string of at most 512."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA:
+        raise InvalidRequest(f"at most {MAX_METADATA} metadata pairs", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise InvalidRequest(
+                "metadata maps keys of at most 64 characters to strings of at most 512",
+                param=f"metadata.{key[:64]}",
+            )
+
+
+def check_parameters(params: dict[str, Any] | None, where: str) -> None:
+    """A tool's parameters must be an object JSON schema; ``where`` names it."""
+    if params is None:
+        return
+    try:
+        problem = _schema_problem(json.dumps(params, sort_keys=True))
+    except (TypeError, ValueError, RecursionError) as exc:
+        problem = str(exc)
+    if problem is not None:
+        raise InvalidRequest(f"{where} is not a JSON schema: {problem}", param=where)
+
+
+@lru_cache(maxsize=256)
+def _schema_problem(canonical: str) -> str | None:
+    """Why a tool's ``parameters`` is not a JSON schema (``None``: it is).
+    Checked once per distinct schema: an agent sends the same tools each turn."""
+    schema = json.loads(canonical)
+    if not isinstance(schema, dict):
+        return "it must be an object"
+    if schema.get("type", "object") != "object":
+        return 'its "type" must be "object"'
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        return f"{exc.message[:200]}" + (f" (at {where})" if where else "")
+    except RecursionError:
+        return "it is nested too deeply"
+    return None
+
+
+def check_template(template: str | None) -> None:
+    """``chat_template_override`` must be a Jinja template that compiles in
+    the sandbox the renderer uses, within ``MAX_TEMPLATE_CHARS``."""
+    if template is None:
+        return
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise InvalidRequest(
+            f"chat_template_override is longer than {MAX_TEMPLATE_CHARS} characters",
+            param="chat_template_override",
+        )
+    problem = _template_problem(template)
+    if problem is not None:
+        raise InvalidRequest(
+            f"chat_template_override does not compile: {problem}", param="chat_template_override"
+        )
+
+
+_SANDBOX = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+
+@lru_cache(maxsize=32)
+def _template_problem(template: str) -> str | None:
+    """Compile once per distinct override (a bounded LRU: a client sending
+    new templates each time costs one compile each, never unbounded memory)."""
+    try:
+        _SANDBOX.from_string(template)
+    except TemplateError as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    except (RecursionError, MemoryError, ValueError) as exc:
+        return f"{type(exc).__name__}"
+    return None

@@ -1,0 +1,661 @@
+"""OpenAI chat completions, legacy completions, ``/tokenize``,
+``/detokenize`` and the cache-warm body as typed, validated values.
+
+Strict, as every body (``http.strict``): wrong types are errors, unknown
+fields are refused and every error names the field path. The fields
+OpenAI's own API accepts are accepted (most are recorded nowhere: ``store``,
+``metadata``, ``service_tier``, ``prediction`` ...), so a proxy may forward
+what its callers send. The checks that span fields or that a type cannot
+say are here beside the classes (``parse_*``); the ones every protocol
+shares are in ``http.checks``.
+
+The classes are also the source of ``/openapi.json`` (``http.openapi``):
+a field's type, its ``Range`` and its ``Pattern`` become its schema.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import attrs
+import cattrs
+
+from ..core.errors import InvalidImage, InvalidRequest
+from ..core.images import ImagePart
+from ..core.request import SamplingParams
+from .checks import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    SEED_MAX,
+    SEED_MIN,
+    TOOL_NAME,
+    check_cache_id,
+    check_messages,
+    check_metadata,
+    check_parameters,
+    check_stops,
+    check_template,
+    check_template_kwargs,
+)
+from .images import from_base64, from_data_url
+from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_thinking_budget
+from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
+
+__all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_N",
+    "MAX_PREFIX_IDS",
+    "MAX_PROMPT_TOKENS",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ContentPart",
+    "DetokenizeRequest",
+    "Message",
+    "StreamOptions",
+    "TokenizeRequest",
+    "Tool",
+    "ToolCall",
+    "WarmRequest",
+    "parse_chat_request",
+    "parse_completion_request",
+    "parse_detokenize_request",
+    "parse_tokenize_request",
+    "parse_warm_request",
+    "sampling_params",
+    "tool_dicts",
+]
+
+MAX_LOGIT_BIAS = 1024
+MAX_PREFIX_IDS = 16
+# Choices per request (n); the engine also bounds it by --max-concurrency.
+MAX_N = 8
+# Tokens one /tokenize-style prompt or /detokenize body may carry.
+MAX_PROMPT_TOKENS = 1_000_000
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+@attrs.frozen
+class ToolCallFunction:
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+@attrs.frozen
+class ToolCall:
+    function: ToolCallFunction
+    id: str | None = None
+    type: Literal["function"] = "function"
+    # Streaming deltas carry it; an SDK's model_dump() of a message keeps it.
+    index: int | None = attrs.field(default=None, validator=Range(0, None))
+
+
+@attrs.frozen
+class ImageUrl:
+    url: str
+    detail: str | None = None
+
+
+@attrs.frozen
+class ContentPart:
+    type: Literal["text", "image_url", "input_text", "refusal"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+
+
+@attrs.frozen
+class Message:
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    images: list[str] | None = None
+    # What an OpenAI SDK's ``model_dump()`` of an assistant message carries;
+    # accepted and not rendered (a refusal is the assistant's text).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: ToolCallFunction | None = None
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content if self.content is not None else self.refusal
+        return "".join(
+            (p.text if p.type != "refusal" else p.refusal) or ""
+            for p in self.content
+            if p.type in ("text", "input_text", "refusal")
+        )
+
+    def has_images(self) -> bool:
+        parts = self.content if isinstance(self.content, list) else []
+        return bool(self.images) or any(p.type == "image_url" for p in parts)
+
+    def image_parts(self, index: int) -> list[ImagePart]:
+        """This message's images, in the order ``to_template`` places them:
+        the ``images`` extension first, then the ``image_url`` parts."""
+        out = [
+            from_base64(data, f"messages[{index}].images[{k}]")
+            for k, data in enumerate(self.images or [])
+        ]
+        parts = self.content if isinstance(self.content, list) else []
+        for j, p in enumerate(parts):
+            if p.type == "image_url":
+                where = f"messages[{index}].content[{j}]"
+                if p.image_url is None:
+                    raise InvalidImage(f"{where}: an image_url part needs image_url", param=where)
+                out.append(from_data_url(p.image_url.url, where + ".image_url.url"))
+        return out
+
+    def _content(self) -> str | list[dict[str, Any]]:
+        if not self.has_images():
+            return self.text() or ""
+        # Chat templates of vision models take content parts: an image is
+        # {"type": "image"} where it sits (its pixels travel beside).
+        out: list[dict[str, Any]] = [{"type": "image"} for _ in self.images or []]
+        if isinstance(self.content, str):
+            out.append({"type": "text", "text": self.content})
+        for p in self.content if isinstance(self.content, list) else []:
+            if p.type == "image_url":
+                out.append({"type": "image"})
+            elif p.type in ("text", "input_text"):
+                out.append({"type": "text", "text": p.text or ""})
+            elif p.type == "refusal":
+                out.append({"type": "text", "text": p.refusal or ""})
+        return out
+
+    def to_template(self) -> dict[str, Any]:
+        """The mapping a chat template sees: ``developer`` becomes ``system``;
+        a legacy ``function_call`` becomes a tool call; a message with images
+        has a list of text and ``{"type": "image"}`` parts."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self._content(),
+        }
+        if self.name is not None:
+            out["name"] = self.name
+        calls = self.tool_calls or []
+        if not calls and self.function_call is not None:
+            calls = [ToolCall(self.function_call)]
+        if calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content or self.reasoning
+        if thinking:
+            out["reasoning_content"] = thinking
+        return out
+
+
+@attrs.frozen
+class FunctionDef:
+    """A tool's function: ``parameters`` must be a JSON schema (checked against
+    its metaschema, once per distinct schema)."""
+
+    name: str = attrs.field(validator=Pattern(TOOL_NAME))
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen
+class Tool:
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """Tools as the plain mappings templates and grammars read (unset fields dropped)."""
+    if tools is None:
+        return None
+    out = []
+    for t in tools:
+        fn: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            fn["description"] = t.function.description
+        if t.function.parameters is not None:
+            fn["parameters"] = t.function.parameters
+        if t.function.strict is not None:
+            fn["strict"] = t.function.strict
+        out.append({"type": t.type, "function": fn})
+    return out
+
+
+@attrs.frozen
+class WarmRequest:
+    """``POST /v1/cache/warm``: a conversation whose prompt becomes a named
+    cache entry, built through the engine before any request uses it."""
+
+    cache_id: str
+    messages: list[Message] = attrs.field(validator=check_messages)
+    model: str | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_override: str | None = None
+    persist: bool = False
+
+
+@attrs.frozen
+class ToolGrammar:
+    """gezel: constrain what the model may call; ``name-only``: a grammar
+    allows only the declared tools' names."""
+
+    mode: Literal["name-only"]
+
+
+@attrs.frozen
+class StreamOptions:
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+@attrs.frozen
+class ResponseFormat:
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class Prediction:
+    """OpenAI's predicted output: accepted and ignored (no speculation on it)."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+
+@attrs.frozen
+class ChatCompletionRequest:
+    messages: list[Message] = attrs.field(validator=check_messages)
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
+    max_completion_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
+    temperature: float | None = attrs.field(default=None, validator=Range(0, 2))
+    top_p: float | None = attrs.field(default=None, validator=Range(0, 1))
+    # Any size: at or above the vocabulary it keeps every token (no filter).
+    top_k: int | None = attrs.field(default=None, validator=Range(-1, None))
+    min_p: float | None = attrs.field(default=None, validator=Range(0, 1))
+    # -1: random; any other int64 (or uint64) seeds the request's own stream.
+    seed: int | None = attrs.field(default=None, validator=Range(SEED_MIN, SEED_MAX))
+    stop: str | list[str] | None = None
+    # n > 1: choices of one prompt computed once; also bounded by --max-concurrency.
+    n: int = attrs.field(default=1, validator=Range(1, MAX_N))
+    presence_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
+    frequency_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
+    repetition_penalty: float | None = attrs.field(default=None, validator=Range(0, 10))
+    repetition_context_size: int | None = attrs.field(default=None, validator=Range(1, 8192))
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = attrs.field(default=None, validator=Range(0, 20))
+    ignore_eos: bool = False
+    min_tokens: int = attrs.field(default=0, validator=Range(0, None))
+    user: str | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # OpenAI's own fields, accepted as clients forward them.
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Prediction | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    # gezel extensions
+    cache_id: str | None = None
+    prefix_cache_id: str | None = None
+    prefix_cache_ids: list[str] | None = None
+    stable_prefix_chars: int | None = attrs.field(default=None, validator=Range(0, None))
+    priority: Literal["interactive", "background"] = "interactive"
+    chat_template_override: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
+    tool_grammar: ToolGrammar | None = None
+    disable_speculation: bool = False
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def prefix_ids(self) -> tuple[str, ...]:
+        """Most specific first; ``prefix_cache_ids`` wins over the singular."""
+        if self.prefix_cache_ids:
+            return tuple(p for p in self.prefix_cache_ids if p)
+        return (self.prefix_cache_id,) if self.prefix_cache_id else ()
+
+    @property
+    def session_id(self) -> str | None:
+        """``cache_id``, else OpenAI's ``prompt_cache_key``."""
+        return self.cache_id if self.cache_id is not None else self.prompt_cache_key
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
+
+    @property
+    def random_seed(self) -> int | None:
+        """The seed for the engine: ``-1`` (OpenAI clients' "random") is none."""
+        return None if self.seed == -1 else self.seed
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with its keys parsed (validated by ``parse_chat_request``)."""
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """``chat_template_kwargs`` with ``reasoning_effort`` folded in: it
+        switches thinking (unless the kwargs say otherwise) and is passed on
+        for templates that read it."""
+        return effort_template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """``max_thinking_tokens``, else what ``reasoning_effort`` implies."""
+        return effort_thinking_budget(self.max_thinking_tokens, self.reasoning_effort)
+
+
+@attrs.frozen
+class CompletionRequest:
+    """``POST /v1/completions`` (legacy): a raw prompt, no chat template.
+    ``prompt`` is text, a list of one text, token ids, or a list of one list
+    of token ids; ``suffix`` is refused; ``best_of`` must equal ``n``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    max_tokens: int | None = attrs.field(default=16, validator=Range(1, None))
+    temperature: float | None = attrs.field(default=None, validator=Range(0, 2))
+    top_p: float | None = attrs.field(default=None, validator=Range(0, 1))
+    top_k: int | None = attrs.field(default=None, validator=Range(-1, None))
+    min_p: float | None = attrs.field(default=None, validator=Range(0, 1))
+    seed: int | None = attrs.field(default=None, validator=Range(SEED_MIN, SEED_MAX))
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = attrs.field(default=None, validator=Range(0, 20))
+    n: int = attrs.field(default=1, validator=Range(1, MAX_N))
+    best_of: int | None = attrs.field(default=None, validator=Range(1, MAX_N))
+    suffix: str | None = None
+    presence_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
+    frequency_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
+    repetition_penalty: float | None = attrs.field(default=None, validator=Range(0, 10))
+    repetition_context_size: int | None = attrs.field(default=None, validator=Range(1, 8192))
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = attrs.field(default=0, validator=Range(0, None))
+    # gezel extensions that apply to a raw prompt
+    cache_id: str | None = None
+    prefix_cache_id: str | None = None
+    prefix_cache_ids: list[str] | None = None
+    priority: Literal["interactive", "background"] = "interactive"
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def prefix_ids(self) -> tuple[str, ...]:
+        if self.prefix_cache_ids:
+            return tuple(p for p in self.prefix_cache_ids if p)
+        return (self.prefix_cache_id,) if self.prefix_cache_id else ()
+
+    @property
+    def random_seed(self) -> int | None:
+        return None if self.seed == -1 else self.seed
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+    @property
+    def raw_prompt(self) -> str | list[int]:
+        """The one prompt: text or token ids (validated by ``parse_completion_request``)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[0], list | str):
+            return p[0]
+        return p  # type: ignore[return-value]
+
+
+@attrs.frozen
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's shape; llama.cpp's ``content`` and
+    ``add_special`` are accepted too): text without a chat template, or
+    ``messages`` rendered with it. ``add_special_tokens`` defaults to true
+    for text and false for messages, as in vLLM."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[Message] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    return_token_strs: bool = False
+    with_pieces: bool = False
+
+
+@attrs.frozen
+class DetokenizeRequest:
+    """``POST /detokenize``: token ids back to text (vLLM answers
+    ``prompt``, llama.cpp ``content``: both are in the answer)."""
+
+    tokens: list[int] = attrs.field()
+    model: str | None = None
+
+    @tokens.validator
+    def _check_tokens(self, _: attrs.Attribute[Any], value: list[int]) -> None:
+        if len(value) > MAX_PROMPT_TOKENS:
+            raise FieldInvalid("tokens", f"at most {MAX_PROMPT_TOKENS} tokens")
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """The engine's sampling parameters from a chat or legacy completions body."""
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.random_seed,
+        repetition_penalty=req.repetition_penalty,
+        repetition_context_size=req.repetition_context_size or 20,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=req.bias,
+    )
+
+
+# --- the converter: the strict one, with the unions of these bodies --------------
+
+
+def _converter() -> cattrs.Converter:
+    conv = strict_converter()
+
+    def content_hook(value: Any, _: Any) -> str | list[ContentPart]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            return [conv.structure(v, ContentPart) for v in value]
+        raise TypeError("expected a string or a list of content parts")
+
+    register_union(conv, str | list[ContentPart], content_hook)
+
+    def prompt_hook(value: Any, _: Any) -> Any:
+        def ints(v: Any) -> bool:
+            return isinstance(v, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in v
+            )
+
+        if isinstance(value, str) or ints(value):
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(v, str) for v in value) or all(ints(v) for v in value)
+        ):
+            return value
+        raise TypeError("expected a string, a list of strings, token ids or lists of token ids")
+
+    register_union(conv, str | list[str] | list[int] | list[list[int]], prompt_hook)
+    return conv
+
+
+_CONVERTER = _converter()
+
+
+# --- the checks that span fields -------------------------------------------------
+
+_LOGIT_BIAS_KEY = re.compile(r"[0-9]{1,10}", re.ASCII)
+
+
+def _check_sampling_limits(stops: tuple[str, ...], logit_bias: dict[str, float] | None) -> None:
+    check_stops(stops, "stop")
+    if logit_bias is not None:
+        if len(logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries", param="logit_bias")
+        for key, val in logit_bias.items():
+            # Parsed, not tested: "²".isdigit() is true and int("²") raises.
+            if not _LOGIT_BIAS_KEY.fullmatch(key):
+                raise InvalidRequest(
+                    f"logit_bias keys are decimal token ids, got {key[:40]!r}", param="logit_bias"
+                )
+            if not -100 <= val <= 100:
+                raise InvalidRequest(
+                    "logit_bias values must be numbers in [-100, 100]", param="logit_bias"
+                )
+
+
+def _check_prefix_ids(prefix_cache_ids: list[str] | None) -> None:
+    if prefix_cache_ids is not None:
+        if len(prefix_cache_ids) > MAX_PREFIX_IDS:
+            raise InvalidRequest(f"at most {MAX_PREFIX_IDS} prefix ids", param="prefix_cache_ids")
+        for i, pid in enumerate(prefix_cache_ids):
+            check_cache_id(pid, f"prefix_cache_ids[{i}]")
+
+
+def _check_tools(tools: list[Tool] | None) -> None:
+    if tools is None:
+        return
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
+    for i, tool in enumerate(tools):
+        check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    _check_sampling_limits(req.stop_list, req.logit_bias)
+    for i, m in enumerate(req.messages):
+        if m.role in ("user", "system", "developer") and m.content is None:
+            raise InvalidRequest(
+                f"messages[{i}].content is required for role {m.role!r}",
+                param=f"messages[{i}].content",
+            )
+    for name, value in (
+        ("cache_id", req.cache_id),
+        ("prefix_cache_id", req.prefix_cache_id),
+        ("prompt_cache_key", req.prompt_cache_key),
+    ):
+        check_cache_id(value, name)
+    _check_prefix_ids(req.prefix_cache_ids)
+    check_template_kwargs(req.chat_template_kwargs)
+    _check_tools(req.tools)
+    check_template(req.chat_template_override)
+    check_metadata(req.metadata)
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validate a decoded JSON body; raises ``InvalidRequest`` naming the field."""
+    req = structure(body, ChatCompletionRequest, _CONVERTER)
+    _check_chat(req)
+    return req
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a legacy completions body; ``InvalidRequest`` names the field."""
+    req = structure(body, CompletionRequest, _CONVERTER)
+    p = req.prompt
+    if isinstance(p, list):
+        if len(p) != 1 and (not p or not isinstance(p[0], int)):
+            raise InvalidRequest(
+                "prompt must be one prompt: a string, token ids, or a list holding one of them",
+                param="prompt",
+            )
+        if not p or (isinstance(p[0], list) and not p[0]):
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+    raw = req.raw_prompt
+    if isinstance(raw, list) and len(raw) > MAX_PROMPT_TOKENS:
+        raise InvalidRequest(f"at most {MAX_PROMPT_TOKENS} prompt tokens", param="prompt")
+    if req.suffix is not None:
+        raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequest(
+            "best_of must equal n: every generated sequence is returned, none ranked",
+            param="best_of",
+        )
+    _check_sampling_limits(req.stop_list, req.logit_bias)
+    for name, value in (("cache_id", req.cache_id), ("prefix_cache_id", req.prefix_cache_id)):
+        check_cache_id(value, name)
+    _check_prefix_ids(req.prefix_cache_ids)
+    return req
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    """Validate a ``/tokenize`` body; ``InvalidRequest`` names the field."""
+    req = structure(body, TokenizeRequest, _CONVERTER)
+    given = [n for n in ("prompt", "content", "messages") if getattr(req, n) is not None]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "send exactly one of prompt (or content) and messages",
+            param=given[-1] if given else None,
+        )
+    if req.messages is not None and not req.messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    if req.messages is not None and len(req.messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages", param="messages")
+    if not req.add_generation_prompt:
+        raise InvalidRequest(
+            "add_generation_prompt: false is not supported", param="add_generation_prompt"
+        )
+    check_template_kwargs(req.chat_template_kwargs)
+    _check_tools(req.tools)
+    return req
+
+
+def parse_detokenize_request(body: Any) -> DetokenizeRequest:
+    """Validate a ``/detokenize`` body; ``InvalidRequest`` names the field."""
+    return structure(body, DetokenizeRequest, _CONVERTER)
+
+
+def parse_warm_request(body: Any) -> WarmRequest:
+    """Validate a ``/v1/cache/warm`` body; ``InvalidRequest`` names the field."""
+    warm = structure(body, WarmRequest, _CONVERTER)
+    check_cache_id(warm.cache_id, "cache_id")
+    check_template_kwargs(warm.chat_template_kwargs)
+    _check_tools(warm.tools)
+    check_template(warm.chat_template_override)
+    return warm

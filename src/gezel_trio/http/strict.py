@@ -1,0 +1,306 @@
+"""Strict request bodies: the JSON parser, the cattrs converter factory and
+the field validators every protocol's wire module builds on.
+
+Validation is strict: a wrong type is an error, never coerced ("5" is not an
+int, ``true`` is not a number), unknown fields are refused so that a typo in a
+gezel extension (``cacheid``) cannot be silently ignored, and every error
+names the field path. Every number must be finite, every string valid text
+(no lone UTF-16 surrogates) and no value nested deeper than ``MAX_DEPTH``.
+
+Each wire module builds its own converter with ``strict_converter`` and adds
+the hooks for its own unions to it (``register_union``); no module changes a
+converter it did not build. ``Range`` and ``Pattern`` are also read by
+``http.openapi`` into the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import attrs
+import cattrs
+from cattrs.cols import list_structure_factory
+from cattrs.errors import (
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+)
+from cattrs.gen import make_dict_structure_fn
+
+from ..core.errors import InvalidRequest
+
+__all__ = [
+    "MAX_DEPTH",
+    "FieldInvalid",
+    "Pattern",
+    "Range",
+    "check_text",
+    "parse_json",
+    "register_union",
+    "strict_converter",
+    "structure",
+]
+
+T = TypeVar("T")
+
+MAX_DEPTH = 64
+
+
+class FieldInvalid(ValueError):
+    """A validator's or a hook's verdict on one field; carries the field
+    name for the error's path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@attrs.frozen
+class Range:
+    """A field validator: ``lo <= value <= hi`` (``None``: unbounded);
+    ``http.openapi`` reads the bounds into the schema."""
+
+    lo: float | None = None
+    hi: float | None = None
+
+    def __call__(self, _: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is None:
+            return
+        if self.lo is not None and value < self.lo:
+            raise FieldInvalid(attr.name, f"{attr.name} must be >= {self.lo}, got {value}")
+        if self.hi is not None and value > self.hi:
+            raise FieldInvalid(attr.name, f"{attr.name} must be <= {self.hi}, got {value}")
+
+
+@attrs.frozen
+class Pattern:
+    """A field validator: the whole string matches ``regex``."""
+
+    regex: str
+
+    def __call__(self, _: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not re.fullmatch(self.regex, value):
+            raise FieldInvalid(attr.name, f"{attr.name} must match {self.regex}, got {value!r}")
+
+
+# --- JSON -----------------------------------------------------------------------
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_json(raw: str | bytes) -> Any:
+    """Strict JSON: ``NaN`` and ``Infinity`` (which Python's parser accepts)
+    are refused, as are integers too long to parse; ``InvalidRequest`` on
+    any of it."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # JSONDecodeError is a ValueError; so are int-length limits.
+        raise InvalidRequest(f"the body is not valid JSON: {str(exc)[:200]}") from None
+
+
+def check_text(body: Any) -> None:
+    """Every string valid Unicode text (no lone UTF-16 surrogate, which JSON
+    escapes can carry and no tokenizer takes) and nothing nested deeper than
+    ``MAX_DEPTH``; ``InvalidRequest`` names the first offending field."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            raise InvalidRequest(f"nested more than {MAX_DEPTH} levels deep", param=_path(path))
+        if isinstance(value, str):
+            if not value.isascii() and _has_surrogate(value):
+                raise InvalidRequest(
+                    "the text holds a lone UTF-16 surrogate, which is not valid Unicode",
+                    param=_path(path) or None,
+                )
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if not k.isascii() and _has_surrogate(k):
+                    raise InvalidRequest(
+                        "a key holds a lone UTF-16 surrogate", param=_path(path) or None
+                    )
+                stack.append((v, (*path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+# --- the converter ------------------------------------------------------------------
+
+
+def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
+    def hook(value: Any, _: Any) -> T:
+        # bool is an int subclass; JSON true is not a number.
+        if isinstance(value, bool) and kind is not bool:
+            raise TypeError(f"expected {name}, got a boolean")
+        if kind is float and isinstance(value, int):
+            try:
+                value = float(value)  # JSON 1 is a valid float
+            except OverflowError:
+                raise ValueError("expected a finite number") from None
+        if not isinstance(value, kind):
+            raise TypeError(f"expected {name}, got {type(value).__name__}")
+        if kind is float and not math.isfinite(value):  # type: ignore[arg-type]
+            raise ValueError("expected a finite number")
+        return value
+
+    return hook
+
+
+def register_union(conv: cattrs.Converter, tp: Any, hook: Callable[[Any, Any], Any]) -> None:
+    """``hook`` for ``tp`` and ``tp | None`` on ``conv``: cattrs cannot tell
+    these unions apart by itself, and an absent optional field is ``None``,
+    never a call to ``hook``."""
+
+    def maybe(value: Any, t: Any) -> Any:
+        return None if value is None and t != tp else hook(value, t)
+
+    conv.register_structure_hook_func(lambda t: t in (tp, tp | None), maybe)
+
+
+def strict_converter() -> cattrs.Converter:
+    """A new strict converter: scalars of their exact JSON type, lists that
+    are lists, objects that are objects without unknown keys, literals by
+    value, and the unions every protocol uses (a string or a list of
+    strings, a string or an object). A wire module adds its own unions."""
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(int, _strict(int, "an integer"))
+    conv.register_structure_hook(float, _strict(float, "a number"))
+    conv.register_structure_hook(str, _strict(str, "a string"))
+    conv.register_structure_hook(bool, _strict(bool, "a boolean"))
+
+    def any_hook(value: Any, _: Any) -> Any:
+        return value
+
+    conv.register_structure_hook(Any, any_hook)
+
+    def strict_list(t: Any, c: cattrs.Converter) -> Callable[[Any, Any], Any]:
+        inner = list_structure_factory(t, c)
+
+        def hook(value: Any, tt: Any) -> Any:
+            # A string is iterable; without this "abc" would become ["a", "b", "c"].
+            if not isinstance(value, list):
+                raise TypeError(f"expected a list, got {type(value).__name__}")
+            return inner(value, tt)
+
+        return hook
+
+    def strict_object(t: Any, c: cattrs.Converter) -> Callable[[Any, Any], Any]:
+        inner = make_dict_structure_fn(t, c, _cattrs_forbid_extra_keys=True)
+
+        def hook(value: Any, tt: Any) -> Any:
+            if not isinstance(value, dict):
+                raise TypeError(f"expected an object, got {type(value).__name__}")
+            return inner(value, tt)
+
+        return hook
+
+    def literal(t: Any) -> Callable[[Any, Any], Any]:
+        allowed = get_args(t)
+
+        def hook(value: Any, _: Any) -> Any:
+            if isinstance(value, bool) or value not in allowed:
+                choices = ", ".join(repr(a) for a in allowed)
+                raise TypeError(f"must be one of {choices}; got {value!r}")
+            return value
+
+        return hook
+
+    def origin_is(kind: Any) -> Callable[[Any], bool]:
+        return lambda t: bool(get_origin(t) is kind)
+
+    conv.register_structure_hook_factory(origin_is(Literal), literal)
+    conv.register_structure_hook_factory(origin_is(list), strict_list)
+    conv.register_structure_hook_factory(attrs.has, strict_object)
+
+    def mapping_hook(value: Any, _: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected an object, got {type(value).__name__}")
+        return value
+
+    register_union(conv, dict[str, Any], mapping_hook)
+
+    def str_or_list(value: Any, _: Any) -> str | list[str]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        raise TypeError("expected a string or a list of strings")
+
+    register_union(conv, str | list[str], str_or_list)
+
+    def str_or_object(value: Any, _: Any) -> str | dict[str, Any]:
+        if isinstance(value, str | dict):
+            return value
+        raise TypeError("expected a JSON string or an object")
+
+    register_union(conv, str | dict[str, Any], str_or_object)
+    return conv
+
+
+# --- validating a body -----------------------------------------------------------------
+
+
+def _describe(exc: BaseException, path: str = "") -> tuple[str, str | None]:
+    """The first error in a cattrs exception tree, as (message, field path)."""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        names = sorted(exc.extra_fields)
+        field = f"{path}.{names[0]}" if path else names[0]
+        return f"unknown field {', '.join(map(repr, names))}", field
+    if isinstance(exc, ClassValidationError):
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            return _describe(sub, f"{path}.{note.name}" if path else note.name)
+        for sub in without:
+            return _describe(sub, path)
+    if isinstance(exc, IterableValidationError):
+        with_idx, without_idx = exc.group_exceptions()
+        for sub, inote in with_idx:
+            key = inote.index
+            return _describe(sub, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        for sub in without_idx:
+            return _describe(sub, path)
+    if isinstance(exc, FieldInvalid):
+        return str(exc), f"{path}.{exc.field}" if path else exc.field
+    if isinstance(exc, KeyError):
+        return "required field missing", path or None
+    if isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        return _describe(exc.exceptions[0], path)
+    return str(exc) or type(exc).__name__, path or None
+
+
+def structure(body: Any, cls: type[T], conv: cattrs.Converter) -> T:
+    """Validate a decoded JSON body into ``cls`` with ``conv``;
+    ``InvalidRequest`` names the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    check_text(body)
+    try:
+        return conv.structure(body, cls)
+    except (ClassValidationError, ForbiddenExtraKeysError, IterableValidationError) as exc:
+        msg, path = _describe(exc)
+        where = f" at {path}" if path else ""
+        raise InvalidRequest(f"invalid request{where}: {msg}", param=path) from None
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(f"invalid request: {exc}") from None
