@@ -81,7 +81,7 @@ def open_engine(
     return _engine.open_engine(config, backend_factory, host=host)
 
 
-async def run_engine(
+async def run_engine(  # noqa: ASYNC128 - the engine's run_engine calls started()
     config: EngineConfig,
     backend_factory: BackendFactory = mlx_backend,
     *,
