@@ -19,7 +19,7 @@ import pytest
 from bench import _cli, _report, scenarios
 from bench._scenario import Context, Option, Plot, Result, Scenario, Series, table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_registry_finds_every_scenario_module() -> None:

@@ -10,8 +10,6 @@ cache serves whole."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
@@ -29,17 +27,16 @@ from agents import (
 from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
 from agents.models.openai_provider import OpenAIProvider
 
-from tests.test_server import Server, start_server, stop_server
+from tests.support.process import Server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_model: Path) -> Iterator[Server]:
+def server(smollm2_server: Server) -> Server:
+    """The session's server on the default model (``tests.support.process``)."""
     set_tracing_disabled(True)
-    srv = start_server(smollm2_model)
-    yield srv
-    assert stop_server(srv) == 0
+    return smollm2_server
 
 
 class Recorded:

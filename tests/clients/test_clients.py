@@ -24,14 +24,13 @@ import re
 import socket
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 import pytest
 from pydantic import BaseModel
 
-from .test_server import Server, start_server, stop_server
+from tests.support.process import Server
 
 # Before the clients are imported: LiteLLM reads its bundled model-cost map
 # instead of downloading it, and no client sends telemetry.
@@ -117,12 +116,12 @@ def offline() -> Iterator[list[Any]]:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_model: Path) -> Iterator[Server]:
-    srv = start_server(smollm2_model, "--max-concurrency", "4")
-    yield srv
-    assert stop_server(srv) == 0
+def server(smollm2_server: Server) -> Iterator[Server]:
+    """The session's server on the default model (``tests.support.process``)."""
+    yield smollm2_server
     # Connections some clients pool and never close (LiteLLM's cached
-    # clients) are theirs to leak: collected here, not in a later module.
+    # clients) are theirs to leak: collected here, not in a later module
+    # (and closed, so the shared server's drain does not wait for them).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()

@@ -1,7 +1,7 @@
 """No request can hurt another (issue 9), on the scripted backend.
 
 Each scenario is a whole engine in one Trio run under ``MockClock`` (see
-``tests/test_scenarios.py``): a request's own failure fails it alone, a
+``tests/engine/test_scenarios.py``): a request's own failure fails it alone, a
 failed model step fails only its lane, and an engine that stops working
 says so to every request. Timeouts are crossed with ``MockClock.jump`` at a
 breakpoint, never waited for.
@@ -28,7 +28,7 @@ from gezel_trio import (
     SlowConsumer,
 )
 from gezel_trio.testing import Point, ScriptedBackend, TestEngine, open_test_engine
-from tests.test_scenarios import assert_clean, bg, drain, req, run_many, spawn
+from tests.support.scenarios import assert_clean, bg, drain, req, run_many, spawn
 
 
 def text_of(events: list[Any]) -> str:

@@ -89,7 +89,7 @@ def _writer(root: str, trial: int, conn: Connection, lockstep: bool) -> None:
 
 def test_sigkill_during_persist_writes_never_leaves_a_torn_entry(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gezel_trio.host.persist", "tests.test_faults"])
+    ctx.set_forkserver_preload(["gezel_trio.host.persist", "tests.host.test_faults"])
     rng = random.Random(9)
     loaded = torn = mid_write = chosen_mid_write = 0
     for trial in range(TRIALS):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gezel_trio.host.persist import FORMAT_VERSION, DiskCache, safe_fingerprint
-from tests.test_prompt_cache import FakeOps, FakeState
+from tests.support.fakes import FakeOps, FakeState
 
 TOKENS = tuple(range(50))
 
@@ -169,7 +169,7 @@ def test_sigkill_mid_write_leaves_no_entry_and_no_temp_file(tmp_path: Path) -> N
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "writing"  # the write is under way

@@ -34,8 +34,7 @@ from gezel_trio.engine import ChatFinished
 from gezel_trio.http.anthropic_messages import _Events, chat_request, message_body
 from gezel_trio.http.anthropic_wire import parse_messages_request
 from gezel_trio.shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
-
-from .test_server import Server, start_server, stop_server
+from tests.support.process import Server, start_server, stop_server
 
 KEY = "sekrit-key"
 
@@ -703,10 +702,11 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_model: Path) -> Iterator[Server]:
-    srv = start_server(smollm2_model, "--api-key", KEY)
-    yield srv
-    assert stop_server(srv) == 0
+def smollm2(smollm2_server: Server) -> Server:
+    """The session's server on the default model (``tests.support.process``):
+    no API key there, so the key the client sends is not checked (the dense
+    server above checks keys)."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import trio
 
 from gezel_trio import Engine
 from gezel_trio.core.cache_plan import SNAPSHOT_MARGIN
-from tests.test_http_inprocess import raw_stream, served
+from tests.support.inprocess import raw_stream, served
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx2 as httpx
 import trio
 
-from tests.test_http_inprocess import raw_stream, read_content_frames, served
+from tests.support.inprocess import raw_stream, read_content_frames, served
 
 HANG = 120
 SYSTEM = "You are the archivist. You answer from the archive and cite shelf numbers. " * 4

@@ -2,21 +2,19 @@
 chat and legacy completions (SPEC W7), through the real server on the dense
 demo model, driven by the official ``openai`` SDK (and plain HTTP for the
 routes it has no method for). The default model's run of the same SDK calls
-is in ``test_clients.py``.
+is in ``tests/clients/test_clients.py``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 import openai
 import pytest
 
-from .test_server import Server, start_server, stop_server
+from tests.support.process import Server
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +22,9 @@ FIXED = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(dense_model: Path) -> Iterator[Server]:
-    srv = start_server(dense_model, "--max-concurrency", "4")
-    yield srv
-    assert stop_server(srv) == 0
+def server(dense_server: Server) -> Server:
+    """The session's server on the dense demo model (``tests.support.process``)."""
+    return dense_server
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:

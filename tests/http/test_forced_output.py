@@ -25,7 +25,7 @@ import openai
 import pytest
 import trio
 
-from tests.test_http_inprocess import served
+from tests.support.inprocess import served
 
 pytestmark = pytest.mark.slow
 

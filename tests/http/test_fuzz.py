@@ -3,7 +3,7 @@
 A bounded number of hypothesis examples (``GEZEL_FUZZ_EXAMPLES``, 1000 by
 default; ``python -m bench fuzz`` runs 50,000) against one server process on the
 tiny dense demo model, while a healthy greedy stream loops beside the
-fuzzer. The strategies and invariants are in ``tests/fuzzing.py``.
+fuzzer. The strategies and invariants are in ``tests/support/fuzzing.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,16 @@ import httpx2 as httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from tests.fuzzing import FUZZ_SERVER_ARGS, HealthyStream, Request, check, health_ok, requests, send
-from tests.test_server import Server, start_server, stop_server
+from tests.support.fuzzing import (
+    FUZZ_SERVER_ARGS,
+    HealthyStream,
+    Request,
+    check,
+    health_ok,
+    requests,
+    send,
+)
+from tests.support.process import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

@@ -3,74 +3,15 @@ watch the engine's state while a client misbehaves."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import httpx2 as httpx
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
-from gezel_trio import Engine, EngineConfig, open_engine
-from gezel_trio.http.app import HttpSettings, create_app
+from gezel_trio.http.app import HttpSettings
+from tests.support.inprocess import raw_stream, read_content_frames, served
 
 HANG = 60
-
-
-@asynccontextmanager
-async def served(
-    model: Path, settings: HttpSettings | None = None, **engine_kw: Any
-) -> AsyncIterator[tuple[Engine, str]]:
-    async with open_engine(EngineConfig(model=model, **engine_kw)) as engine:  # type: ignore[arg-type]
-        config = Config()
-        config.bind = ["127.0.0.1:0"]
-        config.accesslog = None
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(
-                partial(
-                    serve,
-                    create_app(engine, settings or HttpSettings()),
-                    config,
-                    shutdown_trigger=shutdown.wait,
-                )
-            )
-            try:
-                yield engine, binds[0]
-            finally:
-                shutdown.set()
-
-
-@asynccontextmanager
-async def raw_stream(url: str, body: dict[str, object]) -> AsyncIterator[trio.SocketStream]:
-    """POST ``body`` on a bare TCP stream: leaving the block is an abrupt
-    client disconnect, with no client library in between."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    payload = json.dumps(body).encode()
-    stream = await trio.open_tcp_stream(host, int(port))
-    async with stream:
-        await stream.send_all(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            b"Content-Type: application/json\r\n"
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
-        yield stream
-
-
-async def read_content_frames(stream: trio.SocketStream, count: int) -> int:
-    """Read until ``count`` SSE frames with content have arrived."""
-    seen, buf = 0, b""
-    while seen < count:
-        data = await stream.receive_some()
-        assert data, "the server closed the stream early"
-        buf += data
-        seen = buf.count(b'"content":"') - buf.count(b'"content":""')
-    return seen
 
 
 BODY = {

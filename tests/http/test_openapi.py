@@ -28,8 +28,8 @@ import httpx2 as httpx
 import pytest
 from jsonschema import Draft202012Validator
 
-from tests.fuzzing import FUZZ_SERVER_ARGS
-from tests.test_server import Server, start_server, stop_server
+from tests.support.fuzzing import FUZZ_SERVER_ARGS
+from tests.support.process import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

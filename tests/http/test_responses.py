@@ -25,7 +25,7 @@ from openai.types.responses import (
     ResponseOutputMessage,
 )
 
-from tests.test_server import Server, start_server, stop_server
+from tests.support.process import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,6 @@ doing alone."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import jsonschema
@@ -15,7 +13,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.test_server import Server, start_server, stop_server
+from tests.support.process import Server
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +43,10 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
-def server(
-    request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path
-) -> Iterator[Server]:
-    srv = start_server(dense_model if request.param == "dense" else hybrid_model)
-    yield srv
-    assert stop_server(srv) == 0
+def server(request: pytest.FixtureRequest) -> Server:
+    """The session's server on each demo model (``tests.support.process``)."""
+    server: Server = request.getfixturevalue(f"{request.param}_server")
+    return server
 
 
 def test_required_tool_call_streams_arguments_that_validate(server: Server) -> None:

@@ -29,7 +29,7 @@ import pytest
 import trio
 from PIL import Image, ImageDraw
 
-from tests.test_http_inprocess import raw_stream, served
+from tests.support.inprocess import raw_stream, served
 
 pytestmark = pytest.mark.slow
 

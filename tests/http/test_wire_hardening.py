@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.test_server import FIXED, Server, start_server, stop_server
+from tests.support.process import FIXED, Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +31,9 @@ HEALTHY: dict[str, Any] = dict(
 
 
 @pytest.fixture(scope="module")
-def server(dense_model: Path) -> Iterator[Server]:
-    srv = start_server(dense_model, "--max-concurrency", "4")
-    yield srv
-    assert stop_server(srv) == 0
+def server(dense_server: Server) -> Server:
+    """The session's server on the dense demo model (``tests.support.process``)."""
+    return dense_server
 
 
 @pytest.fixture(scope="module")

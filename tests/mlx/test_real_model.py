@@ -14,7 +14,6 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,7 @@ import jsonschema
 import pytest
 
 from gezel_trio.shaping.prompt import ChatTemplateRenderer
-
-from .test_server import Server, start_server, stop_server
+from tests.support.process import Server
 
 pytestmark = pytest.mark.slow
 
@@ -131,10 +129,9 @@ def test_rendered_prompt_equals_the_metadata_template_in_plain_jinja2(
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_model: Path) -> Iterator[Server]:
-    srv = start_server(smollm2_model)
-    yield srv
-    assert stop_server(srv) == 0
+def server(smollm2_server: Server) -> Server:
+    """The session's server on the default model (``tests.support.process``)."""
+    return smollm2_server
 
 
 def _ask(server: Server, question: str, **kw: Any) -> Any:
@@ -147,7 +144,7 @@ def _ask(server: Server, question: str, **kw: Any) -> Any:
 def test_the_readme_example_prints_the_answer(
     server: Server, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     (example,) = re.findall(r"## Using it\n\n```python\n(.*?)```", readme, re.S)
     code = example.replace("http://127.0.0.1:8080", server.url)
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})

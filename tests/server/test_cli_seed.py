@@ -2,7 +2,7 @@
 
 Every flag the seed declares parses; each is mapped to ours, honoured, or
 noticed on stderr; a model the PLE flags cannot serve is refused before
-anything loads. ``tests/test_seed_compat.py`` starts the real server with
+anything loads. ``tests/server/test_seed_compat.py`` starts the real server with
 the same command line.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gezel_trio import cli
-from tests.test_seed_compat import seed_command_line
+from tests.support.seed import seed_command_line
 
 
 def test_the_seed_command_line_maps_onto_ours(tmp_path: Path) -> None:

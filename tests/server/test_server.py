@@ -11,91 +11,28 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-import openai
 import pytest
+
+from tests.support.process import FIXED, Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
 
-class Server:
-    def __init__(self, url: str, proc: subprocess.Popen[str]) -> None:
-        self.url = url
-        self.proc = proc
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-    def post(self, body: bytes, content_type: str = "application/json") -> httpx.Response:
-        return httpx.post(
-            f"{self.url}/v1/chat/completions",
-            content=body,
-            headers={"Content-Type": content_type},
-            timeout=60,
-        )
-
-
-def start_server(model: Path, *args: str) -> Server:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gezel_trio",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--log-level",
-            "WARNING",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert proc.stdout is not None
-    for line in proc.stdout:  # ends if the process dies: then the assert below fails
-        if line.startswith("gezel-trio listening on "):
-            return Server(line.split()[-1], proc)
-    proc.kill()
-    proc.stdout.close()
-    raise AssertionError(f"server exited with {proc.wait()} before listening")
-
-
-def stop_server(server: Server) -> int:
-    server.client.close()
-    server.proc.send_signal(signal.SIGTERM)
-    try:
-        return server.proc.wait(timeout=30)
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
-        if server.proc.stdout is not None:
-            server.proc.stdout.close()
-
-
 @pytest.fixture(scope="module", params=["dense", "hybrid"])
-def server(
-    request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path
-) -> Iterator[Server]:
-    model = dense_model if request.param == "dense" else hybrid_model
-    srv = start_server(model, "--max-concurrency", "4")
-    yield srv
-    assert stop_server(srv) == 0, "SIGTERM must drain and exit cleanly"
+def server(request: pytest.FixtureRequest) -> Server:
+    """The session's server on each demo model (``tests.support.process``)."""
+    server: Server = request.getfixturevalue(f"{request.param}_server")
+    return server
 
 
 MSG: list[Any] = [{"role": "user", "content": "Write a few words."}]
-# Fixed-length generations (as vLLM offers), answering without a think block.
-FIXED = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
 
 
 def test_non_streaming_completion(server: Server) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from gezel_trio import EngineConfig, open_engine
 from gezel_trio.http.app import HttpSettings, create_app
-from tests.test_seed_compat import LEAF, TAGGED
+from tests.support.seed import LEAF, TAGGED
 
 pytestmark = pytest.mark.slow
 

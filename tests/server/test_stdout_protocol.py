@@ -2,7 +2,7 @@
 notes become markers (the seed's minimum and interval, per request), and
 how a contained failure is printed (every line tagged, none bare). The real
 server process is tested against the same regular expressions in
-``tests/test_seed_compat.py``."""
+``tests/server/test_seed_compat.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gezel_trio.core.errors import EngineFailure, RequestFailed
 from gezel_trio.core.events import Failed, Progress
 from gezel_trio.engine import RequestNote
 from gezel_trio.stdout_protocol import StdoutProtocol, StdoutSettings, tagged_traceback
-from tests.test_seed_compat import LEAF, PREFILL, TAGGED
+from tests.support.seed import LEAF, PREFILL, TAGGED
 
 
 def _printed(notes: list[tuple[float, RequestNote]], **settings: float) -> list[str]:

@@ -1,7 +1,7 @@
 """The generic tool format's prompt side: how tools, calls and results are
 written into a conversation for a chat template that has no tool syntax
 (the call side is in test_toolcalls.py and test_grammar.py; the default
-model exercises both in test_real_model.py)."""
+model exercises both in tests/mlx/test_real_model.py)."""
 
 from __future__ import annotations
 

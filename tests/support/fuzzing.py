@@ -1,5 +1,5 @@
 """Property-based fuzzing of every route (issue 9), shared by
-``tests/test_fuzz.py`` (a bounded count in CI) and the ``fuzz`` bench
+``tests/http/test_fuzz.py`` (a bounded count in CI) and the ``fuzz`` bench
 scenario (``python -m bench fuzz``, ``bench/scenarios/fuzz.py``).
 
 Requests are drawn by hypothesis: well-formed bodies with random valid
