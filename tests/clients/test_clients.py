@@ -22,11 +22,13 @@ import json
 import os
 import re
 import socket
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
+import openai
 import pytest
 from pydantic import BaseModel
 
@@ -119,9 +121,18 @@ def offline() -> Iterator[list[Any]]:
 def server(smollm2_server: Server) -> Iterator[Server]:
     """The session's server on the default model (``tests.support.process``)."""
     yield smollm2_server
-    # Connections some clients pool and never close (LiteLLM's cached
-    # clients) are theirs to leak: collected here, not in a later module
-    # (and closed, so the shared server's drain does not wait for them).
+    # LiteLLM keeps the OpenAI client it made, and its pooled connection, for
+    # the process: closed here, or the shared server's drain at the end of
+    # the session waits out its graceful timeout for that connection.
+    litellm = sys.modules.get("litellm")
+    if litellm is not None:
+        cached = getattr(litellm.in_memory_llm_clients_cache, "cache_dict", {})
+        for client in list(cached.values()):
+            if isinstance(client, openai.OpenAI):
+                client.close()
+        litellm.in_memory_llm_clients_cache.flush_cache()
+    # Connections other clients pool and never close are theirs to leak:
+    # collected here, not in a later module.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
