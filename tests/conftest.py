@@ -1,7 +1,7 @@
-"""The suite's shared fixtures, registered from ``tests/support``: demo models
-built once per session in a private home (``tests.support.models``) and one
+"""The suite's shared fixtures and hooks, registered from ``tests/support``:
+demo models built once per session in a private home (``models``), one
 ``gezel-trio serve`` process per model for the tests that share its flags
-(``tests.support.process``)."""
+(``process``), and how a test past its timeout ends the run (``timeouts``)."""
 
 from __future__ import annotations
 
@@ -9,4 +9,8 @@ from __future__ import annotations
 # OpenBLAS at import time (gezel_trio.mlx.blas) and warns when it is too late.
 import gezel_trio  # noqa: F401
 
-pytest_plugins = ["tests.support.models", "tests.support.process"]
+pytest_plugins = [
+    "tests.support.models",
+    "tests.support.process",
+    "tests.support.timeouts",
+]
