@@ -1,4 +1,4 @@
-"""The chat-level engine API (SPEC H1): messages in, shaped events out.
+"""The chat-level engine API: messages in, shaped events out.
 
 The scripted engine checks the event contract deterministically under
 MockClock; the real MLX engine on the demo models checks the shaping

@@ -1,4 +1,4 @@
-"""Preemption on the real MLX engine, both demo models (SPEC E2, E3): a parked
+"""Preemption on the real MLX engine, both demo models: a parked
 background wave resumes byte-identically, and interactive work does not wait
 for it. Gated on engine events; no sleeps."""
 

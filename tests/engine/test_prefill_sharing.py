@@ -1,4 +1,4 @@
-"""``n > 1``: n sequences of one prompt share one prefill (SPEC W7).
+"""``n > 1``: n sequences of one prompt share one prefill.
 
 The first member admitted computes the prompt; the others wait, holding
 their slots, until its state at ``len(prompt) - 1`` is in the prompt cache,

@@ -1,4 +1,4 @@
-"""Deterministic cancellation scenarios on the scripted backend (SPEC H2).
+"""Deterministic cancellation scenarios on the scripted backend.
 
 Each scenario is a whole engine in one Trio run under
 ``MockClock(autojump_threshold=0)``: the host loop is a Trio task, so there

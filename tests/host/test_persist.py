@@ -1,4 +1,4 @@
-"""Disk persistence faults (SPEC C5): every bad file is a clean miss, nothing
+"""Disk persistence faults: every bad file is a clean miss, nothing
 is written outside the persist dir, and an interrupted write leaves nothing
 behind once the directory is reopened."""
 

@@ -1,5 +1,5 @@
 """Anthropic Messages (``/v1/messages``, ``/v1/messages/count_tokens``) driven
-by the official ``anthropic`` SDK (SPEC W7), its responses validated strictly
+by the official ``anthropic`` SDK, its responses validated strictly
 against the SDK's own models (``_strict_response_validation``).
 
 Three kinds of test:

@@ -1,4 +1,4 @@
-"""The prompt cache for clients that know nothing of it (SPEC C9).
+"""The prompt cache for clients that know nothing of it.
 
 Every request here is what a standard client sends: the official ``openai``
 SDK's chat completions with no gezel field (no ``cache_id``, no prefix ids),

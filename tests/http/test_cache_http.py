@@ -1,4 +1,4 @@
-"""Cache endpoints (SPEC W5, C8) on a real hypercorn socket in this Trio run."""
+"""Cache endpoints on a real hypercorn socket in this Trio run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Legacy completions, ``/tokenize`` and ``/detokenize``, and ``n > 1`` on
-chat and legacy completions (SPEC W7), through the real server on the dense
+chat and legacy completions, through the real server on the dense
 demo model, driven by the official ``openai`` SDK (and plain HTTP for the
 routes it has no method for). The default model's run of the same SDK calls
 is in ``tests/clients/test_clients.py``.

@@ -1,4 +1,4 @@
-"""Forced output always completes (SPEC T3), driven as a standard client does.
+"""Forced output always completes, driven as a standard client does.
 
 A forced tool call or a ``json_schema`` answer is one of two things: whole,
 parseable and valid with ``finish_reason`` ``tool_calls`` / ``stop``, or

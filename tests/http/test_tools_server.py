@@ -1,5 +1,5 @@
 """Tools, structured outputs, thinking and logprobs through the real server
-and the official ``openai`` SDK (SPEC T1-T4, W2). The demo models have random
+and the official ``openai`` SDK. The demo models have random
 weights, so every valid tool call or JSON document here is the grammar's
 doing alone."""
 

@@ -1,4 +1,4 @@
-"""Vision (SPEC E9) on the demo VLM, through the real server.
+"""Vision on the demo VLM, through the real server.
 
 The demo VLM is a random-weight LLaVA that mlx-vlm loads (``gezel-trio
 demo-model --kind vision``): a CLIP tower over 32x32 pixels in 8x8 patches,

@@ -1,4 +1,4 @@
-"""MLX on OpenBLAS (SPEC O6): each check runs in a fresh interpreter, since
+"""MLX on OpenBLAS: each check runs in a fresh interpreter, since
 the binding is decided once per process, when the first library that needs
 ``cblas_sgemm`` is loaded."""
 

@@ -1,4 +1,4 @@
-"""Where the served model comes from (SPEC O1): paths, the cache, and a first
+"""Where the served model comes from: paths, the cache, and a first
 start that cannot reach the package index."""
 
 from __future__ import annotations

