@@ -43,6 +43,7 @@ __all__ = [
     "check_request",
     "prepare",
     "roster_fingerprint",
+    "wants_constraint",
 ]
 
 # Bounds on what a request may ask of the model: alternatives per token, and
@@ -111,14 +112,18 @@ class ChatRequest:
         """Whether tool markup in the output becomes calls."""
         return bool(self.tools) and self.tool_choice != "none" and self.prompt is None
 
-    @property
-    def wants_constraint(self) -> bool:
-        """Whether decoding is constrained by a grammar."""
-        return (
-            (self.response_format or {}).get("type") in ("json_object", "json_schema")
-            or self.tool_choice not in (None, "auto", "none")
-            or bool(self.tool_grammar)
-        )
+
+def wants_constraint(
+    response_format: Mapping[str, Any] | None,
+    tool_choice: str | Mapping[str, Any] | None,
+    tool_grammar: Mapping[str, Any] | None,
+) -> bool:
+    """Whether these ask for decoding constrained by a grammar."""
+    return (
+        (response_format or {}).get("type") in ("json_object", "json_schema")
+        or tool_choice not in (None, "auto", "none")
+        or bool(tool_grammar)
+    )
 
 
 @attrs.frozen

@@ -235,14 +235,12 @@ async def run_engine(
             link.close_nowait()
             link.is_loaded.set()  # a load that failed wakes the wait below
 
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_host)
-            await link.is_loaded.wait()
-            if link.loaded is not None and not died:
-                task_status.started(Engine(config, link, Preparer(link.loaded, config)))
-    finally:
-        link.close_nowait()
+    # run_host closes the link however it ends, cancellation included.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_host)
+        await link.is_loaded.wait()
+        if link.loaded is not None and not died:
+            task_status.started(Engine(config, link, Preparer(link.loaded, config)))
     if died:
         raise died[0]
     if link.failure is not None:

@@ -20,7 +20,14 @@ from ..core.config import EngineConfig
 from ..core.constraint import Constraint
 from ..core.errors import InvalidRequest
 from ..core.images import VisionPrompt
-from ..core.prepare import ChatRequest, PreparedChat, bound_max_tokens, check_n, prepare
+from ..core.prepare import (
+    ChatRequest,
+    PreparedChat,
+    bound_max_tokens,
+    check_n,
+    prepare,
+    wants_constraint,
+)
 from ..core.request import RenderedPrompt
 from ._images import ImageLimits, prepare_vision
 from ._link import Loaded
@@ -65,10 +72,7 @@ class Preparer:
         tool_choice: Any = None,
         tool_grammar: Any = None,
     ) -> Constraint | None:
-        wants = ChatRequest(
-            response_format=response_format, tool_choice=tool_choice, tool_grammar=tool_grammar
-        ).wants_constraint
-        if not wants:
+        if not wants_constraint(response_format, tool_choice, tool_grammar):
             return None
         compiler = self.loaded.compiler
         if compiler is None:

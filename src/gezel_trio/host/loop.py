@@ -145,6 +145,7 @@ class _Host:
         cache: PromptCache,
         memory_limit_bytes: int | None = None,
         shutdown_timeout: float | None = None,
+        observed: bool = False,
     ) -> None:
         self.backend = backend
         self.memory_limit = memory_limit_bytes
@@ -155,6 +156,9 @@ class _Host:
         self._eos = backend.info.eos_ids
         self._reported_version = -1
         self._replies: list[tuple[int, Any]] = []
+        # Snapshot captures since the observer last looked; kept only when
+        # one looks (``_points``), so an unobserved host never accumulates them.
+        self._observed = observed
         self._captures: list[int] = []
         self._events: list[tuple[int, Event]] = []
         self._ended: list[int] = []
@@ -392,7 +396,8 @@ class _Host:
             cap = self.backend.capture(rid)
             if cap is not None:
                 self.cache.captured(rid, done, cap)
-                self._captures.append(rid)
+                if self._observed:
+                    self._captures.append(rid)
 
     def _finish(self, rid: int, seq: _Sequence, reason: FinishReason, cap: Captured | None) -> None:
         self._prefilled(rid)  # (never still computing a shared prompt here; no sibling waits)
@@ -489,15 +494,19 @@ class _At:
 
 
 _Need = _Ready | _Exchange | _Stepped | _Idle | _At
+# Yielded every step: one value each, not one allocation per step.
+_STEPPED = _Stepped()
+_IDLE = _Idle()
 
 
-def _make_host(backend: Backend, config: EngineConfig) -> _Host:
+def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
     limit = config.memory_limit_mb
     return _Host(
         backend,
         make_prompt_cache(backend, config),
         None if limit is None else int(limit * 1024 * 1024),
         config.shutdown_timeout,
+        observed,
     )
 
 
@@ -512,23 +521,20 @@ def _drive(
     host: _Host | None = None
     chunks: dict[int, int] = {}
     try:
-        host = _make_host(backend, config)
+        host = _make_host(backend, config, observed)
         yield _Ready(backend)
         report = host.report()
         while True:
             orders = yield _Exchange(report)
             assert orders is not None
             host.apply(orders)
-            points: list[Point] = []
-            if observed:
-                points += [Point("removed", rid) for rid in orders.remove]
-                points += [Point("admitted", rid) for rid, _ in orders.admit]
-                points += [Point("parked", rid) for rid in orders.parked]
-                points += [Point("resumed", rid) for rid in orders.resumed]
-            idle = False
             if orders.stop:
-                points.append(Point("shutdown"))
-            elif host.seqs and orders.lane is not None:
+                if observed:
+                    for point in [*_order_points(orders), Point("shutdown")]:
+                        yield _At(point)
+                return
+            idle = False
+            if host.seqs and orders.lane is not None:
                 report = host.step(orders.lane)
             else:
                 report = host.report()
@@ -536,19 +542,24 @@ def _drive(
                 # insertion, a command's reply) is delivered first.
                 idle = not report.has_news
             if observed:
-                if not orders.stop:
-                    points += _points(report, host, chunks)
-                for point in points:
+                for point in [*_order_points(orders), *_points(report, host, chunks)]:
                     yield _At(point)
-            if orders.stop:
-                return
-            yield _Idle() if idle else _Stepped()
+            yield _IDLE if idle else _STEPPED
     finally:
         try:
             if host is not None:
                 host.shutdown()
         finally:
             backend.close()
+
+
+def _order_points(orders: Orders) -> list[Point]:
+    return [
+        *(Point("removed", rid) for rid in orders.remove),
+        *(Point("admitted", rid) for rid, _ in orders.admit),
+        *(Point("parked", rid) for rid in orders.parked),
+        *(Point("resumed", rid) for rid in orders.resumed),
+    ]
 
 
 def _points(report: StepReport, host: _Host, chunks: dict[int, int]) -> list[Point]:
