@@ -14,9 +14,32 @@ import attrs
 
 from .errors import GezelError
 
-__all__ = ["Delta", "Event", "Failed", "FinishReason", "Finished", "Progress", "Usage"]
+__all__ = [
+    "CacheMiss",
+    "CacheMissReason",
+    "Delta",
+    "Event",
+    "Failed",
+    "FinishReason",
+    "Finished",
+    "Progress",
+    "Usage",
+]
 
 FinishReason = Literal["stop", "length"]
+
+CacheMissReason = Literal["cold", "diverged", "checkpoint", "evicted"]
+"""Why a prompt reused less than it might have (docs/protocols.md, "Cache misses"):
+
+* ``cold``: nothing in the cache shares even the prompt's first token;
+* ``diverged``: a cached sequence holds the prompt's first ``token`` tokens
+  and then goes on differently - the prompt changed inside what was cached;
+* ``checkpoint``: the cache holds the prompt further than it could be reused:
+  a model whose cache cannot rewind restarts only from a saved state, and the
+  deepest one lies at ``reused``, before ``token``;
+* ``evicted``: an entry dropped for the memory budget had held more of this
+  prompt than what is left.
+"""
 
 
 @attrs.frozen
@@ -55,12 +78,38 @@ class TokenLogprob:
 
 
 @attrs.frozen
+class CacheMiss:
+    """Where a prompt left the longest prefix the prompt cache held.
+
+    ``token`` is the index of the first prompt token the cache did not hold
+    (what it held continued differently, or ended), ``reused`` how many were
+    served from it. ``message`` and ``role`` name the rendered message that
+    token falls in (counting the system message; ``None`` where the renderer
+    did not say). ``common`` is the decoded text of a few tokens before
+    ``token``; ``cached`` and ``prompt`` what follows it on each side (a few
+    dozen tokens at most; empty where a side has nothing there)."""
+
+    reason: CacheMissReason
+    token: int
+    reused: int
+    message: int | None = None
+    role: str | None = None
+    common: str = ""
+    cached: str = ""
+    prompt: str = ""
+
+
+@attrs.frozen
 class Usage:
+    """Token counts and rates of one sequence. ``cache_miss`` says where the
+    prompt left the cache, ``None`` when it reused all the cache held for it."""
+
     input_tokens: int
     output_tokens: int
     cached_tokens: int
     prompt_tps: float
     generation_tps: float
+    cache_miss: CacheMiss | None = None
 
     @property
     def total_tokens(self) -> int:

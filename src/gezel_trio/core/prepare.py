@@ -193,6 +193,8 @@ def prepare(
             band_end=rendered.band_end,
             boundaries=rendered.boundaries,
             roster=roster_fingerprint(chat.tools),
+            message_starts=rendered.message_starts,
+            message_roles=rendered.message_roles,
         ),
         constraint=constraint,
         max_thinking_tokens=thinking,

@@ -34,6 +34,11 @@ class RenderedPrompt:
     # The rendered text: a vision model's processor tokenizes it again,
     # expanding each image marker (``core.images``).
     text: str = ""
+    # Where each rendered message starts (a token index; the markup before a
+    # message's content counts as its own) and its role, so a cache miss can
+    # name the message it falls in. Empty where the renderer did not say.
+    message_starts: tuple[int, ...] = ()
+    message_roles: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -72,6 +77,8 @@ class CacheRequest:
     was rendered with. Sequences with the same ``prefill_group`` continue
     the same prompt (``n > 1``): the first admitted computes it, the others
     wait for its state at ``len(prompt) - 1`` and seed from it.
+    ``message_starts`` and ``message_roles`` are the rendered messages'
+    (``RenderedPrompt``), for naming where a cache miss falls.
     """
 
     cache_id: str | None = None
@@ -82,6 +89,8 @@ class CacheRequest:
     persist: bool = False
     roster: str = ""
     prefill_group: int | None = None
+    message_starts: tuple[int, ...] = ()
+    message_roles: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -179,6 +179,7 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         cached_tokens=first.cached_tokens,
         prompt_tps=first.prompt_tps,
         generation_tps=round(sum(u.generation_tps for u in usages), 2),
+        cache_miss=first.cache_miss,
     )
 
 

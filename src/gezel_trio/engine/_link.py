@@ -540,6 +540,8 @@ class HostLink:
                 m.cached_tokens.inc(usage.cached_tokens)
                 m.prefilled_tokens.inc(usage.input_tokens - usage.cached_tokens)
                 m.generation_tokens.inc(usage.output_tokens)
+                miss = usage.cache_miss
+                m.cache_misses.labels(miss.reason if miss is not None else "full").inc()
             case Failed(error=error):
                 m.e2e.observe(now - live.submitted_at)
                 m.requests.labels("failed", error.code or "").inc()

@@ -43,6 +43,7 @@ from ..core.backend import Backend, Captured, Detokenizer, TokenOut
 from ..core.config import EngineConfig
 from ..core.errors import EngineFailure, GezelError, RequestFailed
 from ..core.events import (
+    CacheMiss,
     Delta,
     Event,
     Failed,
@@ -81,6 +82,7 @@ class _Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     generated: int = 0
+    miss: CacheMiss | None = None
 
     def usage(self) -> Usage:
         first, last = self.first_token_at, self.last_token_at
@@ -96,6 +98,7 @@ class _Sequence:
             cached_tokens=self.cached,
             prompt_tps=round(prompt_tps, 2),
             generation_tps=round(gen_tps, 2),
+            cache_miss=self.miss,
         )
 
 
@@ -290,6 +293,7 @@ class _Host:
                     detok=self.backend.detokenizer(keep_leading_space=request.continues_text),
                     text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
+                    miss=seed.miss,
                 )
             except Exception as exc:
                 self._fail(rid, "admission", exc)

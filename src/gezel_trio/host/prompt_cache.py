@@ -31,17 +31,21 @@ Every decision is one log line on ``gezel_trio.cache``.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
 
 from ..core.backend import Admission, Captured
 from ..core.cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
-from ..core.cache_store import CacheStore, Entry, EntryKind, Seed
+from ..core.cache_store import CacheStore, Entry, EntryKind, Node, Seed
+from ..core.events import CacheMiss, CacheMissReason
 from ..core.request import CacheRequest, GenerationRequest
 from .persist import DiskCache, DiskEntry
 
@@ -71,6 +75,9 @@ class SeedInfo:
     reuse: int
     source: str
     mode: str
+    # Where the prompt left the cache, when it reused less than the cache
+    # held for it (``core.events.CacheMiss``).
+    miss: CacheMiss | None = None
 
 
 @attrs.frozen
@@ -126,6 +133,20 @@ class _Seq:
     warned: bool = False
 
 
+def _reaching(node: Node, pos: int) -> Entry | None:
+    """The most recently used entry through ``node`` that holds tokens past
+    ``pos``: the cached side of a divergence there."""
+    best: Entry | None = None
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for e in n.ends:
+            if e.end > pos and (best is None or e.last_use > best.last_use):
+                best = e
+        stack.extend(n.children.values())
+    return best
+
+
 def _short(key: str) -> str:
     return key if len(key) <= 64 else key[:61] + "..."
 
@@ -149,6 +170,48 @@ def _token_bytes(token: int) -> bytes:
     if token >= 0:
         return token.to_bytes(4, "little")
     return b"\xff\xff\xff\xff" + (-token).to_bytes(8, "little")
+
+
+# Tokens of context on each side of a divergence: enough to read which line
+# changed, few enough that decoding them costs microseconds on this thread.
+_BEFORE, _AFTER = 8, 24
+
+
+class _EvictedTrail:
+    """Digests of the block-aligned prefixes of entries the memory budget
+    evicted, so a miss can say an eviction cost it: a chained hash per block
+    (one pass over an entry's tokens), at most ``limit`` kept, oldest first
+    out. Digests only: no tokens, no states."""
+
+    def __init__(self, block: int, limit: int = 16384) -> None:
+        self._block = block
+        self._limit = limit
+        self._reach: OrderedDict[bytes, int] = OrderedDict()
+
+    def __bool__(self) -> bool:
+        return bool(self._reach)
+
+    def _chain(self, tokens: Sequence[int]) -> Iterator[tuple[bytes, int]]:
+        h = hashlib.blake2b(digest_size=16)
+        for start in range(0, len(tokens) - self._block + 1, self._block):
+            h.update(array("q", tokens[start : start + self._block]).tobytes())
+            yield h.digest(), start + self._block
+
+    def record(self, tokens: Sequence[int]) -> None:
+        for digest, depth in self._chain(tokens):
+            self._reach[digest] = depth
+            self._reach.move_to_end(digest)
+        while len(self._reach) > self._limit:
+            self._reach.popitem(last=False)
+
+    def reach(self, prompt: Sequence[int]) -> int:
+        """How far into ``prompt`` an evicted entry reached (block-aligned)."""
+        best = 0
+        for digest, depth in self._chain(prompt):
+            if digest not in self._reach:
+                break
+            best = depth
+        return best
 
 
 class PromptCache:
@@ -176,6 +239,7 @@ class PromptCache:
         # Token decoder for divergence previews in logs (optional).
         self._decode = decode
         self._counts = {"lookups": 0, "hits": 0, "prompt": 0, "cached": 0, "evictions": 0}
+        self._evicted = _EvictedTrail(self.store.block_tokens)
         self.version = 0
 
     # --- admission ---------------------------------------------------------
@@ -222,10 +286,84 @@ class PromptCache:
             len(prompt) - reuse,
             sorted(cuts) or "-",
         )
+        miss = self.diagnose(prompt, reuse, cr)
         return (
             Admission(rid, request, segments, state, prompt[:reuse]),
-            SeedInfo(reuse, source, mode),
+            SeedInfo(reuse, source, mode, miss),
         )
+
+    def diagnose(
+        self, prompt: tuple[int, ...], reuse: int, cr: CacheRequest | None = None
+    ) -> CacheMiss | None:
+        """Where ``prompt`` (which reused ``reuse`` tokens) left the longest
+        prefix the store holds, or ``None`` when it reused all the store held
+        for it: the whole prompt but the token that must be computed, or a
+        cached sequence that the prompt extends. One walk of the store's
+        trie (what a seed lookup costs); on a miss, a few dozen tokens
+        decoded. Never raises: a diagnosis that fails is logged and absent."""
+        try:
+            return self._diagnose(prompt, reuse, cr or CacheRequest())
+        except Exception:  # diagnostics never break a turn
+            log.exception("cache-miss diagnosis failed")
+            return None
+
+    def _diagnose(self, prompt: tuple[int, ...], reuse: int, cr: CacheRequest) -> CacheMiss | None:
+        limit = len(prompt) - 1
+        if reuse >= limit:
+            return None
+        path, lcp = self.store.walk(prompt)
+        last = path[-1] if path else self.store.root
+        # Something cached goes on past the shared prefix: the last node is
+        # shared only in part, or has children the prompt matched none of.
+        continues = lcp < last.end or bool(last.children)
+        evicted = self._evicted.reach(prompt) if self._evicted else 0
+        reason: CacheMissReason
+        if evicted > lcp:
+            reason = "evicted"
+        elif lcp == 0:
+            reason = "cold"
+        elif reuse < min(lcp, limit):
+            reason = "checkpoint"
+        elif continues:
+            reason = "diverged"
+        else:
+            return None
+        lo, hi = max(0, lcp - _BEFORE), lcp + _AFTER
+        cached: tuple[int, ...] = ()
+        if lcp and continues:
+            entry = _reaching(last, lcp)
+            cached = entry.tokens[lcp:hi] if entry is not None else ()
+        common, cached_text, prompt_text = self._texts(prompt[lo:lcp], cached, prompt[lcp:hi])
+        message = role = None
+        if cr.message_starts:
+            index = max(0, bisect.bisect_right(cr.message_starts, lcp) - 1)
+            message = index
+            role = cr.message_roles[index] if index < len(cr.message_roles) else None
+        miss = CacheMiss(reason, lcp, reuse, message, role, common, cached_text, prompt_text)
+        log.info(
+            "cache miss reason=%s token=%d reused=%d of %d message=%s role=%s "
+            "common=%r cached=%r prompt=%r",
+            reason,
+            lcp,
+            reuse,
+            len(prompt),
+            "-" if message is None else message,
+            role or "-",
+            common,
+            cached_text,
+            prompt_text,
+        )
+        return miss
+
+    def _texts(self, *parts: Sequence[int]) -> tuple[str, str, str]:
+        if self._decode is None:
+            return ("", "", "")
+        try:
+            a, b, c = (self._decode(list(p)) if p else "" for p in parts)
+        except Exception:  # a preview that cannot be decoded is left out
+            log.debug("cache-miss preview could not be decoded", exc_info=True)
+            return ("", "", "")
+        return (str(a), str(b), str(c))
 
     @staticmethod
     def _role(entry: Entry, cr: CacheRequest) -> str:
@@ -569,6 +707,7 @@ class PromptCache:
         """The store is about to drop ``victim``: write it first if dirty."""
         if victim.dirty and self.disk is not None:
             self._write(victim)
+        self._evicted.record(victim.tokens)
         log.info(
             "evicted %s tokens=%d (memory budget)",
             _short(victim.key or "anonymous"),

@@ -57,9 +57,10 @@ from .anthropic_wire import (
     parse_count_tokens_request,
     parse_messages_request,
 )
+from .cache_diagnostics import FingerprintStore, fingerprint
 from .edge import ProtocolBlueprint, json_body, refusal
 from .images import from_base64, from_data_url
-from .sse import ChatStream, event_stream, liveness_comment, run_chat
+from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment, run_chat
 
 __all__ = [
     "MESSAGES_PATH",
@@ -388,6 +389,7 @@ def usage_body(u: Usage) -> dict[str, Any]:
         "output_tokens": u.output_tokens,
         "cache_read_input_tokens": u.cached_tokens,
         "cache_creation_input_tokens": 0,
+        "cache_miss": cache_miss_body(u.cache_miss),
     }
 
 
@@ -460,11 +462,20 @@ class _Events:
     closed when another kind starts or the message ends (a thinking block
     closes with its ``signature_delta``)."""
 
-    def __init__(self, mid: str, model: str, prompt_tokens: int, show_thinking: bool) -> None:
+    def __init__(
+        self,
+        mid: str,
+        model: str,
+        prompt_tokens: int,
+        show_thinking: bool,
+        diagnostics: dict[str, Any] | None = None,
+    ) -> None:
         self._mid = mid
         self._model = model
         self._prompt_tokens = prompt_tokens
         self._show_thinking = show_thinking
+        # The message's ``diagnostics`` when the request asked for them.
+        self._diagnostics = diagnostics
         self._index = -1
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._thinking = hashlib.sha256()
@@ -488,6 +499,8 @@ class _Events:
                 "cache_creation_input_tokens": 0,
             },
         }
+        if self._diagnostics is not None:
+            message["diagnostics"] = self._diagnostics["diagnostics"]
         return [_event("message_start", {"message": message}), _PING]
 
     def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
@@ -576,18 +589,29 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         "anthropic_messages", __name__, refusal(engine, error_response), url_prefix=MESSAGES_PATH
     )
 
+    # Cache-diagnostics fingerprints of this app's responses, by id.
+    fingerprints = FingerprintStore()
+
     @bp.route("", methods=["POST"])
     async def messages() -> Response:
         req = parse_messages_request(await json_body())
-        prepared = await engine.prepare_chat(chat_request(req))
+        chat = chat_request(req)
+        prepared = await engine.prepare_chat(chat)
         mid = f"msg_{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         show = _show_thinking(req)
+        diagnostics = None
+        if req.diagnostics is not None:
+            current = fingerprint(model, chat, len(prepared.request.prompt))
+            previous = req.diagnostics.previous_message_id
+            diagnostics = {"diagnostics": fingerprints.diagnose(mid, previous, current)}
         if req.stream:
-            events = _Events(mid, model, len(prepared.request.prompt), show)
+            events = _Events(mid, model, len(prepared.request.prompt), show, diagnostics)
             return event_stream(ChatStream(engine, prepared, events))
         finished, _ = await run_chat(engine, prepared)
         body = message_body(mid, model, finished, show_thinking=show)
+        if diagnostics is not None:
+            body.update(diagnostics)
         return Response(json.dumps(body), mimetype="application/json")
 
     @bp.route("/count_tokens", methods=["POST"])

@@ -33,6 +33,7 @@ __all__ = [
     "Block",
     "ContentBlockSourceParam",
     "CountTokensRequest",
+    "DiagnosticsParam",
     "DocumentBlockParam",
     "ImageBlockParam",
     "MessageParam",
@@ -53,6 +54,14 @@ T = TypeVar("T")
 
 # Anthropic's rule for tool names (wider than OpenAI's 64).
 _TOOL_NAME = r"[A-Za-z0-9_-]{1,128}"
+
+
+@attrs.frozen
+class DiagnosticsParam:
+    """Cache diagnostics: the previous response's id (``null`` on a first
+    turn, to opt in); ``http.cache_diagnostics``."""
+
+    previous_message_id: str | None = None
 
 
 @attrs.frozen
@@ -355,7 +364,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = attrs.field(default=None, validator=Range(0, None))
     metadata: MetadataParam | None = None
     container: Any = None
-    diagnostics: dict[str, Any] | None = None
+    diagnostics: DiagnosticsParam | None = None
     inference_geo: str | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     # Beta fields about billing and refusals: nothing here bills or declines.

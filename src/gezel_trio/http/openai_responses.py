@@ -70,7 +70,7 @@ from .responses_wire import (
     parse_responses_request,
     structure_items,
 )
-from .sse import ChatStream, event_stream, liveness_comment
+from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment
 
 __all__ = ["RESPONSES_PATH", "blueprint", "items_to_messages"]
 
@@ -223,6 +223,7 @@ def _usage(u: Usage | None) -> dict[str, Any] | None:
         "output_tokens": u.output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.total_tokens,
+        "cache_miss": cache_miss_body(u.cache_miss),
     }
 
 

@@ -13,7 +13,16 @@ import trio
 from quart import Response
 
 from ..core.errors import GezelError
-from ..core.events import Failed, Parked, Progress, Queued, Resumed, TokenLogprob, Usage
+from ..core.events import (
+    CacheMiss,
+    Failed,
+    Parked,
+    Progress,
+    Queued,
+    Resumed,
+    TokenLogprob,
+    Usage,
+)
 from ..engine import (
     ChatChoice,
     ChatEvent,
@@ -30,6 +39,7 @@ __all__ = [
     "DONE",
     "ChatStream",
     "Translator",
+    "cache_miss_body",
     "chunk",
     "comment",
     "completion",
@@ -86,6 +96,25 @@ def usage_body(u: Usage) -> dict[str, Any]:
         "prompt_tokens": u.input_tokens,
         "completion_tokens": u.output_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "cache_miss": cache_miss_body(u.cache_miss),
+    }
+
+
+def cache_miss_body(miss: CacheMiss | None) -> dict[str, Any] | None:
+    """gezel's ``usage.cache_miss`` (every protocol): where the prompt left
+    the longest cached prefix, ``null`` when it reused all the cache held
+    for it (docs/protocols.md, "Cache misses")."""
+    if miss is None:
+        return None
+    return {
+        "reason": miss.reason,
+        "token": miss.token,
+        "reused": miss.reused,
+        "message": miss.message,
+        "role": miss.role,
+        "common": miss.common,
+        "cached": miss.cached,
+        "prompt": miss.prompt,
     }
 
 

@@ -10,7 +10,7 @@ import bisect
 import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.cache_plan import common_prefix
@@ -203,7 +203,20 @@ class ChatTemplateRenderer:
                 f"{type(error).__name__}: {error}",
                 param="messages",
             ) from error
+        roles = tuple(str(m.get("role") or "") for m in messages)
         if not band_chars and not self._find_boundaries:
+            hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+            if getattr(hf, "is_fast", False) is True:
+                # The fast tokenizer's encoding maps characters to tokens at
+                # no extra cost, which places each message for cache misses.
+                fast = hf(text, add_special_tokens=False)
+                starts = _message_starts(text, messages, fast.char_to_token)
+                return RenderedPrompt(
+                    tuple(fast["input_ids"]),
+                    text=text,
+                    message_starts=starts,
+                    message_roles=roles if starts else (),
+                )
             ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
             return RenderedPrompt(tuple(ids), text=text)
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
@@ -214,7 +227,15 @@ class ChatTemplateRenderer:
         bounds: tuple[int, ...] = ()
         if self._find_boundaries:
             bounds = self._boundaries(prepared, text, ends, *used, template_override)
-        return RenderedPrompt(tokens, band_end, bounds, text)
+        starts = _message_starts(text, messages, lambda c: bisect.bisect_right(ends, c))
+        return RenderedPrompt(
+            tokens,
+            band_end,
+            bounds,
+            text,
+            message_starts=starts,
+            message_roles=roles if starts else (),
+        )
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
@@ -346,3 +367,43 @@ def _band_end(
     if start < 0:
         return None
     return bisect.bisect_right(ends, start + len(band))
+
+
+def _content_text(message: dict[str, Any]) -> str:
+    """The text a template writes verbatim for ``message``: its content, or
+    its first text part."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str) and part["text"]:
+                return str(part["text"])
+    return ""
+
+
+def _message_starts(
+    text: str, messages: Sequence[dict[str, Any]], to_token: Callable[[int], int | None]
+) -> tuple[int, ...]:
+    """The token index where each message starts in the rendered ``text``:
+    a message runs from the end of the previous message's content (so the
+    template's markup before a content belongs to that message) to the end
+    of its own. Contents are found by a text search in order, one pass over
+    the text; a content the template rewrote is not found and its message
+    starts where the previous one ended. ``()`` when no content is found."""
+    starts: list[int] = []
+    cursor, found = 0, False
+    for message in messages:
+        starts.append(cursor)
+        content = _content_text(message)
+        at = text.find(content, cursor) if content else -1
+        if at >= 0:
+            found = True
+            cursor = at + len(content)
+    if not found:
+        return ()
+    out: list[int] = []
+    for char in starts:
+        token = to_token(char) if char < len(text) else None
+        out.append(token if token is not None else (out[-1] if out else 0))
+    return tuple(out)

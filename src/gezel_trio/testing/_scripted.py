@@ -77,7 +77,9 @@ class CharRenderer:
             text += "tools: " + json.dumps(list(tools), sort_keys=True) + "\n"
         band_end = None
         boundaries = []
+        starts = []
         for i, m in enumerate(messages):
+            starts.append(len(text))
             content = str(m.get("content") or "")
             if band_chars and band_end is None and m.get("role") == "system":
                 band_end = len(text) + len(f"{m['role']}: ") + min(band_chars, len(content))
@@ -88,7 +90,13 @@ class CharRenderer:
         text += "assistant:"
         if any(ord(c) < 32 and c != "\n" for c in text):
             raise InvalidRequest("control characters are not renderable", param="messages")
-        return RenderedPrompt(tuple(ord(c) for c in text), band_end, tuple(boundaries))
+        return RenderedPrompt(
+            tuple(ord(c) for c in text),
+            band_end,
+            tuple(boundaries),
+            message_starts=tuple(starts),
+            message_roles=tuple(str(m.get("role") or "") for m in messages),
+        )
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         return tuple(ord(c) for c in text)
