@@ -22,8 +22,14 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
+from gezel_trio.core.events import CacheMiss
 from gezel_trio.core.prepare import ChatRequest
-from gezel_trio.http.cache_diagnostics import FingerprintStore, compare, fingerprint
+from gezel_trio.http.cache_diagnostics import (
+    FingerprintStore,
+    compare,
+    fingerprint,
+    system_block,
+)
 from tests.support.process import Server
 
 
@@ -182,6 +188,34 @@ def test_messages_usage_names_the_system_block(claude: anthropic.Anthropic) -> N
     )
 
 
+def test_a_changed_line_in_a_later_system_block_names_that_block(
+    claude: anthropic.Anthropic,
+) -> None:
+    # Claude Code's shape: several system blocks, the volatile one not first
+    # (here a date; the billing header is handled before rendering).
+    tag = uuid.uuid4().hex[:8]
+    blocks = [
+        f"You are a coding agent {tag}.",
+        "Follow the repository's style and run the tests before you answer.",
+    ]
+    for day in ("2026-12-01", "2026-12-02"):
+        system: Any = [
+            *({"type": "text", "text": t} for t in blocks),
+            {"type": "text", "text": f"Today's date: {day}. Working directory: /src/app"},
+        ]
+        message = claude.messages.create(
+            model="demo",
+            system=system,
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=2,
+            thinking={"type": "disabled"},
+        )
+    miss = message.usage.model_extra["cache_miss"]
+    assert (miss["reason"], miss["role"], miss["block"]) == ("diverged", "system", 2)
+    assert "12-01" in miss["common"] + miss["cached"]
+    assert "12-02" in miss["common"] + miss["prompt"]
+
+
 def test_each_cache_miss_reason_in_its_case(claude: anthropic.Anthropic) -> None:
     short, _ = _system("dock")
     first = _ask(claude, short, None, tools=[TOOL])
@@ -253,3 +287,15 @@ def test_the_fingerprint_store_is_bounded_and_holds_digests_only() -> None:
     assert changed["type"] == "messages_changed"
     assert 0 < changed["cache_missed_input_tokens"] < 100
     assert compare(old, _print("s", "a", "b", "c")) is None
+
+
+def test_a_system_block_is_found_inside_it_or_at_its_start() -> None:
+    blocks = ["header: cch=abc123;", "You are an agent.", "Rules: be brief."]
+    inside = CacheMiss("diverged", 9, 9, 0, "system", "header: cch=", "abc123;", "def456;")
+    assert system_block(blocks, inside) == 0
+    start = CacheMiss(
+        "diverged", 30, 30, 0, "system", "an agent.\n\n", "Rules: short.", "Rules: be"
+    )
+    assert system_block(blocks, start) == 2
+    elsewhere = CacheMiss("diverged", 40, 40, 1, "user", "x", "y", "z")
+    assert system_block(blocks, elsewhere) is None

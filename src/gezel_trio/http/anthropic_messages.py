@@ -24,6 +24,7 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from quart import Response
@@ -57,7 +58,7 @@ from .anthropic_wire import (
     parse_count_tokens_request,
     parse_messages_request,
 )
-from .cache_diagnostics import FingerprintStore, fingerprint
+from .cache_diagnostics import FingerprintStore, fingerprint, system_block
 from .edge import ProtocolBlueprint, json_body, refusal
 from .images import from_base64, from_data_url
 from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment, run_chat
@@ -383,14 +384,28 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
 # --- engine -> response -----------------------------------------------------------
 
 
-def usage_body(u: Usage) -> dict[str, Any]:
+def usage_body(u: Usage, system: Sequence[str] = ()) -> dict[str, Any]:
+    """Anthropic's usage; gezel's ``cache_miss`` names the ``system`` text
+    block a miss in the system message falls in, as ``block``."""
+    miss = cache_miss_body(u.cache_miss)
+    if miss is not None:
+        miss["block"] = system_block(system, u.cache_miss)
     return {
         "input_tokens": u.input_tokens - u.cached_tokens,
         "output_tokens": u.output_tokens,
         "cache_read_input_tokens": u.cached_tokens,
         "cache_creation_input_tokens": 0,
-        "cache_miss": cache_miss_body(u.cache_miss),
+        "cache_miss": miss,
     }
+
+
+def system_texts(req: CountTokensRequest) -> tuple[str, ...]:
+    """The request's ``system`` text blocks (a string is one)."""
+    if req.system is None:
+        return ()
+    if isinstance(req.system, str):
+        return (req.system,)
+    return tuple(block.text for block in req.system)
 
 
 def _stop(finished: ChatFinished) -> tuple[str, str | None]:
@@ -421,7 +436,12 @@ def _arguments(text: str) -> dict[str, Any]:
 
 
 def message_body(
-    mid: str, model: str, finished: ChatFinished, *, show_thinking: bool
+    mid: str,
+    model: str,
+    finished: ChatFinished,
+    *,
+    show_thinking: bool,
+    system: Sequence[str] = (),
 ) -> dict[str, Any]:
     msg = finished.message
     content: list[dict[str, Any]] = []
@@ -444,7 +464,7 @@ def message_body(
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": usage_body(finished.usage),
+        "usage": usage_body(finished.usage, system),
     }
 
 
@@ -469,6 +489,7 @@ class _Events:
         prompt_tokens: int,
         show_thinking: bool,
         diagnostics: dict[str, Any] | None = None,
+        system: Sequence[str] = (),
     ) -> None:
         self._mid = mid
         self._model = model
@@ -476,6 +497,7 @@ class _Events:
         self._show_thinking = show_thinking
         # The message's ``diagnostics`` when the request asked for them.
         self._diagnostics = diagnostics
+        self._system = system
         self._index = -1
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._thinking = hashlib.sha256()
@@ -535,7 +557,7 @@ class _Events:
                         "message_delta",
                         {
                             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                            "usage": usage_body(event.usage),
+                            "usage": usage_body(event.usage, self._system),
                         },
                     ),
                     _event("message_stop", {}),
@@ -605,11 +627,13 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             current = fingerprint(model, chat, len(prepared.request.prompt))
             previous = req.diagnostics.previous_message_id
             diagnostics = {"diagnostics": fingerprints.diagnose(mid, previous, current)}
+        system = system_texts(req)
         if req.stream:
-            events = _Events(mid, model, len(prepared.request.prompt), show, diagnostics)
+            prompt = len(prepared.request.prompt)
+            events = _Events(mid, model, prompt, show, diagnostics, system)
             return event_stream(ChatStream(engine, prepared, events))
         finished, _ = await run_chat(engine, prepared)
-        body = message_body(mid, model, finished, show_thinking=show)
+        body = message_body(mid, model, finished, show_thinking=show, system=system)
         if diagnostics is not None:
             body.update(diagnostics)
         return Response(json.dumps(body), mimetype="application/json")

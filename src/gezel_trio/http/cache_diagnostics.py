@@ -31,13 +31,15 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
+from ..core.events import CacheMiss
 from ..core.prepare import ChatRequest
 
-__all__ = ["Fingerprint", "FingerprintStore", "fingerprint"]
+__all__ = ["Fingerprint", "FingerprintStore", "fingerprint", "system_block"]
 
 
 @attrs.frozen
@@ -122,6 +124,30 @@ def compare(previous: Fingerprint, current: Fingerprint) -> dict[str, Any] | Non
             }
     if previous.other != current.other:
         return {"type": "unavailable"}
+    return None
+
+
+def system_block(blocks: Sequence[str], miss: CacheMiss | None) -> int | None:
+    """Which of the request's ``system`` text blocks a cache miss in the
+    system message falls in: the block that holds the text just before the
+    divergence and as much as can be of what follows it, or the block that
+    starts with what follows (a divergence at a block's first character).
+    ``None`` when the miss is elsewhere or the text is not found (a
+    template that rewrote it, a character split between tokens)."""
+    if miss is None or miss.role != "system" or miss.message != 0 or not blocks:
+        return None
+    before, after = miss.common[-16:], miss.prompt[:16]
+    for cut in range(len(after), -1, -1):
+        needle = before + after[:cut]
+        if not needle:
+            break
+        for i, text in enumerate(blocks):
+            if needle in text:
+                return i
+    for cut in range(len(after), 3, -1):
+        for i, text in enumerate(blocks):
+            if text.startswith(after[:cut]):
+                return i
     return None
 
 
