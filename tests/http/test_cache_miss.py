@@ -81,6 +81,22 @@ def test_a_changed_system_prompt_is_named_with_its_token_and_both_sides(
     assert after["diverged"] == before.get("diverged", 0) + 1
 
 
+def test_a_model_that_cannot_rewind_names_the_checkpoint_it_restarted_from(
+    hybrid_server: Server,
+) -> None:
+    # The hybrid demo model keeps states only at message boundaries: a change
+    # inside the system prompt restarts from before it.
+    short, detailed = _system("ferry")
+    _chat(hybrid_server, short)
+    usage = _chat(hybrid_server, detailed).usage
+    assert usage is not None
+    miss = usage.model_extra["cache_miss"]
+    assert (miss["reason"], miss["message"], miss["role"]) == ("checkpoint", 0, "system")
+    assert miss["reused"] == usage.prompt_tokens_details.cached_tokens < miss["token"]
+    assert "short" in miss["cached"]
+    assert "detailed" in miss["prompt"]
+
+
 def test_a_prompt_the_cache_held_whole_reports_no_miss(dense_server: Server) -> None:
     short, _ = _system("harbour")
     _chat(dense_server, short)
