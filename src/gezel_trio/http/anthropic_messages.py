@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import trio
 from quart import Response
 
 from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
@@ -624,7 +625,10 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         show = _show_thinking(req)
         diagnostics = None
         if req.diagnostics is not None:
-            current = fingerprint(model, chat, len(prepared.request.prompt))
+            # Digests of the whole conversation: about 1 ms for 240k
+            # characters, kept off the thread that serves every stream.
+            prompt_tokens = len(prepared.request.prompt)
+            current = await trio.to_thread.run_sync(fingerprint, model, chat, prompt_tokens)
             previous = req.diagnostics.previous_message_id
             diagnostics = {"diagnostics": fingerprints.diagnose(mid, previous, current)}
         system = system_texts(req)
