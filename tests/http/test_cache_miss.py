@@ -60,6 +60,7 @@ def _chat(server: Server, system: str) -> Any:
     )
 
 
+@pytest.mark.slow
 def test_a_changed_system_prompt_is_named_with_its_token_and_both_sides(
     dense_server: Server,
 ) -> None:
@@ -81,6 +82,7 @@ def test_a_changed_system_prompt_is_named_with_its_token_and_both_sides(
     assert after["diverged"] == before.get("diverged", 0) + 1
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_rewind_names_the_checkpoint_it_restarted_from(
     hybrid_server: Server,
 ) -> None:
@@ -97,6 +99,19 @@ def test_a_model_that_cannot_rewind_names_the_checkpoint_it_restarted_from(
     assert "detailed" in miss["prompt"]
 
 
+@pytest.mark.slow
+def test_the_default_model_names_the_system_message_too(smollm2_server: Server) -> None:
+    short, detailed = _system("ferry")
+    _chat(smollm2_server, short)
+    usage = _chat(smollm2_server, detailed).usage
+    assert usage is not None
+    miss = usage.model_extra["cache_miss"]
+    assert (miss["reason"], miss["message"], miss["role"]) == ("diverged", 0, "system")
+    assert "short" in miss["cached"]
+    assert "detailed" in miss["prompt"]
+
+
+@pytest.mark.slow
 def test_a_prompt_the_cache_held_whole_reports_no_miss(dense_server: Server) -> None:
     short, _ = _system("harbour")
     _chat(dense_server, short)
@@ -108,6 +123,7 @@ def test_a_prompt_the_cache_held_whole_reports_no_miss(dense_server: Server) -> 
     assert _misses(dense_server)["full"] == before.get("full", 0) + 1
 
 
+@pytest.mark.slow
 def test_a_changed_user_turn_names_that_message(dense_server: Server) -> None:
     short, _ = _system("lighthouse")
     client = dense_server.client
@@ -125,6 +141,7 @@ def test_a_changed_user_turn_names_that_message(dense_server: Server) -> None:
     assert (miss["reason"], miss["message"], miss["role"]) == ("diverged", 1, "user")
 
 
+@pytest.mark.slow
 def test_completions_and_responses_carry_the_miss_in_usage(dense_server: Server) -> None:
     short, detailed = _system("pier")
     client = dense_server.client
@@ -187,6 +204,7 @@ def _reason(message: Any) -> Any:
     return message.diagnostics.cache_miss_reason
 
 
+@pytest.mark.slow
 def test_messages_usage_names_the_system_block(claude: anthropic.Anthropic) -> None:
     short, detailed = _system("marina")
     first = _ask(claude, short, None)
@@ -204,6 +222,7 @@ def test_messages_usage_names_the_system_block(claude: anthropic.Anthropic) -> N
     )
 
 
+@pytest.mark.slow
 def test_a_changed_line_in_a_later_system_block_names_that_block(
     claude: anthropic.Anthropic,
 ) -> None:
@@ -232,6 +251,7 @@ def test_a_changed_line_in_a_later_system_block_names_that_block(
     assert "12-02" in miss["common"] + miss["prompt"]
 
 
+@pytest.mark.slow
 def test_each_cache_miss_reason_in_its_case(claude: anthropic.Anthropic) -> None:
     short, _ = _system("dock")
     first = _ask(claude, short, None, tools=[TOOL])
@@ -257,6 +277,7 @@ def test_each_cache_miss_reason_in_its_case(claude: anthropic.Anthropic) -> None
     assert _reason(cases["model_changed"]).cache_missed_input_tokens > 0
 
 
+@pytest.mark.slow
 def test_message_start_carries_the_diagnostics(claude: anthropic.Anthropic) -> None:
     short, detailed = _system("slipway")
     first = _ask(claude, short, None)
