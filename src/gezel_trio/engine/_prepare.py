@@ -10,6 +10,7 @@ are the pure ``core.prepare``. Cancelling any of these discards the work
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +30,12 @@ from ..core.prepare import (
     wants_constraint,
 )
 from ..core.request import RenderedPrompt
+from ..shaping.billing_header import drop_billing_header
 from ._images import ImageLimits, prepare_vision
 from ._link import Loaded
+from ._metrics import EngineMetrics
+
+log = logging.getLogger("gezel_trio.prepare")
 
 __all__ = ["Preparer"]
 
@@ -42,6 +47,7 @@ class Preparer:
 
     loaded: Loaded
     config: EngineConfig
+    metrics: EngineMetrics | None = None
 
     async def render_chat(
         self,
@@ -54,6 +60,7 @@ class Preparer:
     ) -> RenderedPrompt:
         renderer = self.loaded.renderer
         kwargs = dict(template_kwargs or {})
+        messages = self._without_billing_header(messages)
         return await trio.to_thread.run_sync(
             lambda: renderer.render(
                 messages,
@@ -63,6 +70,22 @@ class Preparer:
                 band_chars=band_chars,
             )
         )
+
+    def _without_billing_header(
+        self, messages: Sequence[dict[str, Any]]
+    ) -> Sequence[dict[str, Any]]:
+        """Every rendered conversation (chat, count_tokens, tokenize, cache
+        warming) loses Claude Code's per-request billing line, so what is
+        counted or warmed is what runs."""
+        if self.config.keep_billing_header:
+            return messages
+        kept, dropped = drop_billing_header(messages)
+        if not dropped:
+            return messages
+        log.debug("dropped %d billing-header line(s): %r", len(dropped), dropped)
+        if self.metrics is not None:
+            self.metrics.billing_lines.inc(len(dropped))
+        return kept
 
     async def compile_constraint(
         self,

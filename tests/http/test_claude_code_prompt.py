@@ -1,0 +1,117 @@
+"""Claude Code's prompt as it really arrives, through the ``anthropic`` SDK
+on the shared servers of both demo models and the default model: its
+billing line (a per-request hash) is dropped before rendering, so the next
+turn reads the whole previous prompt from the cache, less at most one
+64-token block."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests.support.process import Server
+
+BLOCK = 64
+NO_THINK = {"thinking": {"type": "disabled"}}
+# A few hundred words of standing instructions, as a coding agent's system
+# prompt has (Claude Code's is 15-30k tokens).
+GUIDANCE = "\n".join(
+    f"- Rule {i}: read the file before editing it, keep changes small, and run "
+    f"the tests of module {i} after each change."
+    for i in range(40)
+)
+TOOLS: list[Any] = [
+    {
+        "name": "Read",
+        "description": "Read a file from the local filesystem.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}},
+            "required": ["file_path"],
+        },
+    },
+    {
+        "name": "Bash",
+        "description": "Run a shell command.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    },
+]
+
+
+def header(turn: int, prev: bool) -> str:
+    line = f"x-anthropic-billing-header: cc_version=2.1.37.a{turn:02x}; cc_entrypoint=cli; "
+    line += f"cch={(turn * 0x3A7F1) % 0xFFFFF:05x};"
+    if prev:
+        line += f" cc_prev_req=req_011C{turn:08d};"
+    return line
+
+
+def system(turn: int, prev: bool) -> list[dict[str, Any]]:
+    """Claude Code's system blocks: the billing line is a block of its own
+    (``cch``) or, in the newer variant, the second line of the first."""
+    intro = "You are Claude Code, Anthropic's official CLI for Claude."
+    if prev:
+        first = {"type": "text", "text": f"{intro}\n{header(turn, prev)}"}
+        return [first, {"type": "text", "text": GUIDANCE}]
+    return [
+        {"type": "text", "text": header(turn, prev)},
+        {"type": "text", "text": intro},
+        {"type": "text", "text": GUIDANCE, "cache_control": {"type": "ephemeral"}},
+    ]
+
+
+def _turns(server: Server, prev: bool) -> list[tuple[int, int]]:
+    """Three turns; each turn's (prompt tokens, tokens read from the cache)."""
+    client = anthropic.Anthropic(
+        base_url=server.url, api_key="unused", max_retries=0, _strict_response_validation=True
+    )
+    messages: list[dict[str, Any]] = []
+    out = []
+    asks = ["List the files in src.", "Now read the README.", "Summarise it in one line."]
+    for turn, ask in enumerate(asks):
+        messages.append({"role": "user", "content": ask})
+        reply = client.messages.create(
+            model="gezel",
+            max_tokens=8,
+            system=system(turn, prev),  # type: ignore[arg-type]
+            tools=TOOLS,
+            messages=messages,  # type: ignore[arg-type]
+            extra_body={"temperature": 0},
+            **NO_THINK,  # type: ignore[arg-type]
+        )
+        read = reply.usage.cache_read_input_tokens or 0
+        out.append((reply.usage.input_tokens + read, read))
+        text = "".join(b.text for b in reply.content if b.type == "text") or "ok"
+        messages.append({"role": "assistant", "content": text})
+    return out
+
+
+def _check(turns: list[tuple[int, int]]) -> None:
+    for (before, _), (_, read) in itertools.pairwise(turns):
+        # The previous prompt, less at most the block its last token is in
+        # (the reply after it is re-rendered by the template: not this test).
+        assert read >= before - BLOCK, turns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prev", [False, True], ids=["cch", "cc_prev_req"])
+def test_dense_model_turns_read_the_previous_prompt(dense_server: Server, prev: bool) -> None:
+    _check(_turns(dense_server, prev))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prev", [False, True], ids=["cch", "cc_prev_req"])
+def test_hybrid_model_turns_read_the_previous_prompt(hybrid_server: Server, prev: bool) -> None:
+    _check(_turns(hybrid_server, prev))
+
+
+@pytest.mark.slow
+def test_default_model_turns_read_the_previous_prompt(smollm2_server: Server) -> None:
+    _check(_turns(smollm2_server, prev=True))
