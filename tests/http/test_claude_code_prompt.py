@@ -67,8 +67,9 @@ def system(turn: int, prev: bool) -> list[dict[str, Any]]:
     ]
 
 
-def _turns(server: Server, prev: bool) -> list[tuple[int, int]]:
-    """Three turns; each turn's (prompt tokens, tokens read from the cache)."""
+def _turns(server: Server, prev: bool, reminder: bool = False) -> list[tuple[int, int]]:
+    """Three turns; each turn's (prompt tokens, tokens read from the cache).
+    ``reminder``: a ``system``-role message before each later user turn."""
     client = anthropic.Anthropic(
         base_url=server.url, api_key="unused", max_retries=0, _strict_response_validation=True
     )
@@ -76,6 +77,9 @@ def _turns(server: Server, prev: bool) -> list[tuple[int, int]]:
     out = []
     asks = ["List the files in src.", "Now read the README.", "Summarise it in one line."]
     for turn, ask in enumerate(asks):
+        if reminder and turn:
+            note = f"The user edited file {turn}.py since your last reply."
+            messages.append({"role": "system", "content": note})
         messages.append({"role": "user", "content": ask})
         reply = client.messages.create(
             model="gezel",
@@ -115,3 +119,54 @@ def test_hybrid_model_turns_read_the_previous_prompt(hybrid_server: Server, prev
 @pytest.mark.slow
 def test_default_model_turns_read_the_previous_prompt(smollm2_server: Server) -> None:
     _check(_turns(smollm2_server, prev=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["dense", "hybrid", "smollm2"])
+def test_a_mid_conversation_system_message_keeps_the_prefix(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    _check(_turns(request.getfixturevalue(f"{which}_server"), prev=True, reminder=True))
+
+
+# A template that renders system messages only first (as Qwen's raise
+# "System message must be at the beginning").
+FIRST_ONLY = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and not loop.first %}"
+    "{{- raise_exception('System message must be at the beginning.') }}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.slow
+def test_a_template_that_refuses_later_system_messages_gets_reminders(
+    dense_server: Server,
+) -> None:
+    """Over chat completions with that template: the request answers, and
+    the turn after the reminder reads everything before it."""
+    system_text = "You are a coding agent.\n" + GUIDANCE
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_text},
+        {"role": "user", "content": "List the files."},
+    ]
+    extra = {"chat_template_override": FIRST_ONLY, "ignore_eos": True}
+    first = dense_server.client.chat.completions.create(
+        model="gezel", messages=messages, max_tokens=4, temperature=0, extra_body=extra
+    )
+    assert first.usage is not None
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "developer", "content": "The user edited README.md."},
+        {"role": "user", "content": "Read it."},
+    ]
+    second = dense_server.client.chat.completions.create(
+        model="gezel", messages=messages, max_tokens=4, temperature=0, extra_body=extra
+    )
+    assert second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= first.usage.prompt_tokens - BLOCK, (first.usage, second.usage)
