@@ -10,6 +10,7 @@ import itertools
 from typing import Any
 
 import anthropic
+import httpx2 as httpx
 import pytest
 
 from tests.support.process import Server
@@ -170,3 +171,78 @@ def test_a_template_that_refuses_later_system_messages_gets_reminders(
     assert second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens or 0
     assert cached >= first.usage.prompt_tokens - BLOCK, (first.usage, second.usage)
+
+
+# --- cache_control pins ---------------------------------------------------------
+
+
+def _pinned_system(ttl: str | None) -> list[dict[str, Any]]:
+    control: dict[str, Any] = {"type": "ephemeral"}
+    if ttl is not None:
+        control["ttl"] = ttl
+    return [{"type": "text", "text": "You pin.\n" + GUIDANCE, "cache_control": control}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_cache_control_pins_the_system_turn_and_reports_the_write(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    server: Server = request.getfixturevalue(f"{which}_server")
+    client = anthropic.Anthropic(
+        base_url=server.url, api_key="unused", max_retries=0, _strict_response_validation=True
+    )
+    ask: dict[str, Any] = dict(model="gezel", max_tokens=2, tools=TOOLS, **NO_THINK)
+    system = _pinned_system("1h")
+    system[0]["text"] += f"\n(pinned on the {which} model)"  # a prefix no test cached
+    first = client.messages.create(
+        system=system,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "One."}],
+        **ask,
+    )
+    u = first.usage
+    assert u.cache_creation is not None
+    assert u.cache_creation.ephemeral_1h_input_tokens > 1000
+    assert u.cache_creation.ephemeral_5m_input_tokens == 0
+    assert u.cache_creation_input_tokens == u.cache_creation.ephemeral_1h_input_tokens
+    pinned = u.cache_creation_input_tokens
+    stats = httpx.get(f"{server.url}/v1/cache/stats").json()["data"]
+    pins = [e for e in stats if e["kind"] == "pin" and e["tokens"] == pinned]
+    assert pins
+    assert 3500 < pins[0]["pin_expires_in"] <= 3600
+    # Another conversation on the same system prompt reads the pinned prefix
+    # and writes nothing new (its pin is refreshed).
+    second = client.messages.create(
+        system=system,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "Another question entirely."}],
+        **ask,
+    )
+    assert (second.usage.cache_read_input_tokens or 0) >= pinned
+    assert second.usage.cache_creation_input_tokens == 0
+    # Anthropic's arithmetic: computed + written + read is the prompt.
+    counted = client.messages.count_tokens(
+        model="gezel",
+        system=system,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "One."}],
+        tools=TOOLS,
+        **NO_THINK,  # type: ignore[arg-type]
+    )
+    assert u.input_tokens + pinned + (u.cache_read_input_tokens or 0) == counted.input_tokens
+
+
+@pytest.mark.slow
+def test_more_than_four_breakpoints_is_a_400_naming_the_fifth(dense_server: Server) -> None:
+    client = anthropic.Anthropic(base_url=dense_server.url, api_key="unused", max_retries=0)
+    control = {"type": "ephemeral"}
+    blocks = [{"type": "text", "text": f"part {i}", "cache_control": control} for i in range(3)]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(
+            model="gezel",
+            max_tokens=1,
+            system=_pinned_system(None),  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": blocks}],  # type: ignore[list-item]
+            cache_control=control,  # type: ignore[call-arg]
+        )
+    message = err.value.body["error"]["message"]  # type: ignore[index]
+    assert "A maximum of 4 blocks with cache_control may be provided. Found 5." in message
+    assert "cache_control" in message

@@ -61,6 +61,10 @@ class Usage:
     cached_tokens: int
     prompt_tps: float
     generation_tps: float
+    # Prompt tokens this request wrote into pinned cache entries (Anthropic's
+    # ``cache_creation``), by how long the pin holds them.
+    pinned_5m_tokens: int = 0
+    pinned_1h_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -179,6 +179,8 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         cached_tokens=first.cached_tokens,
         prompt_tps=first.prompt_tps,
         generation_tps=round(sum(u.generation_tps for u in usages), 2),
+        pinned_5m_tokens=first.pinned_5m_tokens,
+        pinned_1h_tokens=first.pinned_1h_tokens,
     )
 
 

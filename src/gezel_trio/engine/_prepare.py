@@ -57,10 +57,12 @@ class Preparer:
         template_kwargs: dict[str, Any] | None = None,
         template_override: str | None = None,
         band_chars: int | None = None,
+        pins: Sequence[int] = (),
     ) -> RenderedPrompt:
         renderer = self.loaded.renderer
         kwargs = dict(template_kwargs or {})
-        messages = self._without_billing_header(messages)
+        messages, pins = self._without_billing_header(messages, pins)
+        extra = {"pins": tuple(pins)} if pins else {}
         return await trio.to_thread.run_sync(
             lambda: renderer.render(
                 messages,
@@ -68,24 +70,32 @@ class Preparer:
                 template_kwargs=kwargs,
                 template_override=template_override,
                 band_chars=band_chars,
+                **extra,
             )
         )
 
     def _without_billing_header(
-        self, messages: Sequence[dict[str, Any]]
-    ) -> Sequence[dict[str, Any]]:
+        self, messages: Sequence[dict[str, Any]], pins: Sequence[int]
+    ) -> tuple[Sequence[dict[str, Any]], Sequence[int]]:
         """Every rendered conversation (chat, count_tokens, tokenize, cache
         warming) loses Claude Code's per-request billing line, so what is
-        counted or warmed is what runs."""
+        counted or warmed is what runs. ``pins`` (message indices) follow
+        their messages when a message that held only the line goes."""
         if self.config.keep_billing_header:
-            return messages
+            return messages, pins
         kept, dropped = drop_billing_header(messages)
         if not dropped:
-            return messages
+            return messages, pins
         log.debug("dropped %d billing-header line(s): %r", len(dropped), dropped)
         if self.metrics is not None:
             self.metrics.billing_lines.inc(len(dropped))
-        return kept
+        if pins and len(kept) != len(messages):
+            # Where each message now stands: a dropped one pins its predecessor.
+            gone = [not drop_billing_header([m])[0] for m in messages]
+            at = [i - sum(gone[: i + 1]) for i in range(len(messages))]
+            # Out of range (-1) stays in its place: pins align with the request's.
+            pins = [at[i] if 0 <= i < len(at) else -1 for i in pins]
+        return kept, pins
 
     async def compile_constraint(
         self,
@@ -144,6 +154,7 @@ class Preparer:
                 template_kwargs=dict(chat.template_kwargs),
                 template_override=chat.template_override,
                 band_chars=chat.stable_prefix_chars,
+                pins=[p.message for p in chat.pins],
             )
         if not chat.images:
             return rendered, None

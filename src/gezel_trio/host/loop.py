@@ -81,6 +81,7 @@ class _Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     generated: int = 0
+    pinned: tuple[int, int] = (0, 0)  # prompt tokens written into pins: 5m, 1h
 
     def usage(self) -> Usage:
         first, last = self.first_token_at, self.last_token_at
@@ -96,6 +97,8 @@ class _Sequence:
             cached_tokens=self.cached,
             prompt_tps=round(prompt_tps, 2),
             generation_tps=round(gen_tps, 2),
+            pinned_5m_tokens=self.pinned[0],
+            pinned_1h_tokens=self.pinned[1],
         )
 
 
@@ -290,6 +293,7 @@ class _Host:
                     detok=self.backend.detokenizer(keep_leading_space=request.continues_text),
                     text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
+                    pinned=(seed.pinned_5m, seed.pinned_1h),
                 )
             except Exception as exc:
                 self._fail(rid, "admission", exc)

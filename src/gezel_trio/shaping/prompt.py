@@ -230,23 +230,18 @@ class ChatTemplateRenderer:
         template_kwargs: dict[str, Any],
         template_override: str | None,
         band_chars: int | None = None,
+        pins: Sequence[int] = (),
     ) -> RenderedPrompt:
+        """``pins``: indices into ``messages`` whose rendered end to find
+        (``RenderedPrompt.pin_ends``, in the same order)."""
         template = template_override or getattr(self._tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequest(
                 "this model has no chat template; send chat_template_override",
                 param="chat_template_override",
             )
-        prepared = [_prepare_message(m) for m in messages]
-        if _has_later_system(prepared) and not self._later_system_in_place(
-            template, template_override
-        ):
-            prepared = later_system_as_reminders(prepared)
-        if self._generic_tools:
-            prepared = generic_tool_messages(prepared, tools)
-            tools = None
-        elif not self._linkage_needed(template, template_override):
-            prepared = [_strip_linkage(m) for m in prepared]
+        given_tools = tools
+        prepared, tools = self._prepared(messages, tools, template, template_override)
         # No enable_thinking unless the request sends one: every template
         # follows its own default.
         kwargs: dict[str, Any] = dict(template_kwargs)
@@ -282,7 +277,7 @@ class ChatTemplateRenderer:
                 f"{type(error).__name__}: {error}",
                 param="messages",
             ) from error
-        if not band_chars and not self._find_boundaries:
+        if not band_chars and not self._find_boundaries and not pins:
             ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
             return RenderedPrompt(tuple(ids), text=text)
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
@@ -293,7 +288,52 @@ class ChatTemplateRenderer:
         bounds: tuple[int, ...] = ()
         if self._find_boundaries:
             bounds = self._boundaries(prepared, text, ends, *used, template_override)
-        return RenderedPrompt(tokens, band_end, bounds, text)
+        pin_ends = tuple(
+            self._message_end(messages[: i + 1], given_tools, text, ends, used, template_override)
+            if 0 <= i < len(messages)
+            else None
+            for i in pins
+        )
+        return RenderedPrompt(tokens, band_end, bounds, text, pin_ends)
+
+    def _prepared(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        template: str,
+        override: str | None,
+    ) -> tuple[list[dict[str, Any]], Sequence[dict[str, Any]] | None]:
+        """The messages (and tools) as this template is given them."""
+        prepared = [_prepare_message(m) for m in messages]
+        if _has_later_system(prepared) and not self._later_system_in_place(template, override):
+            prepared = later_system_as_reminders(prepared)
+        if self._generic_tools:
+            return generic_tool_messages(prepared, tools), None
+        if not self._linkage_needed(template, override):
+            prepared = [_strip_linkage(m) for m in prepared]
+        return prepared, tools
+
+    def _message_end(
+        self,
+        head: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        text: str,
+        ends: Sequence[int],
+        used: tuple[dict[str, Any], Sequence[dict[str, Any]] | None],
+        override: str | None,
+    ) -> int | None:
+        """Where the conversation ``head`` (a prefix of the messages) ends in
+        the rendered ``text``, as a token index: rendered alone, without a
+        generation prompt, it shares exactly that much text. Backs off one
+        token, as the boundaries do."""
+        template = str(override or getattr(self._tokenizer, "chat_template", ""))
+        prepared, head_tools = self._prepared(head, tools, template, override)
+        try:
+            other = self._apply(prepared, head_tools if used[1] else None, used[0], override, False)
+        except Exception:  # a template that refuses the shorter conversation: no pin
+            return None
+        cut = bisect.bisect_right(ends, common_prefix(text, other)) - 1
+        return cut if 0 < cut < len(ends) else None
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)

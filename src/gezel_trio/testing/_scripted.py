@@ -71,12 +71,14 @@ class CharRenderer:
         template_kwargs: dict[str, Any],
         template_override: str | None,
         band_chars: int | None = None,
+        pins: Sequence[int] = (),
     ) -> RenderedPrompt:
         text = ""
         if tools:
             text += "tools: " + json.dumps(list(tools), sort_keys=True) + "\n"
         band_end = None
         boundaries = []
+        message_ends = []
         for i, m in enumerate(messages):
             content = str(m.get("content") or "")
             if band_chars and band_end is None and m.get("role") == "system":
@@ -84,11 +86,15 @@ class CharRenderer:
             if i and m.get("role") != "system" and messages[i - 1].get("role") == "system":
                 boundaries.append(len(text))  # where the system turn ends
             text += f"{m['role']}: {content}\n"
+            message_ends.append(len(text))
         boundaries.append(len(text))  # where the history ends
         text += "assistant:"
         if any(ord(c) < 32 and c != "\n" for c in text):
             raise InvalidRequest("control characters are not renderable", param="messages")
-        return RenderedPrompt(tuple(ord(c) for c in text), band_end, tuple(boundaries))
+        pin_ends = tuple(message_ends[i] if 0 <= i < len(messages) else None for i in pins)
+        return RenderedPrompt(
+            tuple(ord(c) for c in text), band_end, tuple(boundaries), pin_ends=pin_ends
+        )
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         return tuple(ord(c) for c in text)
