@@ -57,7 +57,7 @@ _TOOL_NAME = r"[A-Za-z0-9_-]{1,128}"
 
 @attrs.frozen
 class CacheControlEphemeralParam:
-    """A prompt-cache breakpoint: accepted anywhere; every prefix is cached here anyway."""
+    """A prompt-cache breakpoint: pins the prefix through its block for its ttl."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
