@@ -246,3 +246,34 @@ def test_more_than_four_breakpoints_is_a_400_naming_the_fifth(dense_server: Serv
     message = err.value.body["error"]["message"]  # type: ignore[index]
     assert "A maximum of 4 blocks with cache_control may be provided. Found 5." in message
     assert "cache_control" in message
+
+
+@pytest.mark.slow
+def test_the_billing_line_is_dropped_on_chat_completions_too(dense_server: Server) -> None:
+    """Proxies forward Claude Code's prompt over chat completions: the line
+    is dropped there too (and for ``/tokenize``, which renders as a request
+    does), and counted in ``/metrics``."""
+
+    def tokens(text: str) -> list[int]:
+        body = {
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": text}]},
+                {"role": "user", "content": "hi"},
+            ]
+        }
+        response = httpx.post(f"{dense_server.url}/tokenize", json=body)
+        assert response.status_code == 200, response.text
+        return list(response.json()["tokens"])
+
+    def dropped() -> float:
+        text = httpx.get(f"{dense_server.url}/metrics").text
+        (line,) = [
+            x for x in text.splitlines() if x.startswith("gezel_billing_header_lines_dropped_total")
+        ]
+        return float(line.split()[-1])
+
+    before = dropped()
+    plain = tokens("Be brief.")
+    assert tokens(f"{header(1, prev=False)}\nBe brief.") == plain
+    assert tokens(f"{header(2, prev=True)}\nBe brief.") == plain
+    assert dropped() == before + 2
