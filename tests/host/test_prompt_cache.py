@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gezel_trio.core.backend import Captured
-from gezel_trio.core.request import CacheRequest, GenerationRequest
+from gezel_trio.core.request import CacheRequest, GenerationRequest, Pin
 from gezel_trio.host.persist import DiskCache
 from gezel_trio.host.prompt_cache import PromptCache
 from tests.support.fakes import FakeOps, FakeState
@@ -39,12 +39,14 @@ class Harness:
     ) -> None:
         self.ops = FakeOps(trimmable)
         self.disk = DiskCache(disk, "fp", self.ops) if disk is not None else None
+        self.now = 1000.0  # the cache's clock, moved by the test
         self.cache = PromptCache(
             self.ops,
             model_trimmable=trimmable,
             budget_bytes=budget,
             disk=self.disk,
             block_tokens=block,
+            clock=lambda: self.now,
         )
         self.trimmable = trimmable
         self.rid = 0
@@ -396,3 +398,66 @@ def test_a_rewritten_history_drops_the_abandoned_branch() -> None:
     assert reused == len(first) - 1
     left = sorted(e.end for e in h.cache.store)
     assert left == [len(SYSTEM), len(first) - 1, len(rewrite) - 1, len(rewrite) + 1]
+
+
+# --- cache_control pins -------------------------------------------------------
+
+PINNED = tuple(range(5000, 5100))  # a system prompt pinned through its end
+
+
+def pinned_turn(tail: int, seconds: float = 300.0) -> GenerationRequest:
+    prompt = (*PINNED, *range(tail, tail + 20))
+    return request(prompt, pins=(Pin(len(PINNED), seconds),), boundaries=(len(PINNED),))
+
+
+def _holds_pin(h: Harness) -> bool:
+    return any(e.tokens == PINNED and e.held_until > h.now for e in h.cache.store)
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_a_pin_survives_budget_pressure_that_evicts_unpinned_entries(trimmable: bool) -> None:
+    h = Harness(trimmable, budget=10 * 400)
+    h.run(pinned_turn(100))
+    assert _holds_pin(h)
+    for i in range(1, 8):  # far more than the budget of other conversations
+        h.run(request(range(10_000 * i, 10_000 * i + 120)))
+    assert _holds_pin(h)
+    assert not any(e.tokens[:120] == tuple(range(10_000, 10_120)) for e in h.cache.store)
+    # The pinned prefix still seeds a new conversation that shares it.
+    assert h.run(pinned_turn(300)) >= len(PINNED)
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_a_pin_expires_after_its_ttl(trimmable: bool) -> None:
+    h = Harness(trimmable, budget=10 * 400)
+    h.run(pinned_turn(100, seconds=300))
+    h.now += 299
+    h.run(request(range(10_000, 10_120)))
+    assert _holds_pin(h)
+    h.now += 2  # past its ttl: the next pressure may take it
+    for i in range(2, 8):
+        h.run(request(range(10_000 * i, 10_000 * i + 120)))
+    assert not any(e.tokens == PINNED for e in h.cache.store)
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_the_same_prefix_refreshes_its_pin(trimmable: bool) -> None:
+    h = Harness(trimmable, budget=10 * 400)
+    h.run(pinned_turn(100, seconds=300))
+    h.now += 250
+    _, _, seed = h.start(pinned_turn(200, seconds=300))  # refreshed at admission
+    h.now += 250  # 500 s after it was made, 250 after the refresh
+    assert _holds_pin(h)
+    view = {v.cache_id: v for v in h.cache.view().entries}
+    (row,) = [v for v in view.values() if v.kind == "pin"]
+    assert row.tokens == len(PINNED)
+    assert row.pin_expires_in == 50
+    assert seed.pinned_5m == seed.pinned_1h == 0  # read, not written
+
+
+def test_pin_writes_are_counted_once_by_ttl() -> None:
+    h = Harness(trimmable=True)
+    prompt = (*PINNED, *range(100, 160))
+    pins = (Pin(40, 3600.0), Pin(len(PINNED), 300.0), Pin(len(PINNED), 300.0))
+    _, _, seed = h.start(request(prompt, pins=pins))
+    assert (seed.pinned_5m, seed.pinned_1h) == (len(PINNED) - 40, 40)

@@ -526,9 +526,11 @@ def test_count_tokens_is_the_prompt_a_request_renders(client: anthropic.Anthropi
     kw: dict[str, Any] = dict(model="demo", messages=HELLO, system=system, tools=TOOLS)
     counted = client.messages.count_tokens(**kw, **NO_THINK)
     made = client.messages.create(**kw, **NO_THINK, max_tokens=1)
+    # The cache_control breakpoints pin prefixes: computed, written into a
+    # pin and read from the cache sum to the prompt, as Anthropic counts.
     assert counted.input_tokens == made.usage.input_tokens + (
         made.usage.cache_read_input_tokens or 0
-    )
+    ) + (made.usage.cache_creation_input_tokens or 0)
     assert (
         client.messages.count_tokens(model="demo", messages=HELLO).input_tokens
         < counted.input_tokens

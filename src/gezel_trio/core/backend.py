@@ -53,7 +53,12 @@ class PromptRenderer(Protocol):
         template_kwargs: dict[str, Any],
         template_override: str | None,
         band_chars: int | None = None,
-    ) -> RenderedPrompt: ...
+        pins: Sequence[int] = (),
+    ) -> RenderedPrompt:
+        """``pins`` are indices into ``messages``: where each one ends in the
+        prompt is ``RenderedPrompt.pin_ends`` (a renderer that cannot tell
+        leaves it empty)."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         """Raw text as token ids, no chat template (legacy completions, /tokenize)."""

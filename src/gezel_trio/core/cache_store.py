@@ -34,8 +34,9 @@ order down to 80% of the budget: tier 0 is anonymous and never reused,
 tier 1 anonymous and reused at least once, tier 2 named or owned by a name
 (a named session survives longer, with its alternates). Never the only
 entry, never the entry just saved, never a pinned one (a live request's
-seed). The ``before_evict`` callback sees each victim while its blocks are
-still there (the prompt cache writes dirty entries to disk in it).
+seed), never one held until a time still ahead (``Entry.held_until``, read
+against the owner's clock, ``now``). The ``before_evict`` callback sees
+each victim while its blocks are still there (the prompt cache writes dirty entries to disk in it).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class Entry:
     used_at: float = 0.0
     hits: int = 0
     pins: int = 0
+    # Kept from eviction until this time (the store's ``now``): a prefix
+    # pinned by Anthropic's ``cache_control`` for its ttl.
+    held_until: float = 0.0
     path: list[Node] = attrs.field(factory=list, repr=False)
     path_nbytes: int = 0  # the sum over ``path``, kept current (the view reads it often)
 
@@ -134,6 +138,7 @@ class CacheStore:
         trimmable: bool,
         block_tokens: int = BLOCK_TOKENS,
         before_evict: Callable[[Entry], None] = _no_eviction_hook,
+        now: Callable[[], float] = float,
     ) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
@@ -142,6 +147,9 @@ class CacheStore:
         self.block_tokens = block_tokens
         self.root = Node(None, 0, ())
         self._before_evict = before_evict
+        # The owner's clock, read only to compare with ``Entry.held_until``
+        # (the default, ``float()``, is always 0: nothing held expires).
+        self._now = now
         self._entries: dict[Entry, None] = {}
         self._named: dict[str, Entry] = {}
         self._name_pins: Counter[str] = Counter()
@@ -447,6 +455,7 @@ class CacheStore:
                     and other.key is None
                     and other.owner is None
                     and other.pins == 0
+                    and other.held_until <= self._now()
                 ):
                     self.remove(other)
 
@@ -524,10 +533,13 @@ class CacheStore:
             return []
         target = int(self.budget_bytes * 0.8)
         evicted: list[Entry] = []
+        now = self._now()
         for entry in sorted(self._entries, key=lambda e: (e.tier, e.last_use)):
             if self._bytes <= target or len(self._entries) <= 1:
                 break
             if entry is keep or entry.pins or (entry.key and self.name_pinned(entry.key)):
+                continue
+            if entry.held_until > now:
                 continue
             if entry not in self._entries:
                 continue  # removed by an earlier victim's hook

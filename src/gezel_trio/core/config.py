@@ -159,6 +159,15 @@ class EngineConfig:
         help="exit non-zero after this many consecutive failed model steps",
         validator=_positive,
     )
+    # Claude Code's ``x-anthropic-billing-header:`` line changes on every
+    # request; kept, it makes every turn prefill its whole prompt again
+    # (``shaping.billing_header``).
+    keep_billing_header: bool = setting(
+        False,
+        flag="--keep-billing-header",
+        help="render Claude Code's x-anthropic-billing-header line into the prompt "
+        "(dropped by default: it changes every request and defeats the prompt cache)",
+    )
     # Images, for vision models: at most this many per request, each at most
     # this many bytes as sent (after base64) and this many pixels once
     # decoded. A 16-megapixel RGB image is 48 MB in memory. The HTTP body

@@ -110,6 +110,10 @@ class Usage:
     prompt_tps: float
     generation_tps: float
     cache_miss: CacheMiss | None = None
+    # Prompt tokens this request wrote into pinned cache entries (Anthropic's
+    # ``cache_creation``), by how long the pin holds them.
+    pinned_5m_tokens: int = 0
+    pinned_1h_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

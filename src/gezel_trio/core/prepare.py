@@ -31,7 +31,15 @@ from .constraint import Constraint
 from .errors import InvalidRequest
 from .images import ImagePart, VisionPrompt
 from .model import ModelInfo
-from .request import CacheRequest, GenerationRequest, Priority, RenderedPrompt, SamplingParams
+from .request import (
+    CacheRequest,
+    GenerationRequest,
+    MessagePin,
+    Pin,
+    Priority,
+    RenderedPrompt,
+    SamplingParams,
+)
 
 __all__ = [
     "MAX_REPETITION_CONTEXT",
@@ -106,6 +114,9 @@ class ChatRequest:
     images: tuple[ImagePart, ...] = ()
     prompt: str | Sequence[int] | None = None
     n: int = 1
+    # Prefixes to keep cached for a while, through the end of a message
+    # (Anthropic's ``cache_control`` breakpoints).
+    pins: tuple[MessagePin, ...] = ()
 
     @property
     def parses_tools(self) -> bool:
@@ -195,6 +206,7 @@ def prepare(
             roster=roster_fingerprint(chat.tools),
             message_starts=rendered.message_starts,
             message_roles=rendered.message_roles,
+            pins=_pins(chat.pins, rendered),
         ),
         constraint=constraint,
         max_thinking_tokens=thinking,
@@ -204,6 +216,15 @@ def prepare(
     )
     check_request(request, info, config, image_token=image_token)
     return PreparedChat(chat, request)
+
+
+def _pins(asked: Sequence[MessagePin], rendered: RenderedPrompt) -> tuple[Pin, ...]:
+    """The pins whose message end the renderer found, as token positions."""
+    return tuple(
+        Pin(end, pin.seconds)
+        for pin, end in zip(asked, rendered.pin_ends, strict=False)
+        if end is not None and end > 0
+    )
 
 
 def check_n(config: EngineConfig, n: int) -> None:

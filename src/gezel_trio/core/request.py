@@ -14,7 +14,15 @@ import attrs
 from .constraint import Constraint
 from .images import VisionPrompt
 
-__all__ = ["CacheRequest", "GenerationRequest", "Priority", "RenderedPrompt", "SamplingParams"]
+__all__ = [
+    "CacheRequest",
+    "GenerationRequest",
+    "MessagePin",
+    "Pin",
+    "Priority",
+    "RenderedPrompt",
+    "SamplingParams",
+]
 
 Priority = Literal["interactive", "background"]
 
@@ -39,6 +47,29 @@ class RenderedPrompt:
     # name the message it falls in. Empty where the renderer did not say.
     message_starts: tuple[int, ...] = ()
     message_roles: tuple[str, ...] = ()
+    # Where each pinned message asked for (``render(pins=...)``) ends, as a
+    # token index, in the order asked; ``None`` where it could not be found.
+    pin_ends: tuple[int | None, ...] = ()
+
+
+@attrs.frozen
+class MessagePin:
+    """Keep the prompt through the end of message ``message`` (an index into
+    the chat messages) cached for ``seconds`` (Anthropic's ``cache_control``
+    with its ``ttl``)."""
+
+    message: int
+    seconds: float
+
+
+@attrs.frozen
+class Pin:
+    """Keep the prompt's first ``end`` tokens cached for ``seconds`` from
+    now: a named entry that eviction skips until then; a later request
+    with the same prefix refreshes it."""
+
+    end: int
+    seconds: float
 
 
 @attrs.frozen
@@ -74,7 +105,8 @@ class CacheRequest:
     cannot rewind, checkpoints are kept there. ``snapshot_at`` overrides the
     session's snapshot cut (cache warming); ``persist`` writes the saved
     entry to disk at once; ``roster`` fingerprints the tool list the prompt
-    was rendered with. Sequences with the same ``prefill_group`` continue
+    was rendered with; ``pins`` keep prefixes for a while (``Pin``).
+    Sequences with the same ``prefill_group`` continue
     the same prompt (``n > 1``): the first admitted computes it, the others
     wait for its state at ``len(prompt) - 1`` and seed from it.
     ``message_starts`` and ``message_roles`` are the rendered messages'
@@ -91,6 +123,7 @@ class CacheRequest:
     prefill_group: int | None = None
     message_starts: tuple[int, ...] = ()
     message_roles: tuple[str, ...] = ()
+    pins: tuple[Pin, ...] = ()
 
 
 @attrs.frozen

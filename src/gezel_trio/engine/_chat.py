@@ -180,6 +180,8 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         prompt_tps=first.prompt_tps,
         generation_tps=round(sum(u.generation_tps for u in usages), 2),
         cache_miss=first.cache_miss,
+        pinned_5m_tokens=first.pinned_5m_tokens,
+        pinned_1h_tokens=first.pinned_1h_tokens,
     )
 
 

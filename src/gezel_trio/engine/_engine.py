@@ -240,7 +240,7 @@ async def run_engine(
         nursery.start_soon(run_host)
         await link.is_loaded.wait()
         if link.loaded is not None and not died:
-            task_status.started(Engine(config, link, Preparer(link.loaded, config)))
+            task_status.started(Engine(config, link, Preparer(link.loaded, config, link.metrics)))
     if died:
         raise died[0]
     if link.failure is not None:

@@ -149,6 +149,11 @@ class EngineMetrics:
             ["reason"],
             registry=r,
         )
+        self.billing_lines = Counter(
+            "gezel_billing_header_lines_dropped",
+            "Claude Code billing-header lines taken out of system prompts before rendering.",
+            registry=r,
+        )
         self.step_failures = Counter(
             "gezel_step_failures", "Model steps that failed (their lane's sequences failed).",
             registry=r,

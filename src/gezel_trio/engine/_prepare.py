@@ -10,6 +10,7 @@ are the pure ``core.prepare``. Cancelling any of these discards the work
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,8 +30,12 @@ from ..core.prepare import (
     wants_constraint,
 )
 from ..core.request import RenderedPrompt
+from ..shaping.billing_header import drop_billing_header
 from ._images import ImageLimits, prepare_vision
 from ._link import Loaded
+from ._metrics import EngineMetrics
+
+log = logging.getLogger("gezel_trio.prepare")
 
 __all__ = ["Preparer"]
 
@@ -42,6 +47,7 @@ class Preparer:
 
     loaded: Loaded
     config: EngineConfig
+    metrics: EngineMetrics | None = None
 
     async def render_chat(
         self,
@@ -51,9 +57,12 @@ class Preparer:
         template_kwargs: dict[str, Any] | None = None,
         template_override: str | None = None,
         band_chars: int | None = None,
+        pins: Sequence[int] = (),
     ) -> RenderedPrompt:
         renderer = self.loaded.renderer
         kwargs = dict(template_kwargs or {})
+        messages, pins = self._without_billing_header(messages, pins)
+        extra = {"pins": tuple(pins)} if pins else {}
         return await trio.to_thread.run_sync(
             lambda: renderer.render(
                 messages,
@@ -61,8 +70,32 @@ class Preparer:
                 template_kwargs=kwargs,
                 template_override=template_override,
                 band_chars=band_chars,
+                **extra,
             )
         )
+
+    def _without_billing_header(
+        self, messages: Sequence[dict[str, Any]], pins: Sequence[int]
+    ) -> tuple[Sequence[dict[str, Any]], Sequence[int]]:
+        """Every rendered conversation (chat, count_tokens, tokenize, cache
+        warming) loses Claude Code's per-request billing line, so what is
+        counted or warmed is what runs. ``pins`` (message indices) follow
+        their messages when a message that held only the line goes."""
+        if self.config.keep_billing_header:
+            return messages, pins
+        kept, dropped = drop_billing_header(messages)
+        if not dropped:
+            return messages, pins
+        log.debug("dropped %d billing-header line(s): %r", len(dropped), dropped)
+        if self.metrics is not None:
+            self.metrics.billing_lines.inc(len(dropped))
+        if pins and len(kept) != len(messages):
+            # Where each message now stands: a dropped one pins its predecessor.
+            gone = [not drop_billing_header([m])[0] for m in messages]
+            at = [i - sum(gone[: i + 1]) for i in range(len(messages))]
+            # Out of range (-1) stays in its place: pins align with the request's.
+            pins = [at[i] if 0 <= i < len(at) else -1 for i in pins]
+        return kept, pins
 
     async def compile_constraint(
         self,
@@ -121,6 +154,7 @@ class Preparer:
                 template_kwargs=dict(chat.template_kwargs),
                 template_override=chat.template_override,
                 band_chars=chat.stable_prefix_chars,
+                pins=[p.message for p in chat.pins],
             )
         if not chat.images:
             return rendered, None

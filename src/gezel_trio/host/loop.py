@@ -83,6 +83,7 @@ class _Sequence:
     last_token_at: float | None = None
     generated: int = 0
     miss: CacheMiss | None = None
+    pinned: tuple[int, int] = (0, 0)  # prompt tokens written into pins: 5m, 1h
 
     def usage(self) -> Usage:
         first, last = self.first_token_at, self.last_token_at
@@ -99,6 +100,8 @@ class _Sequence:
             prompt_tps=round(prompt_tps, 2),
             generation_tps=round(gen_tps, 2),
             cache_miss=self.miss,
+            pinned_5m_tokens=self.pinned[0],
+            pinned_1h_tokens=self.pinned[1],
         )
 
 
@@ -294,6 +297,7 @@ class _Host:
                     text=TextFilter(request.stop, self._markers),
                     admitted_at=now,
                     miss=seed.miss,
+                    pinned=(seed.pinned_5m, seed.pinned_1h),
                 )
             except Exception as exc:
                 self._fail(rid, "admission", exc)

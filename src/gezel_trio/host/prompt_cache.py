@@ -36,7 +36,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -45,7 +45,7 @@ from ..core.backend import Admission, Captured
 from ..core.cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
 from ..core.cache_store import CacheStore, Entry, EntryKind, Node, Seed
 from ..core.events import CacheMiss, CacheMissReason
-from ..core.request import CacheRequest, GenerationRequest
+from ..core.request import CacheRequest, GenerationRequest, Pin
 from .persist import DiskCache, DiskEntry
 
 __all__ = ["CacheOps", "CacheSnapshot", "CacheTotals", "CacheView", "PromptCache", "SeedInfo"]
@@ -77,6 +77,9 @@ class SeedInfo:
     # Where the prompt left the cache, when it reused less than the cache
     # held for it (``core.events.CacheMiss``).
     miss: CacheMiss | None = None
+    # Prompt tokens written into new pinned entries, by ttl bucket.
+    pinned_5m: int = 0
+    pinned_1h: int = 0
 
 
 @attrs.frozen
@@ -92,6 +95,8 @@ class CacheView:
     dirty: bool
     pinned: bool
     hits: int = 0
+    # A ``cache_control`` pin: seconds until eviction may take it again.
+    pin_expires_in: float | None = None
 
 
 @attrs.frozen
@@ -130,6 +135,8 @@ class _Seq:
     cuts: dict[int, set[str]]
     snapshot: Entry | None = None
     warned: bool = False
+    # Pins whose entry this sequence is to save (at its cut, or at the end).
+    pins: tuple[Pin, ...] = ()
 
 
 def _reaching(node: Node, pos: int) -> Entry | None:
@@ -161,6 +168,10 @@ def _file_key(entry: Entry) -> str:
         return "name:" + entry.key
     digest = hashlib.sha256(b"".join(map(_token_bytes, entry.tokens)))
     return "anon:" + digest.hexdigest()[:32]
+
+
+# Pins up to 5 minutes count as Anthropic's 5m cache writes, longer as 1h.
+_SHORT_PIN = 300.0
 
 
 def _token_bytes(token: int) -> bytes:
@@ -228,12 +239,19 @@ class PromptCache:
         disk_budget_bytes: int = 0,
         decode: Any = None,
         block_tokens: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._ops = ops
         self._trimmable = model_trimmable
         extra = {} if block_tokens is None else {"block_tokens": block_tokens}
+        # Pins expire by this clock (tests drive it).
+        self._clock = clock
         self.store = CacheStore(
-            budget_bytes, trimmable=model_trimmable, before_evict=self._before_evict, **extra
+            budget_bytes,
+            trimmable=model_trimmable,
+            before_evict=self._before_evict,
+            now=clock,
+            **extra,
         )
         self.disk = disk
         self._disk_budget = disk_budget_bytes
@@ -273,8 +291,13 @@ class PromptCache:
         self._counts["hits"] += reuse > 0
         self._counts["prompt"] += len(prompt)
         self._counts["cached"] += reuse
+        pending, written = self._hold_pins(cr, prompt, seed)
         cuts = self._plan_cuts(cr, prompt, reuse)
-        self._seqs[rid] = _Seq(prompt, cr, reuse, seed.entry if seed else None, cuts)
+        if not self._trimmable:
+            for pin in pending:
+                if reuse < pin.end < len(prompt):
+                    cuts.setdefault(pin.end, set()).add("pin")
+        self._seqs[rid] = _Seq(prompt, cr, reuse, seed.entry if seed else None, cuts, pins=pending)
         segments = tuple(tuple(s) for s in split_segments(prompt, reuse, cuts))
         source, mode = "fresh", "fresh"
         if seed is not None:
@@ -292,7 +315,7 @@ class PromptCache:
         miss = self.diagnose(prompt, reuse, cr)
         return (
             Admission(rid, request, segments, state, prompt[:reuse]),
-            SeedInfo(reuse, source, mode, miss),
+            SeedInfo(reuse, source, mode, miss, *written),
         )
 
     def diagnose(
@@ -367,6 +390,49 @@ class PromptCache:
             log.debug("cache-miss preview could not be decoded", exc_info=True)
             return ("", "", "")
         return (str(a), str(b), str(c))
+
+    def _hold_pins(
+        self, cr: CacheRequest, prompt: tuple[int, ...], seed: Seed | None
+    ) -> tuple[tuple[Pin, ...], tuple[int, int]]:
+        """Refresh the pinned entries this prompt already has; return the
+        pins still to save and the prompt tokens they will write (by ttl:
+        5m, 1h), counted once each, beyond what the cache served."""
+        if not cr.pins:
+            return (), (0, 0)
+        now = self._clock()
+        reuse = seed.reuse if seed is not None else 0
+        pending: list[Pin] = []
+        covered = reuse
+        written = [0, 0]
+        for pin in sorted(cr.pins, key=lambda p: p.end):
+            if pin.end > len(prompt):
+                continue
+            # The store is content-addressed: the entry holding exactly this
+            # prefix is the pin, whoever saved it.
+            held = self.store.exact(prompt[: pin.end])
+            entry = held[0] if held else None
+            if entry is not None:
+                entry.held_until = max(entry.held_until, now + pin.seconds)
+                self.store.touch(entry, hit=False)
+                self.version += 1
+                log.info("pin-refresh tokens=%d for %.0fs", pin.end, pin.seconds)
+                continue
+            pending.append(pin)
+            if pin.end > covered:
+                written[pin.seconds > _SHORT_PIN] += pin.end - covered
+                covered = pin.end
+        return tuple(pending), (written[0], written[1])
+
+    def _pin(self, seq: _Seq, tokens: Sequence[int], state: Any, *, end: int) -> None:
+        """Save the pinned prefix ``tokens[:end]`` as an entry held for the
+        longest of the pins that end there. It has no name: once its ttl
+        passes it is an ordinary entry, evicted in its turn."""
+        seconds = max(p.seconds for p in seq.pins if p.end == end)
+        held = self.store.exact(tokens[:end])
+        entry = held[0] if held else self._save(tokens[:end], state, roster=seq.cache.roster)
+        if entry is not None:
+            entry.held_until = max(entry.held_until, self._clock() + seconds)
+            log.info("pin-save tokens=%d for %.0fs", end, seconds)
 
     @staticmethod
     def _role(entry: Entry, cr: CacheRequest) -> str:
@@ -496,6 +562,8 @@ class PromptCache:
                 seq.snapshot = entry
         if "band" in roles:
             self._publish_prefix(cr, cap.tokens, cap.state)
+        if "pin" in roles:
+            self._pin(seq, cap.tokens, cap.state, end=boundary)
 
     # --- endings -----------------------------------------------------------
 
@@ -519,6 +587,12 @@ class PromptCache:
                 roster=cr.roster,
                 persist=cr.persist,
             )
+            if self._trimmable:
+                # Any prefix of a state seeds on these models: each pinned
+                # prefix is cut from the final state.
+                for end in sorted({p.end for p in seq.pins}):
+                    if end <= len(cap.tokens):
+                        self._pin(seq, cap.tokens, cap.state, end=end)
             self._prune_lineage(seq, saved, finished=True)
             if not cr.prefix_ids:
                 return
@@ -651,7 +725,7 @@ class PromptCache:
         dropped = 0
         for entry in victims:
             held = entry.pins - (1 if entry is seq.seed else 0)
-            if entry.key is not None or held > 0:
+            if entry.key is not None or held > 0 or entry.held_until > self._clock():
                 continue
             self.store.remove(entry)
             dropped += 1
@@ -845,16 +919,18 @@ class PromptCache:
 
     def view(self) -> CacheSnapshot:
         entries = sorted(self.store, key=lambda e: (e.key is None, -e.last_use))
+        now = self._clock()
         rows = tuple(
             CacheView(
                 cache_id=e.key if e.key is not None else _file_key(e),
                 tokens=len(e.tokens),
                 bytes=e.nbytes,
-                kind=e.kind,
+                kind="pin" if e.held_until > now else e.kind,
                 last_used=e.used_at,
                 dirty=e.dirty,
                 pinned=bool(e.pins) or (e.key is not None and self.pinned(e.key)),
                 hits=e.hits,
+                pin_expires_in=round(e.held_until - now, 3) if e.held_until > now else None,
             )
             for e in entries
         )

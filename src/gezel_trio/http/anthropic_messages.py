@@ -11,11 +11,12 @@ request waits or prefills), or returned as one ``message`` object. Errors on
 these routes, and on any path under ``/v1/messages``, use Anthropic's
 envelope (``{"type": "error", "error": {"type", "message"}}``).
 
-Usage follows Anthropic's arithmetic: ``input_tokens`` are the prompt
-tokens computed for this request, ``cache_read_input_tokens`` those served
-from the prompt cache (their sum is the prompt), and
-``cache_creation_input_tokens`` is 0 - every prompt is cached as a side
-effect, nothing is billed for it.
+Usage follows Anthropic's arithmetic: ``cache_read_input_tokens`` are the
+prompt tokens served from the prompt cache, ``cache_creation_input_tokens``
+those computed and written into a ``cache_control`` pin (by ttl in
+``cache_creation``), ``input_tokens`` the rest; the three sum to the
+prompt. Every prompt is cached anyway, as a side effect; a pin keeps its
+prefix from eviction for its ttl.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from quart import Response
 from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
 from ..core.events import Failed, Usage
 from ..core.images import ImagePart
-from ..core.request import SamplingParams
+from ..core.request import MessagePin, SamplingParams
 from ..engine import ChatChoice, ChatEvent, ChatFinished, ChatRequest, Engine
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from .anthropic_wire import (
     Block,
+    CacheControlEphemeralParam,
     ContentBlockSourceParam,
     CountTokensRequest,
     DocumentBlockParam,
@@ -345,6 +347,64 @@ def _template_kwargs(req: CountTokensRequest) -> dict[str, Any]:
     return {}  # the template's own default
 
 
+# Anthropic's limit on cache breakpoints per request, and its ttls.
+MAX_CACHE_BREAKPOINTS = 4
+_TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+
+
+def _breakpoints(req: CountTokensRequest) -> list[tuple[str, CacheControlEphemeralParam, int]]:
+    """Every ``cache_control`` in Anthropic's order (tools, system,
+    messages): where it is, and the index of ``req.messages`` it is in
+    (-1: tools or system; ``len(messages)``: the top-level one)."""
+    found: list[tuple[str, CacheControlEphemeralParam, int]] = []
+    for j, tool in enumerate(req.tools or ()):
+        if tool.cache_control is not None:
+            found.append((f"tools[{j}].cache_control", tool.cache_control, -1))
+    if isinstance(req.system, list):
+        for j, block in enumerate(req.system):
+            if block.cache_control is not None:
+                found.append((f"system[{j}].cache_control", block.cache_control, -1))
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            continue
+        for j, part in enumerate(m.content):
+            control = getattr(part, "cache_control", None)
+            if control is not None:
+                found.append((f"messages[{i}].content[{j}].cache_control", control, i))
+    if req.cache_control is not None:
+        found.append(("cache_control", req.cache_control, len(req.messages)))
+    return found
+
+
+def _pins(req: MessagesRequest, messages: list[dict[str, Any]]) -> tuple[MessagePin, ...]:
+    """``cache_control`` breakpoints as pins through the end of the chat
+    message each block lands in: tools and system blocks pin the system turn
+    (the template renders the tools there), a message's block that message
+    (turns of one role are merged, as Anthropic does), the top-level one the
+    whole conversation. At most four, as Anthropic allows."""
+    found = _breakpoints(req)
+    if len(found) > MAX_CACHE_BREAKPOINTS:
+        raise InvalidRequest(
+            f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be "
+            f"provided. Found {len(found)}.",
+            param=found[MAX_CACHE_BREAKPOINTS][0],
+        )
+    pins = []
+    for _, control, i in found:
+        seconds = _TTL_SECONDS[control.ttl or "5m"]
+        if i < 0:
+            at = 0
+        elif i >= len(req.messages):
+            at = len(messages) - 1
+        else:
+            try:
+                at = len(chat_messages(req.system, req.messages[: i + 1], [])) - 1
+            except InvalidRequest:  # only system text so far: the system turn
+                at = 0
+        pins.append(MessagePin(at, seconds))
+    return tuple(pins)
+
+
 def chat_request(req: MessagesRequest) -> ChatRequest:
     """The engine's view of a validated Messages body."""
     images: list[ImagePart] = []
@@ -379,6 +439,7 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
         template_kwargs=_template_kwargs(req),
         max_thinking_tokens=budget,
         images=tuple(images),
+        pins=_pins(req, messages),
     )
 
 
@@ -386,16 +447,24 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
 
 
 def usage_body(u: Usage, system: Sequence[str] = ()) -> dict[str, Any]:
-    """Anthropic's usage; gezel's ``cache_miss`` names the ``system`` text
-    block a miss in the system message falls in, as ``block``."""
+    """Anthropic's arithmetic: the prompt is ``input_tokens`` (computed, not
+    pinned) plus ``cache_creation_input_tokens`` (computed and written into a
+    ``cache_control`` pin) plus ``cache_read_input_tokens``. gezel's
+    ``cache_miss`` names the ``system`` text block a miss in the system
+    message falls in, as ``block``."""
+    created = u.pinned_5m_tokens + u.pinned_1h_tokens
     miss = cache_miss_body(u.cache_miss)
     if miss is not None:
         miss["block"] = system_block(system, u.cache_miss)
     return {
-        "input_tokens": u.input_tokens - u.cached_tokens,
+        "input_tokens": u.input_tokens - u.cached_tokens - created,
         "output_tokens": u.output_tokens,
         "cache_read_input_tokens": u.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": created,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": u.pinned_5m_tokens,
+            "ephemeral_1h_input_tokens": u.pinned_1h_tokens,
+        },
         "cache_miss": miss,
     }
 

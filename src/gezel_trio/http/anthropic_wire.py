@@ -66,7 +66,7 @@ class DiagnosticsParam:
 
 @attrs.frozen
 class CacheControlEphemeralParam:
-    """A prompt-cache breakpoint: accepted anywhere; every prefix is cached here anyway."""
+    """A prompt-cache breakpoint: pins the prefix through its block for its ttl."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None

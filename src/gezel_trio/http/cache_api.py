@@ -44,6 +44,9 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
                     "dirty": e.dirty,
                     "pinned": e.pinned,
                     "hits": e.hits,
+                    # Anthropic ``cache_control`` pins: kind "pin", and the
+                    # seconds left before eviction may take the entry again.
+                    "pin_expires_in": e.pin_expires_in,
                     # The seed sidecar's names for the same values; its
                     # cache controller reads these.
                     "token_count": e.tokens,

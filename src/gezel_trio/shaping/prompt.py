@@ -19,7 +19,12 @@ from ..core.request import RenderedPrompt
 
 log = logging.getLogger("gezel_trio.prompt")
 
-__all__ = ["ChatTemplateRenderer", "RenderedPrompt", "generic_tool_messages"]
+__all__ = [
+    "ChatTemplateRenderer",
+    "RenderedPrompt",
+    "generic_tool_messages",
+    "later_system_as_reminders",
+]
 
 
 def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +49,8 @@ def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
 _REASONING_DEPTH_KEYS = ("reasoning_effort", "reasoning_budget", "thinking_budget", "thinking")
 _PROBE_RESULT = "gezel-probe-tool-result-7f3a"
 _PROBE_USER = "gezel-probe-next-turn-5c1e"
+_PROBE_LATER_SYSTEM = "gezel-probe-later-system-9b2d"
+_SYSTEM_ROLES = ("system", "developer")
 
 
 def _strip_linkage(message: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +84,73 @@ def _with_text(content: Any, text: str) -> Any:
     if isinstance(content, list):
         return [*content, {"type": "text", "text": text}]
     return text
+
+
+def _text(content: Any) -> str:
+    """A system message's text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n\n".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def _before_text(content: Any, text: str) -> Any:
+    if isinstance(content, str):
+        return f"{text}\n\n{content}" if content else text
+    if isinstance(content, list):
+        return [{"type": "text", "text": text}, *content]
+    return text
+
+
+def later_system_as_reminders(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with each system or developer message after the
+    first turn as a user-side reminder at the same place, for templates that
+    render system messages only first (Qwen-style templates raise "System
+    message must be at the beginning"; others drop or move them).
+
+    The reminder, wrapped in ``<system-reminder>`` as Claude Code writes its
+    own, opens the next user message; with none next, it closes the previous
+    user message, or else is a user message of its own. Opening the next
+    turn leaves every byte rendered before it as it was, so the prefix a
+    previous turn cached is still read; a user message of its own only where
+    no user turn is adjacent keeps templates that enforce alternation
+    rendering."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    leading = True
+    for message in messages:
+        role = message.get("role")
+        if role in _SYSTEM_ROLES and not leading:
+            pending.append(
+                f"<system-reminder>\n{_text(message.get('content'))}\n</system-reminder>"
+            )
+            continue
+        if role not in _SYSTEM_ROLES:
+            leading = False
+        if pending and role == "user":
+            note = "\n\n".join(pending)
+            message = {**message, "content": _before_text(message.get("content"), note)}
+            pending = []
+        elif pending:
+            _place(out, pending)
+            pending = []
+        out.append(message)
+    if pending:
+        _place(out, pending)
+    return out
+
+
+def _place(out: list[dict[str, Any]], notes: list[str]) -> None:
+    """Reminders with no user turn after them: closing the previous user
+    message, or as a user message of their own."""
+    note = "\n\n".join(notes)
+    if out and out[-1].get("role") == "user":
+        out[-1] = {**out[-1], "content": _with_text(out[-1].get("content"), note)}
+    else:
+        out.append({"role": "user", "content": note})
 
 
 def generic_tool_messages(
@@ -145,6 +219,7 @@ class ChatTemplateRenderer:
         self._tokenizer = tokenizer
         self._generic_tools = generic_tools
         self._needs_linkage: dict[str, bool] = {}
+        self._system_in_place: dict[str, bool] = {}
         self._find_boundaries = boundaries
 
     def render(
@@ -155,19 +230,18 @@ class ChatTemplateRenderer:
         template_kwargs: dict[str, Any],
         template_override: str | None,
         band_chars: int | None = None,
+        pins: Sequence[int] = (),
     ) -> RenderedPrompt:
+        """``pins``: indices into ``messages`` whose rendered end to find
+        (``RenderedPrompt.pin_ends``, in the same order)."""
         template = template_override or getattr(self._tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequest(
                 "this model has no chat template; send chat_template_override",
                 param="chat_template_override",
             )
-        prepared = [_prepare_message(m) for m in messages]
-        if self._generic_tools:
-            prepared = generic_tool_messages(prepared, tools)
-            tools = None
-        elif not self._linkage_needed(template, template_override):
-            prepared = [_strip_linkage(m) for m in prepared]
+        given_tools = tools
+        prepared, tools = self._prepared(messages, tools, template, template_override)
         # No enable_thinking unless the request sends one: every template
         # follows its own default.
         kwargs: dict[str, Any] = dict(template_kwargs)
@@ -204,7 +278,7 @@ class ChatTemplateRenderer:
                 param="messages",
             ) from error
         roles = tuple(str(m.get("role") or "") for m in messages)
-        if not band_chars and not self._find_boundaries:
+        if not band_chars and not self._find_boundaries and not pins:
             hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
             if getattr(hf, "is_fast", False) is True:
                 # The fast tokenizer's encoding maps characters to tokens at
@@ -227,15 +301,61 @@ class ChatTemplateRenderer:
         bounds: tuple[int, ...] = ()
         if self._find_boundaries:
             bounds = self._boundaries(prepared, text, ends, *used, template_override)
+        pin_ends = tuple(
+            self._message_end(messages[: i + 1], given_tools, text, ends, used, template_override)
+            if 0 <= i < len(messages)
+            else None
+            for i in pins
+        )
         starts = _message_starts(text, messages, lambda c: bisect.bisect_right(ends, c))
         return RenderedPrompt(
             tokens,
             band_end,
             bounds,
             text,
+            pin_ends=pin_ends,
             message_starts=starts,
             message_roles=roles if starts else (),
         )
+
+    def _prepared(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        template: str,
+        override: str | None,
+    ) -> tuple[list[dict[str, Any]], Sequence[dict[str, Any]] | None]:
+        """The messages (and tools) as this template is given them."""
+        prepared = [_prepare_message(m) for m in messages]
+        if _has_later_system(prepared) and not self._later_system_in_place(template, override):
+            prepared = later_system_as_reminders(prepared)
+        if self._generic_tools:
+            return generic_tool_messages(prepared, tools), None
+        if not self._linkage_needed(template, override):
+            prepared = [_strip_linkage(m) for m in prepared]
+        return prepared, tools
+
+    def _message_end(
+        self,
+        head: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        text: str,
+        ends: Sequence[int],
+        used: tuple[dict[str, Any], Sequence[dict[str, Any]] | None],
+        override: str | None,
+    ) -> int | None:
+        """Where the conversation ``head`` (a prefix of the messages) ends in
+        the rendered ``text``, as a token index: rendered alone, without a
+        generation prompt, it shares exactly that much text. Backs off one
+        token, as the boundaries do."""
+        template = str(override or getattr(self._tokenizer, "chat_template", ""))
+        prepared, head_tools = self._prepared(head, tools, template, override)
+        try:
+            other = self._apply(prepared, head_tools if used[1] else None, used[0], override, False)
+        except Exception:  # a template that refuses the shorter conversation: no pin
+            return None
+        cut = bisect.bisect_right(ends, common_prefix(text, other)) - 1
+        return cut if 0 < cut < len(ends) else None
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
@@ -328,6 +448,34 @@ class ChatTemplateRenderer:
             return self._tokenizer
         return hf
 
+    def _later_system_in_place(self, template: str, override: str | None) -> bool:
+        """Render a system message after a turn once per template: whether
+        it comes out where it stands (not refused, dropped or moved)."""
+        cached = self._system_in_place.get(template)
+        if cached is not None:
+            return cached
+        marks = ("gezel-probe-system-1", "gezel-probe-user-1", "gezel-probe-assistant-1")
+        probe: list[dict[str, Any]] = [
+            {"role": "system", "content": marks[0]},
+            {"role": "user", "content": marks[1]},
+            {"role": "assistant", "content": marks[2]},
+            {"role": "system", "content": _PROBE_LATER_SYSTEM},
+            {"role": "user", "content": _PROBE_USER},
+        ]
+        try:
+            text = self._apply(probe, None, {}, override)
+        except Exception:  # a template that refuses a later system message
+            text = ""
+        at = [text.find(m) for m in (*marks, _PROBE_LATER_SYSTEM, _PROBE_USER)]
+        in_place = all(a >= 0 for a in at) and at == sorted(at)
+        if not in_place:
+            log.info(
+                "the chat template renders system messages only first: later ones "
+                "become user-side reminders"
+            )
+        self._system_in_place[template] = in_place
+        return in_place
+
     def _linkage_needed(self, template: str, override: str | None) -> bool:
         """Render a tool round without ids once per template: if the result
         vanishes, the template links results to calls and needs the ids."""
@@ -351,6 +499,17 @@ class ChatTemplateRenderer:
             needed = True
         self._needs_linkage[template] = needed
         return needed
+
+
+def _has_later_system(messages: Sequence[dict[str, Any]]) -> bool:
+    """Whether a system or developer message follows a turn."""
+    seen_turn = False
+    for m in messages:
+        if m.get("role") not in _SYSTEM_ROLES:
+            seen_turn = True
+        elif seen_turn:
+            return True
+    return False
 
 
 def _band_end(

@@ -71,6 +71,7 @@ class CharRenderer:
         template_kwargs: dict[str, Any],
         template_override: str | None,
         band_chars: int | None = None,
+        pins: Sequence[int] = (),
     ) -> RenderedPrompt:
         text = ""
         if tools:
@@ -78,6 +79,7 @@ class CharRenderer:
         band_end = None
         boundaries = []
         starts = []
+        message_ends = []
         for i, m in enumerate(messages):
             starts.append(len(text))
             content = str(m.get("content") or "")
@@ -86,14 +88,17 @@ class CharRenderer:
             if i and m.get("role") != "system" and messages[i - 1].get("role") == "system":
                 boundaries.append(len(text))  # where the system turn ends
             text += f"{m['role']}: {content}\n"
+            message_ends.append(len(text))
         boundaries.append(len(text))  # where the history ends
         text += "assistant:"
         if any(ord(c) < 32 and c != "\n" for c in text):
             raise InvalidRequest("control characters are not renderable", param="messages")
+        pin_ends = tuple(message_ends[i] if 0 <= i < len(messages) else None for i in pins)
         return RenderedPrompt(
             tuple(ord(c) for c in text),
             band_end,
             tuple(boundaries),
+            pin_ends=pin_ends,
             message_starts=tuple(starts),
             message_roles=tuple(str(m.get("role") or "") for m in messages),
         )
