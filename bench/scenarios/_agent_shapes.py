@@ -72,8 +72,8 @@ __all__ = [
     "anthropic_to_chat",
     "billing_header",
     "lark_compatible",
-    "responses_to_chat",
     "resent_item",
+    "responses_to_chat",
     "sse_events",
 ]
 
@@ -276,7 +276,8 @@ CC_ROUNDS: list[tuple[str, dict[str, Any], str]] = [
     (
         "Grep",
         {"pattern": "def count", "path": "harbour", "output_mode": "content", "-n": True},
-        "harbour/ledger.py:41:    def count(self) -> int:\nharbour/report.py:12:def count_night(l):",
+        "harbour/ledger.py:41:    def count(self) -> int:\n"
+        "harbour/report.py:12:def count_night(l):",
     ),
     (
         "Read",

@@ -26,7 +26,6 @@ measured, not the text.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import anthropic
@@ -49,9 +48,10 @@ BLOCK = 64  # the prompt cache's block: a prompt may lose at most its last parti
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid", "smollm2"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+def server(request: pytest.FixtureRequest) -> Server:
     """Each session server in turn (``tests.support.process``)."""
-    yield request.getfixturevalue(f"{request.param}_server")
+    server: Server = request.getfixturevalue(f"{request.param}_server")
+    return server
 
 
 @pytest.fixture(scope="module")
