@@ -1093,11 +1093,12 @@ def shape_tables(model: str, mode: str, runs: dict[str, SystemRun], turns: int) 
         "prefill = prompt - cached. gezel gets the agent's own request; mlx_lm.server the "
         "same conversation as chat completions, each replaying its own replies.",
     )
-    summ = summary(runs, turns)
+    # A system that refused the shape has no figures (and no ratio), not zeros.
+    summ = summary({s: r for s, r in runs.items() if r.error is None}, turns)
     srows: list[Any] = []
     for s in systems:
-        p = summ["per_system"][s]
-        srows.append((s, p["prefilled_turns_2_n"], p["median_ttft_turns_2_n"]))
+        p = summ["per_system"].get(s, {})
+        srows.append((s, p.get("prefilled_turns_2_n"), p.get("median_ttft_turns_2_n")))
     r = summ.get("ratios")
     if r:
         srows.append(("gezel / mlx_lm.server", r["prefilled_turns_2_n"],
