@@ -687,9 +687,12 @@ class CodexSession:
         self.requests = 0
         self._follow_ups = 0
 
-    def request(self, tool_choice: Any = "auto") -> dict[str, Any]:
+    def request(
+        self, tool_choice: Any = "auto", max_output_tokens: int | None = None
+    ) -> dict[str, Any]:
         """The next request's body (``stream: true``, as Codex sends it);
-        ``tool_choice`` other than ``"auto"`` is this test's, not Codex's."""
+        ``tool_choice`` other than ``"auto"`` is the caller's, not Codex's;
+        ``max_output_tokens`` overrides the session's for this request."""
         body: dict[str, Any] = {
             "model": self.model,
             "instructions": CODEX_INSTRUCTIONS,
@@ -703,8 +706,9 @@ class CodexSession:
             "include": ["reasoning.encrypted_content"],
             "prompt_cache_key": SESSION_UUID,
         }
-        if self.max_output_tokens is not None:
-            body["max_output_tokens"] = self.max_output_tokens
+        limit = max_output_tokens if max_output_tokens is not None else self.max_output_tokens
+        if limit is not None:
+            body["max_output_tokens"] = limit
         if self.temperature is not None:
             body["temperature"] = self.temperature
         self.requests += 1

@@ -16,8 +16,9 @@ gezel field anywhere. What is asserted is what a user of either agent needs:
   hosted ``web_search``), ``store: false`` and the reasoning include,
   answers; the whole history is re-sent every turn and each turn reads the
   previous prompt and reply from the cache (less one block); a forced
-  ``apply_patch`` call either parses with the independent ``lark`` package
-  against that grammar or is reported incomplete.
+  ``apply_patch`` call parses with the independent ``lark`` package against
+  that grammar (on the demo models, whose random weights need not close a
+  patch, it may instead be reported incomplete, never cut and called complete).
 
 Replies are short (``max_tokens`` 8 to 48) and greedy: the cache is what is
 measured, not the text.
@@ -119,8 +120,9 @@ def test_claude_code_turns_keep_their_cache(server: Server) -> None:
     assert all("\ncc_prev_req=req_" in h for h in headers[1:])
     roles = [m["role"] for m in session.messages]
     assert "system" in roles[1:-1]
-    assert any(b.get("type") == "tool_result" for m in session.messages for b in m["content"]
-               if isinstance(m["content"], list))  # fmt: skip
+    blocks = [b for m in session.messages if isinstance(m["content"], list) for b in m["content"]]
+    assert any(b["type"] == "tool_result" for b in blocks)
+    assert any("<system-reminder>" in b.get("text", "") for b in blocks)
     print(f"claude-code turns (prompt, cached, output): {turns}")
     for n in range(1, len(turns)):
         prompt, _, output = turns[n - 1]
@@ -148,24 +150,29 @@ def _codex_turn(client: openai.OpenAI, body: dict[str, Any]) -> Any:
 
 
 def test_codex_session_starts_and_reuses_its_history(
-    server: Server, patch_parser: lark.Lark
+    server: Server, patch_parser: lark.Lark, request: pytest.FixtureRequest
 ) -> None:
-    session = CodexSession(max_output_tokens=48)
+    trained = "smollm2" in request.node.callspec.id
+    session = CodexSession(max_output_tokens=16)
     turns: list[tuple[int, int, int]] = []  # (input, cached, output) per turn
     patches: list[Any] = []
-    # Codex's own tool_choice, then this test's forced freeform call, then Codex's again.
-    choices: list[Any] = ["auto", {"type": "custom", "name": "apply_patch"}, "auto"]
+    # Codex's own tool_choice, then a forced freeform call (with room to
+    # finish the patch), then Codex's again.
+    forced = {"type": "custom", "name": "apply_patch"}
+    plan: list[tuple[Any, int | None]] = [("auto", None), (forced, 192), ("auto", None)]
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
-        for choice in choices:
-            response = _codex_turn(client, session.request(tool_choice=choice))
+        for choice, limit in plan:
+            body = session.request(tool_choice=choice, max_output_tokens=limit)
+            response = _codex_turn(client, body)
             assert response.usage is not None
             u = response.usage
             turns.append((u.input_tokens, u.input_tokens_details.cached_tokens, u.output_tokens))
-            if choice != "auto":
+            if choice is forced:
                 patches.append(response)
             session.record(item.model_dump() for item in response.output)
     # Every request re-sent the whole history (never previous_response_id).
     assert session.input[0]["role"] == "developer"
+    assert any(item["type"] == "custom_tool_call_output" for item in session.input)
     print(f"codex turns (input, cached, output): {turns}")
     for n in range(1, len(turns)):
         prompt, _, output = turns[n - 1]
@@ -174,31 +181,17 @@ def test_codex_session_starts_and_reuses_its_history(
             f"turn {n + 1} read {cached} of {turns[n][0]} input tokens from the cache; "
             f"turn {n} had {prompt} input + {output} output tokens"
         )
-    (forced,) = patches
-    calls = [item for item in forced.output if item.type == "custom_tool_call"]
-    if forced.status == "completed":
+    (patch,) = patches
+    calls = [item for item in patch.output if item.type == "custom_tool_call"]
+    print(f"apply_patch ({patch.status}): {[c.input for c in calls]!r}")
+    if trained or patch.status == "completed":
+        # The trained model finishes its patch; whatever completes parses.
+        assert patch.status == "completed"
         assert [c.name for c in calls] == ["apply_patch"]
-        patch_parser.parse(calls[0].input)  # raises if the input leaves the grammar
+        assert patch_parser.parse(calls[0].input).data == "start"
     else:
-        # Cut by max_output_tokens (a random-weight model need not close the
-        # patch): said so, never a truncated call labelled complete.
-        assert forced.status == "incomplete"
-        assert forced.incomplete_details is not None
-        assert forced.incomplete_details.reason == "max_output_tokens"
-
-
-def test_a_forced_apply_patch_call_parses_on_the_default_model(
-    smollm2_server: Server, patch_parser: lark.Lark
-) -> None:
-    """The trained model, with room to finish: the call completes and parses."""
-    session = CodexSession(max_output_tokens=256)
-    body = session.request(tool_choice={"type": "custom", "name": "apply_patch"})
-    with openai.OpenAI(
-        base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0
-    ) as client:
-        response = _codex_turn(client, body)
-    calls = [item for item in response.output if item.type == "custom_tool_call"]
-    print(f"apply_patch ({response.status}): {[c.input for c in calls]!r}")
-    assert response.status == "completed"
-    assert [c.name for c in calls] == ["apply_patch"]
-    assert patch_parser.parse(calls[0].input).data == "start"
+        # A random-weight model need not close the patch: cut by
+        # max_output_tokens, said so, never a truncated call labelled complete.
+        assert patch.status == "incomplete"
+        assert patch.incomplete_details is not None
+        assert patch.incomplete_details.reason == "max_output_tokens"
