@@ -20,12 +20,17 @@ gezel field anywhere. What is asserted is what a user of either agent needs:
   that grammar (on the demo models, whose random weights need not close a
   patch, it may instead be reported incomplete, never cut and called complete).
 
-Replies are short (``max_tokens`` 8 to 48) and greedy: the cache is what is
-measured, not the text.
+* The OpenAI Agents SDK's ``CustomTool`` (the freeform kind Codex declares
+  apply_patch as), forced on the default model: the tool gets a patch that
+  parses.
+
+Replies are short (8 to 16 tokens; a forced patch up to 192): the cache is
+what is measured, not the text.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, NamedTuple
 
@@ -195,3 +200,48 @@ def test_codex_session_starts_and_reuses_its_history(
         assert patch.status == "incomplete"
         assert patch.incomplete_details is not None
         assert patch.incomplete_details.reason == "max_output_tokens"
+
+
+def test_an_agents_sdk_custom_tool_gets_a_patch_that_parses(
+    smollm2_server: Server, patch_parser: lark.Lark
+) -> None:
+    """The OpenAI Agents SDK's ``CustomTool`` (a freeform tool, as Codex
+    declares apply_patch) on the default model: the forced call reaches the
+    tool as raw text inside the grammar, and the run ends with an answer."""
+    from agents import Agent, CustomTool, ModelSettings, RunConfig, Runner
+    from agents.models.openai_provider import OpenAIProvider
+
+    patches: list[str] = []
+
+    def apply_patch(_ctx: Any, patch: str) -> str:
+        patches.append(patch)
+        return "Success. Updated the following files:\nM harbour/ledger.py"
+
+    grammar = {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH_GRAMMAR}
+    tool = CustomTool("apply_patch", "Edit files with a patch.", apply_patch, grammar)
+    agent = Agent(
+        name="codex",
+        instructions="You fix bugs by editing files with apply_patch.",
+        tools=[tool],
+        model_settings=ModelSettings(tool_choice="apply_patch", max_tokens=192, store=False),
+    )
+
+    async def main() -> Any:
+        client = openai.AsyncOpenAI(
+            base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0
+        )
+        config = RunConfig(
+            model_provider=OpenAIProvider(openai_client=client),
+            model="default",
+            tracing_disabled=True,
+        )
+        try:
+            task = "In harbour/ledger.py, change `0 < s.hour` to `0 <= s.hour`."
+            return await Runner.run(agent, task, max_turns=3, run_config=config)
+        finally:
+            await client.close()
+
+    result = asyncio.run(main())
+    assert len(patches) == 1
+    assert patch_parser.parse(patches[0]).data == "start"
+    assert isinstance(result.final_output, str)
