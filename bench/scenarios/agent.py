@@ -10,6 +10,22 @@ Modes (``--mode``)
     table sums the agents' prompt, cached, prefilled and ``min`` tokens and
     shows the median TTFT.
 
+    ``claude-code`` / ``codex``: the recorded request shapes of the two
+    coding agents (``bench.scenarios._agent_shapes``, whose docstring names
+    the sources), ``--turns`` requests of each, no gezel field: gezel gets
+    them as the agents send them (``/v1/messages`` streamed with a new
+    billing header every request, tool rounds, reminders and a
+    mid-conversation system message; ``/v1/responses`` streamed with the
+    Codex tools array, ``store: false`` and the whole history re-sent),
+    ``mlx_lm.server`` the same conversation rendered as chat completions (as
+    claude-code-router / LiteLLM and Codex's chat providers send it). Each
+    system replays its own replies. No logit bias and no ``ignore_eos``
+    (neither API has them), so a reply may end early and the demo models'
+    random-weight replies need not re-tokenize as generated; no restart
+    turn and no ``min`` column. Per turn: prompt, cached, prefilled tokens,
+    TTFT (first streamed delta of generated text, reasoning or a tool call)
+    and total time.
+
 After the last turn before the restart, both servers report the bytes their
 prompt cache holds (gezel: ``/v1/cache/stats`` ``totals.bytes``, shared
 blocks counted once; ``mlx_lm.server``: the ``nbytes`` of its
@@ -117,8 +133,10 @@ from bench import _servers, _sse
 from bench._report import ratio
 from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
 from bench._servers import Server
+from bench.scenarios import _agent_shapes as shapes
 
 SYSTEMS = ("gezel", "mlx_lm.server")
+SHAPE_MODES = ("claude-code", "codex")
 MODELS = ("dense", "hybrid")
 SESSION_ID = "agent-session"
 _STOP_TIMEOUT_S = 60.0  # gezel: drain + flush to disk
@@ -419,6 +437,7 @@ class SystemRun:
     wall_s: float = 0.0
 
     cache_bytes: int | None = None  # the prompt cache after the last turn before the restart
+    error: str | None = None  # a coding-agent shape the server refused (the turns before it stay)
 
     def turn(self, n: int) -> TurnResult | None:
         """Turn ``n``; with several agents, their sums (TTFT: the median)."""
@@ -846,6 +865,319 @@ def plots(results: dict[str, dict[str, SystemRun]]) -> list[Plot]:
     return out
 
 
+# --- the coding agents' recorded shapes (--mode claude-code|codex) ----------------
+
+
+def _sse_events(
+    client: httpx.Client, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POST ``body``, then each SSE ``data:`` payload with its arrival time."""
+    with client.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:500]}")
+        for line in resp.iter_lines():
+            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                yield time.perf_counter(), json.loads(line[5:])
+
+
+@attrs.define
+class _Reply:
+    sent: float
+    first: float | None = None
+    end: float = 0.0
+    prompt: int = 0
+    cached: int = 0
+    gen: int = 0
+    items: list[dict[str, Any]] = attrs.Factory(list)  # content blocks / output items
+    text: str = ""
+
+
+def _gezel_claude(client: httpx.Client, server: Server, body: dict[str, Any]) -> _Reply:
+    """One Claude Code request on ``/v1/messages``, its stream folded into the
+    reply's content blocks as Claude Code folds them."""
+    blocks: dict[int, dict[str, Any]] = {}
+    partial: dict[int, str] = {}
+    headers = {**shapes.CC_HTTP_HEADERS, "anthropic-version": "2023-06-01"}
+    reply = _Reply(sent=time.perf_counter())
+    for now, ev in _sse_events(client, f"{server.url}/v1/messages", body, headers):
+        kind = ev.get("type")
+        if kind == "error":
+            raise RuntimeError(f"gezel: stream error: {ev}")
+        if kind == "content_block_start":
+            blocks[ev["index"]] = dict(ev["content_block"])
+        elif kind == "content_block_delta":
+            reply.first = reply.first if reply.first is not None else now
+            d, block = ev["delta"], blocks[ev["index"]]
+            if d["type"] == "text_delta":
+                block["text"] = block.get("text", "") + d["text"]
+            elif d["type"] == "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + d["thinking"]
+            elif d["type"] == "signature_delta":
+                block["signature"] = d["signature"]
+            elif d["type"] == "input_json_delta":
+                partial[ev["index"]] = partial.get(ev["index"], "") + d["partial_json"]
+        elif kind == "message_delta":
+            u = ev.get("usage") or {}
+            reply.cached = int(u.get("cache_read_input_tokens") or 0)
+            reply.prompt = int(u.get("input_tokens") or 0) + reply.cached
+            reply.gen = int(u.get("output_tokens") or 0)
+        reply.end = now
+    for i, text in partial.items():
+        blocks[i]["input"] = json.loads(text or "{}")
+    reply.items = [blocks[i] for i in sorted(blocks)]
+    reply.text = "".join(str(b.get("text", "")) for b in reply.items)
+    return reply
+
+
+def _gezel_codex(client: httpx.Client, server: Server, body: dict[str, Any]) -> _Reply:
+    """One Codex request on ``/v1/responses``: the final response's output
+    items and usage; the first ``*.delta`` event is the first token."""
+    reply = _Reply(sent=time.perf_counter())
+    final: dict[str, Any] | None = None
+    for now, ev in _sse_events(client, f"{server.url}/v1/responses", body, {}):
+        kind = str(ev.get("type"))
+        if kind in ("error", "response.failed"):
+            raise RuntimeError(f"gezel: stream error: {ev}")
+        if kind.endswith(".delta") and reply.first is None:
+            reply.first = now
+        if kind in ("response.completed", "response.incomplete"):
+            final = ev["response"]
+        reply.end = now
+    if final is None:
+        raise RuntimeError("gezel: the stream ended without a final response")
+    u = final.get("usage") or {}
+    reply.prompt = int(u.get("input_tokens") or 0)
+    reply.cached = int((u.get("input_tokens_details") or {}).get("cached_tokens") or 0)
+    reply.gen = int(u.get("output_tokens") or 0)
+    reply.items = list(final.get("output") or [])
+    reply.text = "".join(
+        str(c.get("text", ""))
+        for item in reply.items
+        if item.get("type") == "message"
+        for c in item.get("content") or []
+    )
+    return reply
+
+
+def _mlx_chat(
+    client: httpx.Client, server: Server, mode: str, body: dict[str, Any], max_tokens: int
+) -> _Reply:
+    """The same request as chat completions on ``mlx_lm.server``; the reply
+    is replayed as text (a text block / an assistant message)."""
+    chat = (
+        shapes.anthropic_to_chat(body) if mode == "claude-code" else shapes.responses_to_chat(body)
+    )
+    chat.update(max_tokens=max_tokens, stream=True, stream_options={"include_usage": True})
+    log = _sse.stream(client, server.url, chat)
+    if log.end is None or log.usage is None:
+        raise RuntimeError(f"mlx_lm.server: incomplete stream: {log.usage=}")
+    reply = _Reply(sent=log.sent, first=log.first, end=log.end, text=log.text)
+    reply.prompt = log.usage_int("prompt_tokens") or 0
+    reply.cached = cached_tokens(server, log)
+    reply.gen = log.usage_int("completion_tokens") or 0
+    if mode == "claude-code":
+        reply.items = [{"type": "text", "text": log.text}]
+    else:
+        content = [{"type": "output_text", "text": log.text}]
+        reply.items = [{"type": "message", "role": "assistant", "content": content}]
+    return reply
+
+
+def _shape_label(mode: str, session: Any, step: int) -> str:
+    if step == 1:
+        return "task"
+    if mode == "claude-code":
+        last = session.messages[-1]
+        if last["role"] == "system":
+            return "tool+system"
+        blocks = last["content"] if isinstance(last["content"], list) else []
+        return "tool" if any(b.get("type") == "tool_result" for b in blocks) else "+user"
+    last = session.input[-1]
+    return "tool output" if str(last.get("type")).endswith("_output") else "+user"
+
+
+def run_shape_session(
+    ctx: Context, model: str, model_dir: Path, system: str, mode: str
+) -> SystemRun:
+    """``--turns`` requests of one coding agent's shape on one system."""
+    a = ctx.args
+    run = SystemRun(model=model, system=system)
+    session: Any
+    if mode == "claude-code":
+        session = shapes.ClaudeCodeSession(
+            max_tokens=a.tokens, prev_req=True, system_at=3, follow_up_at=a.user_turn
+        )
+    else:
+        session = shapes.CodexSession(max_output_tokens=a.tokens)
+    persist = ctx.workdir / f"{model}-{system}-{mode}-persist"
+    persist.mkdir(parents=True, exist_ok=True)
+    log = ctx.workdir / f"{model}-{system}-{mode}.log"
+    t_run = time.monotonic()
+    t0 = time.monotonic()
+    with serve(system, model_dir, persist, log, a) as srv:
+        run.startup_seconds.append(time.monotonic() - t0)
+        with httpx.Client(timeout=_sse.REQUEST_TIMEOUT_S) as client:
+            if not a.no_warmup:
+                stream_chat(client, srv, WARMUP_MESSAGES, thinking=False, max_tokens=2,
+                            bias=None, tools=False, session=False)  # fmt: skip
+            for step in range(1, a.turns + 1):
+                label = _shape_label(mode, session, step)
+                body = session.request()
+                offset = srv.log.stat().st_size if system == "gezel" else 0
+                try:
+                    if system == "gezel":
+                        go = _gezel_claude if mode == "claude-code" else _gezel_codex
+                        reply = go(client, srv, body)
+                    else:
+                        reply = _mlx_chat(client, srv, mode, body, a.tokens)
+                except RuntimeError as exc:
+                    # A refused shape is a result (Codex could not start), not a crash.
+                    run.error = f"turn {step}: {exc}"
+                    ctx.progress(f"{system} {mode}: {run.error}")
+                    break
+                session.record(reply.items)
+                first = reply.first if reply.first is not None else reply.end
+                result = TurnResult(
+                    turn=step,
+                    label=label,
+                    thinking=False,
+                    prompt_tokens=reply.prompt,
+                    cached_tokens=reply.cached,
+                    completion_tokens=reply.gen,
+                    ttft_s=first - reply.sent,
+                    total_s=reply.end - reply.sent,
+                    reply=reply.text,
+                    ref_prompt_tokens=reply.prompt,
+                    min_prefill=0,
+                    cache_log=_new_log_lines(srv.log, offset) if system == "gezel" else [],
+                )
+                run.turns.append(result)
+                ctx.progress(
+                    f"{system} {mode} turn {step:>2} {label:<12} prompt {result.prompt_tokens:>5}"
+                    f" cached {result.cached_tokens:>5} prefill {result.prefilled:>5}"
+                    f" TTFT {result.ttft_s:6.2f}s total {result.total_s:6.2f}s"
+                    f" gen {result.completion_tokens}"
+                )
+            run.cache_bytes = cache_bytes(client, srv)
+    run.stop_exit_codes.append(srv.exit_code)
+    run.stop_seconds.append(srv.stop_s)
+    run.wall_s = time.monotonic() - t_run
+    return run
+
+
+def shape_tables(model: str, mode: str, runs: dict[str, SystemRun], turns: int) -> list[Table]:
+    systems = [s for s in SYSTEMS if s in runs]
+    header = ["turn:d", "request"]
+    for s in systems:
+        p = _SHORT[s]
+        header += [f"{p} prompt:d", f"{p} cached:d", f"{p} prefill:d", f"{p} TTFT s:.2f",
+                   f"{p} total s:.2f", f"{p} gen:d"]  # fmt: skip
+    rows = []
+    for n in range(1, turns + 1):
+        label = ""
+        row: list[Any] = []
+        for s in systems:
+            t = runs[s].turn(n)
+            if t is None:
+                row += [None] * 6
+                continue
+            label = t.label
+            row += [t.prompt_tokens, t.cached_tokens, t.prefilled, t.ttft_s, t.total_s,
+                    t.completion_tokens]  # fmt: skip
+        rows.append((n, label, *row))
+    per_turn = table(
+        f"{model}: {mode}, per turn",
+        " | ".join(header),
+        rows,
+        "prefill = prompt - cached. gezel gets the agent's own request; mlx_lm.server the "
+        "same conversation as chat completions, each replaying its own replies.",
+    )
+    # A system that refused the shape has no figures (and no ratio), not zeros.
+    summ = summary({s: r for s, r in runs.items() if r.error is None}, turns)
+    srows: list[Any] = []
+    for s in systems:
+        p = summ["per_system"].get(s, {})
+        srows.append((s, p.get("prefilled_turns_2_n"), p.get("median_ttft_turns_2_n")))
+    r = summ.get("ratios")
+    if r:
+        srows.append(("gezel / mlx_lm.server", r["prefilled_turns_2_n"],
+                      r["median_ttft_turns_2_n"]))  # fmt: skip
+    summary_t = table(
+        f"{model}: {mode}, summary",
+        f"system | prefilled turns 2-{turns} | median TTFT s turns 2-{turns}:.3f",
+        srows,
+        "The ratio row is gezel / mlx_lm.server (below 1: gezel better).",
+    )
+    for s in systems:
+        if runs[s].error:
+            summary_t = attrs.evolve(
+                summary_t, notes=(*summary_t.notes, f"{s} failed at {runs[s].error}")
+            )
+    return [per_turn, summary_t]
+
+
+def run_shapes(ctx: Context) -> Result:
+    a = ctx.args
+    results: dict[str, dict[str, SystemRun]] = {}
+    model_dirs: dict[str, Path] = {}
+    tables: list[Table] = []
+    plot_list: list[Plot] = []
+    for model in a.models:
+        model_dirs[model] = ctx.demo_model(model)
+        results[model] = {}
+        for system in a.systems:
+            with ctx.phase(f"{model} / {system} / {a.mode}"):
+                results[model][system] = run_shape_session(
+                    ctx, model, model_dirs[model], system, a.mode
+                )
+        for sub in ctx.workdir.glob(f"{model}-*-persist"):
+            for f in sorted(sub.rglob("*"), reverse=True):
+                if f.is_file():
+                    f.unlink()
+        runs = results[model]
+        tables += shape_tables(f"{model} ({model_dirs[model].name})", a.mode, runs, a.turns)
+        turns = list(range(1, a.turns + 1))
+        prefill, ttft = [], []
+        for system, srun in runs.items():
+            ts = [srun.turn(n) for n in turns]
+            prefill.append(Series(system, turns, [t.prefilled if t else None for t in ts]))
+            ttft.append(Series(system, turns, [t.ttft_s if t else None for t in ts]))
+        plot_list.append(Plot(f"{model}: {a.mode} prefilled tokens", "turn", "tokens",
+                              tuple(prefill)))  # fmt: skip
+        plot_list.append(Plot(f"{model}: {a.mode} TTFT", "turn", "TTFT s", tuple(ttft)))
+    data = {
+        "models": {m: str(d) for m, d in model_dirs.items()},
+        "mode": a.mode,
+        "turns": a.turns,
+        "max_tokens": a.tokens,
+        "codex_commit": shapes.CODEX_COMMIT,
+        "gezel_flags": gezel_flags(Path("PERSIST_DIR"), ctx.args),
+        "mlx_lm_server_flags": mlx_flags(ctx.args),
+        "results": {
+            model: {
+                "summary": summary(runs, a.turns),
+                "systems": {
+                    system: {
+                        **attrs.asdict(srun),
+                        "turns": [
+                            {**attrs.asdict(t), "prefilled": t.prefilled} for t in srun.turns
+                        ],
+                    }
+                    for system, srun in runs.items()
+                },
+            }
+            for model, runs in results.items()
+        },
+    }
+    return Result(
+        data,
+        tables,
+        plot_list,
+        title=f"mode {a.mode}, {a.turns} turns, max_tokens {a.tokens}",
+    )
+
+
 # --- the run ---------------------------------------------------------------------
 
 
@@ -853,6 +1185,8 @@ def run(ctx: Context) -> Result:
     a = ctx.args
     if a.turns < 2 or a.tokens < 1:
         raise ValueError("--turns >= 2 and --tokens >= 1 are required")
+    if a.mode in SHAPE_MODES:
+        return run_shapes(ctx)
     agents = a.agents if a.agents is not None else (4 if a.mode == "interleaved" else 1)
     if agents > 1 and a.mode != "interleaved":
         raise ValueError("--agents > 1 needs --mode interleaved")
@@ -922,7 +1256,14 @@ SCENARIO = Scenario(
     doc=__doc__ or "",
     run=run,
     options=(
-        Option("mode", "session", "agent mode", str, None, ("session", "anonymous", "interleaved")),
+        Option(
+            "mode",
+            "session",
+            "agent mode",
+            str,
+            None,
+            ("session", "anonymous", "interleaved", *SHAPE_MODES),
+        ),
         Option("agents", None, "agents of the interleaved mode (default 4)", int),
         Option("models", list(MODELS), "demo model kinds", str, "+", MODELS),
         Option("systems", list(SYSTEMS), "systems to run", str, "+", SYSTEMS),
