@@ -145,4 +145,4 @@ def lark_for_library(grammar: str) -> str:
     terminals that can match nothing (``/(.*)/``), so those become ``/.+/``
     made optional, and ``#`` lines (llguidance reads them as comments) go."""
     lines = [line for line in grammar.splitlines() if not line.startswith("#")]
-    return "\n".join(lines).replace('/(.*)/', "/(.+)/?")
+    return "\n".join(lines).replace("/(.*)/", "/(.+)/?")

@@ -106,6 +106,9 @@ class ChatRequest:
     images: tuple[ImagePart, ...] = ()
     prompt: str | Sequence[int] | None = None
     n: int = 1
+    # Custom (freeform) tools among ``tools``, rendered as functions taking
+    # one ``input`` string: name -> Responses format (``shaping.custom_tools``).
+    custom_tools: Mapping[str, Mapping[str, Any] | None] = attrs.field(factory=dict)
 
     @property
     def parses_tools(self) -> bool:

@@ -31,14 +31,18 @@ and ``%import`` of a common terminal outside the table below.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
-import re._constants as sre  # the parser's own opcodes
-import re._parser as sre_parse  # noqa: PLC2701 - the one regex AST Python ships
 from collections.abc import Mapping
 from typing import Any, Final
 
 from ..core.errors import InvalidRequest
+
+# The regex parser Python ships and its opcodes (private modules, untyped;
+# the public sre_parse alias warns on import).
+sre_parse: Any = importlib.import_module("re._parser")
+sre: Any = importlib.import_module("re._constants")
 
 __all__ = [
     "INPUT_PARAMETER",
@@ -77,7 +81,9 @@ _COMMON: Final = {
 }
 
 
-def as_function(name: str, description: str | None, fmt: Mapping[str, Any] | None) -> dict[str, Any]:
+def as_function(
+    name: str, description: str | None, fmt: Mapping[str, Any] | None
+) -> dict[str, Any]:
     """The function a chat template renders for a custom tool (chat shape)."""
     text = description or ""
     syntax, definition = grammar_of(fmt)
@@ -420,13 +426,13 @@ class _Rewriter:
             _, add, remove, body = av
             if add & re.IGNORECASE:
                 raise self._refuse("case-insensitive groups")
-            inner = (dotall or bool(add & re.DOTALL)) and not remove & re.DOTALL
-            return "(" + self.seq(list(body), inner) + ")"
+            dots = (dotall or bool(add & re.DOTALL)) and not remove & re.DOTALL
+            return "(" + self.seq(list(body), dots) + ")"
         if op in (sre.MAX_REPEAT, sre.MIN_REPEAT):
             # Lazy and greedy repeats match the same language.
             lo, hi, body = av
             body = list(body)
-            single = self._atom(*body[0], dotall) if len(body) == 1 else None
+            single = self._atom(body[0][0], body[0][1], dotall) if len(body) == 1 else None
             if single is not None and lo <= 1 and hi == sre.MAXREPEAT:
                 # Plain text in runs (one lexeme), escapes one by one.
                 return f"({self._set(*single, run=True)}){'*' if lo == 0 else '+'}"

@@ -187,11 +187,12 @@ def build_constraint(
             )
         all_tools = _tools(tools, param="tools", custom=custom_tools)
         if isinstance(choice, _Forced):
-            chosen = [t for t in all_tools if t.name == choice.name]
-            if not chosen:
+            chosen = [t for t in all_tools if t.name in choice.names]
+            missing = set(choice.names) - {t.name for t in chosen}
+            if missing:
+                listed = ", ".join(repr(n) for n in sorted(missing))
                 raise InvalidRequest(
-                    f"tool_choice names {choice.name!r}, which is not in tools",
-                    param="tool_choice",
+                    f"tool_choice names {listed}, which is not in tools", param="tool_choice"
                 )
         else:
             chosen = all_tools
@@ -252,7 +253,10 @@ def build_constraint(
 
 @attrs.frozen
 class _Forced:
-    name: str
+    """One call of one of ``names`` (a named function, or ``allowed_tools``
+    in ``required`` mode)."""
+
+    names: tuple[str, ...]
 
 
 def _response_schema(
@@ -304,10 +308,19 @@ def _tool_choice(tool_choice: str | Mapping[str, Any] | None) -> str | _Forced |
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if tool_choice.get("type") == "function" and isinstance(name, str):
-            return _Forced(name)
+            return _Forced((name,))
+        names = tool_choice.get("names")
+        if (
+            tool_choice.get("type") == "allowed_tools"
+            and isinstance(names, Sequence)
+            and names
+            and all(isinstance(n, str) for n in names)
+        ):
+            return _Forced(tuple(names))
     raise InvalidRequest(
-        'tool_choice must be "auto", "none", "required" or '
-        '{"type": "function", "function": {"name": ...}}',
+        'tool_choice must be "auto", "none", "required", '
+        '{"type": "function", "function": {"name": ...}} or '
+        '{"type": "allowed_tools", "names": [...]}',
         param="tool_choice",
     )
 
@@ -594,3 +607,21 @@ def _validate(grammar: str, *, param: str, where: str | None = None, tok: Any = 
     if is_error:
         detail = messages[0] if messages else "invalid grammar"
         raise InvalidRequest(f"{where or param}: {detail}", param=param)
+
+
+def custom_grammar_problem(syntax: str, definition: str) -> str | None:
+    """Why a custom tool's grammar does not compile (``None``: it does), under
+    ``parser_limits()``: llguidance reads Lark natively, regexes as one lexeme."""
+    if len(definition) > MAX_GRAMMAR_BYTES:
+        return f"it is {len(definition)} bytes; at most {MAX_GRAMMAR_BYTES} are allowed"
+    try:
+        if syntax == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(definition)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(definition)
+    except (ValueError, TypeError) as exc:
+        return str(exc)[:300]
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=parser_limits()
+    )
+    return (messages[0] if messages else "invalid grammar")[:300] if is_error else None
