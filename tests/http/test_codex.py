@@ -35,6 +35,7 @@ def _parses_as_a_patch_prefix(text: str) -> None:
     call cut short is checked as far as it went."""
     _PATCH_PARSER.parse_interactive(text[: text.rfind("\n") + 1]).exhaust_lexer()
 
+
 _USER = {"role": "user", "content": [{"type": "input_text", "text": "Add a README file."}]}
 
 
@@ -101,7 +102,8 @@ def test_streamed_codex_request_with_history_re_sent(smollm2_server: Server) -> 
     final = events[-1].response
     assert events[0].type == "response.created"
     assert final.status in ("completed", "incomplete")
-    assert final.usage is not None and final.usage.input_tokens > 0
+    assert final.usage is not None
+    assert final.usage.input_tokens > 0
 
 
 def _forced_patch(server: Server, *, stream: bool) -> tuple[Any, list[Any]]:
