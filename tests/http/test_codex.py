@@ -209,3 +209,91 @@ def test_a_bad_grammar_is_a_400_naming_it(dense_server: Server, fmt: Any, param:
 
 def test_the_tool_roster_is_what_codex_sends() -> None:
     assert [t["type"] for t in CODEX_TOOLS] == ["function", "function", "custom", "web_search"]
+
+
+# --- chat completions: the same custom tool in the chat shape -------------------
+
+_CHAT_PATCH_TOOL = {
+    "type": "custom",
+    "custom": {
+        "name": "apply_patch",
+        "description": APPLY_PATCH_TOOL["description"],
+        "format": {
+            "type": "grammar",
+            "grammar": {"syntax": "lark", "definition": APPLY_PATCH_GRAMMAR},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_forced_custom_call_comes_back_as_a_custom_tool_call(
+    smollm2_server: Server, stream: bool
+) -> None:
+    kw: dict[str, Any] = dict(
+        model="m",
+        messages=[{"role": "user", "content": "Add a README file."}],
+        tools=[_CHAT_PATCH_TOOL],
+        tool_choice={"type": "custom", "custom": {"name": "apply_patch"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    if stream:
+        chunks = list(smollm2_server.client.chat.completions.create(**kw, stream=True))
+        calls = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+        head = calls[0].model_dump()
+        assert head["type"] == "custom"
+        assert head["custom"]["name"] == "apply_patch"
+        text = "".join(c.model_dump()["custom"]["input"] for c in calls)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        r = smollm2_server.client.chat.completions.create(**kw)
+        (call,) = r.choices[0].message.tool_calls or []
+        assert call.type == "custom"
+        assert call.custom.name == "apply_patch"
+        text = call.custom.input
+        finish = r.choices[0].finish_reason
+    assert text.startswith("*** Begin Patch\n")
+    if finish == "tool_calls":
+        _PATCH_PARSER.parse(text)
+    else:
+        assert finish == "length"
+        _parses_as_a_patch_prefix(text)
+
+
+def test_chat_history_with_a_custom_call_and_allowed_tools(dense_server: Server) -> None:
+    r = dense_server.client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "user", "content": "Add a README."},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "custom",
+                        "custom": {"name": "apply_patch", "input": GOOD_PATCH},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "Done."},
+        ],
+        tools=[_CHAT_PATCH_TOOL, {"type": "function", "function": {"name": "ls"}}],
+        tool_choice={
+            "type": "allowed_tools",
+            "allowed_tools": {
+                "mode": "required",
+                "tools": [{"type": "function", "function": {"name": "ls"}}],
+            },
+        },
+        max_tokens=40,
+        temperature=0,
+    )
+    (call,) = r.choices[0].message.tool_calls or []
+    assert call.type == "function"
+    assert call.function.name == "ls"
+    assert call.function.arguments == "{}"
+
+
+GOOD_PATCH = "*** Begin Patch\n*** Add File: README.md\n+hi\n*** End Patch\n"

@@ -130,10 +130,14 @@ def _custom_message(message: dict[str, Any], custom: frozenset[str]) -> dict[str
     out = []
     for c in calls:
         fn = c["function"]
-        raw = custom_input(fn["arguments"]) if fn["name"] in custom else None
-        if raw is None:
+        if fn["name"] not in custom:
             out.append(c)
         else:
+            raw = custom_input(fn["arguments"])
+            if raw is None:  # cut short (finish_reason length): as far as it went
+                reader = RawInput()
+                reader.feed(fn["arguments"])
+                raw = "".join(reader.text)
             out.append(
                 {"id": c["id"], "type": "custom", "custom": {"name": fn["name"], "input": raw}}
             )
