@@ -210,9 +210,11 @@ def _template_call(c: ToolCall) -> dict[str, Any]:
     fn: dict[str, Any]
     if c.custom is not None:
         fn = {"name": c.custom.name, "arguments": input_arguments(c.custom.input)}
-    else:
-        assert c.function is not None  # parse_chat_request checks it
+    elif c.function is not None:
         fn = {"name": c.function.name, "arguments": c.function.arguments}
+    else:  # every body with messages may carry calls: refused here, once for all
+        field = "custom" if c.type == "custom" else "function"
+        raise InvalidRequest(f"a tool call of type {c.type} needs {field}", param="messages")
     return {"id": c.id, "type": "function", "function": fn}
 
 
@@ -271,7 +273,8 @@ def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
             c = t.custom
             out.append(as_function(c.name, c.description, c.responses_format))
             continue
-        assert t.function is not None  # parse_chat_request checks it
+        if t.function is None:  # _check_tools refuses it first
+            raise InvalidRequest("a function tool needs function", param="tools")
         fn: dict[str, Any] = {"name": t.function.name}
         if t.function.description is not None:
             fn["description"] = t.function.description
