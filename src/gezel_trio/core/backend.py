@@ -157,6 +157,7 @@ class ConstraintCompiler(Protocol):
         tools: Any,
         tool_choice: Any,
         tool_grammar: Any,
+        custom_tools: Any = None,
     ) -> Any: ...
 
 

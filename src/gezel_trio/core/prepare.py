@@ -117,6 +117,9 @@ class ChatRequest:
     # Prefixes to keep cached for a while, through the end of a message
     # (Anthropic's ``cache_control`` breakpoints).
     pins: tuple[MessagePin, ...] = ()
+    # Custom (freeform) tools among ``tools``, rendered as functions taking
+    # one ``input`` string: name -> Responses format (``shaping.custom_tools``).
+    custom_tools: Mapping[str, Mapping[str, Any] | None] = attrs.field(factory=dict)
 
     @property
     def parses_tools(self) -> bool:

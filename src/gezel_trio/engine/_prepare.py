@@ -104,18 +104,22 @@ class Preparer:
         tools: Any = None,
         tool_choice: Any = None,
         tool_grammar: Any = None,
+        custom_tools: Any = None,
     ) -> Constraint | None:
         if not wants_constraint(response_format, tool_choice, tool_grammar):
             return None
         compiler = self.loaded.compiler
         if compiler is None:
             raise InvalidRequest("this model cannot constrain decoding", param="response_format")
+        # Only when there are custom tools, so compilers without the keyword still serve.
+        extra = {"custom_tools": custom_tools} if custom_tools else {}
         result: Constraint | None = await trio.to_thread.run_sync(
             lambda: compiler.compile(
                 response_format=response_format,
                 tools=tools,
                 tool_choice=tool_choice,
                 tool_grammar=tool_grammar,
+                **extra,
             )
         )
         return result
@@ -182,6 +186,7 @@ class Preparer:
             tools=[dict(t) for t in chat.tools] if chat.tools else None,
             tool_choice=chat.tool_choice,
             tool_grammar=dict(chat.tool_grammar) if chat.tool_grammar else None,
+            custom_tools=dict(chat.custom_tools) or None,
         )
         return prepare(
             chat,

@@ -20,6 +20,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..core.errors import InvalidRequest
+from ..shaping.grammar import custom_grammar_problem
 from .strict import FieldInvalid
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "SEED_MIN",
     "TOOL_NAME",
     "check_cache_id",
+    "check_custom_grammar",
     "check_messages",
     "check_metadata",
     "check_parameters",
@@ -128,6 +130,20 @@ def check_parameters(params: dict[str, Any] | None, where: str) -> None:
         problem = str(exc)
     if problem is not None:
         raise InvalidRequest(f"{where} is not a JSON schema: {problem}", param=where)
+
+
+def check_custom_grammar(syntax: str, definition: str, where: str) -> None:
+    """A custom tool's grammar must compile (llguidance); ``where`` names its format."""
+    problem = _grammar_problem(syntax, definition)
+    if problem is not None:
+        param = f"{where}.definition"
+        raise InvalidRequest(f"{param} is not a valid {syntax} grammar: {problem}", param=param)
+
+
+@lru_cache(maxsize=64)
+def _grammar_problem(syntax: str, definition: str) -> str | None:
+    # Once per distinct grammar: an agent sends the same tools every turn.
+    return custom_grammar_problem(syntax, definition)
 
 
 @lru_cache(maxsize=256)

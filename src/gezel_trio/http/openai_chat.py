@@ -29,9 +29,16 @@ from ..engine import (
     Engine,
     combined_usage,
 )
+from ..shaping.custom_tools import RawInput, custom_input
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta
 from .edge import ProtocolBlueprint, error_response, json_body, refusal
-from .openai_wire import ChatCompletionRequest, parse_chat_request, sampling_params, tool_dicts
+from .openai_wire import (
+    ChatCompletionRequest,
+    custom_formats,
+    parse_chat_request,
+    sampling_params,
+    tool_dicts,
+)
 from .sse import (
     DONE,
     ChatStream,
@@ -69,7 +76,8 @@ def chat_request(req: ChatCompletionRequest, *, vision: bool = True) -> ChatRequ
     return ChatRequest(
         messages=[m.to_template() for m in req.messages],
         tools=tool_dicts(req.tools),
-        tool_choice=req.tool_choice,
+        tool_choice=_tool_choice(req.tool_choice),
+        custom_tools=custom_formats(req.tools),
         response_format=attrs.asdict(req.response_format) if req.response_format else None,
         tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
         sampling=sampling_params(req),
@@ -88,6 +96,52 @@ def chat_request(req: ChatCompletionRequest, *, vision: bool = True) -> ChatRequ
         images=images,
         n=req.n,
     )
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """A custom tool named (``{"type": "custom", "custom": {"name"}}``) is
+    forced as the function it is shown as; ``allowed_tools`` in ``required``
+    mode forces one call of one of them, in ``auto`` mode every tool stays
+    in the prompt and the choice is the model's. Anything else goes to the
+    grammar compiler as it came (which names a bad one)."""
+    if not isinstance(choice, dict):
+        return choice
+    kind = choice.get("type")
+    if kind == "custom" and isinstance(choice.get("custom"), dict):
+        return {"type": "function", "function": {"name": choice["custom"].get("name")}}
+    allowed = choice.get("allowed_tools")
+    if kind == "allowed_tools" and isinstance(allowed, dict):
+        if allowed.get("mode") == "auto":
+            return "auto"
+        names = []
+        for t in allowed.get("tools") or []:
+            inner = t.get(t.get("type"), {}) if isinstance(t, dict) else {}
+            names.append(inner.get("name") if isinstance(inner, dict) else None)
+        return {"type": "allowed_tools", "names": names}
+    return choice
+
+
+def _custom_message(message: dict[str, Any], custom: frozenset[str]) -> dict[str, Any]:
+    """The assistant message with calls of custom tools as ``custom`` calls
+    (their raw input)."""
+    calls = message.get("tool_calls")
+    if not calls or not custom:
+        return message
+    out = []
+    for c in calls:
+        fn = c["function"]
+        if fn["name"] not in custom:
+            out.append(c)
+        else:
+            raw = custom_input(fn["arguments"])
+            if raw is None:  # cut short (finish_reason length): as far as it went
+                reader = RawInput()
+                reader.feed(fn["arguments"])
+                raw = "".join(reader.text)
+            out.append(
+                {"id": c["id"], "type": "custom", "custom": {"name": fn["name"], "input": raw}}
+            )
+    return {**message, "tool_calls": out}
 
 
 def logprobs_body(items: list[TokenLogprob]) -> dict[str, Any]:
@@ -141,7 +195,11 @@ class _Chunks:
         n: int = 1,
         *,
         stream_tool_calls: bool = True,
+        custom: frozenset[str] = frozenset(),
     ) -> None:
+        self._custom = custom
+        # A custom call's raw input, decoded as its arguments stream: (choice, call).
+        self._raw: dict[tuple[int, int], RawInput] = {}
         self._cid = cid
         self._model = model
         self._created = int(time.time())
@@ -174,6 +232,7 @@ class _Chunks:
             case ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments) if (
                 self._held_calls is not None
             ):
+                # Held back (--no-stream-tool-calls), custom ones too: sent whole at the end.
                 call = self._held_calls[chat.index].setdefault(
                     index,
                     {
@@ -185,12 +244,28 @@ class _Chunks:
                 )
                 call["function"]["arguments"] += arguments
                 return []
+            case ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments) if (
+                chat.index,
+                index,
+            ) in self._raw or name in self._custom:
+                key = (chat.index, index)
+                if name is not None:
+                    self._raw[key] = RawInput()
+                    custom_call = {"name": name, "input": ""}
+                    call = {"index": index, "id": call_id, "type": "custom", "custom": custom_call}
+                    return [self._chunk(chat.index, {"tool_calls": [call]}, None, chat.usage)]
+                piece = self._raw[key].feed(arguments)
+                if not piece:
+                    return []
+                call = {"index": index, "custom": {"input": piece}}
+                return [self._chunk(chat.index, {"tool_calls": [call]}, None, chat.usage)]
             case ChatFinished(reason=reason, usage=usage):
                 self._finished[chat.index] = usage
                 held = self._held_calls[chat.index] if self._held_calls is not None else {}
+                held_calls = _custom_message({"tool_calls": list(held.values())}, self._custom)
                 out = [
                     self._chunk(chat.index, {"tool_calls": [call]}, None, usage)
-                    for call in held.values()
+                    for call in held_calls["tool_calls"]
                 ]
                 if len(self._finished) < self._n:
                     return [*out, self._chunk(chat.index, {}, reason, usage)]
@@ -233,19 +308,27 @@ def blueprint(engine: Engine, *, stream_tool_calls: bool = True) -> ProtocolBlue
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         logprobs = prepared.request.top_logprobs is not None
+        custom = frozenset(prepared.chat.custom_tools)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             translator = _Chunks(
-                cid, model, include_usage, logprobs, req.n, stream_tool_calls=stream_tool_calls
+                cid,
+                model,
+                include_usage,
+                logprobs,
+                req.n,
+                stream_tool_calls=stream_tool_calls,
+                custom=custom,
             )
             return event_stream(ChatStream(engine, prepared, translator))
         results = await run_choices(engine, prepared)
         usage = combined_usage([finished.usage for finished, _ in results])
-        body = completion(cid, model, results[0][0].message, results[0][0].reason, usage)
+        first = _custom_message(results[0][0].message, custom)
+        body = completion(cid, model, first, results[0][0].reason, usage)
         body["choices"] = [
             {
                 "index": i,
-                "message": finished.message,
+                "message": _custom_message(finished.message, custom),
                 "finish_reason": finished.reason,
                 "logprobs": logprobs_body(items) if logprobs else None,
             }

@@ -54,25 +54,31 @@ from ..engine import (
     Engine,
     PreparedChat,
 )
+from ..shaping.custom_tools import RawInput, as_function, custom_input, input_arguments
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from .edge import NotFound, ProtocolBlueprint, error_response, json_body, refusal
 from .images import from_data_url
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
     ContentItem,
+    CustomTool,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     InputItem,
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
+    ToolChoiceAllowed,
+    ToolChoiceCustom,
     ToolChoiceFunction,
     parse_responses_request,
     structure_items,
 )
 from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment
 
-__all__ = ["RESPONSES_PATH", "blueprint", "items_to_messages"]
+__all__ = ["IGNORED_TOOLS_HEADER", "RESPONSES_PATH", "blueprint", "items_to_messages"]
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -184,6 +190,20 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict
                         "function": {"name": name, "arguments": arguments},
                     }
                 )
+            case CustomToolCallItem(call_id=call_id, name=name, input=raw):
+                # As the model generated it: a function call of one ``input`` string.
+                calls = assistant().setdefault("tool_calls", [])
+                calls.append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": input_arguments(raw)},
+                    }
+                )
+            case CustomToolCallOutputItem(call_id=call_id, output=output):
+                turn = None
+                text = _content_text(output, f"{where}[{i}].output")
+                out.append({"role": "tool", "tool_call_id": call_id, "content": text})
             case FunctionCallOutputItem(call_id=call_id, output=output):
                 turn = None
                 text = _content_text(output, f"{where}[{i}].output")
@@ -203,7 +223,9 @@ def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     whole = [
         item
         for item in output
-        if not (item["type"] == "function_call" and item["status"] == "incomplete")
+        if not (
+            item["type"] in ("function_call", "custom_tool_call") and item["status"] == "incomplete"
+        )
     ]
     return items_to_messages(structure_items(whole), "output")
 
@@ -228,16 +250,33 @@ def _usage(u: Usage | None) -> dict[str, Any] | None:
 
 
 def _tools_echo(req: ResponsesRequest) -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "function",
-            "name": t.name,
-            "description": t.description,
-            "parameters": t.parameters,
-            "strict": t.strict if t.strict is not None else True,
-        }
-        for t in req.tools or []
-    ]
+    out: list[dict[str, Any]] = []
+    for t in req.served_tools:
+        if isinstance(t, CustomTool):
+            fmt = t.format_dict or {"type": "text"}
+            out.append(
+                {"type": "custom", "name": t.name, "description": t.description, "format": fmt}
+            )
+            continue
+        out.append(
+            {
+                "type": "function",
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.parameters,
+                "strict": t.strict if t.strict is not None else True,
+            }
+        )
+    return out
+
+
+def _tool_choice_echo(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if isinstance(choice, ToolChoiceFunction | ToolChoiceCustom):
+        return {"type": choice.type, "name": choice.name}
+    if isinstance(choice, ToolChoiceAllowed):
+        return {"type": "allowed_tools", "mode": choice.mode, "tools": choice.tools}
+    return choice or "auto"
 
 
 def _format_echo(req: ResponsesRequest) -> dict[str, Any]:
@@ -276,9 +315,7 @@ class _Context:
         reason: str | None = None,
     ) -> dict[str, Any]:
         req = self.req
-        tool_choice: Any = req.tool_choice or "auto"
-        if isinstance(tool_choice, ToolChoiceFunction):
-            tool_choice = {"type": "function", "name": tool_choice.name}
+        tool_choice = _tool_choice_echo(req)
         done = status in ("completed", "incomplete", "failed", "cancelled")
         return {
             "id": self.rid,
@@ -313,7 +350,10 @@ class _Context:
             "service_tier": "default",
             "store": req.stores,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": _format_echo(req), "verbosity": "medium"},
+            "text": {
+                "format": _format_echo(req),
+                "verbosity": (req.text.verbosity if req.text else None) or "medium",
+            },
             "tool_choice": tool_choice,
             "tools": _tools_echo(req),
             "top_logprobs": req.top_logprobs or 0,
@@ -346,8 +386,11 @@ class _Output:
     events that build them. Every caller (streamed, not, background) feeds
     every event, so the three agree on the items."""
 
-    def __init__(self, logprobs: bool) -> None:
+    def __init__(self, logprobs: bool, custom: frozenset[str] = frozenset()) -> None:
         self.items: list[dict[str, Any]] = []
+        # Calls of these names are custom tool calls: raw ``input``, not arguments.
+        self._custom = custom
+        self._raw: RawInput | None = None
         self._open: dict[str, Any] | None = None
         self._parts: list[str] = []
         self._logprobs = logprobs
@@ -395,16 +438,44 @@ class _Output:
             case ToolCallDelta(id=call_id, name=name, arguments=arguments):
                 if name is not None:
                     out += self.close("completed")
-                    item = {
-                        "id": _new_id("fc"),
-                        "type": "function_call",
-                        "status": "in_progress",
-                        "call_id": call_id,
-                        "name": name,
-                        "arguments": "",
-                    }
+                    if name in self._custom:
+                        self._raw = RawInput()
+                        item = {
+                            "id": _new_id("ctc"),
+                            "type": "custom_tool_call",
+                            "status": "in_progress",
+                            "call_id": call_id,
+                            "name": name,
+                            "input": "",
+                        }
+                    else:
+                        item = {
+                            "id": _new_id("fc"),
+                            "type": "function_call",
+                            "status": "in_progress",
+                            "call_id": call_id,
+                            "name": name,
+                            "arguments": "",
+                        }
                     out += self._add(item)
-                if arguments and self._open is not None:
+                if (
+                    arguments
+                    and self._open is not None
+                    and self._open["type"] == "custom_tool_call"
+                ):
+                    self._parts.append(arguments)
+                    assert self._raw is not None
+                    delta = self._raw.feed(arguments)
+                    if delta:
+                        out.append(
+                            {
+                                "type": "response.custom_tool_call_input.delta",
+                                "item_id": self._open["id"],
+                                "output_index": len(self.items) - 1,
+                                "delta": delta,
+                            }
+                        )
+                elif arguments and self._open is not None:
                     self._parts.append(arguments)
                     out.append(
                         {
@@ -415,7 +486,10 @@ class _Output:
                         }
                     )
             case ToolCallDone(arguments=arguments, complete=complete):
-                if self._open is not None and self._open["type"] == "function_call":
+                if self._open is not None and self._open["type"] in (
+                    "function_call",
+                    "custom_tool_call",
+                ):
                     self._parts = [arguments]
                     self.broken_call |= not complete
                     out += self.close("completed" if complete else "incomplete")
@@ -457,6 +531,15 @@ class _Output:
                 {"type": "response.reasoning_text.done", **base, "content_index": 0, "text": text},
                 {"type": "response.content_part.done", **base, "content_index": 0, "part": part},
             ]
+        elif item["type"] == "custom_tool_call":
+            raw = custom_input(text)
+            if raw is None:  # not {"input": "..."}: what was streamed, marked so
+                raw = "".join(self._raw.text) if self._raw is not None else ""
+                status = "incomplete"
+                self.broken_call = True
+            self._raw = None
+            item["input"] = raw
+            out.append({"type": "response.custom_tool_call_input.done", **base, "input": raw})
         else:
             item["arguments"] = text
             out.append(
@@ -623,7 +706,9 @@ async def _background(
     """A background response's job, in the store's nursery. Whatever happens
     to it is recorded on it and goes no further: a bug here fails this
     response, never the store's nursery (nor the server it runs in)."""
-    output = _Output(prepared.request.top_logprobs is not None)
+    output = _Output(
+        prepared.request.top_logprobs is not None, frozenset(prepared.chat.custom_tools)
+    )
     chat: ChatHandle | None = None
     body: dict[str, Any] | None = None
     try:
@@ -659,9 +744,14 @@ def _chat_request(
     req: ResponsesRequest, messages: list[dict[str, Any]], cache_id: str | None
 ) -> ChatRequest:
     tools = None
-    if req.tools:
+    custom: dict[str, Any] = {}
+    if req.served_tools:
         tools = []
-        for t in req.tools:
+        for t in req.served_tools:
+            if isinstance(t, CustomTool):
+                custom[t.name] = t.format_dict
+                tools.append(as_function(t.name, t.description, t.format_dict))
+                continue
             fn: dict[str, Any] = {"name": t.name}
             if t.description is not None:
                 fn["description"] = t.description
@@ -671,10 +761,18 @@ def _chat_request(
                 fn["strict"] = t.strict
             tools.append({"type": "function", "function": fn})
     choice: str | dict[str, Any] | None
-    if isinstance(req.tool_choice, ToolChoiceFunction):
-        choice = {"type": "function", "function": {"name": req.tool_choice.name}}
-    else:
-        choice = req.tool_choice
+    match req.tool_choice:
+        case ToolChoiceFunction(name=name) | ToolChoiceCustom(name=name):
+            choice = {"type": "function", "function": {"name": name}}
+        case ToolChoiceAllowed(mode="required") as allowed:
+            choice = {"type": "allowed_tools", "names": allowed.names}
+        case ToolChoiceAllowed():
+            choice = "auto"
+        case other:
+            choice = other
+    if tools is None and choice not in (None, "none"):
+        # Only hosted tools (left out): the model answers in text.
+        choice = None
     logprobs = req.top_logprobs is not None or _LOGPROBS_INCLUDE in (req.include or [])
     return ChatRequest(
         messages=messages,
@@ -693,7 +791,21 @@ def _chat_request(
         max_thinking_tokens=req.thinking_budget,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         images=_images(messages),
+        custom_tools=custom,
     )
+
+
+IGNORED_TOOLS_HEADER = "x-gezel-ignored-tools"
+
+
+def _ignored(req: ResponsesRequest, response: Response) -> Response:
+    """Name the hosted tools left out of the prompt, on the response and in
+    the log (once per request)."""
+    if req.ignored_tools:
+        kinds = ", ".join(req.ignored_tools)
+        response.headers[IGNORED_TOOLS_HEADER] = kinds
+        log.info("responses: ignored hosted tools this server cannot run: %s", kinds)
+    return response
 
 
 def _not_found(rid: str) -> NotFound:
@@ -748,10 +860,13 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             body = ctx.body("queued", [])
             store.put(ctx.record(body))
             store.start_background(rid, lambda: _background(engine, store, ctx, prepared))
-            return Response(json.dumps(body), mimetype="application/json")
-        output = _Output(prepared.request.top_logprobs is not None)
+            return _ignored(req, Response(json.dumps(body), mimetype="application/json"))
+        output = _Output(
+            prepared.request.top_logprobs is not None, frozenset(prepared.chat.custom_tools)
+        )
         if req.stream:
-            return event_stream(ChatStream(engine, prepared, _Events(ctx, store, output)))
+            stream = event_stream(ChatStream(engine, prepared, _Events(ctx, store, output)))
+            return _ignored(req, stream)
         with engine.submit_chat_nowait(prepared) as chat:
             end, usage = await _run(chat, output)
         body = _finish(ctx, output, end, usage)
@@ -759,7 +874,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             store.put(ctx.record(body))
         if isinstance(end, Failed):
             raise end.error
-        return Response(json.dumps(body), mimetype="application/json")
+        return _ignored(req, Response(json.dumps(body), mimetype="application/json"))
 
     @bp.route("/<rid>", methods=["GET"])
     async def get_response(rid: str) -> Response:

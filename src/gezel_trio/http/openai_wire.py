@@ -24,6 +24,7 @@ import cattrs
 from ..core.errors import InvalidImage, InvalidRequest
 from ..core.images import ImagePart
 from ..core.request import SamplingParams
+from ..shaping.custom_tools import as_function, input_arguments
 from .checks import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -31,6 +32,7 @@ from .checks import (
     SEED_MIN,
     TOOL_NAME,
     check_cache_id,
+    check_custom_grammar,
     check_messages,
     check_metadata,
     check_parameters,
@@ -57,6 +59,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "WarmRequest",
+    "custom_formats",
     "parse_chat_request",
     "parse_completion_request",
     "parse_detokenize_request",
@@ -83,10 +86,19 @@ class ToolCallFunction:
 
 
 @attrs.frozen
+class CustomCall:
+    """A custom tool call's name and raw input."""
+
+    name: str
+    input: str
+
+
+@attrs.frozen
 class ToolCall:
-    function: ToolCallFunction
+    function: ToolCallFunction | None = None
     id: str | None = None
-    type: Literal["function"] = "function"
+    type: Literal["function", "custom"] = "function"
+    custom: CustomCall | None = None
     # Streaming deltas carry it; an SDK's model_dump() of a message keeps it.
     index: int | None = attrs.field(default=None, validator=Range(0, None))
 
@@ -183,20 +195,27 @@ class Message:
         if not calls and self.function_call is not None:
             calls = [ToolCall(self.function_call)]
         if calls:
-            out["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": c.type,
-                    "function": {"name": c.function.name, "arguments": c.function.arguments},
-                }
-                for c in calls
-            ]
+            out["tool_calls"] = [_template_call(c) for c in calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         thinking = self.reasoning_content or self.reasoning
         if thinking:
             out["reasoning_content"] = thinking
         return out
+
+
+def _template_call(c: ToolCall) -> dict[str, Any]:
+    """A call as the template renders it; a custom call is the function call
+    of one ``input`` string it was generated as."""
+    fn: dict[str, Any]
+    if c.custom is not None:
+        fn = {"name": c.custom.name, "arguments": input_arguments(c.custom.input)}
+    elif c.function is not None:
+        fn = {"name": c.function.name, "arguments": c.function.arguments}
+    else:  # every body with messages may carry calls: refused here, once for all
+        field = "custom" if c.type == "custom" else "function"
+        raise InvalidRequest(f"a tool call of type {c.type} needs {field}", param="messages")
+    return {"id": c.id, "type": "function", "function": fn}
 
 
 @attrs.frozen
@@ -211,17 +230,51 @@ class FunctionDef:
 
 
 @attrs.frozen
+class CustomDef:
+    """A custom (freeform) tool: raw-text input, ``format`` ``{"type":
+    "text"}`` or ``{"type": "grammar", "grammar": {"syntax": "lark" |
+    "regex", "definition": ...}}``."""
+
+    name: str = attrs.field(validator=Pattern(TOOL_NAME))
+    description: str | None = None
+    format: dict[str, Any] | None = None
+
+    @property
+    def responses_format(self) -> dict[str, Any] | None:
+        """The format in the Responses shape (``shaping.custom_tools`` reads)."""
+        fmt = self.format
+        if fmt is None or fmt.get("type") != "grammar":
+            return None
+        grammar = fmt.get("grammar") or {}
+        return {"type": "grammar", **grammar}
+
+
+@attrs.frozen
 class Tool:
-    function: FunctionDef
-    type: Literal["function"] = "function"
+    function: FunctionDef | None = None
+    type: Literal["function", "custom"] = "function"
+    custom: CustomDef | None = None
+
+
+def custom_formats(tools: list[Tool] | None) -> dict[str, dict[str, Any] | None]:
+    """The custom tools' names and formats (Responses shape)."""
+    return {t.custom.name: t.custom.responses_format for t in tools or [] if t.custom is not None}
 
 
 def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
-    """Tools as the plain mappings templates and grammars read (unset fields dropped)."""
+    """Tools as the plain mappings templates and grammars read (unset fields
+    dropped); a custom tool as the function of one ``input`` string it is
+    shown as."""
     if tools is None:
         return None
     out = []
     for t in tools:
+        if t.custom is not None:
+            c = t.custom
+            out.append(as_function(c.name, c.description, c.responses_format))
+            continue
+        if t.function is None:  # _check_tools refuses it first
+            raise InvalidRequest("a function tool needs function", param="tools")
         fn: dict[str, Any] = {"name": t.function.name}
         if t.function.description is not None:
             fn["description"] = t.function.description
@@ -564,7 +617,44 @@ def _check_tools(tools: list[Tool] | None) -> None:
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
     for i, tool in enumerate(tools):
+        if tool.type == "custom":
+            _check_custom(tool.custom, f"tools[{i}].custom")
+            continue
+        if tool.function is None:
+            raise InvalidRequest(f"tools[{i}].function is required", param=f"tools[{i}].function")
         check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+
+
+def _check_custom(custom: CustomDef | None, where: str) -> None:
+    if custom is None:
+        raise InvalidRequest(f"{where} is required for a custom tool", param=where)
+    fmt = custom.format
+    if fmt is None or (fmt.get("type") == "text" and set(fmt) == {"type"}):
+        return
+    grammar = fmt.get("grammar")
+    if (
+        fmt.get("type") != "grammar"
+        or set(fmt) != {"type", "grammar"}
+        or not isinstance(grammar, dict)
+        or set(grammar) != {"syntax", "definition"}
+        or grammar.get("syntax") not in ("lark", "regex")
+        or not isinstance(grammar.get("definition"), str)
+    ):
+        raise InvalidRequest(
+            f'{where}.format must be {{"type": "text"}} or {{"type": "grammar", "grammar": '
+            '{"syntax": "lark" | "regex", "definition": "..."}}',
+            param=f"{where}.format",
+        )
+    check_custom_grammar(grammar["syntax"], grammar["definition"], f"{where}.format.grammar")
+
+
+def _check_calls(messages: list[Message]) -> None:
+    for i, m in enumerate(messages):
+        for j, c in enumerate(m.tool_calls or []):
+            where = f"messages[{i}].tool_calls[{j}]"
+            if (c.custom if c.type == "custom" else c.function) is None:
+                field = "custom" if c.type == "custom" else "function"
+                raise InvalidRequest(f"{where}.{field} is required", param=f"{where}.{field}")
 
 
 def _check_chat(req: ChatCompletionRequest) -> None:
@@ -584,6 +674,7 @@ def _check_chat(req: ChatCompletionRequest) -> None:
     _check_prefix_ids(req.prefix_cache_ids)
     check_template_kwargs(req.chat_template_kwargs)
     _check_tools(req.tools)
+    _check_calls(req.messages)
     check_template(req.chat_template_override)
     check_metadata(req.metadata)
 

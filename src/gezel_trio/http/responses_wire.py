@@ -25,6 +25,7 @@ from .checks import (
     SEED_MIN,
     TOOL_NAME,
     check_cache_id,
+    check_custom_grammar,
     check_metadata,
     check_parameters,
     check_template_kwargs,
@@ -33,24 +34,62 @@ from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_th
 from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
 
 __all__ = [
+    "CustomTool",
+    "CustomToolCallItem",
+    "CustomToolCallOutputItem",
     "FunctionCallItem",
     "FunctionCallOutputItem",
     "InputItem",
     "MessageItem",
     "ReasoningItem",
     "ResponsesRequest",
+    "SkippedItem",
+    "ToolChoiceAllowed",
+    "ToolChoiceCustom",
     "parse_responses_request",
     "structure_items",
 ]
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
-# Input item and tool types OpenAI defines that need its hosted services or
-# a client-side harness this server does not run: named in the 400.
+# Tools OpenAI's platform runs itself (the SDK's Tool union): left out of
+# the prompt, named in the ``x-gezel-ignored-tools`` header and a log line.
+HOSTED_TOOL_TYPES = (
+    "web_search",
+    "web_search_2025_08_26",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "computer",
+    "computer_use_preview",
+    "mcp",
+    "local_shell",
+    "shell",
+    "apply_patch",
+    "tool_search",
+    "programmatic_tool_calling",
+)
+
+# Records of a hosted tool's run that a client re-sends with its history:
+# skipped (the model saw their effect in the messages around them). Items
+# whose output a client-side harness must pair with a call stay a 400.
+SKIPPED_ITEM_TYPES = (
+    "web_search_call",
+    "file_search_call",
+    "image_generation_call",
+    "code_interpreter_call",
+    "mcp_list_tools",
+    "mcp_call",
+    "tool_search_call",
+    "tool_search_output",
+)
+
+# Input item types OpenAI defines that need its hosted services or a
+# client-side harness this server does not run: named in the 400.
 HOSTED_ITEM_TYPES = (
     "item_reference",
-    "file_search_call",
-    "web_search_call",
     "computer_call",
     "computer_call_output",
     "image_generation_call",
@@ -61,14 +100,8 @@ HOSTED_ITEM_TYPES = (
     "shell_call_output",
     "apply_patch_call",
     "apply_patch_call_output",
-    "mcp_list_tools",
     "mcp_approval_request",
     "mcp_approval_response",
-    "mcp_call",
-    "custom_tool_call",
-    "custom_tool_call_output",
-    "tool_search_call",
-    "tool_search_output",
     "compaction",
 )
 
@@ -164,7 +197,49 @@ class ReasoningItem:
     status: ItemStatus | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+@attrs.frozen
+class CustomToolCallItem:
+    """A custom (freeform) tool call the model made: ``input`` is its raw text."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    status: ItemStatus | None = None
+    namespace: str | None = None
+    caller: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class CustomToolCallOutputItem:
+    """A custom tool call's result, linked to its call by ``call_id``."""
+
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: str | list[ContentItem]
+    id: str | None = None
+    status: ItemStatus | None = None
+    caller: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class SkippedItem:
+    """A hosted tool's record in re-sent history (``SKIPPED_ITEM_TYPES``):
+    accepted and not rendered."""
+
+    type: str
+
+
+InputItem = (
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | ReasoningItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | SkippedItem
+)
 
 
 @attrs.frozen
@@ -183,12 +258,78 @@ class FunctionTool:
 
 
 @attrs.frozen
+class TextInputFormat:
+    """A custom tool's ``format``: any text."""
+
+    type: Literal["text"]
+
+
+@attrs.frozen
+class GrammarInputFormat:
+    """A custom tool's ``format``: text matching a Lark or regex grammar."""
+
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+@attrs.frozen
+class CustomTool:
+    """A custom (freeform) tool: its input is raw text, not JSON; rendered as
+    a function taking one ``input`` string (``shaping.custom_tools``)."""
+
+    type: Literal["custom"]
+    name: str = attrs.field(validator=Pattern(TOOL_NAME))
+    description: str | None = None
+    format: TextInputFormat | GrammarInputFormat | None = None
+    allowed_callers: list[Literal["direct", "programmatic"]] | None = None
+    defer_loading: bool | None = None
+
+    @property
+    def format_dict(self) -> dict[str, Any] | None:
+        return attrs.asdict(self.format) if self.format is not None else None
+
+
+@attrs.frozen
+class HostedTool:
+    """A tool OpenAI's platform runs (``HOSTED_TOOL_TYPES``): ignored here."""
+
+    type: str
+
+
+Tool = FunctionTool | CustomTool | HostedTool
+
+
+@attrs.frozen
 class ToolChoiceFunction:
     type: Literal["function"]
     name: str
 
 
-ToolChoice = Literal["auto", "none", "required"] | ToolChoiceFunction
+@attrs.frozen
+class ToolChoiceCustom:
+    type: Literal["custom"]
+    name: str
+
+
+@attrs.frozen
+class ToolChoiceAllowed:
+    """``allowed_tools``: ``required`` forces one call of one of ``tools``;
+    ``auto`` leaves the choice to the model (every tool stays in the prompt,
+    so its cache is kept, and the subset is not enforced)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+    @property
+    def names(self) -> list[str]:
+        return [str(t.get("name")) for t in self.tools if t.get("type") in ("function", "custom")]
+
+
+ToolChoice = (
+    Literal["auto", "none", "required"] | ToolChoiceFunction | ToolChoiceCustom | ToolChoiceAllowed
+)
 
 
 @attrs.frozen
@@ -233,7 +374,7 @@ class ResponsesRequest:
     input: str | list[InputItem] | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = attrs.field(default=None, validator=Range(1, None))
@@ -256,6 +397,8 @@ class ResponsesRequest:
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    # Codex sends it (who is calling); recorded nowhere.
+    client_metadata: dict[str, Any] | None = None
     # OpenAI platform features: accepted in the body so the 400 can name
     # them (see ``_PLATFORM_FIELDS``).
     conversation: str | dict[str, Any] | None = None
@@ -271,6 +414,17 @@ class ResponsesRequest:
     priority: Literal["interactive", "background"] = "interactive"
     chat_template_kwargs: dict[str, Any] | None = None
     max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
+
+    @property
+    def served_tools(self) -> list[FunctionTool | CustomTool]:
+        """The tools the model is shown: hosted ones are left out."""
+        return [t for t in self.tools or [] if not isinstance(t, HostedTool)]
+
+    @property
+    def ignored_tools(self) -> list[str]:
+        """The hosted tools' types, in order, once each."""
+        kinds = [t.type for t in self.tools or [] if isinstance(t, HostedTool)]
+        return list(dict.fromkeys(kinds))
 
     @property
     def items(self) -> list[InputItem]:
@@ -335,6 +489,8 @@ _ITEM_CLASSES: dict[str, type] = {
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
     "reasoning": ReasoningItem,
+    "custom_tool_call": CustomToolCallItem,
+    "custom_tool_call_output": CustomToolCallOutputItem,
 }
 
 
@@ -344,12 +500,15 @@ def _converter() -> cattrs.Converter:
     def input_item(value: Any, _: Any) -> InputItem:
         kind = _item_type(value)
         cls = _ITEM_CLASSES.get(kind) if isinstance(kind, str) else None
+        if kind in SKIPPED_ITEM_TYPES:
+            return SkippedItem(kind)
         if cls is None:
             if kind in HOSTED_ITEM_TYPES:
                 raise FieldInvalid(
                     "type",
                     f"input items of type {kind!r} are not supported: this server runs "
-                    "messages, function calls and their outputs, and reasoning items",
+                    "messages, function and custom tool calls and their outputs, and "
+                    "reasoning items",
                 )
             choices = ", ".join(repr(k) for k in _ITEM_CLASSES)
             raise FieldInvalid(
@@ -361,18 +520,31 @@ def _converter() -> cattrs.Converter:
     # The attrs structure function itself: ``conv.structure(value,
     # FunctionTool)`` would come back to ``tool``.
     plain_tool = make_dict_structure_fn(FunctionTool, conv, _cattrs_forbid_extra_keys=True)
+    custom_tool = make_dict_structure_fn(CustomTool, conv, _cattrs_forbid_extra_keys=True)
 
-    def tool(value: Any, _: Any) -> FunctionTool:
+    def tool(value: Any, _: Any) -> Tool:
         kind = _item_type(value)
+        if kind in HOSTED_TOOL_TYPES:
+            return HostedTool(kind)
+        if kind == "custom":
+            structured_custom: CustomTool = custom_tool(value, CustomTool)
+            return structured_custom
         if kind != "function":
             raise FieldInvalid(
                 "type",
-                f"tools of type {kind!r} are not supported: this server runs function "
-                "tools only (hosted tools such as web search, file search or computer "
-                "use need OpenAI's platform)",
+                f"tools of type {kind!r} are not supported: this server runs function and "
+                f"custom tools, and ignores hosted ones ({', '.join(HOSTED_TOOL_TYPES)})",
             )
         structured: FunctionTool = plain_tool(value, FunctionTool)
         return structured
+
+    def input_format(value: Any, _: Any) -> TextInputFormat | GrammarInputFormat:
+        kind = _item_type(value)
+        if kind == "text":
+            return conv.structure(value, TextInputFormat)
+        if kind == "grammar":
+            return conv.structure(value, GrammarInputFormat)
+        raise FieldInvalid("type", f"a custom tool's format is text or grammar, not {kind!r}")
 
     def tool_choice(value: Any, _: Any) -> ToolChoice:
         if isinstance(value, str):
@@ -380,13 +552,19 @@ def _converter() -> cattrs.Converter:
                 raise TypeError(f"must be 'auto', 'none', 'required' or an object; got {value!r}")
             return value  # type: ignore[return-value]
         kind = _item_type(value)
-        if kind != "function":
+        classes: dict[str, type] = {
+            "function": ToolChoiceFunction,
+            "custom": ToolChoiceCustom,
+            "allowed_tools": ToolChoiceAllowed,
+        }
+        if kind not in classes:
             raise FieldInvalid(
                 "type",
-                f"tool_choice of type {kind!r} is not supported: name a function "
-                '({"type": "function", "name": ...}) or use auto, none or required',
+                f"tool_choice of type {kind!r} is not supported: name a function or a "
+                'custom tool ({"type": "function" | "custom", "name": ...}), list '
+                "allowed_tools, or use auto, none or required",
             )
-        choice: ToolChoiceFunction = conv.structure(value, ToolChoiceFunction)
+        choice: ToolChoice = conv.structure(value, classes[kind])
         return choice
 
     def input_(value: Any, _: Any) -> str | list[InputItem]:
@@ -406,11 +584,16 @@ def _converter() -> cattrs.Converter:
         raise TypeError("expected a string or a list of content parts")
 
     register_union(conv, InputItem, input_item)
-    register_union(conv, FunctionTool, tool)
+    register_union(conv, Tool, tool)
+    register_union(conv, TextInputFormat | GrammarInputFormat | None, _optional(input_format))
     register_union(conv, ToolChoice, tool_choice)
     register_union(conv, str | list[InputItem], input_)
     register_union(conv, str | list[ContentItem], content)
     return conv
+
+
+def _optional(hook: Any) -> Any:
+    return lambda value, t: None if value is None else hook(value, t)
 
 
 _CONVERTER = _converter()
@@ -449,8 +632,19 @@ def _check(req: ResponsesRequest) -> None:
     if req.tools is not None:
         if len(req.tools) > MAX_TOOLS:
             raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
+        names: set[str] = set()
         for i, tool in enumerate(req.tools):
-            check_parameters(tool.parameters, f"tools[{i}].parameters")
+            if isinstance(tool, HostedTool):
+                continue
+            if tool.name in names:
+                raise InvalidRequest(f"tools[{i}].name {tool.name!r} is repeated", param="tools")
+            names.add(tool.name)
+            if isinstance(tool, FunctionTool):
+                check_parameters(tool.parameters, f"tools[{i}].parameters")
+            elif isinstance(tool.format, GrammarInputFormat):
+                check_custom_grammar(
+                    tool.format.syntax, tool.format.definition, f"tools[{i}].format"
+                )
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema" and fmt.schema is None:
         raise InvalidRequest(

@@ -290,7 +290,13 @@ class _Compiler:
         )
 
     def compile(
-        self, *, response_format: Any, tools: Any, tool_choice: Any, tool_grammar: Any
+        self,
+        *,
+        response_format: Any,
+        tools: Any,
+        tool_choice: Any,
+        tool_grammar: Any,
+        custom_tools: Any = None,
     ) -> Constraint | None:
         if self._format is None and (tool_choice not in (None, "auto", "none") or tool_grammar):
             raise InvalidRequest(
@@ -305,6 +311,7 @@ class _Compiler:
             tool_grammar=tool_grammar,
             tool_format=self._format or "hermes",
             llg_tokenizer=self._llg,
+            custom_tools=custom_tools,
         )
 
 

@@ -69,6 +69,7 @@ import llguidance
 
 from ..core.constraint import Constraint, ConstraintKind
 from ..core.errors import InvalidRequest
+from .custom_tools import INPUT_PARAMETER, escaped_grammar, grammar_of
 
 __all__ = [
     "MAX_GRAMMAR_BYTES",
@@ -142,6 +143,8 @@ def parser_limits() -> Any:
 class _Tool:
     name: str
     parameters: Mapping[str, Any]
+    # A custom tool's grammar over the JSON-escaped input (``custom_tools``).
+    grammar: str | None = None
 
 
 def build_constraint(
@@ -152,6 +155,7 @@ def build_constraint(
     tool_grammar: Mapping[str, Any] | None,
     tool_format: ToolFormatName = "hermes",
     llg_tokenizer: Any = None,
+    custom_tools: Mapping[str, Mapping[str, Any] | None] | None = None,
 ) -> Constraint | None:
     """The constraint a chat request asks for, compiled, or ``None``.
 
@@ -161,7 +165,11 @@ def build_constraint(
     ``llguidance.LLTokenizer``), when given, makes the check complete:
     special tokens and lexer limits are then checked against the real
     vocabulary; without it the engine repeats that check when it builds the
-    matcher. CPU-bound, no I/O; see the module docstring for timings.
+    matcher. ``custom_tools`` maps the names of custom (freeform) tools,
+    rendered as functions taking one ``input`` string, to their Responses
+    format: a forced call's input then matches its grammar
+    (``shaping.custom_tools``). CPU-bound, no I/O; see the module docstring
+    for timings.
     """
     if tool_format not in ("hermes", "generic"):
         raise InvalidRequest(f"unsupported tool format {tool_format!r}", param="tool_format")
@@ -177,13 +185,14 @@ def build_constraint(
                 "the tool's parameters schema already constrains the output",
                 param="response_format",
             )
-        all_tools = _tools(tools, param="tools")
+        all_tools = _tools(tools, param="tools", custom=custom_tools)
         if isinstance(choice, _Forced):
-            chosen = [t for t in all_tools if t.name == choice.name]
-            if not chosen:
+            chosen = [t for t in all_tools if t.name in choice.names]
+            missing = set(choice.names) - {t.name for t in chosen}
+            if missing:
+                listed = ", ".join(repr(n) for n in sorted(missing))
                 raise InvalidRequest(
-                    f"tool_choice names {choice.name!r}, which is not in tools",
-                    param="tool_choice",
+                    f"tool_choice names {listed}, which is not in tools", param="tool_choice"
                 )
         else:
             chosen = all_tools
@@ -244,7 +253,10 @@ def build_constraint(
 
 @attrs.frozen
 class _Forced:
-    name: str
+    """One call of one of ``names`` (a named function, or ``allowed_tools``
+    in ``required`` mode)."""
+
+    names: tuple[str, ...]
 
 
 def _response_schema(
@@ -296,10 +308,19 @@ def _tool_choice(tool_choice: str | Mapping[str, Any] | None) -> str | _Forced |
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if tool_choice.get("type") == "function" and isinstance(name, str):
-            return _Forced(name)
+            return _Forced((name,))
+        names = tool_choice.get("names")
+        if (
+            tool_choice.get("type") == "allowed_tools"
+            and isinstance(names, Sequence)
+            and names
+            and all(isinstance(n, str) for n in names)
+        ):
+            return _Forced(tuple(names))
     raise InvalidRequest(
-        'tool_choice must be "auto", "none", "required" or '
-        '{"type": "function", "function": {"name": ...}}',
+        'tool_choice must be "auto", "none", "required", '
+        '{"type": "function", "function": {"name": ...}} or '
+        '{"type": "allowed_tools", "names": [...]}',
         param="tool_choice",
     )
 
@@ -315,7 +336,12 @@ def _name_only(tool_grammar: Mapping[str, Any] | None) -> bool:
     )
 
 
-def _tools(tools: Sequence[Mapping[str, Any]] | None, *, param: str) -> list[_Tool]:
+def _tools(
+    tools: Sequence[Mapping[str, Any]] | None,
+    *,
+    param: str,
+    custom: Mapping[str, Mapping[str, Any] | None] | None = None,
+) -> list[_Tool]:
     if not tools:
         raise InvalidRequest("this tool_choice needs a non-empty tools list", param=param)
     out: list[_Tool] = []
@@ -355,8 +381,23 @@ def _tools(tools: Sequence[Mapping[str, Any]] | None, *, param: str) -> list[_To
         # Compile each schema on its own first so an error names its tool.
         grammar = llguidance.LLMatcher.grammar_from_json_schema(_dump(schema, param="tools"))
         _validate(grammar, param="tools", where=f"{where}.function.parameters")
-        out.append(_Tool(name, schema))
+        out.append(_Tool(name, schema, _custom_grammar(custom, name, where)))
     return out
+
+
+def _custom_grammar(
+    custom: Mapping[str, Mapping[str, Any] | None] | None, name: str, where: str
+) -> str | None:
+    """A custom tool's grammar over its escaped input, checked; ``None`` for
+    a function or a text-format custom tool (its schema says it all)."""
+    if custom is None or name not in custom:
+        return None
+    syntax, definition = grammar_of(custom[name])
+    if definition is None:
+        return None
+    escaped = escaped_grammar(syntax, definition, where=f"{where}.format")
+    _validate(escaped, param="tools", where=f"{where}.format.definition")
+    return escaped
 
 
 # --- schemas --------------------------------------------------------------
@@ -423,13 +464,18 @@ def _call_head(name: str) -> str:
 
 
 def _call_rules(tools: Sequence[_Tool]) -> list[str]:
-    """``call`` = one alternative per tool, each with its own schema."""
+    """``call`` = one alternative per tool, each with its own schema; a custom
+    tool's input is its own grammar (``@custom_<i>``, see ``_compile_lark``)
+    between the quotes of the ``input`` string."""
     alts = " | ".join(f"call_{i}" for i in range(len(tools)))
     rules = [f"call: {alts}"]
-    rules += [
-        f'call_{i}: {_call_head(t.name)} %json {_dump(t.parameters, param="tools")} "}}"'
-        for i, t in enumerate(tools)
-    ]
+    for i, t in enumerate(tools):
+        if t.grammar is not None:
+            opener = _lit(f'{{"{INPUT_PARAMETER}": "')
+            rules.append(f'call_{i}: {_call_head(t.name)} {opener} @custom_{i} "\\"}}}}"')
+        else:
+            args = _dump(t.parameters, param="tools")
+            rules.append(f'call_{i}: {_call_head(t.name)} %json {args} "}}"')
     return rules
 
 
@@ -531,6 +577,19 @@ def _compile_lark(
             param="tools",
         )
     grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    subs = [(i, t.grammar) for i, t in enumerate(tools) if t.grammar is not None]
+    if subs:
+        # Each custom tool's grammar is a grammar of its own (own rule names,
+        # own lexer), referenced from its call as @custom_<i>.
+        grammars = [{"lark_grammar": lark}]
+        grammars += [{"name": f"custom_{i}", "lark_grammar": g} for i, g in subs]
+        grammar = json.dumps({"grammars": grammars})
+        if len(grammar) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequest(
+                f"the tool grammar is {len(grammar)} bytes; at most {MAX_GRAMMAR_BYTES} "
+                "are allowed",
+                param="tools",
+            )
     _validate(grammar, param=param, tok=tok)
     return Constraint(
         kind,
@@ -548,3 +607,21 @@ def _validate(grammar: str, *, param: str, where: str | None = None, tok: Any = 
     if is_error:
         detail = messages[0] if messages else "invalid grammar"
         raise InvalidRequest(f"{where or param}: {detail}", param=param)
+
+
+def custom_grammar_problem(syntax: str, definition: str) -> str | None:
+    """Why a custom tool's grammar does not compile (``None``: it does), under
+    ``parser_limits()``: llguidance reads Lark natively, regexes as one lexeme."""
+    if len(definition) > MAX_GRAMMAR_BYTES:
+        return f"it is {len(definition)} bytes; at most {MAX_GRAMMAR_BYTES} are allowed"
+    try:
+        if syntax == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(definition)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(definition)
+    except (ValueError, TypeError) as exc:
+        return str(exc)[:300]
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        grammar, None, limits=parser_limits()
+    )
+    return (messages[0] if messages else "invalid grammar")[:300] if is_error else None
