@@ -53,7 +53,12 @@ class PromptRenderer(Protocol):
         template_kwargs: dict[str, Any],
         template_override: str | None,
         band_chars: int | None = None,
-    ) -> RenderedPrompt: ...
+        replies: Any = None,
+    ) -> RenderedPrompt:
+        """``replies`` (a ``shaping.replies.ReplyLedger``): the replies this
+        server generated, whose ids a renderer may reuse for the turns of
+        ``messages`` that carry them; a renderer may ignore it."""
+        ...
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         """Raw text as token ids, no chat template (legacy completions, /tokenize)."""

@@ -36,6 +36,7 @@ from ..core.request import GenerationRequest, RenderedPrompt
 from ..host.exchange import CacheEvict, CacheFlush, Evicted
 from ..host.loop import HostRunner, in_thread
 from ..host.prompt_cache import CacheTotals, CacheView
+from ..shaping.replies import ReplyLedger
 from ._chat import ChatHandle, open_chat
 from ._handle import RequestHandle
 from ._link import EngineState, Health, HostLink, RequestNote
@@ -125,7 +126,7 @@ class Engine:
         """Queue a prepared chat (``prepared.chat.n`` choices) and return its
         handle; raises as ``submit_nowait`` does, without checking again."""
         handle = self.link.submit(prepared.request, prepared.chat.n)
-        return open_chat(handle, prepared, self.info)
+        return open_chat(handle, prepared, self.info, self._prep.replies)
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatHandle:
         """``prepare_chat`` then ``submit_chat_nowait``: ``options`` are
@@ -240,7 +241,10 @@ async def run_engine(
         nursery.start_soon(run_host)
         await link.is_loaded.wait()
         if link.loaded is not None and not died:
-            task_status.started(Engine(config, link, Preparer(link.loaded, config)))
+            replies = None
+            if config.reply_ledger_tokens:
+                replies = ReplyLedger(config.reply_ledger_tokens, link.loaded.info.think_markers)
+            task_status.started(Engine(config, link, Preparer(link.loaded, config, replies)))
     if died:
         raise died[0]
     if link.failure is not None:

@@ -29,6 +29,7 @@ from ..core.prepare import (
     wants_constraint,
 )
 from ..core.request import RenderedPrompt
+from ..shaping.replies import ReplyLedger
 from ._images import ImageLimits, prepare_vision
 from ._link import Loaded
 
@@ -42,6 +43,8 @@ class Preparer:
 
     loaded: Loaded
     config: EngineConfig
+    # The replies this engine generated, reused when a history carries them.
+    replies: ReplyLedger | None = None
 
     async def render_chat(
         self,
@@ -54,6 +57,7 @@ class Preparer:
     ) -> RenderedPrompt:
         renderer = self.loaded.renderer
         kwargs = dict(template_kwargs or {})
+        replies = self.replies
         return await trio.to_thread.run_sync(
             lambda: renderer.render(
                 messages,
@@ -61,6 +65,7 @@ class Preparer:
                 template_kwargs=kwargs,
                 template_override=template_override,
                 band_chars=band_chars,
+                replies=replies,
             )
         )
 

@@ -71,6 +71,7 @@ class CharRenderer:
         template_kwargs: dict[str, Any],
         template_override: str | None,
         band_chars: int | None = None,
+        replies: Any = None,
     ) -> RenderedPrompt:
         text = ""
         if tools:
