@@ -135,6 +135,12 @@ class ChatChoice:
     def prompt_tokens(self) -> int:
         return len(self.prepared.request.prompt)
 
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The ids generated so far (kept only while the engine keeps a
+        reply ledger: empty otherwise)."""
+        return tuple(self._tokens)
+
     def _json_complete(self) -> bool:
         """A constrained JSON answer that parses is whole: a prefix of an
         object or array never parses."""

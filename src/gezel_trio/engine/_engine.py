@@ -36,7 +36,7 @@ from ..core.request import GenerationRequest, RenderedPrompt
 from ..host.exchange import CacheEvict, CacheFlush, Evicted
 from ..host.loop import HostRunner, in_thread
 from ..host.prompt_cache import CacheTotals, CacheView
-from ..shaping.replies import ReplyLedger
+from ..shaping.replies import ReplyLedger, ReplySeal, load_secret
 from ._chat import ChatHandle, open_chat
 from ._handle import RequestHandle
 from ._link import EngineState, Health, HostLink, RequestNote
@@ -64,6 +64,12 @@ class Engine:
     @property
     def info(self) -> ModelInfo:
         return self._prep.loaded.info
+
+    @property
+    def replies(self) -> ReplyLedger | None:
+        """The replies this engine generated recently (``shaping.replies``);
+        ``None`` with ``reply_ledger_tokens`` 0."""
+        return self._prep.replies
 
     @property
     def renderer(self) -> PromptRenderer:
@@ -243,7 +249,10 @@ async def run_engine(
         if link.loaded is not None and not died:
             replies = None
             if config.reply_ledger_tokens:
-                replies = ReplyLedger(config.reply_ledger_tokens, link.loaded.info.think_markers)
+                info = link.loaded.info
+                secret = await trio.to_thread.run_sync(load_secret, config.persist_dir)
+                seal = ReplySeal(secret, info.fingerprint or info.model_id)
+                replies = ReplyLedger(config.reply_ledger_tokens, info.think_markers, seal)
             task_status.started(Engine(config, link, Preparer(link.loaded, config, replies)))
     if died:
         raise died[0]

@@ -267,23 +267,25 @@ class ChatTemplateRenderer:
         if any(_has_image(m) for m in messages):
             return None  # the vision processor tokenizes the text itself
         hits = [
-            reply
+            known
             for m in messages
-            if m.get("role") == "assistant" and (reply := replies.get(m)) is not None
+            if m.get("role") == "assistant" and (known := replies.get(m))
         ]
         if not hits:
             return None
         pieces: list[_Piece] = []
         cursor = 0
-        for reply in hits:
-            found = self._find_reply(text, cursor, reply, replies.think_markers)
-            if found is None:
+        for candidates in hits:
+            for reply in candidates:
+                place = self._find_reply(text, cursor, reply, replies.think_markers)
+                if place is not None:
+                    start, end, restored, spelled = place
+                    pieces.append(_Piece(text[cursor:start] + restored, start - cursor))
+                    pieces.append(_Piece(spelled, end - start, reply.tokens))
+                    cursor = end
+                    break
+            else:
                 log.debug("a generated reply is not rendered as generated; not spliced")
-                continue
-            start, end, restored, spelled = found
-            pieces.append(_Piece(text[cursor:start] + restored, start - cursor))
-            pieces.append(_Piece(spelled, end - start, reply.tokens))
-            cursor = end
         if not pieces:
             return None
         pieces.append(_Piece(text[cursor:], len(text) - cursor))

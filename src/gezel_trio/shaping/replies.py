@@ -20,20 +20,34 @@ the least recently used replies go first. A miss is the plain rendering.
 
 from __future__ import annotations
 
+import base64
+import hmac
 import json
+import logging
+import os
+import secrets
+import struct
+import sys
 import threading
+import zlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from hashlib import sha256
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-__all__ = ["GeneratedReply", "ReplyLedger", "reply_key"]
+__all__ = ["TAIL_TOKENS", "GeneratedReply", "ReplyLedger", "ReplySeal", "load_secret", "reply_key"]
+
+log = logging.getLogger("gezel_trio.prompt")
 
 # Prompt ids kept before each reply: enough to see the generation prompt
 # (``<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n`` is 8-10).
 TAIL_TOKENS = 12
+# Replies kept under one key (one text after different prompts).
+_PER_KEY = 4
 
 
 def _arguments(value: Any) -> Any:
@@ -85,11 +99,17 @@ class ReplyLedger:
     empty block the template drops from an old turn is put back, so the turn
     reads as the model wrote it (``shaping.prompt``)."""
 
-    def __init__(self, max_tokens: int, think_markers: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        think_markers: tuple[str, str] | None = None,
+        seal: ReplySeal | None = None,
+    ) -> None:
         self.max_tokens = max_tokens
         self.think_markers = think_markers
+        self.seal = seal
         self._lock = threading.Lock()
-        self._replies: OrderedDict[str, GeneratedReply] = OrderedDict()
+        self._replies: OrderedDict[str, tuple[GeneratedReply, ...]] = OrderedDict()
         self._held = 0
 
     def __len__(self) -> int:
@@ -105,22 +125,122 @@ class ReplyLedger:
         self.put(reply_key(message), GeneratedReply(tuple(prompt[-TAIL_TOKENS:]), tuple(tokens)))
 
     def put(self, key: str, reply: GeneratedReply) -> None:
-        size = len(reply.tail) + len(reply.tokens)
+        """Keep ``reply`` under ``key``. Conversations that share a prompt
+        can get the same short reply after different prompts: each keeps
+        its own (the last few per key; the renderer tries each)."""
         with self._lock:
-            old = self._replies.pop(key, None)
-            if old is not None:
-                self._held -= len(old.tail) + len(old.tokens)
-            self._replies[key] = reply
-            self._held += size
+            old = self._replies.pop(key, ())
+            kept = (reply, *(r for r in old if r.tail != reply.tail))[:_PER_KEY]
+            self._replies[key] = kept
+            self._held += _size(kept) - _size(old)
             while self._held > self.max_tokens and len(self._replies) > 1:
                 _, gone = self._replies.popitem(last=False)
-                self._held -= len(gone.tail) + len(gone.tokens)
+                self._held -= _size(gone)
 
-    def get(self, message: Mapping[str, Any]) -> GeneratedReply | None:
-        """The reply ``message`` carries, if this server generated it recently."""
+    def restore(self, message: Mapping[str, Any], reply: GeneratedReply) -> None:
+        """A reply a client brought back sealed: kept unless the ledger
+        already holds this reply after the same prompt (its own copy is the
+        whole turn)."""
         key = reply_key(message)
         with self._lock:
-            reply = self._replies.get(key)
-            if reply is not None:
+            if any(r.tail == reply.tail for r in self._replies.get(key, ())):
+                return
+        self.put(key, reply)
+
+    def get(self, message: Mapping[str, Any]) -> tuple[GeneratedReply, ...]:
+        """The replies with ``message``'s text this server generated
+        recently, the latest first (empty: none)."""
+        key = reply_key(message)
+        with self._lock:
+            replies = self._replies.get(key, ())
+            if replies:
                 self._replies.move_to_end(key)
-            return reply
+            return replies
+
+
+def _size(replies: Sequence[GeneratedReply]) -> int:
+    return sum(len(r.tail) + len(r.tokens) for r in replies)
+
+
+# --- sealed replies: Responses' ``reasoning.encrypted_content`` -------------------
+
+_SEAL_VERSION = b"g1"
+_MAC_BYTES = 16
+
+
+class ReplySeal:
+    """An opaque, authenticated spelling of a generated reply, that a
+    client carries and sends back (a reasoning item's ``encrypted_content``)
+    so this server restores the ids it generated even after a restart.
+
+    The blob is ``g1.`` and base64url of the zlib-compressed ids (the
+    prompt's tail and the reply's) with a digest of the model's fingerprint,
+    followed by an HMAC-SHA256 (16 bytes) under ``secret``. It is signed,
+    not encrypted: it holds token ids of text the client already has. A
+    blob that does not verify, or that another model made, is ignored."""
+
+    def __init__(self, secret: bytes, fingerprint: str) -> None:
+        self._secret = secret
+        self._model = sha256(fingerprint.encode()).digest()[:8]
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self._secret, body, sha256).digest()[:_MAC_BYTES]
+
+    def seal(self, reply: GeneratedReply) -> str:
+        ids = array("I", (*reply.tail, *reply.tokens))
+        if sys.byteorder != "little":
+            ids.byteswap()
+        body = self._model + struct.pack("<H", len(reply.tail)) + zlib.compress(ids.tobytes(), 6)
+        blob = _SEAL_VERSION + b"." + base64.urlsafe_b64encode(body + self._mac(body))
+        return blob.decode()
+
+    def open(self, blob: str) -> GeneratedReply | None:
+        """The reply ``blob`` seals, or ``None`` (logged) when it is not one
+        of this server's for this model."""
+        try:
+            version, _, data = blob.encode().partition(b".")
+            raw = base64.urlsafe_b64decode(data)
+            body, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
+            if version != _SEAL_VERSION or not hmac.compare_digest(mac, self._mac(body)):
+                log.warning("encrypted_content not made by this server (or altered); ignored")
+                return None
+            if body[:8] != self._model:
+                log.info("encrypted_content made for another model; ignored")
+                return None
+            (n_tail,) = struct.unpack("<H", body[8:10])
+            ids = array("I")
+            ids.frombytes(zlib.decompress(body[10:]))
+            if sys.byteorder != "little":
+                ids.byteswap()
+        except (ValueError, struct.error, zlib.error, UnicodeError):
+            log.warning("encrypted_content is not a sealed reply; ignored")
+            return None
+        values = tuple(ids)
+        return GeneratedReply(values[:n_tail], values[n_tail:])
+
+
+def load_secret(persist_dir: Path | None) -> bytes:
+    """The key sealed replies are signed with: kept in ``persist_dir`` (made
+    once, readable by its owner only) so blobs outlive a restart; without
+    one, a fresh key for this process."""
+    if persist_dir is None:
+        return secrets.token_bytes(32)
+    path = persist_dir / "reply-seal.key"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot read %s (%s): sealed replies last this process only", path, exc)
+        return secrets.token_bytes(32)
+    secret = secrets.token_bytes(32)
+    try:
+        persist_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+    except FileExistsError:
+        return path.read_bytes()  # another process made it first
+    except OSError as exc:
+        log.warning("cannot write %s (%s): sealed replies last this process only", path, exc)
+    return secret
