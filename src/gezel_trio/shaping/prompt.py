@@ -350,10 +350,12 @@ class ChatTemplateRenderer:
     def _spell(self, tokens: Sequence[int]) -> str:
         """Ids as the exact text they stand for, special tokens included."""
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        ids = list(tokens)
         try:
-            return str(hf.decode(list(tokens), clean_up_tokenization_spaces=False))
-        except TypeError:  # a decoder without that option
-            return str(hf.decode(list(tokens)))
+            text = hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except TypeError:  # a bare ``tokenizers.Tokenizer``
+            text = hf.decode(ids, skip_special_tokens=False)
+        return str(text)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
