@@ -72,7 +72,8 @@ def test_a_generated_reply_is_spliced_as_generated(tokenizer: Any) -> None:
     assert spliced.tokens[: len(head)] == head
     assert spliced.text.startswith(first.text + " Rotterdam, by the quay<|im_end|>")
     tail = tokenizer.encode(plain.text[plain.text.index("<|im_end|>\n<|im_start|>user\nAnd") :])
-    assert spliced.tokens[len(head) :] == tuple(tail[1:])  # the rest tokenized as the template wrote it
+    # The rest is tokenized as the template wrote it.
+    assert spliced.tokens[len(head) :] == tuple(tail[1:])
 
 
 def test_a_reply_the_history_does_not_show_as_generated_is_left_alone(tokenizer: Any) -> None:
@@ -102,7 +103,9 @@ def test_the_key_is_what_every_protocol_sends_back() -> None:
         "role": "assistant",
         "content": "",
         "reasoning_content": "dropped by clients at will",
-        "tool_calls": [{"id": "toolu_1", "function": {"name": "f", "arguments": {"b": [2], "a": 1}}}],
+        "tool_calls": [
+            {"id": "toolu_1", "function": {"name": "f", "arguments": {"b": [2], "a": 1}}}
+        ],
     }
     assert reply_key(as_chat) == reply_key(as_messages)
     assert reply_key({"content": "a"}) != reply_key({"content": "a "})
@@ -113,7 +116,8 @@ def test_the_ledger_is_bounded_by_the_ids_it_holds() -> None:
     for i in range(10):
         ledger.record({"content": str(i)}, (1, 2), tuple(range(20)))
     assert len(ledger) == 4  # 4 x (2 + 20) ids fit in 100
-    assert ledger.get({"content": "9"}) and not ledger.get({"content": "0"})
+    assert ledger.get({"content": "9"})
+    assert not ledger.get({"content": "0"})
     same = {"content": "same"}
     for tail in range(6):  # one text after six prompts: the latest four kept
         ledger.record(same, (tail,), (7,))
