@@ -267,9 +267,7 @@ class ChatTemplateRenderer:
         if any(_has_image(m) for m in messages):
             return None  # the vision processor tokenizes the text itself
         hits = [
-            known
-            for m in messages
-            if m.get("role") == "assistant" and (known := replies.get(m))
+            known for m in messages if m.get("role") == "assistant" and (known := replies.get(m))
         ]
         if not hits:
             return None
