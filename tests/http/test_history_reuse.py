@@ -16,7 +16,7 @@ reads another's cache."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 import anthropic
@@ -33,14 +33,15 @@ MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module", params=["dense", "hybrid", "smollm2"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    yield request.getfixturevalue(f"{request.param}_server")
+def server(request: pytest.FixtureRequest) -> Server:
+    found: Server = request.getfixturevalue(f"{request.param}_server")
+    return found
 
 
 def _check(turns: list[tuple[int, int, int]]) -> None:
     """``(prompt, cached, output)`` per turn: from turn 2 on, the cache
     served the previous prompt and all but the last token of its reply."""
-    for (prompt, _, output), (_, cached, _) in zip(turns, turns[1:], strict=False):
+    for (prompt, _, output), (_, cached, _) in pairwise(turns):
         assert cached >= prompt + output - 1, turns
 
 
@@ -51,7 +52,10 @@ def test_chat_completions_reuses_through_the_last_reply(server: Server) -> None:
     for text in TURNS:
         history.append({"role": "user", "content": f"{text} (chat)"})
         reply = client.chat.completions.create(
-            model="m", messages=history, max_tokens=MAX_TOKENS, temperature=0  # type: ignore[arg-type]
+            model="m",
+            messages=history,
+            max_tokens=MAX_TOKENS,
+            temperature=0,  # type: ignore[arg-type]
         )
         usage = reply.usage
         assert usage is not None
