@@ -274,16 +274,20 @@ class ChatTemplateRenderer:
         pieces: list[_Piece] = []
         cursor = 0
         for candidates in hits:
-            for reply in candidates:
-                place = self._find_reply(text, cursor, reply, replies.think_markers)
-                if place is not None:
-                    start, end, restored, spelled = place
-                    pieces.append(_Piece(text[cursor:start] + restored, start - cursor))
-                    pieces.append(_Piece(spelled, end - start, reply.tokens))
-                    cursor = end
-                    break
-            else:
+            # The same text may have been generated after several prompts
+            # (a model that repeats itself): this turn is the earliest place.
+            places = [
+                (place, reply)
+                for reply in candidates
+                if (place := self._find_reply(text, cursor, reply, replies.think_markers))
+            ]
+            if not places:
                 log.debug("a generated reply is not rendered as generated; not spliced")
+                continue
+            (start, end, restored, spelled), reply = min(places, key=lambda p: p[0][0])
+            pieces.append(_Piece(text[cursor:start] + restored, start - cursor))
+            pieces.append(_Piece(spelled, end - start, reply.tokens))
+            cursor = end
         if not pieces:
             return None
         pieces.append(_Piece(text[cursor:], len(text) - cursor))

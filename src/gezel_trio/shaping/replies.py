@@ -39,7 +39,16 @@ from typing import Any
 
 import attrs
 
-__all__ = ["TAIL_TOKENS", "GeneratedReply", "ReplyLedger", "ReplySeal", "load_secret", "reply_key"]
+__all__ = [
+    "TAIL_TOKENS",
+    "GeneratedReply",
+    "ReplyLedger",
+    "ReplySeal",
+    "dump_ledger",
+    "load_ledger",
+    "load_secret",
+    "reply_key",
+]
 
 log = logging.getLogger("gezel_trio.prompt")
 
@@ -244,3 +253,64 @@ def load_secret(persist_dir: Path | None) -> bytes:
     except OSError as exc:
         log.warning("cannot write %s (%s): sealed replies last this process only", path, exc)
     return secret
+
+
+# --- the ledger on disk ---------------------------------------------------------
+#
+# A prompt that spliced a reply is cached as spliced; after a restart an
+# empty ledger would render the same history plainly and miss every entry
+# the cache kept on disk for it. So with a persist dir the ledger is written
+# when the engine stops and read when it starts.
+
+_FILE_MAGIC = b"gezel-replies-1\n"
+
+
+def dump_ledger(ledger: ReplyLedger, path: Path) -> None:
+    """Write ``ledger`` to ``path`` (atomically: a temporary file renamed)."""
+    with ledger._lock:
+        items = [(k, r) for k, rs in ledger._replies.items() for r in reversed(rs)]
+    out = bytearray()
+    for key, reply in items:
+        ids = array("I", (*reply.tail, *reply.tokens))
+        if sys.byteorder != "little":
+            ids.byteswap()
+        out += bytes.fromhex(key) + struct.pack("<HI", len(reply.tail), len(reply.tokens))
+        out += ids.tobytes()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(_FILE_MAGIC + zlib.compress(bytes(out), 6))
+    os.replace(tmp, path)
+
+
+def load_ledger(ledger: ReplyLedger, path: Path) -> int:
+    """Read the replies ``dump_ledger`` wrote into ``ledger``; how many. A
+    missing file is none; an unreadable one is logged and ignored."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("cannot read %s (%s): the reply ledger starts empty", path, exc)
+        return 0
+    try:
+        if not data.startswith(_FILE_MAGIC):
+            raise ValueError("not a reply ledger")
+        raw = zlib.decompress(data[len(_FILE_MAGIC) :])
+        at, count = 0, 0
+        while at < len(raw):
+            key = raw[at : at + 16].hex()
+            n_tail, n_tokens = struct.unpack_from("<HI", raw, at + 16)
+            at += 22
+            ids = array("I")
+            ids.frombytes(raw[at : at + 4 * (n_tail + n_tokens)])
+            if len(ids) != n_tail + n_tokens:
+                raise ValueError("truncated")
+            if sys.byteorder != "little":
+                ids.byteswap()
+            at += 4 * (n_tail + n_tokens)
+            values = tuple(ids)
+            ledger.put(key, GeneratedReply(values[:n_tail], values[n_tail:]))
+            count += 1
+    except (ValueError, struct.error, zlib.error) as exc:
+        log.warning("%s is not a reply ledger (%s): ignored", path, exc)
+        return 0
+    return count
