@@ -17,7 +17,14 @@ import pytest
 from gezel_trio.http.openai_responses import _restore_sealed
 from gezel_trio.http.responses_wire import structure_items
 from gezel_trio.shaping.prompt import ChatTemplateRenderer
-from gezel_trio.shaping.replies import GeneratedReply, ReplyLedger, ReplySeal, reply_key
+from gezel_trio.shaping.replies import (
+    GeneratedReply,
+    ReplyLedger,
+    ReplySeal,
+    dump_ledger,
+    load_ledger,
+    reply_key,
+)
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 ASK = {"role": "user", "content": "Name a harbour."}
@@ -164,3 +171,22 @@ def test_a_sealed_reasoning_item_restores_its_turn() -> None:
     (assistant,) = [m for m in messages if m["role"] == "assistant"]
     assert ledger.get(assistant) == (reply,)
     assert len(ledger) == 1
+
+
+def test_the_ledger_outlives_a_restart_in_the_persist_dir(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ledger = ReplyLedger(1000)
+    ledger.record({"content": "a"}, (1, 2), (3, 70000))
+    ledger.record({"content": "a"}, (9,), (3,))
+    ledger.record({"content": "b"}, (), (5,))
+    path = tmp_path / "replies.bin"
+    dump_ledger(ledger, path)
+    again = ReplyLedger(1000)
+    assert load_ledger(again, path) == 3
+    assert again.get({"content": "a"}) == ledger.get({"content": "a"})
+    assert again.get({"content": "b"}) == ledger.get({"content": "b"})
+    path.write_bytes(path.read_bytes()[:-4])
+    assert load_ledger(ReplyLedger(1000), path) == 0
+    assert "not a reply ledger" in caplog.text
+    assert load_ledger(ReplyLedger(1000), tmp_path / "missing.bin") == 0
