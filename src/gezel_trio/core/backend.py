@@ -54,10 +54,13 @@ class PromptRenderer(Protocol):
         template_override: str | None,
         band_chars: int | None = None,
         pins: Sequence[int] = (),
+        replies: Any = None,
     ) -> RenderedPrompt:
         """``pins`` are indices into ``messages``: where each one ends in the
         prompt is ``RenderedPrompt.pin_ends`` (a renderer that cannot tell
-        leaves it empty)."""
+        leaves it empty). ``replies`` (a ``shaping.replies.ReplyLedger``):
+        the replies this server generated, whose ids a renderer may reuse for
+        the turns of ``messages`` that carry them; a renderer may ignore it."""
         ...
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:

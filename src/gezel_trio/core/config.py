@@ -195,3 +195,12 @@ class EngineConfig:
         help="largest image once decoded, in pixels (width x height)",
         validator=[_positive, attrs.validators.le(89_478_485)],
     )
+    # Recent replies' generated ids, so a re-sent history reuses them
+    # (``shaping.replies``). A token id is 8 bytes in the ledger's tuples
+    # plus the interpreter's small-int sharing: 1M ids is about 8 MB.
+    reply_ledger_tokens: int = setting(
+        1_000_000,
+        flag="--reply-ledger-tokens",
+        help="token ids of recent replies kept so a re-sent history reuses them (0: off)",
+        validator=attrs.validators.ge(0),
+    )

@@ -54,6 +54,7 @@ from ..core.events import (
 )
 from ..core.model import ModelInfo
 from ..core.prepare import PreparedChat
+from ..shaping.replies import ReplyLedger
 from ..shaping.shaper import (
     ReasoningDelta,
     Shaper,
@@ -114,8 +115,16 @@ class ChatChoice:
     """One choice of a chat: its ``index``, the latest ``usage`` the engine
     reported for it, and the shaper that turns its text into chat events."""
 
-    def __init__(self, prepared: PreparedChat, shaper: Shaper, index: int) -> None:
+    def __init__(
+        self,
+        prepared: PreparedChat,
+        shaper: Shaper,
+        index: int,
+        replies: ReplyLedger | None = None,
+    ) -> None:
         self._shaper = shaper
+        self._replies = replies
+        self._tokens: list[int] = []
         self._pending: deque[ChatEvent] = deque()
         self._done = False
         self.prepared = prepared
@@ -125,6 +134,12 @@ class ChatChoice:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prepared.request.prompt)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The ids generated so far (kept only while the engine keeps a
+        reply ledger: empty otherwise)."""
+        return tuple(self._tokens)
 
     def _json_complete(self) -> bool:
         """A constrained JSON answer that parses is whole: a prefix of an
@@ -145,8 +160,10 @@ class ChatChoice:
     def _take(self, event: Event) -> None:
         """Shape one engine event into chat events (queued in ``_pending``)."""
         match event:
-            case Delta(text=text, usage=usage, logprobs=logprobs):
+            case Delta(text=text, tokens=tokens, usage=usage, logprobs=logprobs):
                 self.usage = usage
+                if self._replies is not None:
+                    self._tokens += tokens
                 if logprobs:
                     self._pending.append(ChatLogprobs(logprobs))
                 self._pending.extend(self._shaper.feed(text))
@@ -157,9 +174,11 @@ class ChatChoice:
                 final: ChatFinishReason = "tool_calls" if called else reason
                 if final == "length" and self._json_complete():
                     final = "stop"  # the grammar closed on the budget's last token
-                self._pending.append(
-                    ChatFinished(final, usage, self._shaper.message(), stop_sequence)
-                )
+                message = self._shaper.message()
+                if self._replies is not None and self.prepared.chat.prompt is None:
+                    # The next turn's history carries this reply back.
+                    self._replies.record(message, self.prepared.request.prompt, self._tokens)
+                self._pending.append(ChatFinished(final, usage, message, stop_sequence))
                 self._done = True
             case Failed():
                 self._pending.append(event)
@@ -248,8 +267,14 @@ class ChatHandle:
             self.choices[index]._take(event)
 
 
-def open_chat(handle: RequestHandle, prepared: PreparedChat, info: ModelInfo) -> ChatHandle:
-    """The chat-level handle over ``handle``: one shaper per choice."""
+def open_chat(
+    handle: RequestHandle,
+    prepared: PreparedChat,
+    info: ModelInfo,
+    replies: ReplyLedger | None = None,
+) -> ChatHandle:
+    """The chat-level handle over ``handle``: one shaper per choice; each
+    finished choice's reply goes into ``replies``."""
     chat = prepared.chat
     raw = chat.prompt is not None
     choices = [
@@ -257,6 +282,7 @@ def open_chat(handle: RequestHandle, prepared: PreparedChat, info: ModelInfo) ->
             prepared,
             Shaper(info, prepared.request.prompt, tools=chat.parses_tools, reasoning=not raw),
             index=i,
+            replies=replies,
         )
         for i in range(handle.n)
     ]

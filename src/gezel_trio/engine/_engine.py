@@ -18,10 +18,12 @@ path, cancellation included - withdraws the request (``RequestHandle``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -36,6 +38,7 @@ from ..core.request import GenerationRequest, RenderedPrompt
 from ..host.exchange import CacheEvict, CacheFlush, Evicted
 from ..host.loop import HostRunner, in_thread
 from ..host.prompt_cache import CacheTotals, CacheView
+from ..shaping.replies import ReplyLedger, ReplySeal, dump_ledger, load_ledger, load_secret
 from ._chat import ChatHandle, open_chat
 from ._handle import RequestHandle
 from ._link import EngineState, Health, HostLink, RequestNote
@@ -48,6 +51,8 @@ __all__ = ["BackendFactory", "Engine", "open_engine", "run_engine"]
 log = logging.getLogger("gezel_trio.engine")
 
 BackendFactory = Callable[[EngineConfig], Backend]
+# How long stopping may spend writing the reply ledger to the persist dir.
+_LEDGER_SAVE_SECONDS = 5.0
 
 
 class Engine:
@@ -63,6 +68,12 @@ class Engine:
     @property
     def info(self) -> ModelInfo:
         return self._prep.loaded.info
+
+    @property
+    def replies(self) -> ReplyLedger | None:
+        """The replies this engine generated recently (``shaping.replies``);
+        ``None`` with ``reply_ledger_tokens`` 0."""
+        return self._prep.replies
 
     @property
     def renderer(self) -> PromptRenderer:
@@ -125,7 +136,7 @@ class Engine:
         """Queue a prepared chat (``prepared.chat.n`` choices) and return its
         handle; raises as ``submit_nowait`` does, without checking again."""
         handle = self.link.submit(prepared.request, prepared.chat.n)
-        return open_chat(handle, prepared, self.info)
+        return open_chat(handle, prepared, self.info, self._prep.replies)
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> ChatHandle:
         """``prepare_chat`` then ``submit_chat_nowait``: ``options`` are
@@ -235,16 +246,43 @@ async def run_engine(
             link.close_nowait()
             link.is_loaded.set()  # a load that failed wakes the wait below
 
-    # run_host closes the link however it ends, cancellation included.
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_host)
-        await link.is_loaded.wait()
-        if link.loaded is not None and not died:
-            task_status.started(Engine(config, link, Preparer(link.loaded, config, link.metrics)))
+    replies: ReplyLedger | None = None
+    kept: Path | None = None
+    try:
+        # run_host closes the link however it ends, cancellation included.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_host)
+            await link.is_loaded.wait()
+            if link.loaded is not None and not died:
+                if config.reply_ledger_tokens:
+                    info = link.loaded.info
+                    fingerprint = info.fingerprint or info.model_id
+                    secret = await trio.to_thread.run_sync(load_secret, config.persist_dir)
+                    seal = ReplySeal(secret, fingerprint)
+                    replies = ReplyLedger(config.reply_ledger_tokens, info.think_markers, seal)
+                    if config.persist_dir is not None:
+                        digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+                        kept = config.persist_dir / f"replies-{digest}.bin"
+                        await trio.to_thread.run_sync(load_ledger, replies, kept)
+                task_status.started(
+                    Engine(config, link, Preparer(link.loaded, config, link.metrics, replies))
+                )
+    finally:
+        if replies is not None and kept is not None:
+            # Bounded: a ledger of 1M ids is a few MB.
+            with trio.move_on_after(_LEDGER_SAVE_SECONDS, shield=True):
+                await trio.to_thread.run_sync(_save_ledger, replies, kept)
     if died:
         raise died[0]
     if link.failure is not None:
         raise link.failure  # too many failed model steps
+
+
+def _save_ledger(replies: ReplyLedger, path: Path) -> None:
+    try:
+        dump_ledger(replies, path)
+    except OSError as exc:
+        log.warning("cannot write the reply ledger to %s: %s", path, exc)
 
 
 def _failure(link: HostLink, exc: Exception) -> GezelError:

@@ -31,6 +31,7 @@ from ..core.prepare import (
 )
 from ..core.request import RenderedPrompt
 from ..shaping.billing_header import drop_billing_header
+from ..shaping.replies import ReplyLedger
 from ._images import ImageLimits, prepare_vision
 from ._link import Loaded
 from ._metrics import EngineMetrics
@@ -48,6 +49,8 @@ class Preparer:
     loaded: Loaded
     config: EngineConfig
     metrics: EngineMetrics | None = None
+    # The replies this engine generated, reused when a history carries them.
+    replies: ReplyLedger | None = None
 
     async def render_chat(
         self,
@@ -63,6 +66,7 @@ class Preparer:
         kwargs = dict(template_kwargs or {})
         messages, pins = self._without_billing_header(messages, pins)
         extra = {"pins": tuple(pins)} if pins else {}
+        replies = self.replies
         return await trio.to_thread.run_sync(
             lambda: renderer.render(
                 messages,
@@ -71,6 +75,7 @@ class Preparer:
                 template_override=template_override,
                 band_chars=band_chars,
                 **extra,
+                replies=replies,
             )
         )
 

@@ -35,6 +35,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -55,6 +56,7 @@ from ..engine import (
     PreparedChat,
 )
 from ..shaping.custom_tools import RawInput, as_function, custom_input, input_arguments
+from ..shaping.replies import TAIL_TOKENS, GeneratedReply, ReplyLedger, ReplySeal
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from .edge import NotFound, ProtocolBlueprint, error_response, json_body, refusal
 from .images import from_data_url
@@ -85,6 +87,7 @@ RESPONSES_PATH = "/v1/responses"
 log = logging.getLogger("gezel_trio.http")
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
 
 
 def _new_id(prefix: str) -> str:
@@ -217,6 +220,43 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict
     return out
 
 
+def _restore_sealed(
+    replies: ReplyLedger | None, items: list[InputItem], messages: list[dict[str, Any]]
+) -> None:
+    """Put the replies sealed in reasoning items' ``encrypted_content``
+    back into the ledger, under the assistant message each belongs to (as
+    ``items_to_messages`` gathers them), so the prompt spells them with the
+    ids this server generated. A blob that does not verify is ignored."""
+    if replies is None or replies.seal is None:
+        return
+    turns = iter(m for m in messages if m["role"] == "assistant")
+    turn: dict[str, Any] | None = None
+    pending: list[GeneratedReply] = []
+    for item in items:
+        assistant_side = isinstance(item, FunctionCallItem | ReasoningItem) or (
+            isinstance(item, MessageItem) and item.role == "assistant"
+        )
+        if not assistant_side:
+            turn, pending = None, []
+            continue
+        if isinstance(item, ReasoningItem):
+            if item.encrypted_content:
+                reply = replies.seal.open(item.encrypted_content)
+                if reply is not None:
+                    pending.append(reply)
+            text = "".join(p.text for p in (item.content or item.summary))
+            if not text:
+                continue  # a reasoning item without text starts no message
+        if turn is None:
+            turn = next(turns, None)
+            if turn is None:
+                return
+        for reply in pending:
+            replies.restore(turn, reply)
+        pending = []
+    # Nothing follows a trailing reasoning item: its message never formed.
+
+
 def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """This response's output items as chat messages (``items_to_messages``);
     a call cut short is left out, so a continuation never renders it."""
@@ -304,6 +344,20 @@ class _Context:
     history: list[dict[str, Any]]  # stored conversation + this input (no instructions)
     root: str
     created_at: int = attrs.field(factory=lambda: int(time.time()))
+    seal: ReplySeal | None = None  # with include reasoning.encrypted_content
+
+    def sealer(self, choice: ChatChoice) -> Callable[[], str | None] | None:
+        """What seals ``choice``'s reply so far, for its reasoning items."""
+        seal = self.seal
+        if seal is None:
+            return None
+        tail = choice.prepared.request.prompt[-TAIL_TOKENS:]
+
+        def sealed() -> str | None:
+            tokens = choice.tokens
+            return seal.seal(GeneratedReply(tail, tokens)) if tokens else None
+
+        return sealed
 
     def body(
         self,
@@ -394,6 +448,9 @@ class _Output:
         self._open: dict[str, Any] | None = None
         self._parts: list[str] = []
         self._logprobs = logprobs
+        # With ``include: ["reasoning.encrypted_content"]``: the sealed ids
+        # generated so far, for each reasoning item as it closes.
+        self.sealer: Callable[[], str | None] | None = None
         self._pending_lp: list[dict[str, Any]] = []
         self._item_lp: list[dict[str, Any]] = []
         # A call whose markup broke off or whose arguments are not a JSON
@@ -527,6 +584,9 @@ class _Output:
         elif item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             item["content"] = [part]
+            sealed = self.sealer() if self.sealer is not None else None
+            if sealed is not None:
+                item["encrypted_content"] = sealed
             out += [
                 {"type": "response.reasoning_text.done", **base, "content_index": 0, "text": text},
                 {"type": "response.content_part.done", **base, "content_index": 0, "part": part},
@@ -650,6 +710,8 @@ class _Events:
         note = liveness_comment(event)
         if note is not None:
             return [note]
+        if self._output.sealer is None:
+            self._output.sealer = self._ctx.sealer(chat)
         match event:
             case ChatFinished(reason=reason, usage=usage):
                 status = _final_status(reason, self._output)
@@ -680,7 +742,11 @@ class _Events:
 # --- not streamed, and in the background --------------------------------------------
 
 
-async def _run(chat: ChatHandle, output: _Output) -> tuple[ChatFinished | Failed, Usage | None]:
+async def _run(
+    chat: ChatHandle, output: _Output, ctx: _Context | None = None
+) -> tuple[ChatFinished | Failed, Usage | None]:
+    if ctx is not None:
+        output.sealer = ctx.sealer(chat.choices[0])
     async for _, event in chat:
         output.feed(event)
         if isinstance(event, ChatFinished | Failed):
@@ -714,7 +780,7 @@ async def _background(
     try:
         with engine.submit_chat_nowait(prepared) as chat:
             store.put(ctx.record(ctx.body("in_progress", [])))
-            end, usage = await _run(chat, output)
+            end, usage = await _run(chat, output, ctx)
             body = _finish(ctx, output, end, usage)
     except GezelError as err:
         usage = chat.usage if chat is not None else None
@@ -836,6 +902,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
                     param="previous_response_id",
                 )
         new = items_to_messages(req.items)
+        _restore_sealed(engine.replies, req.items, new)
         history = (prev.messages if prev is not None else []) + new
         if not history:
             raise InvalidRequest("input is required", param="input")
@@ -856,6 +923,8 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             )
         prepared = await engine.prepare_chat(_chat_request(req, messages, cache_id))
         ctx = _Context(rid, req, req.model or engine.info.model_id, history, root)
+        if _ENCRYPTED_INCLUDE in (req.include or []) and engine.replies is not None:
+            ctx.seal = engine.replies.seal
         if req.background:
             body = ctx.body("queued", [])
             store.put(ctx.record(body))
@@ -868,7 +937,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             stream = event_stream(ChatStream(engine, prepared, _Events(ctx, store, output)))
             return _ignored(req, stream)
         with engine.submit_chat_nowait(prepared) as chat:
-            end, usage = await _run(chat, output)
+            end, usage = await _run(chat, output, ctx)
         body = _finish(ctx, output, end, usage)
         if req.stores:
             store.put(ctx.record(body))

@@ -10,12 +10,16 @@ import bisect
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import attrs
 
 from ..core.cache_plan import common_prefix
 from ..core.errors import InvalidRequest
 from ..core.request import RenderedPrompt
+from .replies import GeneratedReply, ReplyLedger
 
 log = logging.getLogger("gezel_trio.prompt")
 
@@ -198,6 +202,17 @@ def generic_tool_messages(
     return out
 
 
+@attrs.frozen
+class _Piece:
+    """Part of a spliced prompt: its text, how many characters of the
+    template's text it stands for, and the generated ids that spell it
+    (``None``: tokenize the text)."""
+
+    text: str
+    source_len: int
+    ids: tuple[int, ...] | None = None
+
+
 class ChatTemplateRenderer:
     """Implements ``backend.PromptRenderer`` over a tokenizer with a chat template.
 
@@ -231,9 +246,14 @@ class ChatTemplateRenderer:
         template_override: str | None,
         band_chars: int | None = None,
         pins: Sequence[int] = (),
+        replies: ReplyLedger | None = None,
     ) -> RenderedPrompt:
-        """``pins``: indices into ``messages`` whose rendered end to find
-        (``RenderedPrompt.pin_ends``, in the same order)."""
+        """``messages`` as prompt tokens. ``pins``: indices into ``messages``
+        whose rendered end to find (``RenderedPrompt.pin_ends``, in the same
+        order). With ``replies``, each assistant turn this server generated
+        is spelled with the ids it generated where the rendered text holds
+        its reply (``_splice``), so a re-sent history reuses the cache
+        through its last reply."""
         template = template_override or getattr(self._tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequest(
@@ -278,7 +298,14 @@ class ChatTemplateRenderer:
                 param="messages",
             ) from error
         roles = tuple(str(m.get("role") or "") for m in messages)
-        if not band_chars and not self._find_boundaries and not pins:
+        pieces = self._splice(text, messages, replies) if replies is not None else None
+        spliced: str | None = None
+        if pieces is not None:
+            # Band and boundaries are found in the template's own text, so
+            # token ends are given in its coordinates.
+            spliced = "".join(p.text for p in pieces)
+            tokens, ends = self._tokenize_pieces(pieces)
+        elif not band_chars and not self._find_boundaries and not pins:
             hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
             if getattr(hf, "is_fast", False) is True:
                 # The fast tokenizer's encoding maps characters to tokens at
@@ -293,10 +320,11 @@ class ChatTemplateRenderer:
                 )
             ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
             return RenderedPrompt(tuple(ids), text=text)
-        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
-        enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        tokens = tuple(enc["input_ids"])
-        ends = [stop for _, stop in enc["offset_mapping"]]
+        else:
+            hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+            enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            tokens = tuple(enc["input_ids"])
+            ends = [stop for _, stop in enc["offset_mapping"]]
         band_end = _band_end(text, messages, band_chars, ends) if band_chars else None
         bounds: tuple[int, ...] = ()
         if self._find_boundaries:
@@ -312,7 +340,7 @@ class ChatTemplateRenderer:
             tokens,
             band_end,
             bounds,
-            text,
+            spliced if spliced is not None else text,
             pin_ends=pin_ends,
             message_starts=starts,
             message_roles=roles if starts else (),
@@ -356,6 +384,121 @@ class ChatTemplateRenderer:
             return None
         cut = bisect.bisect_right(ends, common_prefix(text, other)) - 1
         return cut if 0 < cut < len(ends) else None
+
+    def _splice(
+        self,
+        text: str,
+        messages: Sequence[dict[str, Any]],
+        replies: ReplyLedger,
+    ) -> list[_Piece] | None:
+        """The rendered ``text`` cut into text pieces and generated replies,
+        or ``None`` when no turn of ``messages`` is a reply the ledger holds
+        where the text shows it.
+
+        A reply is spliced where the text holds what its ids spell, right
+        after the generation prompt it continued, searched in turn order.
+        Two layout changes are undone, since the model wrote the reply after
+        them: the first space the stream trimmed, and an empty think block
+        the template drops from old turns (Qwen-style templates write
+        ``<think>\\n\\n</think>\\n\\n`` into the generation prompt when
+        thinking is off, and not into the history). Anything else the
+        template changed (old reasoning dropped, a call re-serialised) leaves
+        that turn as rendered. The text before a spliced reply is the same
+        string the earlier prompt was, so it tokenizes to the same ids."""
+        if any(_has_image(m) for m in messages):
+            return None  # the vision processor tokenizes the text itself
+        hits = [
+            known for m in messages if m.get("role") == "assistant" and (known := replies.get(m))
+        ]
+        if not hits:
+            return None
+        pieces: list[_Piece] = []
+        cursor = 0
+        for candidates in hits:
+            # The same text may have been generated after several prompts
+            # (a model that repeats itself): this turn is the earliest place.
+            places = [
+                (place, reply)
+                for reply in candidates
+                if (place := self._find_reply(text, cursor, reply, replies.think_markers))
+            ]
+            if not places:
+                log.debug("a generated reply is not rendered as generated; not spliced")
+                continue
+            (start, end, restored, spelled), reply = min(places, key=lambda p: p[0][0])
+            pieces.append(_Piece(text[cursor:start] + restored, start - cursor))
+            pieces.append(_Piece(spelled, end - start, reply.tokens))
+            cursor = end
+        if not pieces:
+            return None
+        pieces.append(_Piece(text[cursor:], len(text) - cursor))
+        return pieces
+
+    def _find_reply(
+        self,
+        text: str,
+        cursor: int,
+        reply: GeneratedReply,
+        think_markers: tuple[str, str] | None,
+    ) -> tuple[int, int, str, str] | None:
+        """Where ``reply`` stands in ``text`` from ``cursor`` on: its start,
+        its end, the text to put back before it, and what its ids spell."""
+        try:
+            spelled = self._spell(reply.tokens)
+            tail = self._spell(reply.tail)
+        except Exception:  # ids this tokenizer cannot spell (an image's keys): no splice
+            return None
+        dropped: tuple[str, str] | None = None
+        if think_markers is not None:
+            start, end = map(re.escape, think_markers)
+            m = re.search(rf"{start}\s*{end}\s*$", tail)
+            if m is not None:
+                dropped = (tail[: m.start()], tail[m.start() :])
+        candidates = [spelled]
+        if spelled.startswith(" "):
+            candidates.append(spelled[1:])  # the stream trims a reply's first space
+        for shown in candidates:
+            if not shown:
+                continue
+            at = text.find(shown, cursor)
+            while at >= 0:
+                before = text[:at]
+                if before.endswith(tail):
+                    return at, at + len(shown), "", spelled
+                if dropped is not None and dropped[0] and before.endswith(dropped[0]):
+                    return at, at + len(shown), dropped[1], spelled
+                at = text.find(shown, at + 1)
+        return None
+
+    def _tokenize_pieces(self, pieces: Sequence[_Piece]) -> tuple[tuple[int, ...], list[int]]:
+        """Each text piece tokenized alone, each reply as its ids; and where
+        each token ends in the template's text (a reply's inner tokens are
+        placed at its start, so no boundary falls inside a reply; a token of
+        restored text ends where the template's piece does)."""
+        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        tokens: list[int] = []
+        ends: list[int] = []
+        pos = 0
+        for piece in pieces:
+            if piece.ids is not None:
+                tokens += piece.ids
+                ends += [pos] * (len(piece.ids) - 1) + [pos + piece.source_len]
+            elif piece.text:
+                enc = hf(piece.text, add_special_tokens=False, return_offsets_mapping=True)
+                tokens += enc["input_ids"]
+                ends += [pos + min(stop, piece.source_len) for _, stop in enc["offset_mapping"]]
+            pos += piece.source_len
+        return tuple(tokens), ends
+
+    def _spell(self, tokens: Sequence[int]) -> str:
+        """Ids as the exact text they stand for, special tokens included."""
+        hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+        ids = list(tokens)
+        try:
+            text = hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except TypeError:  # a bare ``tokenizers.Tokenizer``
+            text = hf.decode(ids, skip_special_tokens=False)
+        return str(text)
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
         hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
@@ -510,6 +653,13 @@ def _has_later_system(messages: Sequence[dict[str, Any]]) -> bool:
         elif seen_turn:
             return True
     return False
+
+
+def _has_image(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") == "image" for p in content
+    )
 
 
 def _band_end(

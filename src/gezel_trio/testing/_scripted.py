@@ -72,6 +72,7 @@ class CharRenderer:
         template_override: str | None,
         band_chars: int | None = None,
         pins: Sequence[int] = (),
+        replies: Any = None,
     ) -> RenderedPrompt:
         text = ""
         if tools:
