@@ -36,6 +36,16 @@ def test_the_newer_variant_on_a_later_line() -> None:
     assert dropped == [PREV]
 
 
+def test_attributes_continued_on_the_next_line_go_with_the_header() -> None:
+    # The newer variant as recorded by proxies: the previous request's id and
+    # the prompt's id on a line of their own under the header.
+    more = "cc_prev_req=req_011Cabc123; cc_prompt_id=9f8e7d6c-1a2b;"
+    text = f"{HEADER}\n{more}\n\nYou are Claude Code.\ncc_note=1; is an instruction here"
+    out, dropped = drop_billing_header(_system(text))
+    assert out[0]["content"] == "You are Claude Code.\ncc_note=1; is an instruction here"
+    assert dropped == [HEADER, more]
+
+
 def test_hashes_that_differ_render_the_same() -> None:
     a, _ = drop_billing_header(_system(f"{HEADER}\n\nSame prompt."))
     b, _ = drop_billing_header(_system(f"{PREV}\n\nSame prompt."))

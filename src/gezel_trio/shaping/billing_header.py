@@ -24,6 +24,10 @@ __all__ = ["BILLING_PREFIX", "drop_billing_header"]
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 _LINE = re.compile(r"[ \t]*x-anthropic-billing-header:", re.IGNORECASE)
+# The header's attributes continued on a line of their own (the newer
+# variant's ``cc_prev_req=req_...; cc_prompt_id=...;``): only ``cc_`` pairs,
+# which no instruction line is.
+_CONTINUATION = re.compile(r"[ \t]*(?:cc_[a-z_]+=[^;\r\n]*;[ \t]*)+[\r\n]*\Z", re.IGNORECASE)
 _ROLES = ("system", "developer")
 
 
@@ -37,12 +41,16 @@ def _drop_lines(text: str) -> tuple[str, list[str]]:
     kept: list[str] = []
     dropped: list[str] = []
     skip_blank = False
+    in_header = False
     for line in lines:
-        if _LINE.match(line):
+        if _LINE.match(line) or (in_header and _CONTINUATION.match(line)):
             dropped.append(line.rstrip("\r\n"))
             # A paragraph of its own: at the start, or after a blank line.
-            skip_blank = not kept or not kept[-1].strip()
+            if not in_header:
+                skip_blank = not kept or not kept[-1].strip()
+            in_header = True
             continue
+        in_header = False
         if skip_blank and not line.strip():
             skip_blank = False
             continue

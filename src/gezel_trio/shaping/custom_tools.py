@@ -131,6 +131,14 @@ def custom_input(arguments: str) -> str | None:
     return None
 
 
+def partial_input(arguments: str) -> str | None:
+    """The input decoded so far of a call cut short (``{"input": "...`` with
+    no end), or ``None`` when the text does not open that object."""
+    raw = RawInput()
+    text = raw.feed(arguments)
+    return text if raw.opened else None
+
+
 class RawInput:
     """Arguments text fed in pieces, the decoded ``input`` string out in
     pieces: what streams as a custom call's input deltas. Linear in the text
@@ -143,6 +151,11 @@ class RawInput:
         self._pos: int | None = None  # where the string's content resumes
         self._closed = False
         self.text: list[str] = []
+
+    @property
+    def opened(self) -> bool:
+        """Whether the text fed so far opened the ``input`` string."""
+        return self._pos is not None
 
     def feed(self, fragment: str) -> str:
         self._buf += fragment

@@ -39,6 +39,8 @@ from typing import Any
 
 import attrs
 
+from .custom_tools import INPUT_PARAMETER, partial_input
+
 __all__ = [
     "TAIL_TOKENS",
     "GeneratedReply",
@@ -64,7 +66,11 @@ def _arguments(value: Any) -> Any:
         try:
             return json.loads(value) if value.strip() else {}
         except ValueError:
-            return value
+            # A freeform call cut short by the budget: the client sends back
+            # the input as far as it went (``custom_tool_call``), which is
+            # this prefix decoded.
+            partial = partial_input(value)
+            return value if partial is None else {INPUT_PARAMETER: partial}
     return value
 
 
