@@ -10,8 +10,9 @@ context - are not expressible in the schema, so a schema-valid body may be a
 400) and ``allow_header_conformance`` (``DELETE /v1/cache/{cache_id}``
 also matches ``/v1/cache/stats`` and ``/v1/cache/warm``: an entry may be
 named ``stats``). Response time is held only to the request timeout (speed
-belongs in bench/; a Messages body names its own ``max_tokens``, up to the
-context window, so an example may decode for many seconds). The coverage
+belongs in bench/; a length field such as a Messages body's ``max_tokens``
+is lowered to 64 by a hook, tests/support/schemathesis_hooks.py, so no
+example decodes for minutes). The coverage
 phase is left out: its boundary cases (4096 messages) are legitimate
 prompts of tens of thousands of tokens, minutes of prefill on CI's CPUs.
 """
@@ -33,6 +34,7 @@ from tests.support.process import Server, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
+_ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = os.environ.get("GEZEL_SCHEMATHESIS_EXAMPLES", "40")
 
 
@@ -112,6 +114,12 @@ def test_schemathesis_positive_and_negative(server: Server, tmp_path: Path) -> N
         text=True,
         timeout=900,
         cwd=tmp_path,
-        env={**os.environ, "SCHEMATHESIS_TELEMETRY": "false"},
+        env={
+            **os.environ,
+            "SCHEMATHESIS_TELEMETRY": "false",
+            # Length fields lowered to 64 (tests/support/schemathesis_hooks.py).
+            "SCHEMATHESIS_HOOKS": "tests.support.schemathesis_hooks",
+            "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]

@@ -50,7 +50,7 @@ __all__ = [
 # are parked most of the time), and a short stall timeout.
 FUZZ_SERVER_ARGS = ("--max-tokens-default", "16", "--max-park-seconds", "0.2")
 
-_LENGTH_FIELDS = (
+LENGTH_FIELDS = (
     "max_tokens",
     "max_completion_tokens",
     "max_output_tokens",
@@ -426,7 +426,7 @@ def _encode(body: Any) -> bytes:
 
 def _bounded(body: Any) -> Any:
     if isinstance(body, dict):
-        for key in _LENGTH_FIELDS:
+        for key in LENGTH_FIELDS:
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and 64 < value < 10**6:
                 body[key] = 64
