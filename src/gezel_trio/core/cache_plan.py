@@ -44,9 +44,12 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
         if a[i:j] == b[i:j]:
             i = j
             continue
-        while a[i] == b[i]:
+        # Bounded: slices of a tuple and a list never compare equal, so
+        # this loop may be reached with the two blocks alike.
+        while i < j and a[i] == b[i]:
             i += 1
-        return i
+        if i < j:
+            return i
     return n
 
 

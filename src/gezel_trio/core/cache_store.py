@@ -218,7 +218,9 @@ class CacheStore:
                 return None
             cover = [n for n in path if n.start < usable]
             entry = self._covering(cover[-1], usable)
-            return Seed(entry, usable, tuple(cover)) if entry is not None else None
+            if entry is None:
+                return self._seed_short(prompt, path, usable)
+            return Seed(entry, usable, tuple(cover))
         best: Entry | None = None
         for e in self.prefixes(prompt, limit=usable):
             if best is None or (e.end, e.last_use) > (best.end, best.last_use):
@@ -266,9 +268,44 @@ class CacheStore:
             stack.extend(node.children.values())
         return out
 
+    def _seed_short(self, prompt: Sequence[int], path: list[Node], usable: int) -> Seed | None:
+        """The rare trimmable seed where no entry through the walk's last
+        node reaches ``usable``: every entry there ends inside it (a partial
+        block absorbed into a longer one whose own entry is gone). The best
+        of the last node's siblings (each as far as it shares the prompt and
+        its entries reach) and their parent, found by looking at each."""
+        last = path[-1]
+        parent = last.parent
+        assert parent is not None
+        base = path[:-1]
+        options: list[tuple[int, int, Entry, tuple[Node, ...]]] = []
+        if base:
+            reach = min(parent.end, usable)
+            entry = self._covering(parent, reach)
+            if entry is not None:
+                options.append((reach, entry.last_use, entry, tuple(base)))
+        for child in parent.children.values():
+            shared = common_prefix(child.tokens, tuple(prompt[child.start : child.end]))
+            if not shared:
+                continue
+            reach = min(child.start + shared, usable)
+            entry = self._covering(child, reach)
+            if entry is None:
+                inside = [e for e in child.ends if e.end < reach]
+                if not inside:
+                    continue
+                entry = max(inside, key=lambda e: (e.end, e.last_use))
+                reach = entry.end
+            options.append((reach, entry.last_use, entry, (*base, child)))
+        if not options:
+            return None
+        reach, _, entry, nodes = max(options, key=lambda o: (o[0], o[1]))
+        return Seed(entry, reach, tuple(n for n in nodes if n.start < reach))
+
     def _covering(self, node: Node, pos: int) -> Entry | None:
         """The most recently used entry whose path passes position ``pos``
-        inside ``node`` (one must exist: ``node`` is referenced)."""
+        inside ``node``, if any (the entries through ``node`` may all end
+        inside it before ``pos``)."""
         best: Entry | None = None
         stack = [node]
         while stack:
