@@ -920,7 +920,10 @@ def _gezel_claude(client: httpx.Client, server: Server, body: dict[str, Any]) ->
         elif kind == "message_delta":
             u = ev.get("usage") or {}
             reply.cached = int(u.get("cache_read_input_tokens") or 0)
-            reply.prompt = int(u.get("input_tokens") or 0) + reply.cached
+            # Anthropic's arithmetic: the prompt is what was computed, what
+            # was written into cache_control pins and what was read.
+            written = int(u.get("cache_creation_input_tokens") or 0)
+            reply.prompt = int(u.get("input_tokens") or 0) + written + reply.cached
             reply.gen = int(u.get("output_tokens") or 0)
         reply.end = now
     for i, text in partial.items():

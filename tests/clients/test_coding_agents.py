@@ -70,7 +70,7 @@ def patch_parser() -> lark.Lark:
 
 class Claude(NamedTuple):
     content: list[dict[str, Any]]
-    prompt: int  # input_tokens + cache_read_input_tokens
+    prompt: int  # input + cache_creation + cache_read input tokens
     cached: int
     output: int
 
@@ -100,7 +100,8 @@ def _claude_turn(client: anthropic.Anthropic, body: dict[str, Any]) -> Claude:
                 # The final count (message_start's is sent before admission).
                 u = event.usage
                 cached = u.cache_read_input_tokens or 0
-                prompt = (u.input_tokens or 0) + cached
+                # computed + written into cache_control pins + read
+                prompt = (u.input_tokens or 0) + (u.cache_creation_input_tokens or 0) + cached
                 output = u.output_tokens
     for i, text in partial.items():
         blocks[i]["input"] = json.loads(text or "{}")

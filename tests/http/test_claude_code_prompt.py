@@ -92,7 +92,8 @@ def _turns(server: Server, prev: bool, reminder: bool = False) -> list[tuple[int
             **NO_THINK,  # type: ignore[arg-type]
         )
         read = reply.usage.cache_read_input_tokens or 0
-        out.append((reply.usage.input_tokens + read, read))
+        written = reply.usage.cache_creation_input_tokens or 0
+        out.append((reply.usage.input_tokens + written + read, read))
         text = "".join(b.text for b in reply.content if b.type == "text") or "ok"
         messages.append({"role": "assistant", "content": text})
     return out

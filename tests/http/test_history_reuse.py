@@ -82,7 +82,8 @@ def test_messages_reuses_through_the_last_reply(server: Server) -> None:
             message = stream.get_final_message()
         usage = message.usage
         cached = usage.cache_read_input_tokens or 0
-        turns.append((usage.input_tokens + cached, cached, usage.output_tokens))
+        written = usage.cache_creation_input_tokens or 0
+        turns.append((usage.input_tokens + written + cached, cached, usage.output_tokens))
         blocks = [b.model_dump(exclude_none=True) for b in message.content]
         history.append({"role": "assistant", "content": blocks})
     _check(turns)
