@@ -249,10 +249,12 @@ def test_an_agents_sdk_custom_tool_gets_a_patch_that_parses(
     else:
         failure = None
     if failure is not None:
-        # The budget ran out inside the patch: the server said so (never a
-        # truncated call handed to the tool as complete), and the SDK stops.
+        # The budget ran out (inside the patch, or in the answer after the
+        # tool ran): the server said so, and the SDK stops. A patch the tool
+        # got was complete: it parses.
         assert "max_output_tokens" in str(failure)
-        assert patches == []
+        for patch in patches:
+            assert patch_parser.parse(patch).data == "start"
         return
     assert len(patches) == 1
     assert patch_parser.parse(patches[0]).data == "start"
