@@ -15,6 +15,7 @@ from .core.errors import ModelLoadError
 from .core.settings import flag_default, from_flag, settings_of
 from .http.app import HttpSettings
 from .mlx.model_source import per_layer_embedding_table, resolve_model
+from .profiles import PROFILES, SEED, STANDARD
 from .server import ServerConfig
 from .stdout_protocol import LogFormatter, StdoutSettings
 
@@ -95,12 +96,21 @@ def _from_flags(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
     return cls(**values, **given)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
+    """The command line, ``serve``'s defaults those of ``profile``
+    (``profiles``)."""
     p = argparse.ArgumentParser(prog="gezel-trio", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
         "serve", help="run the OpenAI-compatible server", formatter_class=_HelpFormatter
+    )
+    s.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=profile,
+        help="a named set of defaults: 'seed' behaves as the seed sidecar where its client "
+        "depends on it (docs/migrating-from-the-seed.md); flags given win",
     )
     groups = {cls: s.add_argument_group(title) for cls, title in _SETTINGS}
     for cls, group in groups.items():
@@ -113,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     groups[ServerConfig].add_argument("--log-level", default="INFO", help="the stderr log's level")
     _add_seed_flags(s)
+    # After every flag exists: the profile's values become their defaults,
+    # so --help shows them and a flag given still wins.
+    s.set_defaults(**PROFILES[profile])
 
     m = sub.add_parser(
         "prepare-model",
@@ -288,8 +301,28 @@ def server_config(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _command_line(argv: list[str], seed_launch: bool) -> tuple[list[str], str]:
+    """``argv`` as ``serve`` reads it and the profile it selects. A seed
+    launch (the installed ``gezel_mlx_server.py``, or flags with no
+    subcommand, as the seed's supervisor starts its sidecar) means
+    ``serve`` with the seed profile; ``--profile`` given wins."""
+    if seed_launch or (argv and argv[0].startswith("--") and argv[0] != "--help"):
+        argv = ["serve", *argv]
+        profile = SEED
+    else:
+        profile = STANDARD
+    if argv and argv[0] == "serve":
+        probe = argparse.ArgumentParser(add_help=False)
+        probe.add_argument("--profile", choices=sorted(PROFILES), default=profile)
+        profile = probe.parse_known_args(argv[1:])[0].profile
+    return argv, profile
+
+
+def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
+    """The ``gezel-trio`` command; ``seed_launch``: started as the seed's
+    ``gezel_mlx_server.py`` (``serve``, the seed profile)."""
+    argv, profile = _command_line(sys.argv[1:] if argv is None else list(argv), seed_launch)
+    args = _parser(profile).parse_args(argv)
     if args.command == "demo-model":
         # No Trio loop here: the builder runs on this, the only, thread.
         from .mlx.demo_model import ensure_demo_model
@@ -313,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for note in _seed_notices(args):
         print(f"gezel-trio: {note}", file=sys.stderr)
+    if args.profile != STANDARD:
+        print(f"gezel-trio: profile {args.profile}", file=sys.stderr)
 
     from .server import exit_with_parent, main_serve
 
