@@ -1,8 +1,10 @@
-"""The ``gezel-trio`` command: ``serve``, ``prepare-model`` and ``demo-model``."""
+"""The ``gezel-trio`` command: ``serve``, ``prepare-model``, ``demo-model``
+and ``seed-server-path``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import logging
 import sys
 import typing
@@ -19,7 +21,7 @@ from .profiles import PROFILES, SEED, STANDARD
 from .server import ServerConfig
 from .stdout_protocol import LogFormatter, StdoutSettings
 
-__all__ = ["main", "server_config"]
+__all__ = ["main", "seed_server_path", "server_config"]
 
 _C = TypeVar("_C")
 
@@ -99,7 +101,12 @@ def _from_flags(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
 def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
     """The command line, ``serve``'s defaults those of ``profile``
     (``profiles``)."""
-    p = argparse.ArgumentParser(prog="gezel-trio", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="gezel-trio",
+        description=__doc__,
+        epilog="Flags with no subcommand (gezel-trio --model DIR --port N ...) mean serve "
+        "with the seed profile, as the seed sidecar was started.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser(
@@ -142,7 +149,20 @@ def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
     d.add_argument("--kind", choices=["dense", "hybrid", "vision"], default="dense")
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
+
+    sub.add_parser(
+        "seed-server-path",
+        help="print the path of the installed gezel_mlx_server.py, the seed sidecar's "
+        "launch form (docs/migrating-from-the-seed.md)",
+    )
     return p
+
+
+def seed_server_path() -> Path:
+    """The installed ``gezel_mlx_server.py``: ``python <it> <serve's flags>``
+    is a seed launch (``serve`` with the seed profile)."""
+    script = importlib.resources.files(__package__) / "_seed" / "gezel_mlx_server.py"
+    return Path(str(script)).resolve()
 
 
 # The seed's KV-cache quantization flags, which this build only parses:
@@ -323,6 +343,9 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
     ``gezel_mlx_server.py`` (``serve``, the seed profile)."""
     argv, profile = _command_line(sys.argv[1:] if argv is None else list(argv), seed_launch)
     args = _parser(profile).parse_args(argv)
+    if args.command == "seed-server-path":
+        print(seed_server_path())
+        return 0
     if args.command == "demo-model":
         # No Trio loop here: the builder runs on this, the only, thread.
         from .mlx.demo_model import ensure_demo_model
