@@ -97,7 +97,8 @@ def test_leaving_the_block_withdraws_the_chat() -> None:
 
 def test_a_bad_request_fails_before_anything_is_queued() -> None:
     async def scenario() -> None:
-        async with open_test_engine(ScriptedBackend()) as t:
+        # Strict: by default such a max_tokens is cut to what fits.
+        async with open_test_engine(ScriptedBackend(), strict_max_tokens=True) as t:
             with pytest.raises(InvalidRequest) as err:
                 await t.engine.chat(MESSAGES, max_tokens=10**9)
             assert err.value.param == "max_tokens"

@@ -73,6 +73,25 @@ class EngineConfig:
         help="max_tokens when a request names none",
         validator=_positive,
     )
+    # A max_tokens beyond what the context window leaves after the prompt is
+    # cut to fit, and the answer ends with finish "length" at the context's
+    # end, as llama.cpp's server does (a client such as the gezel app sends
+    # one large max_tokens on every turn). Strict: OpenAI's 400 instead.
+    strict_max_tokens: bool = setting(
+        False,
+        flag="--strict-max-tokens",
+        help="refuse (400) a max_tokens that does not fit in the context window after the "
+        "prompt, as OpenAI does, instead of cutting it to what fits",
+    )
+    # The temperature of a request that names none. Every protocol served
+    # documents 1.0 (OpenAI chat, completions and Responses, Anthropic
+    # Messages); the seed sidecar sampled greedily (0).
+    default_temperature: float = setting(
+        1.0,
+        flag="--default-temperature",
+        help="the temperature of a request that names none (0: greedy)",
+        validator=attrs.validators.ge(0),
+    )
     continuous_batching: bool = setting(
         True,
         flag="--static-waves",

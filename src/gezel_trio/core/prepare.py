@@ -153,8 +153,21 @@ def bound_max_tokens(
     info: ModelInfo, config: EngineConfig, prompt_len: int, requested: int | None
 ) -> int:
     """The ``max_tokens`` a request may have: at most what the context
-    window leaves (``None``: that, up to the configured default). Raises
-    ``InvalidRequest`` when it cannot fit."""
+    window leaves (``None``: that, up to the configured default; more:
+    that, unless ``config.strict_max_tokens``). Raises ``InvalidRequest``
+    when the prompt leaves no room, or when strict and it does not fit."""
+    if requested is None:
+        return min(_room(info, prompt_len), config.default_max_tokens)
+    if config.strict_max_tokens:
+        _check_fits(info, prompt_len, requested)
+        return requested
+    # The answer then ends with finish "length" at the context's end.
+    return min(requested, _room(info, prompt_len))
+
+
+def _room(info: ModelInfo, prompt_len: int) -> int:
+    """What the context window leaves after the prompt; ``InvalidRequest``
+    when that is nothing."""
     window = info.context_length
     room = window - prompt_len
     if room < 1:
@@ -162,15 +175,16 @@ def bound_max_tokens(
             f"the prompt has {prompt_len} tokens; the model's context window is {window}",
             param="messages",
         )
-    if requested is None:
-        return min(room, config.default_max_tokens)
-    if requested > room:
+    return room
+
+
+def _check_fits(info: ModelInfo, prompt_len: int, max_tokens: int) -> None:
+    if max_tokens > _room(info, prompt_len):
         raise InvalidRequest(
-            f"max_tokens={requested} plus the prompt's {prompt_len} tokens exceeds "
-            f"the context window of {window}",
+            f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceeds "
+            f"the context window of {info.context_length}",
             param="max_tokens",
         )
-    return requested
 
 
 def prepare(
@@ -253,7 +267,9 @@ def check_request(
         raise InvalidRequest("the prompt is empty", param="messages")
     if request.max_tokens < 1:
         raise InvalidRequest("max_tokens must be >= 1", param="max_tokens")
-    bound_max_tokens(info, config, len(request.prompt), request.max_tokens)
+    # A request as the engine runs it must fit, whatever the setting: the
+    # cut to fit is made before (``bound_max_tokens``).
+    _check_fits(info, len(request.prompt), request.max_tokens)
     _check_prompt(request, info, image_token)
     _check_sampling(request.sampling, info.vocab_size)
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
