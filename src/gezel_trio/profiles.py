@@ -25,6 +25,12 @@ SEED_DEFAULTS: dict[str, object] = {
     # The seed's prefill chunk. The client passes --prefill-step-size only
     # when its user overrides it and otherwise relies on this default.
     "prefill_step_size": 2048,
+    # The client's cache adapter reads /v1/cache/stats only as an array
+    # (Array.isArray) of the seed's entries; an object is 0 sessions to it.
+    "cache_stats_format": "array",
+    # The seed sampled greedily when a request named no temperature, and
+    # the client sends one only where a catalog model's tuning declares it.
+    "default_temperature": 0.0,
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}

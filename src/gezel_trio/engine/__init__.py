@@ -12,6 +12,7 @@ the one handle of a submitted request (``n >= 1`` sequences of one prompt);
 
 from ..core.prepare import ChatRequest, PreparedChat, roster_fingerprint
 from ..host.exchange import Evicted
+from ..host.prompt_cache import CacheView
 from ._chat import (
     ChatChoice,
     ChatEvent,
@@ -28,6 +29,7 @@ from ._warm import Warmed
 
 __all__ = [
     "BackendFactory",
+    "CacheView",
     "ChatChoice",
     "ChatEvent",
     "ChatFinished",

@@ -97,6 +97,8 @@ class CacheView:
     hits: int = 0
     # A ``cache_control`` pin: seconds until eviction may take it again.
     pin_expires_in: float | None = None
+    # Named by a client (a cache id), not an anonymous entry.
+    named: bool = True
 
 
 @attrs.frozen
@@ -931,6 +933,7 @@ class PromptCache:
                 pinned=bool(e.pins) or (e.key is not None and self.pinned(e.key)),
                 hits=e.hits,
                 pin_expires_in=round(e.held_until - now, 3) if e.held_until > now else None,
+                named=e.key is not None,
             )
             for e in entries
         )

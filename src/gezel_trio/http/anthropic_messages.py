@@ -405,8 +405,9 @@ def _pins(req: MessagesRequest, messages: list[dict[str, Any]]) -> tuple[Message
     return tuple(pins)
 
 
-def chat_request(req: MessagesRequest) -> ChatRequest:
-    """The engine's view of a validated Messages body."""
+def chat_request(req: MessagesRequest, *, default_temperature: float = 1.0) -> ChatRequest:
+    """The engine's view of a validated Messages body; ``default_temperature``
+    where it names none (Anthropic's is 1.0)."""
     images: list[ImagePart] = []
     messages = chat_messages(req.system, req.messages, images)
     if messages[-1]["role"] == "assistant":
@@ -430,7 +431,7 @@ def chat_request(req: MessagesRequest) -> ChatRequest:
         tool_choice=_tool_choice(req),
         response_format=response_format,
         sampling=SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
         ),
@@ -687,7 +688,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     @bp.route("", methods=["POST"])
     async def messages() -> Response:
         req = parse_messages_request(await json_body())
-        chat = chat_request(req)
+        chat = chat_request(req, default_temperature=engine.config.default_temperature)
         prepared = await engine.prepare_chat(chat)
         mid = f"msg_{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id

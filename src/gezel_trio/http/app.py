@@ -74,6 +74,15 @@ class HttpSettings:
         help="on: tool calls stream as argument deltas; off: each call comes whole, "
         "in one chunk, when the answer ends",
     )
+    # The seed sidecar answered a bare array of its named entries, and its
+    # client (the gezel app's cache adapter) reads nothing else.
+    cache_stats_format: str = setting(
+        "object",
+        flag="--cache-stats-format",
+        help="GET /v1/cache/stats as an 'object' (entries under data, with totals) or as "
+        "an 'array' of the named entries, as the seed sidecar answered",
+        validator=attrs.validators.in_(("object", "array")),
+    )
     # Told of every bug a route survived (answered 500): the server's stdout
     # protocol prints it tagged, so a supervisor never reads it as a death.
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
@@ -111,7 +120,7 @@ def create_app(
     loopback_bound = settings.host in _LOOPBACK_HOSTS
 
     protocols: list[ProtocolBlueprint] = [
-        cache_api.blueprint(engine),
+        cache_api.blueprint(engine, stats_format=settings.cache_stats_format),
         openai_chat.blueprint(engine, stream_tool_calls=settings.stream_tool_calls),
         openai_completions.blueprint(engine),
         openai_responses.blueprint(engine, responses if responses is not None else ResponseStore()),

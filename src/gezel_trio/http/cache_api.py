@@ -7,13 +7,14 @@ the engine publishes after each step, or ask the engine for an operation
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import trio
-from quart import request
+from quart import Response, request
 
 from ..core.errors import InvalidRequest
-from ..engine import Engine
+from ..engine import CacheView, Engine
 from .checks import check_cache_id
 from .edge import ProtocolBlueprint, error_response, json_body, refusal
 from .openai_wire import WarmRequest, parse_warm_request, tool_dicts
@@ -23,38 +24,26 @@ __all__ = ["blueprint"]
 MAX_SETTLE_MS = 60_000
 
 
-def blueprint(engine: Engine) -> ProtocolBlueprint:
+def blueprint(engine: Engine, *, stats_format: str = "object") -> ProtocolBlueprint:
     """The prompt-cache routes over ``engine``; errors leave in the OpenAI
-    envelope."""
+    envelope. ``stats_format``: ``/v1/cache/stats`` as our object, or as the
+    seed sidecar's array of named entries."""
     bp = ProtocolBlueprint("cache_api", __name__, refusal(engine, error_response))
 
     @bp.route("/v1/cache/stats")
-    async def cache_stats() -> dict[str, Any]:
+    async def cache_stats() -> Response:
         entries = engine.cache_view
+        if stats_format == "array":
+            # The seed listed its named entries only: every one a session or
+            # prefix its client had named, and the client's controller sums
+            # their bytes against its budget and evicts by id. Anonymous
+            # entries are bounded by the engine's own budget.
+            named = [_entry(e) for e in entries if e.named]
+            return Response(json.dumps(named), mimetype="application/json")
         t = engine.cache_totals
-        return {
+        body = {
             "object": "list",
-            "data": [
-                {
-                    "cache_id": e.cache_id,
-                    "tokens": e.tokens,
-                    "bytes": e.bytes,
-                    "kind": e.kind,
-                    "last_used": e.last_used,
-                    "dirty": e.dirty,
-                    "pinned": e.pinned,
-                    "hits": e.hits,
-                    # Anthropic ``cache_control`` pins: kind "pin", and the
-                    # seconds left before eviction may take the entry again.
-                    "pin_expires_in": e.pin_expires_in,
-                    # The seed sidecar's names for the same values; its
-                    # cache controller reads these.
-                    "token_count": e.tokens,
-                    "est_bytes": e.bytes,
-                    "last_used_ts": e.last_used,
-                }
-                for e in entries
-            ],
+            "data": [_entry(e) for e in entries],
             # Bytes really held: blocks shared by several entries count once.
             "total_bytes": t.bytes,
             "totals": {
@@ -77,6 +66,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
                 "evictions": t.evictions,
             },
         }
+        return Response(json.dumps(body), mimetype="application/json")
 
     @bp.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
     async def cache_delete(cache_id: str) -> dict[str, Any]:
@@ -118,6 +108,28 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         return await _warm(engine, parse_warm_request(await json_body()))
 
     return bp
+
+
+def _entry(e: CacheView) -> dict[str, Any]:
+    """One entry of ``/v1/cache/stats``."""
+    return {
+        "cache_id": e.cache_id,
+        "tokens": e.tokens,
+        "bytes": e.bytes,
+        "kind": e.kind,
+        "last_used": e.last_used,
+        "dirty": e.dirty,
+        "pinned": e.pinned,
+        "hits": e.hits,
+        # Anthropic ``cache_control`` pins: kind "pin", and the seconds left
+        # before eviction may take the entry again.
+        "pin_expires_in": e.pin_expires_in,
+        # The seed sidecar's names for the same values; its cache controller
+        # reads these.
+        "token_count": e.tokens,
+        "est_bytes": e.bytes,
+        "last_used_ts": e.last_used,
+    }
 
 
 async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:

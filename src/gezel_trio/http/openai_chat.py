@@ -68,9 +68,12 @@ def _refuse_unsupported(req: ChatCompletionRequest, *, vision: bool) -> None:
                 )
 
 
-def chat_request(req: ChatCompletionRequest, *, vision: bool = True) -> ChatRequest:
+def chat_request(
+    req: ChatCompletionRequest, *, vision: bool = True, default_temperature: float = 1.0
+) -> ChatRequest:
     """The engine's view of a validated chat-completions body. ``vision``:
-    whether the model takes images (a text-only model refuses them here)."""
+    whether the model takes images (a text-only model refuses them here);
+    ``default_temperature``: where the body names none."""
     _refuse_unsupported(req, vision=vision)
     images = tuple(p for i, m in enumerate(req.messages) for p in m.image_parts(i))
     return ChatRequest(
@@ -80,7 +83,7 @@ def chat_request(req: ChatCompletionRequest, *, vision: bool = True) -> ChatRequ
         custom_tools=custom_formats(req.tools),
         response_format=attrs.asdict(req.response_format) if req.response_format else None,
         tool_grammar=attrs.asdict(req.tool_grammar) if req.tool_grammar else None,
-        sampling=sampling_params(req),
+        sampling=sampling_params(req, default_temperature=default_temperature),
         max_tokens=req.max_output_tokens,
         stop=req.stop_list,
         ignore_eos=req.ignore_eos,
@@ -304,7 +307,12 @@ def blueprint(engine: Engine, *, stream_tool_calls: bool = True) -> ProtocolBlue
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
         req = parse_chat_request(await json_body())
-        prepared = await engine.prepare_chat(chat_request(req, vision=engine.info.vision))
+        chat = chat_request(
+            req,
+            vision=engine.info.vision,
+            default_temperature=engine.config.default_temperature,
+        )
+        prepared = await engine.prepare_chat(chat)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         logprobs = prepared.request.top_logprobs is not None

@@ -56,11 +56,12 @@ from .sse import (
 __all__ = ["blueprint", "completion_request"]
 
 
-def completion_request(req: CompletionRequest) -> ChatRequest:
-    """The engine's view of a validated legacy completions body."""
+def completion_request(req: CompletionRequest, *, default_temperature: float = 1.0) -> ChatRequest:
+    """The engine's view of a validated legacy completions body;
+    ``default_temperature`` where it names none."""
     return ChatRequest(
         prompt=req.raw_prompt,
-        sampling=sampling_params(req),
+        sampling=sampling_params(req, default_temperature=default_temperature),
         max_tokens=req.max_tokens,
         stop=req.stop_list,
         ignore_eos=req.ignore_eos,
@@ -221,7 +222,8 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:
         req = parse_completion_request(await json_body())
-        prepared = await engine.prepare_chat(completion_request(req))
+        chat = completion_request(req, default_temperature=engine.config.default_temperature)
+        prepared = await engine.prepare_chat(chat)
         echo = await _echo(engine, req, prepared.request.prompt)
         cid = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id

@@ -345,6 +345,7 @@ class _Context:
     root: str
     created_at: int = attrs.field(factory=lambda: int(time.time()))
     seal: ReplySeal | None = None  # with include reasoning.encrypted_content
+    temperature: float = 1.0  # what it samples with, echoed
 
     def sealer(self, choice: ChatChoice) -> Callable[[], str | None] | None:
         """What seals ``choice``'s reply so far, for its reasoning items."""
@@ -403,7 +404,7 @@ class _Context:
             "safety_identifier": req.safety_identifier,
             "service_tier": "default",
             "store": req.stores,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": self.temperature,
             "text": {
                 "format": _format_echo(req),
                 "verbosity": (req.text.verbosity if req.text else None) or "medium",
@@ -807,7 +808,10 @@ async def _background(
 
 
 def _chat_request(
-    req: ResponsesRequest, messages: list[dict[str, Any]], cache_id: str | None
+    req: ResponsesRequest,
+    messages: list[dict[str, Any]],
+    cache_id: str | None,
+    default_temperature: float = 1.0,
 ) -> ChatRequest:
     tools = None
     custom: dict[str, Any] = {}
@@ -846,7 +850,7 @@ def _chat_request(
         tool_choice=choice,
         response_format=req.response_format,
         sampling=SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=None if req.seed == -1 else req.seed,
         ),
@@ -921,8 +925,16 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
                 "app was built without",
                 param="background",
             )
-        prepared = await engine.prepare_chat(_chat_request(req, messages, cache_id))
-        ctx = _Context(rid, req, req.model or engine.info.model_id, history, root)
+        asked = _chat_request(req, messages, cache_id, engine.config.default_temperature)
+        prepared = await engine.prepare_chat(asked)
+        ctx = _Context(
+            rid,
+            req,
+            req.model or engine.info.model_id,
+            history,
+            root,
+            temperature=asked.sampling.temperature,
+        )
         if _ENCRYPTED_INCLUDE in (req.include or []) and engine.replies is not None:
             ctx.seal = engine.replies.seal
         if req.background:

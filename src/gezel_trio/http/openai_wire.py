@@ -528,11 +528,14 @@ class DetokenizeRequest:
             raise FieldInvalid("tokens", f"at most {MAX_PROMPT_TOKENS} tokens")
 
 
-def sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """The engine's sampling parameters from a chat or legacy completions body."""
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, *, default_temperature: float = 1.0
+) -> SamplingParams:
+    """The engine's sampling parameters from a chat or legacy completions
+    body; ``default_temperature`` where it names none (OpenAI's is 1.0)."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=default_temperature if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,
         min_p=req.min_p or 0.0,
