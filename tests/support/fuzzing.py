@@ -428,7 +428,9 @@ def _bounded(body: Any) -> Any:
     if isinstance(body, dict):
         for key in LENGTH_FIELDS:
             value = body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and 64 < value < 10**6:
+            # Any size: a max_tokens beyond the context window is served
+            # (cut to fit), so a huge one would decode to the context's end.
+            if isinstance(value, int) and not isinstance(value, bool) and value > 64:
                 body[key] = 64
     return body
 
