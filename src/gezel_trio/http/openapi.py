@@ -359,7 +359,14 @@ def document(model_id: str) -> dict[str, Any]:
             "get": {
                 "operationId": "cacheStats",
                 "summary": "Prompt-cache entries in memory",
-                "responses": _responses(_json_ok("Entries with id, tokens, bytes, last use.")),
+                "responses": _responses(
+                    _json_ok(
+                        "Entries with id, tokens, bytes, last use: an object (entries under "
+                        "data, with totals), or with --cache-stats-format array (the seed "
+                        "profile's) an array of the named entries.",
+                        {"type": ["object", "array"]},
+                    )
+                ),
             }
         },
         "/v1/cache/{cache_id}": {
