@@ -25,6 +25,8 @@ SEED_DEFAULTS: dict[str, object] = {
     # The seed's prefill chunk. The client passes --prefill-step-size only
     # when its user overrides it and otherwise relies on this default.
     "prefill_step_size": 2048,
+    # The seed's memory policy: buffer cache 1/16 of what is wired (256 MB-4 GB), the ceiling wired.
+    "mlx_memory_policy": "bounded",
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}

@@ -22,12 +22,24 @@ from ._chat import (
 )
 from ._engine import BackendFactory, Engine, open_engine, run_engine
 from ._handle import RequestHandle
-from ._link import EngineState, Health, RequestNote
+from ._link import (
+    WAITING_EVERY,
+    Admitted,
+    CacheWarmed,
+    EngineState,
+    Health,
+    Note,
+    RequestNote,
+    Seeded,
+)
 from ._metrics import EngineMetrics, Snapshot
 from ._warm import Warmed
 
 __all__ = [
+    "WAITING_EVERY",
+    "Admitted",
     "BackendFactory",
+    "CacheWarmed",
     "ChatChoice",
     "ChatEvent",
     "ChatFinished",
@@ -39,9 +51,11 @@ __all__ = [
     "EngineState",
     "Evicted",
     "Health",
+    "Note",
     "PreparedChat",
     "RequestHandle",
     "RequestNote",
+    "Seeded",
     "Snapshot",
     "Warmed",
     "combined_usage",
