@@ -504,7 +504,7 @@ class HostLink:
             live = self._live[rid]
             live.admitted_at = live.drained_at = now
             self.metrics.queue.observe(now - live.submitted_at)
-            if live.position is not None:
+            if live.position is not None and live.index == 0:
                 self._note(rid, Admitted(now - live.submitted_at))
             self._rearm(rid)
             log.info(
@@ -678,7 +678,9 @@ class HostLink:
         waiting += [(rid, Parked()) for rid in parked]
         for rid, event in waiting:
             live = self._live.get(rid)
-            if live is None or now - live.waiting_noted_at < self._waiting_every:
+            if live is None or live.index != 0:  # once per request, not per member
+                continue
+            if now - live.waiting_noted_at < self._waiting_every:
                 continue
             live.waiting_noted_at = now
             self._note(rid, event, behind=behind)
