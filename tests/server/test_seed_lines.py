@@ -3,7 +3,8 @@ process (CLI, hypercorn, MLX backend on the dense demo model), read with the
 seed client's own regular expressions: a second turn of a cache id prints
 ``[cache] hit`` with the tokens it reused, and a request queued behind
 another (``--max-concurrency 1``) prints ``[batch] waiting`` at once and
-``[batch] admitted`` when it starts. Lines are read by a thread; every wait
+``[batch] admitted`` when it starts, and a warm prints ``[cache] warmed``
+with its tokens. Lines are read by a thread; every wait
 is for a line or a reply, with a deadline; no test sleeps."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import httpx2 as httpx
 import pytest
 
 from tests.support.process import FIXED
-from tests.support.seed import CACHE_HIT, LEAF, QUEUE
+from tests.support.seed import CACHE_HIT, CACHE_WARMED, LEAF, QUEUE
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +162,22 @@ def test_a_queued_request_prints_waiting_then_admitted(server: tuple[str, _Lines
     assert re.fullmatch(r"\[batch\] admitted cache=later waited=\d+\.\ds", admitted), admitted
     waiter.join(timeout=DEADLINE)
     assert queued["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_warm_prints_the_warmed_line_with_its_tokens(server: tuple[str, _Lines]) -> None:
+    url, lines = server
+    with httpx.Client(base_url=url, timeout=DEADLINE) as client:
+        warm = client.post(
+            "/v1/cache/warm",
+            json={
+                "cache_id": "warm-harbour",
+                "messages": [{"role": "system", "content": "You keep the harbour ledgers."}],
+            },
+        )
+    assert warm.status_code == 200, warm.text
+    tokens = warm.json()["token_count"]
+    line = lines.wait_for(lambda s: "warmed cache_id=warm-harbour " in s, "the warmed line")
+    warmed = CACHE_WARMED.search(line)
+    assert warmed is not None, line
+    assert int(warmed[1]) == tokens
+    assert line == f"[cache] warmed cache_id=warm-harbour tokens={tokens} (prior=0, persist=False)"
