@@ -93,13 +93,13 @@ def apply_wired_limit(limits: MemoryLimits) -> None:
 
 def log_limits(config: EngineConfig, limits: MemoryLimits) -> None:
     """One line on stderr: what was set, and what cannot apply here."""
-    shown = {
-        "ceiling": limits.ceiling,
-        "wired": limits.wired,
-        "buffer cache": limits.buffer_cache,
-    }
+    shown = [
+        ("ceiling", limits.ceiling, "none"),
+        ("wired", limits.wired, "MLX's own"),
+        ("buffer cache", limits.buffer_cache, "MLX's own"),
+    ]
     text = ", ".join(
-        f"{name} {'MLX default' if b is None else f'{b / MIB:.0f} MB'}" for name, b in shown.items()
+        f"{name} {unset if b is None else f'{b / MIB:.0f} MB'}" for name, b, unset in shown
     )
     log.info("MLX memory (%s policy): %s", config.mlx_memory_policy, text)
     if limits.wired is not None and not mx.metal.is_available():
