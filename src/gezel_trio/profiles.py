@@ -31,6 +31,8 @@ SEED_DEFAULTS: dict[str, object] = {
     # The seed sampled greedily when a request named no temperature, and
     # the client sends one only where a catalog model's tuning declares it.
     "default_temperature": 0.0,
+    # The seed's memory policy: buffer cache 1/16 of what is wired (256 MB-4 GB), the ceiling wired.
+    "mlx_memory_policy": "bounded",
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}

@@ -202,7 +202,7 @@ async def serve(
             f"prefill_step_size={config.engine.prefill_step_size} "
             f"context={engine.info.context_length}"
         )
-        nursery.start_soon(stdout.watch, engine.watch())
+        nursery.start_soon(stdout.watch, engine.watch(waiting_every=config.stdout.waiting_interval))
         nursery.start_soon(_watch_signals, shutdown)
         if config.watch_parent is not None:
             nursery.start_soon(_watch_parent, config.watch_parent, shutdown)

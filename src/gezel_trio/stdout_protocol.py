@@ -11,6 +11,16 @@ watchdog and UI act on what it reads:
   figure: a 37k-token prompt on a 27B model), and the ``cache=`` tag routes
   the bar to the one session that owns it (an untagged line goes to every
   session: another row would draw this request's bar);
+* ``[batch] waiting cache=<id> ahead=<n> behind=<ids>`` (queued behind
+  others), ``[batch] paused cache=<id> for=<ids>`` (a background request
+  parked for interactive work) and ``[batch] admitted cache=<id>
+  waited=<s>s`` are the same liveness for a request that waits: printed at
+  once and then every 8 s while it waits, each re-arms that session's
+  watchdog (the seed's client once killed a queued turn for its silence);
+* ``[cache] hit cache_id=<id> prior_tokens=<n>`` (a turn seeded from its
+  session's entry in memory; ``disk-hit`` from disk) and ``[cache] warmed
+  cache_id=<id> tokens=<n> ...`` flash "Cache hit" / "Cache warmed" in the
+  supervisor's UI;
 * a bare ``SomeError: message`` line - the last line of a Python
   traceback - is read as "the engine is dead" and the process is torn down.
   So a failure that is contained (one request failed, the engine serves
@@ -21,8 +31,12 @@ Who prints: one ``StdoutProtocol`` per server, owned by ``server.serve``.
 Its ``run`` task is the only writer of stdout; it writes queued lines from a
 worker thread, so a supervisor that reads slowly never blocks the event
 loop, and the host thread never prints. Its ``watch`` task turns the
-engine's ``RequestNote`` feed (prefill progress and contained failures, as
-the Trio side delivers them between two steps) into lines. Everything else
+engine's ``RequestNote`` feed (prefill progress, contained failures,
+cache seeds, waits, admissions and warms, as the Trio side delivers them
+between two steps) into lines. Every supervisor gets these lines, whatever
+the profile: they are the one stdout protocol, liveness of the same kind as
+the markers, a line per cached turn or per 8 s of a wait, and none looks
+like a leaf line. Everything else
 still goes to ``logging`` (stderr), as before; ``LogFormatter`` indents a
 log record's traceback there, so stderr never shows a bare leaf line either.
 
@@ -46,9 +60,9 @@ import attrs
 import trio
 
 from .core.errors import EngineFailure
-from .core.events import Failed, Progress
+from .core.events import Failed, Parked, Progress, Queued
 from .core.settings import setting
-from .engine import RequestNote
+from .engine import WAITING_EVERY, Admitted, CacheWarmed, RequestNote, Seeded
 
 __all__ = [
     "PREFILL_INTERVAL",
@@ -56,8 +70,13 @@ __all__ = [
     "LogFormatter",
     "StdoutProtocol",
     "StdoutSettings",
+    "admitted_line",
+    "cache_hit_line",
+    "paused_line",
     "prefill_marker",
     "tagged_traceback",
+    "waiting_line",
+    "warmed_line",
 ]
 
 # The seed's figures. Below 2048 tokens to prefill the first token comes
@@ -93,7 +112,9 @@ def _interval(_: object, attr: attrs.Attribute[float], value: float) -> None:
 class StdoutSettings:
     """``prefill_min_tokens``: a request prints markers only when it has at
     least this many prompt tokens to prefill (cached ones do not count).
-    ``prefill_interval``: seconds between two markers of one request."""
+    ``prefill_interval``: seconds between two markers of one request.
+    ``waiting_interval``: seconds between two ``waiting``/``paused`` lines
+    of a request that waits (``Engine.watch``'s ``waiting_every``)."""
 
     prefill_min_tokens: int = setting(
         PREFILL_MIN_TOKENS,
@@ -108,6 +129,13 @@ class StdoutSettings:
         help="seconds between two stdout 'Prefill:' markers of one request",
         validator=_interval,
     )
+    waiting_interval: float = setting(
+        WAITING_EVERY,
+        flag="--waiting-marker-interval",
+        help="seconds between two stdout '[batch] waiting' (or 'paused') lines of a request "
+        "that waits",
+        validator=_interval,
+    )
 
 
 def prefill_marker(done: int, total: int, cache_id: str | None) -> str:
@@ -116,6 +144,47 @@ def prefill_marker(done: int, total: int, cache_id: str | None) -> str:
     pct = min(99, 100 * done // total) if total > 0 else 0
     tag = f" cache={cache_id}" if cache_id else ""
     return f"Prefill: {pct:3d}%| | {done}/{total} [batched]{tag}"
+
+
+def _ids(ids: Iterable[str]) -> str:
+    return ",".join(ids) or "-"
+
+
+def waiting_line(cache_id: str, ahead: int, behind: Iterable[str]) -> str:
+    """The seed's line for a request queued behind others (``behind``: the
+    cache ids of those stepping)."""
+    return f"[batch] waiting cache={cache_id} ahead={ahead} behind={_ids(behind)}"
+
+
+def paused_line(cache_id: str, for_ids: Iterable[str]) -> str:
+    """The seed's line for a background request parked for interactive work."""
+    return f"[batch] paused cache={cache_id} for={_ids(for_ids)}"
+
+
+def admitted_line(cache_id: str, waited: float) -> str:
+    """The seed's line for a request admitted after it waited."""
+    return f"[batch] admitted cache={cache_id} waited={max(0.0, waited):.1f}s"
+
+
+def cache_hit_line(cache_id: str, reused: int, source: str) -> str | None:
+    """The seed's line for a turn seeded from its own session's entry:
+    ``hit`` from memory, ``disk-hit`` loaded from disk; ``None`` for any
+    other seed (a prefix's or another session's entry, or none: the seed
+    printed ``prefix-hit``/``miss`` there, which its client does not read;
+    the stderr log has every seed decision)."""
+    where, _, whose = source.partition(":")
+    if whose != "session" or reused <= 0:
+        return None
+    word = "hit" if where == "memory" else f"{where}-hit"
+    return f"[cache] {word} cache_id={cache_id} prior_tokens={reused}"
+
+
+def warmed_line(cache_id: str, warmed: CacheWarmed) -> str:
+    """The seed's line for a finished ``/v1/cache/warm``."""
+    return (
+        f"[cache] warmed cache_id={cache_id} tokens={warmed.tokens} "
+        f"(prior={warmed.prior}, persist={warmed.persisted})"
+    )
 
 
 def tagged_traceback(
@@ -270,6 +339,9 @@ class StdoutProtocol:
         self.dropped = 0
         # Per request: when its last marker was printed (trio clock).
         self._last_marker: dict[int, float] = {}
+        # Requests that printed a waiting or paused line, and when the last
+        # one was printed (their admission after the wait is printed too).
+        self._waited: dict[int, float] = {}
         self._last_failure: BaseException | None = None
 
     # --- queueing (Trio thread, never blocks) --------------------------------
@@ -342,9 +414,28 @@ class StdoutProtocol:
                 self.note_nowait(note, trio.current_time())
 
     def note_nowait(self, note: RequestNote, now: float) -> None:
+        cache_id = note.cache_id
         match note.event:
             case Progress(done=done, total=total):
                 self._progress(note, done, total, now)
+            # The lines below are the seed's, each about one request that a
+            # supervisor routes by its cache id: a request without one has
+            # nobody to tell.
+            case Seeded(reused=reused, source=source) if cache_id:
+                line = cache_hit_line(cache_id, reused, source)
+                if line is not None:
+                    self.say_nowait(line)
+            case CacheWarmed() as warmed if cache_id:
+                self.say_nowait(warmed_line(cache_id, warmed))
+            case Queued(position=position) if cache_id:
+                self._waiting(note.rid, now)
+                self.say_nowait(waiting_line(cache_id, position, note.behind))
+            case Parked() if cache_id:
+                self._waiting(note.rid, now)
+                self.say_nowait(paused_line(cache_id, note.behind))
+            case Admitted(waited=waited) if cache_id:
+                if self._waited.pop(note.rid, None) is not None:
+                    self.say_nowait(admitted_line(cache_id, waited))
             case Failed(error=error):
                 self._last_marker.pop(note.rid, None)
                 # A failed model step fails its whole lane with one error.
@@ -361,6 +452,14 @@ class StdoutProtocol:
                     note.traceback or error,
                     f"{what}; the engine goes on: {error.message}",
                 )
+
+    def _waiting(self, rid: int, now: float) -> None:
+        self._waited[rid] = now
+        if len(self._waited) > 64:
+            # A request withdrawn while it waited is never admitted.
+            for old, at in list(self._waited.items()):
+                if now - at > _FORGET_AFTER:
+                    del self._waited[old]
 
     def _progress(self, note: RequestNote, done: int, total: int, now: float) -> None:
         if done >= total:

@@ -18,10 +18,10 @@ import trio
 
 from gezel_trio import stdout_protocol
 from gezel_trio.core.errors import EngineFailure, RequestFailed
-from gezel_trio.core.events import Failed, Progress
-from gezel_trio.engine import RequestNote
+from gezel_trio.core.events import Failed, Parked, Progress, Queued
+from gezel_trio.engine import Admitted, CacheWarmed, RequestNote, Seeded
 from gezel_trio.stdout_protocol import StdoutProtocol, StdoutSettings, tagged_traceback
-from tests.support.seed import LEAF, PREFILL, TAGGED
+from tests.support.seed import CACHE_HIT, CACHE_WARMED, LEAF, PREFILL, QUEUE, TAGGED
 
 
 def _printed(notes: list[tuple[float, RequestNote]], **settings: float) -> list[str]:
@@ -59,6 +59,63 @@ def test_markers_follow_the_seed_minimum_and_interval_per_request() -> None:
         "Prefill:  17%| | 512/3000 [batched]",
     ]
     assert all(PREFILL.match(line) for line in lines)
+
+
+def test_cache_lines_are_the_seeds_for_a_turn_seeded_from_its_own_session() -> None:
+    lines = _printed(
+        [
+            (0.0, RequestNote(1, "s", Seeded(0, "fresh"))),  # the seed's miss: not printed
+            (0.0, RequestNote(2, "s", Seeded(812, "memory:session"))),
+            (0.0, RequestNote(3, "s", Seeded(640, "disk:session"))),
+            # Another session's entry or a prefix's: the seed's prefix-hit or
+            # miss, which its client does not read.
+            (0.0, RequestNote(4, "s", Seeded(96, "memory:shared"))),
+            (0.0, RequestNote(5, "s", Seeded(96, "memory:prefix"))),
+            (0.0, RequestNote(6, None, Seeded(900, "memory:session"))),  # nobody to tell
+            (0.0, RequestNote(7, "w", CacheWarmed(1536, 0, True))),
+            (0.0, RequestNote(8, None, CacheWarmed(1536, 0, True))),
+        ]
+    )
+    assert lines == [
+        "[cache] hit cache_id=s prior_tokens=812",
+        "[cache] disk-hit cache_id=s prior_tokens=640",
+        "[cache] warmed cache_id=w tokens=1536 (prior=0, persist=True)",
+    ]
+    # What the seed's client flashes ("Cache hit · reusing N tokens"); a
+    # disk hit is the seed's own word, which the client does not flash.
+    assert [m[1] for line in lines if (m := CACHE_HIT.search(line))] == ["812"]
+    assert [m[1] for line in lines if (m := CACHE_WARMED.search(line))] == ["1536"]
+    assert not [line for line in lines if LEAF.match(line)]
+
+
+def test_a_request_that_waits_prints_the_seeds_queue_lines() -> None:
+    lines = _printed(
+        [
+            (0.0, RequestNote(1, "b", Queued(1), behind=("a", "c"))),
+            (0.0, RequestNote(2, None, Queued(2), behind=("a",))),  # no id: nobody to route to
+            (8.0, RequestNote(1, "b", Queued(0), behind=("a",))),
+            (9.0, RequestNote(3, "bg", Parked(), behind=("chat",))),
+            (9.5, RequestNote(4, "x", Parked())),
+            (11.25, RequestNote(1, "b", Admitted(11.25))),
+            (12.0, RequestNote(5, "fast", Admitted(0.0))),  # never printed as waiting: silent
+        ]
+    )
+    assert lines == [
+        "[batch] waiting cache=b ahead=1 behind=a,c",
+        "[batch] waiting cache=b ahead=0 behind=a",
+        "[batch] paused cache=bg for=chat",
+        "[batch] paused cache=x for=-",
+        "[batch] admitted cache=b waited=11.2s",
+    ]
+    parsed = [QUEUE.search(line) for line in lines]
+    assert [(m[1], m[2]) for m in parsed if m] == [
+        ("waiting", "b"),
+        ("waiting", "b"),
+        ("paused", "bg"),
+        ("paused", "x"),
+        ("admitted", "b"),
+    ]
+    assert not [line for line in lines if LEAF.match(line)]
 
 
 def test_the_minimum_and_the_interval_are_settings() -> None:

@@ -18,6 +18,15 @@ PREFILL = re.compile(
 # not indented, not tagged - means the engine died. Our own exception
 # classes end in Failure or Failed too (EngineFailure, RequestFailed).
 LEAF = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Failure|Failed)(?::|$)")
+# The seed client's classifier for cache events (its stdout-parser): a hit
+# and a warm flash "Cache hit · reusing N tokens" / "Cache warmed".
+CACHE_HIT = re.compile(r"\[cache\] hit cache_id=\S+ prior_tokens=(\d+)")
+CACHE_WARMED = re.compile(r"\[cache\] warmed cache_id=\S+ tokens=(\d+)")
+# And for the queue lines, each routed to the session that owns the cache id
+# and re-arming its watchdog.
+QUEUE = re.compile(
+    r"\[batch\] (waiting|paused|admitted) cache=(\S+)(?: ahead=(\d+))?(?: (?:behind|for)=(\S+))?"
+)
 # A contained failure, tagged line by line.
 TAGGED = re.compile(r"^\[(?P<tag>[\w-]+)\] \| ")
 

@@ -14,12 +14,24 @@ import attrs
 
 from .settings import MIB, setting
 
-__all__ = ["EngineConfig"]
+__all__ = ["MLX_MEMORY_POLICIES", "EngineConfig"]
 
 
 def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attr.name} must be >= 1, got {value}")
+
+
+# ``EngineConfig.mlx_memory_policy``'s values (``mlx.memory``).
+MLX_MEMORY_POLICIES = ("quarter", "bounded")
+
+
+def _one_of(values: tuple[str, ...]) -> Any:
+    def check(_: object, attr: attrs.Attribute[str], value: str) -> None:
+        if value not in values:
+            raise ValueError(f"{attr.name} must be one of {', '.join(values)}, not {value!r}")
+
+    return check
 
 
 def _optional_positive(_: object, attr: attrs.Attribute[Any], value: float | None) -> None:
@@ -132,6 +144,20 @@ class EngineConfig:
         zero_is_none=True,
         help="memory MLX may wire (pin) on Metal: weights plus planned KV (0: MLX's default)",
         validator=_optional_positive,
+    )
+    # How MLX's buffer cache (freed buffers kept for reuse) and wired limit
+    # follow the ceiling (``mlx.memory``): ``quarter`` caps the buffer cache
+    # at a quarter of ``memory_limit_mb``; ``bounded`` is the seed's policy.
+    mlx_memory_policy: str = setting(
+        "quarter",
+        flag="--mlx-memory-policy",
+        help="MLX's buffer cache and wired limit: 'quarter' caps the buffer cache at a "
+        "quarter of --memory-limit-mb (MLX's own cap without one) and wires only "
+        "--wired-limit-mb; 'bounded' (the seed's) takes the ceiling as the smaller of "
+        "--memory-limit-mb and Metal's recommended working set, wires --wired-limit-mb "
+        "(at most the ceiling) or else the ceiling, and caps the buffer cache at 1/16 of "
+        "what is wired, within 256 MB-4 GB (1 GB with no ceiling)",
+        validator=_one_of(MLX_MEMORY_POLICIES),
     )
     model_fingerprint: str | None = setting(
         None,

@@ -23,13 +23,25 @@ from ._chat import (
 )
 from ._engine import BackendFactory, Engine, open_engine, run_engine
 from ._handle import RequestHandle
-from ._link import EngineState, Health, RequestNote
+from ._link import (
+    WAITING_EVERY,
+    Admitted,
+    CacheWarmed,
+    EngineState,
+    Health,
+    Note,
+    RequestNote,
+    Seeded,
+)
 from ._metrics import EngineMetrics, Snapshot
 from ._warm import Warmed
 
 __all__ = [
+    "WAITING_EVERY",
+    "Admitted",
     "BackendFactory",
     "CacheView",
+    "CacheWarmed",
     "ChatChoice",
     "ChatEvent",
     "ChatFinished",
@@ -41,9 +53,11 @@ __all__ = [
     "EngineState",
     "Evicted",
     "Health",
+    "Note",
     "PreparedChat",
     "RequestHandle",
     "RequestNote",
+    "Seeded",
     "Snapshot",
     "Warmed",
     "combined_usage",

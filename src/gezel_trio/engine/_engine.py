@@ -41,7 +41,7 @@ from ..host.prompt_cache import CacheTotals, CacheView
 from ..shaping.replies import ReplyLedger, ReplySeal, dump_ledger, load_ledger, load_secret
 from ._chat import ChatHandle, open_chat
 from ._handle import RequestHandle
-from ._link import EngineState, Health, HostLink, RequestNote
+from ._link import WAITING_EVERY, EngineState, Health, HostLink, RequestNote
 from ._metrics import EngineMetrics
 from ._prepare import Preparer
 from ._warm import Warmed, warm
@@ -196,13 +196,17 @@ class Engine:
         and observability; cancel it with an ordinary scope."""
         return await self.link.wait_until(predicate)
 
-    def watch(self, max_buffer: int = 256) -> trio.MemoryReceiveChannel[RequestNote]:
+    def watch(
+        self, max_buffer: int = 256, waiting_every: float = WAITING_EVERY
+    ) -> trio.MemoryReceiveChannel[RequestNote]:
         """A channel of ``RequestNote`` values for every request: prefill
-        progress and failures contained on the host thread, as the engine
-        delivers them. The engine never waits for the watcher: when
-        ``max_buffer`` notes are unread, new ones are dropped. One watcher
-        at a time; closing the channel ends it."""
-        return self.link.watch(max_buffer)
+        progress, failures contained on the host thread, cache seeds, waits
+        (repeated every ``waiting_every`` seconds while a request waits),
+        admissions after a wait and warms, as the engine delivers them. The
+        engine never waits for the watcher: when ``max_buffer`` notes are
+        unread, new ones are dropped. One watcher at a time; closing the
+        channel ends it."""
+        return self.link.watch(max_buffer, waiting_every)
 
     def close_nowait(self) -> None:
         """Stop admitting; fail every queued and running request with

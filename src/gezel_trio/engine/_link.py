@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import attrs
@@ -42,7 +42,19 @@ from ..host.prompt_cache import CacheSnapshot
 from ._handle import RequestHandle, Ticket
 from ._metrics import EngineMetrics, Snapshot
 
-__all__ = ["EngineState", "Health", "HostLink", "Loaded", "Removal", "RequestNote"]
+__all__ = [
+    "WAITING_EVERY",
+    "Admitted",
+    "CacheWarmed",
+    "EngineState",
+    "Health",
+    "HostLink",
+    "Loaded",
+    "Note",
+    "Removal",
+    "RequestNote",
+    "Seeded",
+]
 
 log = logging.getLogger("gezel_trio.engine")
 
@@ -55,6 +67,10 @@ _EVENT_SLACK = 256
 # How long /health keeps saying "degraded" after a failed model step.
 DEGRADED_FOR = 60.0
 _LIVENESS_LOG_EVERY = 5.0
+# The seed's cadence for the notes of a request that waits (queued or
+# parked): the supervisor's watchdogs it feeds are minutes long, and a
+# ten-request fanout must not flood its log.
+WAITING_EVERY = 8.0
 # Live MLX memory above this share of ``memory_limit_mb`` is "tight": no
 # preemption, one request per wave.
 _TIGHT = 0.85
@@ -93,19 +109,57 @@ class EngineState:
 
 
 @attrs.frozen
+class Seeded:
+    """Admitted: its prompt reused ``reused`` cached tokens, seeded from
+    ``source`` (where the seed was found and whose it was:
+    ``memory:session``, ``disk:session``, ``memory:prefix``,
+    ``memory:shared``, ...; ``fresh`` when nothing was reused)."""
+
+    reused: int
+    source: str
+
+
+@attrs.frozen
+class Admitted:
+    """A request that had waited in the queue was admitted, ``waited``
+    seconds after it was submitted."""
+
+    waited: float
+
+
+@attrs.frozen
+class CacheWarmed:
+    """``/v1/cache/warm`` (``Engine.warm``) built its entry: ``tokens``
+    tokens, where ``prior`` were held before; ``persisted``: on disk at once."""
+
+    tokens: int
+    prior: int
+    persisted: bool
+
+
+Note = Progress | Failed | Queued | Parked | Seeded | Admitted | CacheWarmed
+
+
+@attrs.frozen
 class RequestNote:
     """What a watcher of the whole engine (``Engine.watch``) sees of one
-    request: its prefill ``Progress`` and a ``Failed`` that the host thread
-    contained (the request failed alone; the engine goes on), with the
-    request's cache id. For a failure, ``traceback`` holds its lines as
-    Python prints them (the original exception is the cause), taken when
-    the engine delivered it: the request's reader may raise the same error
+    request, with the request's cache id: its prefill ``Progress``; a
+    ``Failed`` that the host thread contained (the request failed alone;
+    the engine goes on); what its cache seed reused (``Seeded``); while it
+    waits, ``Queued`` and ``Parked`` at once and then every ``waiting_every``
+    seconds, between two engine steps (a wedged engine goes quiet), with
+    ``behind`` naming the cache ids of the requests it waits on (those
+    stepping); its admission after a wait (``Admitted``); a finished warm
+    (``CacheWarmed``). For a failure, ``traceback`` holds its lines as Python
+    prints them (the original exception is the cause), taken when the
+    engine delivered it: the request's reader may raise the same error
     object later, which adds its own frames."""
 
     rid: int
     cache_id: str | None
-    event: Progress | Failed
+    event: Note
     traceback: tuple[str, ...] = ()
+    behind: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -141,6 +195,8 @@ class _Live:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # When the watcher was last told this request waits (queued or parked).
+    waiting_noted_at: float = float("-inf")
     # Stall detection: events buffered after the last exchange, and when the
     # reader was last seen draining.
     buffered: int = 0
@@ -161,6 +217,16 @@ def _describe(event: Event) -> str:
         case Resumed():
             return "resumed"
     return type(event).__name__
+
+
+def _cache_ids(lives: Iterable[_Live | None]) -> list[str]:
+    """The cache ids of these requests (those that have one), in order."""
+    ids = []
+    for live in lives:
+        cr = live.request.cache if live is not None else None
+        if cr is not None and cr.cache_id:
+            ids.append(cr.cache_id)
+    return ids
 
 
 def _is_note(event: Event) -> bool:
@@ -204,6 +270,7 @@ class HostLink:
         self.failure: EngineFailure | None = None
         # The one watcher of every request's progress and contained failures.
         self._watcher: trio.MemorySendChannel[RequestNote] | None = None
+        self._waiting_every = WAITING_EVERY
         metrics.watch(self._snapshot)
 
     # --- submission ----------------------------------------------------------
@@ -287,12 +354,19 @@ class HostLink:
         result: R = call.result
         return result
 
-    def watch(self, max_buffer: int) -> trio.MemoryReceiveChannel[RequestNote]:
+    def watch(
+        self, max_buffer: int, waiting_every: float = WAITING_EVERY
+    ) -> trio.MemoryReceiveChannel[RequestNote]:
         send, receive = trio.open_memory_channel[RequestNote](max_buffer)
         if self._watcher is not None:
             self._watcher.close()
         self._watcher = send
+        self._waiting_every = waiting_every
         return receive
+
+    def note_nowait(self, rid: int, cache_id: str | None, event: Note) -> None:
+        """Tell the watcher, if there is one, of ``event`` (never blocks)."""
+        self._send_note(RequestNote(rid, cache_id, event))
 
     # --- observation -----------------------------------------------------------
 
@@ -419,7 +493,9 @@ class HostLink:
             self._deliver(rid, Parked())
         for rid in plan.resumed:
             self._deliver(rid, Resumed())
+            self._rearm(rid)
         self._announce_queue()
+        self._note_waiting(now)
         for rid in plan.remove:
             left_at = self._withdrawn.pop(rid, self._step)
             self._removals.append(Removal(rid, left_at, self._step))
@@ -428,6 +504,9 @@ class HostLink:
             live = self._live[rid]
             live.admitted_at = live.drained_at = now
             self.metrics.queue.observe(now - live.submitted_at)
+            if live.position is not None and live.index == 0:
+                self._note(rid, Admitted(now - live.submitted_at))
+            self._rearm(rid)
             log.info(
                 "admit request %d priority=%s prompt=%d max_tokens=%d running=%d queued=%d",
                 rid,
@@ -463,6 +542,10 @@ class HostLink:
                 call.result = result
                 call.done.set()
         self._check_stalls(now)
+        for rid, reused, source in report.seeded:
+            live = self._live.get(rid)
+            if live is not None and live.index == 0:  # once per request, not per member
+                self._note(rid, Seeded(reused, source))
         for rid, event in report.events:
             self._observe(rid, event, now)
             self._tell_watcher(rid, event)
@@ -549,20 +632,58 @@ class HostLink:
     def _tell_watcher(self, rid: int, event: Event) -> None:
         if self._watcher is None or not isinstance(event, Progress | Failed):
             return
-        live = self._live.get(rid)
-        if live is None:
-            return
-        cache_id = live.request.cache.cache_id if live.request.cache else None
         lines: tuple[str, ...] = ()
         if isinstance(event, Failed):
             text = "".join(traceback.format_exception(event.error))
             lines = tuple(text.rstrip().splitlines())
+        self._note(rid, event, lines)
+
+    def _note(
+        self, rid: int, event: Note, lines: tuple[str, ...] = (), behind: tuple[str, ...] = ()
+    ) -> None:
+        live = self._live.get(rid)
+        if self._watcher is None or live is None:
+            return
+        cache_id = live.request.cache.cache_id if live.request.cache else None
+        self._send_note(RequestNote(rid, cache_id, event, lines, behind))
+
+    def _send_note(self, note: RequestNote) -> None:
+        if self._watcher is None:
+            return
         try:
-            self._watcher.send_nowait(RequestNote(rid, cache_id, event, lines))
+            self._watcher.send_nowait(note)
         except trio.WouldBlock:
             pass  # the watcher is behind: its notes are advisory
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._watcher = None
+
+    def _rearm(self, rid: int) -> None:
+        """A request that waits again is noted at once."""
+        live = self._live.get(rid)
+        if live is not None:
+            live.waiting_noted_at = float("-inf")
+
+    def _note_waiting(self, now: float) -> None:
+        """Tell the watcher of each queued or parked request at once, then
+        every ``waiting_every`` seconds while it waits: between two steps,
+        so that a note says the engine is alive and busy with others."""
+        if self._watcher is None:
+            return
+        parked = set(self._scheduler.parked)
+        stepping = [r for r in self._scheduler.running if r not in parked]
+        behind = tuple(dict.fromkeys(_cache_ids(self._live.get(r) for r in stepping)))
+        waiting: list[tuple[int, Queued | Parked]] = [
+            (rid, Queued(i)) for i, rid in enumerate(self._scheduler.queued)
+        ]
+        waiting += [(rid, Parked()) for rid in parked]
+        for rid, event in waiting:
+            live = self._live.get(rid)
+            if live is None or live.index != 0:  # once per request, not per member
+                continue
+            if now - live.waiting_noted_at < self._waiting_every:
+                continue
+            live.waiting_noted_at = now
+            self._note(rid, event, behind=behind)
 
     def _announce_queue(self) -> None:
         """Tell each waiting request its place when it changes."""

@@ -21,6 +21,7 @@ from ..core.events import Failed, Finished
 from ..core.prepare import roster_fingerprint
 from ..core.request import CacheRequest, GenerationRequest, RenderedPrompt, SamplingParams
 from ..host.exchange import CacheInspect
+from ._link import CacheWarmed
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -124,6 +125,9 @@ async def warm(
                 case Finished():
                     tokens = len(prompt) if cut is None else cut
                     persisted = persist and engine.config.persist_dir is not None
+                    engine.link.note_nowait(
+                        handle.rids[0], cache_id, CacheWarmed(tokens, prior, persisted)
+                    )
                     return Warmed("warmed", cache_id, tokens, persisted=persisted)
                 case Failed(error=error):
                     raise error

@@ -109,7 +109,10 @@ class StepReport:
     ``cache_view`` is set when the prompt cache changed; ``replies`` answer
     the previous orders' commands. ``stepped`` says a model step ran and
     ``step_failure`` why it failed, if it did; ``persistence`` names the
-    disk cache's current trouble (``None``: fine, or no disk cache)."""
+    disk cache's current trouble (``None``: fine, or no disk cache).
+    ``seeded`` tells, per request admitted in this step, how many prompt
+    tokens its cache seed reused and where the seed came from
+    (``SeedInfo.source``: ``memory:session``, ``disk:prefix``, ``fresh``...)."""
 
     events: tuple[tuple[int, Event], ...] = ()
     ended: tuple[int, ...] = ()
@@ -119,6 +122,7 @@ class StepReport:
     stepped: bool = False
     step_failure: str | None = None
     persistence: str | None = None
+    seeded: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def has_news(self) -> bool:
@@ -129,6 +133,7 @@ class StepReport:
             or self.replies
             or self.cache_view is not None
             or self.step_failure
+            or self.seeded
         )
 
 

@@ -168,6 +168,8 @@ class _Host:
         self._captures: list[int] = []
         self._events: list[tuple[int, Event]] = []
         self._ended: list[int] = []
+        # (rid, reused tokens, seed source) of each admission since the last report.
+        self._seeded: list[tuple[int, int, str]] = []
         self._stepped = False
         self._step_failure: str | None = None
         # Prefill sharing (n > 1): groups by id, and each prefiller's group.
@@ -286,6 +288,7 @@ class _Host:
         now = time.perf_counter()
         admissions = []
         ready = []
+        seeded = []
         for rid, request in admit:
             try:
                 admission, seed = self.cache.admit(rid, request)
@@ -303,6 +306,7 @@ class _Host:
                 self._fail(rid, "admission", exc)
                 continue
             self.seqs[rid] = seq
+            seeded.append((rid, seed.reuse, seed.source))
             admissions.append(admission)
             if rid in self._prefilling and seed.reuse >= len(request.prompt) - 1:
                 ready.append(rid)  # the cache already held the shared prompt
@@ -312,6 +316,7 @@ class _Host:
             # built): the request fails alone, the batch goes on.
             self.seqs.pop(rid, None)
             self._fail(rid, "insertion", err)
+        self._seeded += [s for s in seeded if s[0] in self.seqs]
         for rid in ready:
             self._prefilled(rid)
 
@@ -326,6 +331,7 @@ class _Host:
             self.backend.reclaim()  # under pressure: give cached buffers back now
         events, self._events = tuple(self._events), []
         ended, self._ended = tuple(self._ended), []
+        seeded, self._seeded = tuple(self._seeded), []
         stepped, self._stepped = self._stepped, False
         failure, self._step_failure = self._step_failure, None
         disk = self.cache.disk
@@ -338,6 +344,7 @@ class _Host:
             stepped=stepped,
             step_failure=failure,
             persistence=disk.problem if disk is not None else None,
+            seeded=seeded,
         )
 
     # --- one step -----------------------------------------------------------

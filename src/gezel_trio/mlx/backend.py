@@ -51,6 +51,13 @@ from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .loading import fingerprint_model_dir, load_model
+from .memory import (
+    apply_buffer_cache_limit,
+    apply_wired_limit,
+    log_limits,
+    memory_limits,
+    recommended_working_set,
+)
 from .model_source import resolve_model
 from .vision import VisionModel, VisionPrefill, fresh_cache
 
@@ -335,19 +342,11 @@ class MlxBackend:
         self._tokenizer = tokenizer
         self._config = config
         self._stream = mx.new_stream(mx.default_device())
-        if config.memory_limit_mb is not None:
-            # Cap MLX's buffer cache (freed buffers kept for reuse) at a quarter
-            # of the ceiling, so cached buffers never crowd out live ones.
-            mx.set_cache_limit(int(config.memory_limit_mb * 1024 * 1024 / 4))
-        if config.wired_limit_mb is not None:
-            if mx.metal.is_available():
-                self._apply_wired_limit()
-                log.info("MLX wired limit: %.0f MB", config.wired_limit_mb)
-            else:
-                log.info(
-                    "no Metal device: the wired limit (%.0f MB) has no effect",
-                    config.wired_limit_mb,
-                )
+        # The buffer cache and wired limits of the configured policy (mlx.memory).
+        self._memory_limits = memory_limits(config, recommended_working_set())
+        apply_buffer_cache_limit(self._memory_limits)
+        apply_wired_limit(self._memory_limits)
+        log_limits(config, self._memory_limits)
         model_cfg = _read_json(model_dir / "config.json")
         gen_cfg = _read_json(model_dir / "generation_config.json")
         eos = set(tokenizer.eos_token_ids) | _ids(gen_cfg.get("eos_token_id"))
@@ -434,13 +433,8 @@ class MlxBackend:
         # BatchGenerator wires Metal's whole recommended working set; wired
         # pages never come back under pressure (the seed saw a 27B wire 96 GiB
         # for a ~45 GB working set), so the planned limit is put back.
-        self._apply_wired_limit()
+        apply_wired_limit(self._memory_limits)
         return gen
-
-    def _apply_wired_limit(self) -> None:
-        limit = self._config.wired_limit_mb
-        if limit is not None and mx.metal.is_available():
-            mx.set_wired_limit(int(limit * 1024 * 1024))
 
     @property
     def info(self) -> ModelInfo:

@@ -1,0 +1,104 @@
+"""The MLX memory policies (``mlx.memory``): the limits each computes from
+the ceiling, the wired plan and Metal's recommended working set, the seed
+profile's choice of the seed's policy, and MLX's buffer-cache limit read
+back after it was set (which works without Metal too; the wired limit needs
+Metal and is only logged as having no effect here)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from gezel_trio import cli
+from gezel_trio.core.config import EngineConfig
+from gezel_trio.core.settings import MIB
+from gezel_trio.mlx.memory import (
+    MemoryLimits,
+    apply_buffer_cache_limit,
+    log_limits,
+    memory_limits,
+)
+
+GB = 1024 * MIB
+
+
+def _limits(
+    policy: str,
+    ceiling_mb: float | None = None,
+    wired_mb: float | None = None,
+    recommended: int = 0,
+) -> MemoryLimits:
+    config = EngineConfig(
+        mlx_memory_policy=policy, memory_limit_mb=ceiling_mb, wired_limit_mb=wired_mb
+    )
+    return memory_limits(config, recommended)
+
+
+def test_quarter_caps_the_buffer_cache_at_a_quarter_of_the_ceiling_and_wires_the_plan() -> None:
+    assert _limits("quarter") == MemoryLimits(None, None, None)
+    assert _limits("quarter", 8192) == MemoryLimits(8192 * MIB, None, 2048 * MIB)
+    assert _limits("quarter", 8192, 4096) == MemoryLimits(8192 * MIB, 4096 * MIB, 2048 * MIB)
+    # Metal's recommended working set is not this policy's business.
+    assert _limits("quarter", recommended=96 * GB) == MemoryLimits(None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("ceiling_mb", "wired_mb", "recommended", "want"),
+    [
+        # No ceiling at all (no flag, no Metal): MLX's own wiring, a 1 GB cache.
+        (None, None, 0, MemoryLimits(None, None, 1 * GB)),
+        # The seed's client launch: 8 GB ceiling, 4 GB planned: 4096 / 16.
+        (8192, 4096, 0, MemoryLimits(8 * GB, 4 * GB, 256 * MIB)),
+        # No plan: the ceiling is wired, and scales the cache (clamped at 4 GB).
+        (131072, None, 0, MemoryLimits(128 * GB, 128 * GB, 4 * GB)),
+        (32768, None, 0, MemoryLimits(32 * GB, 32 * GB, 2 * GB)),
+        # A small ceiling: the cache keeps its 256 MB floor.
+        (2048, None, 0, MemoryLimits(2 * GB, 2 * GB, 256 * MIB)),
+        # A plan above the ceiling is capped at it.
+        (8192, 16384, 0, MemoryLimits(8 * GB, 8 * GB, 512 * MIB)),
+        # Metal's recommended working set bounds the ceiling, and stands in
+        # for it when none is given.
+        (131072, None, 96 * GB, MemoryLimits(96 * GB, 96 * GB, 4 * GB)),
+        (None, None, 24 * GB, MemoryLimits(24 * GB, 24 * GB, 1536 * MIB)),
+        # A plan without a ceiling is wired as it is.
+        (None, 4096, 0, MemoryLimits(None, 4 * GB, 256 * MIB)),
+    ],
+)
+def test_bounded_is_the_seeds_policy(
+    ceiling_mb: float | None, wired_mb: float | None, recommended: int, want: MemoryLimits
+) -> None:
+    assert _limits("bounded", ceiling_mb, wired_mb, recommended) == want
+
+
+def test_the_seed_profile_selects_the_seeds_policy_and_a_flag_wins(tmp_path: Path) -> None:
+    def policy(profile: str, *argv: str) -> str:
+        args = cli._parser(profile).parse_args(["serve", "--model", str(tmp_path), *argv])
+        return cli.server_config(args, tmp_path).engine.mlx_memory_policy
+
+    assert policy("standard") == "quarter"
+    assert policy("seed") == "bounded"
+    assert policy("seed", "--mlx-memory-policy", "quarter") == "quarter"
+    with pytest.raises(ValueError, match="mlx_memory_policy must be one of quarter, bounded"):
+        policy("standard", "--mlx-memory-policy", "huge")
+
+
+def test_the_buffer_cache_limit_reads_back_and_the_wired_limit_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    limits = _limits("bounded", 8192, 4096)
+    before = mx.set_cache_limit(0)
+    try:
+        apply_buffer_cache_limit(limits)
+        assert mx.set_cache_limit(before) == 256 * MIB  # the previous limit: ours
+    finally:
+        mx.set_cache_limit(before)
+    with caplog.at_level(logging.INFO, logger="gezel_trio.mlx"):
+        log_limits(EngineConfig(mlx_memory_policy="bounded"), limits)
+    text = caplog.text
+    policy = "MLX memory (bounded policy): ceiling 8192 MB, wired 4096 MB, buffer cache 256 MB"
+    assert policy in text
+    if not mx.metal.is_available():
+        assert "no Metal device: the wired limit (4096 MB) has no effect" in text
