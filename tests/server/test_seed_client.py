@@ -247,6 +247,22 @@ def thinking(thinking_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     assert a.provider.fatal is None
 
 
+def _keep_alive(port: int) -> socket.socket:
+    """A connection that got one whole answer and stays open, idle."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(TIMEOUT)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: keep-alive\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])
+    while len(body) < length:
+        body += sock.recv(65536)
+    return sock
+
+
 def _user(text: str) -> list[dict[str, Any]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
 
@@ -309,13 +325,9 @@ def test_multi_turn_reuses_the_session_cache_and_the_app_flashes_the_hit(small: 
     assert second.status == 200, second.error_body
     assert second.usage is not None
     assert second.usage.get("cached_tokens", 0) >= first.usage["prompt_tokens"]
-    hits = [
-        m
-        for line in small.lines_since(mark)
-        if (m := re.search(r"\[cache\] hit cache_id=session-multi prior_tokens=(\d+)", line))
-    ]
-    assert len(hits) == 1, small.lines_since(mark)
-    prior = int(hits[0][1])
+    hit = re.compile(r"\[cache\] hit cache_id=session-multi prior_tokens=(\d+)")
+    line = small.supervisor.wait_for_line(hit.search, mark)
+    prior = int(hit.search(line)[1])
     assert prior >= first.usage["prompt_tokens"]
     flashed = [p.detail for p in small.provider.published[published:]]
     assert f"Cache hit · reusing {prior:,} tokens" in flashed
@@ -410,13 +422,9 @@ def test_a_warm_prints_the_line_the_app_flashes_and_a_new_session_inherits_the_p
     mark = small.mark()
     published = len(small.provider.published)
     small.adapter.warm("session-warm", [{"role": "system", "content": SYSTEM}])
-    warmed = [
-        m
-        for line in small.lines_since(mark)
-        if (m := re.search(r"\[cache\] warmed cache_id=session-warm tokens=(\d+)", line))
-    ]
-    assert len(warmed) == 1, small.lines_since(mark)
-    tokens = int(warmed[0][1])
+    warmed = re.compile(r"\[cache\] warmed cache_id=session-warm tokens=(\d+)")
+    line = small.supervisor.wait_for_line(warmed.search, mark)
+    tokens = int(warmed.search(line)[1])
     assert tokens > 0
     flashed = [p.detail for p in small.provider.published[published:]]
     assert f"Cache warmed · {tokens:,} tokens ready" in flashed
@@ -445,6 +453,7 @@ def test_a_queued_turn_prints_batch_lines_while_it_waits(small: App) -> None:
         )
 
     mark = small.mark()
+    admitted_line = re.compile(r"\[batch\] admitted\b.*\bsession-queued\b")
     first = threading.Thread(target=run, args=("session-running", 300))
     first.start()
     assert started.wait(TIMEOUT)
@@ -453,6 +462,7 @@ def test_a_queued_turn_prints_batch_lines_while_it_waits(small: App) -> None:
     first.join(TIMEOUT)
     second.join(TIMEOUT)
     assert results["session-running"].status == results["session-queued"].status == 200
+    small.supervisor.wait_for_line(admitted_line.search, mark)
     lines = [line.removeprefix("[mlx] ") for line in small.lines_since(mark)]
     batch = [line for line in lines if line.startswith("[batch] ")]
     queued = [
@@ -483,10 +493,7 @@ def test_a_stop_with_an_idle_keep_alive_connection_is_quick_and_loses_nothing(
     assert first.status == 200, first.error_body
     assert first.usage is not None
     # An idle keep-alive connection besides the client's pooled one.
-    idle = socket.create_connection(("127.0.0.1", thinking.supervisor.launch.port))
-    idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: keep-alive\r\n\r\n")
-    idle.settimeout(TIMEOUT)
-    assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+    idle = _keep_alive(thinking.supervisor.launch.port)
     try:
         stopped = thinking.supervisor.stop()
         assert stopped.returncode == 0, thinking.supervisor.text()
@@ -511,12 +518,8 @@ def test_a_stop_with_an_idle_keep_alive_connection_is_quick_and_loses_nothing(
         assert second.usage is not None
         # Nothing was in memory after the restart: these came from disk.
         assert second.usage.get("cached_tokens", 0) > first.usage["prompt_tokens"] // 2
-        read = [
-            line
-            for line in again.lines_since(mark)
-            if re.search(r"\[cache\] (disk-)?hit cache_id=session-restart prior_tokens=[1-9]", line)
-        ]
-        assert read, again.lines_since(mark)
+        read = re.compile(r"\[cache\] (disk-)?hit cache_id=session-restart prior_tokens=[1-9]")
+        again.supervisor.wait_for_line(read.search, mark)
         again.controller.reconcile_provider("mlx")
         assert "session-restart" in again.controller.sessions("mlx")
     finally:

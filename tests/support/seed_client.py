@@ -310,13 +310,15 @@ class Supervisor:
         self._exited.set()
 
     def _emit_line(self, line: str) -> None:
-        with self._lines_changed:
-            self.lines.append(line)
-            self._lines_changed.notify_all()
+        # Classified before it is recorded, so a test that saw the line also
+        # sees what the provider made of it.
         try:
             self._on_raw_line(line)
         except Exception as exc:  # "Never let a bad classifier take down the supervisor."
-            self.lines.append(f"{LOG_PREFIX} onRawLine threw: {exc}")
+            line += f" (onRawLine threw: {exc})"
+        with self._lines_changed:
+            self.lines.append(line)
+            self._lines_changed.notify_all()
 
     def abort_startup(self, reason: str) -> None:
         """``abortStartup``: the provider saw a fatal line."""
