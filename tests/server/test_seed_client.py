@@ -233,18 +233,23 @@ def thinking_model(dense_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     )
 
 
+@dataclass
+class Served:
+    """The engine the app holds now: a restart replaces it."""
+
+    app: App
+
+
 @pytest.fixture(scope="module")
-def thinking(thinking_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
-    """The Qwen-3.5-shaped template's model; ``test_a_stop_...`` stops it."""
-    a = _start(thinking_model, tmp_path_factory.mktemp("seed-client-thinking-cache"))
+def thinking(thinking_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The Qwen-3.5-shaped template's model (the stop test restarts it)."""
+    served = Served(_start(thinking_model, tmp_path_factory.mktemp("seed-client-thinking-cache")))
     try:
-        yield a
+        yield served
     finally:
-        if a.supervisor.returncode() is None:
-            _stop(a)
-        else:
-            a.client.close()
-    assert a.provider.fatal is None
+        stopped = _stop(served.app)
+    assert (stopped.killed, stopped.returncode) == (False, 0), stopped
+    assert served.app.provider.fatal is None
 
 
 def _keep_alive(port: int) -> socket.socket:
@@ -346,10 +351,12 @@ def test_a_template_that_does_not_open_think_shows_the_answer_live(small: App) -
     assert not any(m in turn.raw_content for m in MARKERS)
 
 
-def test_a_template_that_opens_think_splits_reasoning_from_the_live_answer(thinking: App) -> None:
-    assert thinking.opens_in_reasoning is True
+def test_a_template_that_opens_think_splits_reasoning_from_the_live_answer(
+    thinking: Served,
+) -> None:
+    assert thinking.app.opens_in_reasoning is True
     tuning = {"sampling": {"maxTokens": 28}, "reasoning": {"thinkingBudget": 8}}
-    turn = thinking.turn(_user("Count the barrels."), "session-think", tuning=tuning)
+    turn = thinking.app.turn(_user("Count the barrels."), "session-think", tuning=tuning)
     assert turn.status == 200, turn.error_body
     # The think block is in content, as the model wrote it: inside from the
     # first token (the prompt opened it), closed once.
@@ -485,44 +492,40 @@ def test_a_queued_turn_prints_batch_lines_while_it_waits(small: App) -> None:
 
 
 def test_a_stop_with_an_idle_keep_alive_connection_is_quick_and_loses_nothing(
-    thinking: App, thinking_model: Path
+    thinking: Served, thinking_model: Path
 ) -> None:
+    served = thinking.app
     tuning = {"sampling": {"maxTokens": 20}, "reasoning": {"thinkingBudget": 6}}
     messages = _user("Which ship came in?")
-    first = thinking.turn(messages, "session-restart", tuning=tuning)
+    first = served.turn(messages, "session-restart", tuning=tuning)
     assert first.status == 200, first.error_body
     assert first.usage is not None
-    # An idle keep-alive connection besides the client's pooled one.
-    idle = _keep_alive(thinking.supervisor.launch.port)
+    # The client's pooled connection is idle now; one more, explicitly.
+    idle = _keep_alive(served.supervisor.launch.port)
     try:
-        stopped = thinking.supervisor.stop()
-        assert stopped.returncode == 0, thinking.supervisor.text()
+        stopped = served.supervisor.stop()
+        assert stopped.returncode == 0, served.supervisor.text()
         assert not stopped.killed, f"SIGKILL after {app.KILL_AFTER_S} s"
         assert stopped.seconds < app.KILL_AFTER_S
         assert idle.recv(65536) == b"", "the idle connection was closed"
     finally:
         idle.close()
-        thinking.client.close()
+        served.client.close()
+    assert served.provider.fatal is None
     # The app restarts the engine on the same port and persist directory.
-    again = _start(
-        thinking_model, thinking.supervisor.launch.persist_dir, port=thinking.supervisor.launch.port
-    )
-    try:
-        messages += [
-            {"role": "assistant", "content": first.visible},
-            {"role": "user", "content": "And where from?"},
-        ]
-        mark = again.mark()
-        second = again.turn(messages, "session-restart", tuning=tuning)
-        assert second.status == 200, second.error_body
-        assert second.usage is not None
-        # Nothing was in memory after the restart: these came from disk.
-        assert second.usage.get("cached_tokens", 0) > first.usage["prompt_tokens"] // 2
-        read = re.compile(r"\[cache\] (disk-)?hit cache_id=session-restart prior_tokens=[1-9]")
-        again.supervisor.wait_for_line(read.search, mark)
-        again.controller.reconcile_provider("mlx")
-        assert "session-restart" in again.controller.sessions("mlx")
-    finally:
-        stopped = _stop(again)
-    assert (stopped.killed, stopped.returncode) == (False, 0)
-    assert again.provider.fatal is None
+    launch = served.supervisor.launch
+    thinking.app = again = _start(thinking_model, launch.persist_dir, port=launch.port)
+    messages += [
+        {"role": "assistant", "content": first.visible},
+        {"role": "user", "content": "And where from?"},
+    ]
+    mark = again.mark()
+    second = again.turn(messages, "session-restart", tuning=tuning)
+    assert second.status == 200, second.error_body
+    assert second.usage is not None
+    # Nothing was in memory after the restart: these came from disk.
+    assert second.usage.get("cached_tokens", 0) > first.usage["prompt_tokens"] // 2
+    read = re.compile(r"\[cache\] (disk-)?hit cache_id=session-restart prior_tokens=[1-9]")
+    again.supervisor.wait_for_line(read.search, mark)
+    again.controller.reconcile_provider("mlx")
+    assert "session-restart" in again.controller.sessions("mlx")
