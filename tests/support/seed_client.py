@@ -184,7 +184,10 @@ def classify_fatal_line(line: str) -> FatalError | None:
     (``[mlx] ValueError: ...``) or transformers' "requires the X library"."""
     m = _REQUIRES_BACKEND.match(line)
     if m:
-        return FatalError("missing-dependency", f"ImportError: {m[1]} requires the {m[2]} library")
+        return FatalError(
+            "missing-dependency",
+            f"ImportError: {m[1]} requires the {m[2]} library but it was not found",
+        )
     m = _LEAF.match(line)
     if not m:
         return None
