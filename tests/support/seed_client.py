@@ -357,10 +357,12 @@ class Supervisor:
             return "\n".join(self.lines)
 
     def wait_for_line(
-        self, match: Callable[[str], object], start: int = 0, timeout: float = 60.0
+        self, match: Callable[[str], object], start: int = 0, timeout: float = 15.0
     ) -> str:
         """The first line from index ``start`` that ``match``es (test helper:
-        the client reads lines through callbacks, a test waits on them)."""
+        the client reads lines through callbacks, a test waits on them). The
+        lines a test waits for are printed by the time the reply that follows
+        them ends; the bound only covers the reader thread's lag."""
         deadline = time.monotonic() + timeout
         with self._lines_changed:
             seen = start
