@@ -398,6 +398,28 @@ def test_a_tool_turn_with_the_apps_tool_grammar_gives_a_call_the_app_parses(
     assert "</tool_call>" not in turn.visible
 
 
+def test_name_and_params_keeps_the_call_to_the_tools_declared_parameters(small: App) -> None:
+    # The app's tools come from MCP servers, whose schemas rarely close
+    # their objects: the grammar's tier 2 is what pins the keys.
+    function = {k: v for k, v in WEATHER_TOOL["function"].items() if k != "parameters"}
+    closed = WEATHER_TOOL["function"]["parameters"]
+    parameters = {k: v for k, v in closed.items() if k != "additionalProperties"}
+    open_tool = {"type": "function", "function": {**function, "parameters": parameters}}
+    tuning = {"sampling": {"maxTokens": 60}, "toolChoice": "required"}
+    turn = small.turn(
+        _user("What is the weather in Oslo?"),
+        "session-tools-open",
+        tools=[open_tool],
+        tuning=tuning,
+        profile=QWEN,  # tool_grammar {"format": "hermes", "mode": "name-and-params"}
+    )
+    assert turn.status == 200, turn.error_body
+    [call] = turn.tool_calls
+    assert call["function"]["name"] == "get_weather"
+    arguments = json.loads(call["function"]["arguments"])
+    assert set(arguments) <= {"city"}, arguments
+
+
 # --- the cache adapter and controller
 
 
