@@ -34,8 +34,12 @@ its persist directory. No test sleeps; waits are on lines and events.
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
+import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -551,3 +555,52 @@ def test_a_stop_with_an_idle_keep_alive_connection_is_quick_and_loses_nothing(
     again.supervisor.wait_for_line(read.search, mark)
     again.controller.reconcile_provider("mlx")
     assert "session-restart" in again.controller.sessions("mlx")
+
+
+# The app as a process: it spawns the engine with its command line, says the
+# engine's pid, and waits on it; SIGKILL stands for the app crashing.
+APP_PROCESS = """
+import subprocess, sys
+engine = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(engine.pid, flush=True)
+engine.wait()
+"""
+PARENT_GONE_WITHIN = 15.0
+
+
+def test_the_engine_exits_when_the_app_dies(small: App, tmp_path: Path) -> None:
+    launch = app.Launch(
+        model_dir=small.model_dir,
+        port=_free_port(),
+        cache_budget_mb=1024,
+        persist_dir=tmp_path / "cache",
+        model_fingerprint=app.model_fingerprint(small.model_dir),
+        max_concurrency=1,
+        gpu_memory_limit_mb=8192,
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", APP_PROCESS, sys.executable, *app.launch_args(launch)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **app.LAUNCH_ENV},
+    )
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    engine = os.pidfd_open(pid)
+    try:
+        exited = threading.Event()
+        app.wait_for_ready(
+            f"http://127.0.0.1:{launch.port}",
+            lambda: "the engine exited" if select.select([engine], [], [], 0)[0] else None,
+            exited,
+            TIMEOUT,
+        )
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        readable, _, _ = select.select([engine], [], [], PARENT_GONE_WITHIN)
+        assert readable, f"the engine outlived the app by {PARENT_GONE_WITHIN} s"
+    finally:
+        if not select.select([engine], [], [], 0)[0]:
+            os.kill(pid, signal.SIGKILL)
+        os.close(engine)
+        parent.stdout.close()

@@ -252,6 +252,33 @@ class Stopped:
     returncode: int
 
 
+def wait_for_ready(
+    base_url: str,
+    gone: Callable[[], str | None],
+    exited: threading.Event,
+    timeout: float,
+) -> None:
+    """supervisor.ts ``waitForReady``: ``GET /health`` every 500 ms until it
+    answers 2xx; ``gone`` names a reason to give up (an exit, a fatal line),
+    and ``exited`` ends a pause early."""
+    deadline = time.monotonic() + timeout
+    last_error = "not probed"
+    with httpx.Client(timeout=5.0) as probe:
+        while time.monotonic() < deadline:
+            reason = gone()
+            if reason is not None:
+                raise RuntimeError(reason)
+            try:
+                if probe.get(f"{base_url}/health").is_success:
+                    return
+                last_error = "/health not ok"
+            except httpx.TransportError as exc:
+                last_error = repr(exc)
+            # The client's own 500 ms poll; an exit ends the wait early.
+            exited.wait(READY_POLL_S)
+    raise RuntimeError(f"did not become ready within {timeout}s: {last_error}")
+
+
 class Supervisor:
     """supervisor.ts, the parts that touch the child: spawn, every stdout and
     stderr line (prefixed ``[mlx] ``) to ``on_raw_line``, readiness by
@@ -328,26 +355,16 @@ class Supervisor:
         self._aborted = reason
 
     def _wait_for_ready(self) -> None:
-        deadline = time.monotonic() + self._startup_timeout
-        last_error = "not probed"
-        with httpx.Client(timeout=5.0) as probe:
-            while time.monotonic() < deadline:
-                if self._aborted is not None:
-                    raise RuntimeError(self._aborted)
-                if self._exited.is_set():
-                    raise RuntimeError(
-                        f"child exited with {self.returncode()} before becoming ready:\n"
-                        + self.text()
-                    )
-                try:
-                    if probe.get(f"{self.base_url}/health").is_success:
-                        return
-                    last_error = "/health not ok"
-                except httpx.TransportError as exc:
-                    last_error = repr(exc)
-                # The client's own 500 ms poll; an exit ends the wait early.
-                self._exited.wait(READY_POLL_S)
-        raise RuntimeError(f"did not become ready within {self._startup_timeout}s: {last_error}")
+        def gone() -> str | None:
+            if self._aborted is not None:
+                return self._aborted
+            if self._exited.is_set():
+                return (
+                    f"child exited with {self.returncode()} before becoming ready:\n" + self.text()
+                )
+            return None
+
+        wait_for_ready(self.base_url, gone, self._exited, self._startup_timeout)
 
     def returncode(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
