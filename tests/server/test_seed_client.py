@@ -28,7 +28,9 @@ tool call comes where the app's ``toolChoice: required`` tuning asks for
 one.
 
 Two server processes serve the module, plus the restart of the second on
-its persist directory. No test sleeps; waits are on lines and events.
+its persist directory and one the test of the app's death spawns. No test
+sleeps; waits are on lines, events and the engine's pidfd (the readiness
+probe polls ``/health`` every 500 ms because the app does).
 """
 
 from __future__ import annotations
