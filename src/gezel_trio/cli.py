@@ -14,6 +14,7 @@ from .core.config import EngineConfig
 from .core.errors import ModelLoadError
 from .core.settings import flag_default, from_flag, settings_of
 from .http.app import HttpSettings
+from .mlx.demo_model import DemoKind
 from .mlx.model_source import per_layer_embedding_table, resolve_model
 from .profiles import PROFILES, SEED, STANDARD
 from .server import ServerConfig
@@ -140,7 +141,7 @@ def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
     )
 
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
-    d.add_argument("--kind", choices=["dense", "hybrid", "vision"], default="dense")
+    d.add_argument("--kind", choices=typing.get_args(DemoKind), default="dense")
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
     return p
 

@@ -35,7 +35,7 @@ from mlx_lm.utils import load
 from ..core.config import EngineConfig
 from ..core.errors import ModelLoadError
 from . import blas
-from .model_source import resolve_model
+from .model_source import per_layer_embedding_table, resolve_model
 from .vision import is_vision_model, load_vision
 
 __all__ = ["LoadedModel", "fingerprint_model_dir", "hold_float32", "load_model"]
@@ -59,7 +59,14 @@ class LoadedModel:
 def load_model(config: EngineConfig) -> LoadedModel:
     """Resolve, load and adapt the model; raises ``ModelLoadError``."""
     path = resolve_model(config.model)
-    if is_vision_model(path):
+    ple = per_layer_embedding_table(path)
+    if is_vision_model(path) and ple is not None:
+        # Gemma 3n and Gemma 4 E-series checkpoints ship their vision (and
+        # audio) towers, but their language models keep sliding-window and
+        # KV-shared layers, which the image path cannot batch: they serve
+        # text, on mlx-lm's class, which drops the towers' weights.
+        log.info("%s: %s; serving it as a text model (images are refused)", path.name, ple)
+    elif is_vision_model(path):
         vision, tokenizer, weights = load_vision(
             path, lambda vlm: _adapt_weights(vlm, keep=config.keep_quantized)
         )
