@@ -191,13 +191,13 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
         "--external-ple-dir",
         type=Path,
         default=None,
-        help="accepted; a model with a per-layer embedding table is refused at load "
-        "(this build cannot memory-map it from a derived view)",
+        help="accepted; a model with a per-layer embedding table (Gemma 3n, Gemma 4 "
+        "E-series) is served with the table resident, and the directory is not used",
     )
     g.add_argument(
         "--allow-resident-ple-fallback",
         action="store_true",
-        help="with --external-ple-dir: load such a model with its table resident instead",
+        help="accepted; such a model is always loaded with its table resident",
     )
 
 
@@ -247,30 +247,20 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
     return notes
 
 
-def _check_ple(model_dir: Path, args: argparse.Namespace) -> str | None:
-    """The seed's PLE flags at load: a refusal message, or ``None`` (notices
-    go to stderr)."""
+def _ple_notice(model_dir: Path, args: argparse.Namespace) -> str | None:
+    """What ``--external-ple-dir`` does for this model, as a notice (the
+    seed's supervisor passes it for every model)."""
     if args.external_ple_dir is None:
         return None
     table = per_layer_embedding_table(model_dir)
     if table is None:
-        print(
-            "gezel-trio: --external-ple-dir: not applicable, the model declares no "
-            "per-layer embedding table",
-            file=sys.stderr,
-        )
-        return None
-    if args.allow_resident_ple_fallback:
-        print(
-            f"gezel-trio: --external-ple-dir: {table}; this build cannot serve it from an "
-            "external view, loading it resident (--allow-resident-ple-fallback)",
-            file=sys.stderr,
-        )
-        return None
+        return "--external-ple-dir: not applicable, the model declares no per-layer embedding table"
+    # The seed derived its external view for one family (Qwen4) and loaded
+    # every other model with such a table, Gemma 3n and Gemma 4 E-series
+    # among them, resident; so does this build, for all of them.
     return (
-        f"--external-ple-dir: {table}, and this build cannot memory-map it from an external "
-        "view; the planned memory assumed it would. Pass --allow-resident-ple-fallback to "
-        "load it resident, or serve without --external-ple-dir"
+        f"--external-ple-dir: {table}; serving it with the table resident in memory "
+        "(this build does not map it from an external view)"
     )
 
 
@@ -341,11 +331,8 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
     if args.command == "prepare-model":
         print(model_dir)
         return 0
-    refusal = _check_ple(model_dir, args)
-    if refusal is not None:
-        print(f"gezel-trio: {refusal}", file=sys.stderr)
-        return 2
-    for note in _seed_notices(args):
+    ple = _ple_notice(model_dir, args)
+    for note in [*_seed_notices(args), *([ple] if ple else [])]:
         print(f"gezel-trio: {note}", file=sys.stderr)
     if args.profile != STANDARD:
         print(f"gezel-trio: profile {args.profile}", file=sys.stderr)

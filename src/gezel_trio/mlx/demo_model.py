@@ -367,6 +367,9 @@ def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any
         return hybrid
     text = {**hybrid, "model_type": "qwen3_5_text"}
     del text["architectures"]
+    # Multimodal rotary sections, as the exports keep them (mlx-lm's text
+    # model rotates plain positions and ignores them; mlx-vlm requires them).
+    text["rope_parameters"] = {**hybrid["rope_parameters"], "mrope_section": [1, 1, 0]}
     return {
         "model_type": "qwen3_5",
         "architectures": ["Qwen3_5ForConditionalGeneration"],

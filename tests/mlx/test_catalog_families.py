@@ -1,0 +1,132 @@
+"""Models of the seed's catalog families that load unlike the others, each a
+tiny local demo of the family's shape (``demo_model``), loaded through the
+real loader and decoded over the real engine and HTTP app in this Trio run:
+
+* ``ple``: Gemma 4 E-series, with a per-layer embedding table, sliding-window
+  and KV-shared layers, and a vision config it serves without; also started
+  from the seed supervisor's own command line (``--external-ple-dir`` among
+  its flags), which once refused it;
+* ``lfm2``: an LFM2.5 config that gives the feed-forward width only as
+  ``intermediate_size`` (the seed patched ``block_ff_dim`` into the file for
+  mlx-lm 0.31 and mlx-vlm 0.6);
+* ``qwen3_5-text``: a text-only Qwen 3.5 export, ``language_model.*`` shards
+  and no vision config (the seed relaxed mlx-vlm 0.6's strict loading).
+
+Every request is greedy, so a repeat must decode the same tokens; the repeat
+runs from the prompt cache, which checks that each family's cache layout
+(rotating windows, shared KV, convolution state) is saved and restored whole.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+import trio
+from PIL import Image
+
+from gezel_trio import cli
+from gezel_trio.core.cache_plan import SNAPSHOT_MARGIN
+from gezel_trio.mlx.model_source import per_layer_embedding_table
+from tests.support.inprocess import served, served_config
+from tests.support.seed import seed_command_line
+
+pytestmark = pytest.mark.slow
+
+HANG = 120
+MESSAGES = [
+    {"role": "system", "content": "You keep the harbour's berth ledger. " * 4},
+    {"role": "user", "content": "Which berth has the Aurora tonight?"},
+]
+
+
+@pytest.fixture(params=["ple", "lfm2", "qwen3_5-text"])
+def family_model(request: pytest.FixtureRequest) -> Path:
+    name = {"ple": "ple_model", "lfm2": "lfm2_model", "qwen3_5-text": "qwen3_5_text_model"}
+    path: Path = request.getfixturevalue(name[request.param])
+    return path
+
+
+async def chat(client: httpx.AsyncClient, **extra: Any) -> dict[str, Any]:
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, **extra}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    reply: dict[str, Any] = r.json()
+    return reply
+
+
+async def test_each_family_loads_and_decodes_the_same_tokens_again_from_the_cache(
+    family_model: Path,
+) -> None:
+    with trio.fail_after(HANG):
+        async with (
+            served(family_model) as (engine, url),
+            httpx.AsyncClient(base_url=url, timeout=HANG) as client,
+        ):
+            assert not engine.info.vision
+            first = await chat(client)
+            again = await chat(client)
+    assert first["choices"][0]["finish_reason"] == "length"
+    assert first["usage"]["completion_tokens"] == 8
+    text = first["choices"][0]["message"]["content"]
+    assert text.strip()
+    assert again["choices"][0]["message"]["content"] == text
+    prompt = again["usage"]["prompt_tokens"]
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert prompt - SNAPSHOT_MARGIN <= cached < prompt
+
+
+async def test_the_ple_model_serves_from_the_seed_command_line_with_one_notice(
+    ple_model: Path, tmp_path: Path
+) -> None:
+    argv, profile = cli._command_line(seed_command_line(ple_model, tmp_path), seed_launch=False)
+    args = cli._parser(profile).parse_args(argv)
+    assert args.external_ple_dir == tmp_path / "ple-view"
+    table = per_layer_embedding_table(ple_model)
+    assert table is not None
+    assert "vocab_size_per_layer_input" in table
+    notice = cli._ple_notice(ple_model, args)
+    assert notice == (
+        f"--external-ple-dir: {table}; serving it with the table resident in memory "
+        "(this build does not map it from an external view)"
+    )
+    config = cli.server_config(args, ple_model)
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), "orange").save(png, "PNG")
+    pixel = base64.b64encode(png.getvalue()).decode()
+    image = [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pixel}"}},
+    ]
+    with trio.fail_after(HANG):
+        async with (
+            served_config(config) as (engine, url),
+            httpx.AsyncClient(base_url=url, timeout=HANG) as client,
+        ):
+            reply = await chat(client)
+            refused = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": image}], "max_tokens": 4},
+            )
+            assert engine.info.context_length == 32768
+    assert reply["usage"]["completion_tokens"] == 8
+    assert reply["choices"][0]["message"]["content"].strip()
+    # Served as text: its vision config is not the image path's to batch.
+    assert refused.status_code == 400
+    assert "text-only" in refused.json()["error"]["message"]
+    assert not (tmp_path / "ple-view").exists()
+
+
+def test_external_ple_dir_on_a_model_without_a_table_is_a_notice_that_it_does_not_apply(
+    dense_model: Path, tmp_path: Path
+) -> None:
+    args = cli._parser().parse_args(seed_command_line(dense_model, tmp_path))
+    assert cli._ple_notice(dense_model, args) == (
+        "--external-ple-dir: not applicable, the model declares no per-layer embedding table"
+    )
+    without = cli._parser().parse_args(["serve", "--model", str(dense_model)])
+    assert cli._ple_notice(dense_model, without) is None
