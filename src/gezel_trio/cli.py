@@ -191,13 +191,14 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
         "--external-ple-dir",
         type=Path,
         default=None,
-        help="accepted; a model with a per-layer embedding table (Gemma 3n, Gemma 4 "
-        "E-series) is served with the table resident, and the directory is not used",
+        help="as --map-per-layer-embeddings: a per-layer embedding table (Gemma 3n, Gemma 4 "
+        "E-series) is read from the model's own files; the directory is not used",
     )
     g.add_argument(
         "--allow-resident-ple-fallback",
         action="store_true",
-        help="accepted; such a model is always loaded with its table resident",
+        help="accepted; no effect (a table that cannot be mapped is held in memory, "
+        "with a warning)",
     )
 
 
@@ -255,12 +256,13 @@ def _ple_notice(model_dir: Path, args: argparse.Namespace) -> str | None:
     table = per_layer_embedding_table(model_dir)
     if table is None:
         return "--external-ple-dir: not applicable, the model declares no per-layer embedding table"
-    # The seed derived its external view for one family (Qwen4) and loaded
-    # every other model with such a table, Gemma 3n and Gemma 4 E-series
-    # among them, resident; so does this build, for all of them.
+    # The seed derived a view directory for its loader to map (Qwen4 only;
+    # it held Gemma 3n and Gemma 4 E-series tables in memory). Here every
+    # such table is mapped where it lies, so the directory is not needed.
     return (
-        f"--external-ple-dir: {table}; serving it with the table resident in memory "
-        "(this build does not map it from an external view)"
+        f"--external-ple-dir: {table}; its rows are read from the model's own files as "
+        f"tokens need them (memory-mapped), not held in memory; {args.external_ple_dir} "
+        "is not used"
     )
 
 
@@ -275,6 +277,9 @@ def server_config(
         model=model_dir,
         # The seed's 0 meant its serial path: one sequence at a time.
         max_concurrency=args.max_concurrency or 1,
+        map_per_layer_embeddings=(
+            args.map_per_layer_embeddings or args.external_ple_dir is not None
+        ),
         # The seed's name for the ceiling, where ours is not given.
         memory_limit_mb=(
             args.memory_limit_mb

@@ -4,8 +4,8 @@ real loader and decoded over the real engine and HTTP app in this Trio run:
 
 * ``ple``: Gemma 4 E-series, with a per-layer embedding table, sliding-window
   and KV-shared layers, and a vision config it serves without; also started
-  from the seed supervisor's own command line (``--external-ple-dir`` among
-  its flags), which once refused it;
+  from the seed supervisor's own command line, whose ``--external-ple-dir``
+  once refused it and now has its table read from the model's files;
 * ``lfm2``: an LFM2.5 config that gives the feed-forward width only as
   ``intermediate_size`` (the seed patched ``block_ff_dim`` into the file for
   mlx-lm 0.31 and mlx-vlm 0.6);
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +82,8 @@ async def test_each_family_loads_and_decodes_the_same_tokens_again_from_the_cach
     assert prompt - SNAPSHOT_MARGIN <= cached < prompt
 
 
-async def test_the_ple_model_serves_from_the_seed_command_line_with_one_notice(
-    ple_model: Path, tmp_path: Path
+async def test_the_ple_model_serves_from_the_seed_command_line_with_its_table_mapped(
+    ple_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     argv, profile = cli._command_line(seed_command_line(ple_model, tmp_path), seed_launch=False)
     args = cli._parser(profile).parse_args(argv)
@@ -91,10 +93,12 @@ async def test_the_ple_model_serves_from_the_seed_command_line_with_one_notice(
     assert "vocab_size_per_layer_input" in table
     notice = cli._ple_notice(ple_model, args)
     assert notice == (
-        f"--external-ple-dir: {table}; serving it with the table resident in memory "
-        "(this build does not map it from an external view)"
+        f"--external-ple-dir: {table}; its rows are read from the model's own files as "
+        f"tokens need them (memory-mapped), not held in memory; {tmp_path / 'ple-view'} "
+        "is not used"
     )
     config = cli.server_config(args, ple_model)
+    assert config.engine.map_per_layer_embeddings
     png = io.BytesIO()
     Image.new("RGB", (8, 8), "orange").save(png, "PNG")
     pixel = base64.b64encode(png.getvalue()).decode()
@@ -102,7 +106,7 @@ async def test_the_ple_model_serves_from_the_seed_command_line_with_one_notice(
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pixel}"}},
     ]
-    with trio.fail_after(HANG):
+    with trio.fail_after(HANG), caplog.at_level(logging.INFO, logger="gezel_trio.mlx"):
         async with (
             served_config(config) as (engine, url),
             httpx.AsyncClient(base_url=url, timeout=HANG) as client,
@@ -119,6 +123,14 @@ async def test_the_ple_model_serves_from_the_seed_command_line_with_one_notice(
     assert refused.status_code == 400
     assert "text-only" in refused.json()["error"]["message"]
     assert not (tmp_path / "ple-view").exists()
+    text = json.loads((ple_model / "config.json").read_text())["text_config"]
+    rows, width = text["vocab_size_per_layer_input"], 4 * text["hidden_size_per_layer_input"]
+    mapped = [r.getMessage() for r in caplog.records if "read from its files" in r.getMessage()]
+    assert mapped == [
+        f"{ple_model.name}: per-layer embedding table read from its files as needed: "
+        f"language_model.model.embed_tokens_per_layer: {rows} rows of {width}, float32, "
+        f"{rows * width * 4 / 2**20:.1f} MiB"
+    ]
 
 
 def test_external_ple_dir_on_a_model_without_a_table_is_a_notice_that_it_does_not_apply(

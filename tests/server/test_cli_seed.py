@@ -85,20 +85,25 @@ def _model_with_ple(root: Path) -> Path:
     return model
 
 
-def test_a_model_with_a_ple_table_is_served_resident_with_a_notice_not_refused(
+def test_a_model_with_a_ple_table_is_served_mapped_with_a_notice_not_refused(
     tmp_path: Path,
 ) -> None:
-    # The seed derived an external view for Qwen4 only and loaded the rest
-    # resident; the fallback flag changes nothing, as that is what happens.
     model = _model_with_ple(tmp_path)
     argv = ["serve", "--model", str(model), "--external-ple-dir", str(tmp_path / "view")]
     for extra in ([], ["--allow-resident-ple-fallback"]):
-        notice = cli._ple_notice(model, cli._parser().parse_args([*argv, *extra]))
+        args = cli._parser().parse_args([*argv, *extra])
+        notice = cli._ple_notice(model, args)
         assert notice is not None
         assert notice.startswith("--external-ple-dir: qwen4 declares a per-layer embedding")
-        assert "resident in memory" in notice
-    # Without --external-ple-dir nothing was asked of the table: no notice.
-    assert cli._ple_notice(model, cli._parser().parse_args(["serve"])) is None
+        assert "(memory-mapped), not held in memory" in notice
+        assert cli.server_config(args, model).engine.map_per_layer_embeddings
+    # Without --external-ple-dir nothing was asked of the table: no notice,
+    # and the table is loaded as any other weight unless our flag asks.
+    plain = cli._parser().parse_args(["serve"])
+    assert cli._ple_notice(model, plain) is None
+    assert not cli.server_config(plain, model).engine.map_per_layer_embeddings
+    ours = cli._parser().parse_args(["serve", "--map-per-layer-embeddings"])
+    assert cli.server_config(ours, model).engine.map_per_layer_embeddings
     alone = cli._parser().parse_args(["serve", "--allow-resident-ple-fallback"])
     assert "--allow-resident-ple-fallback: no effect without --external-ple-dir" in (
         cli._seed_notices(alone)

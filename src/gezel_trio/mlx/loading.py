@@ -36,6 +36,7 @@ from ..core.config import EngineConfig
 from ..core.errors import ModelLoadError
 from . import blas
 from .model_source import per_layer_embedding_table, resolve_model
+from .ple import MappedEmbedding, UnmappableTable, map_table
 from .vision import is_vision_model, load_vision
 
 __all__ = ["LoadedModel", "fingerprint_model_dir", "hold_float32", "load_model"]
@@ -72,15 +73,31 @@ def load_model(config: EngineConfig) -> LoadedModel:
         )
         log.info("vision model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
         return LoadedModel(vision.text, tokenizer, path, weights, vision)
+    mapped = config.map_per_layer_embeddings and ple is not None
     try:
         # A local directory, and the tokenizer told to stay local: nothing
-        # here can reach a model hub, whatever the environment says.
-        model, tokenizer = load(str(path), tokenizer_config={"local_files_only": True})
+        # here can reach a model hub, whatever the environment says. Lazily
+        # where the table is to be mapped: its arrays are then never read.
+        model, tokenizer = load(str(path), tokenizer_config={"local_files_only": True}, lazy=mapped)
     except Exception as exc:
         raise ModelLoadError(f"could not load {path}: {type(exc).__name__}: {exc}") from exc
+    if mapped:
+        _map_table(model, path)
     weights = _adapt_weights(model, keep=config.keep_quantized)
     log.info("model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
     return LoadedModel(model, tokenizer, path, weights)
+
+
+def _map_table(model: Any, path: Path) -> None:
+    try:
+        where = map_table(model, path)
+    except (UnmappableTable, OSError, ValueError) as exc:
+        log.warning("%s: the per-layer embedding table is held in memory: %s", path.name, exc)
+    else:
+        log.info(
+            "%s: per-layer embedding table read from its files as needed: %s", path.name, where
+        )
+    mx.eval(model.parameters())
 
 
 def _stored_format(model: Any) -> str:
@@ -150,6 +167,9 @@ def hold_float32(model: Any) -> None:
     ``model`` by a float32 one (on the host thread, like every MLX call)."""
     slow = [(p, _as_float32(m)) for p, m in model.named_modules() if _slow_on_cpu(m)]
     model.update_modules(tree_unflatten(slow))
+    for _, m in model.named_modules():
+        if isinstance(m, MappedEmbedding):
+            m.output_dtype = mx.float32  # its rows, as they are read
     mx.eval(model.parameters())
 
 
