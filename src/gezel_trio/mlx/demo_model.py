@@ -28,8 +28,8 @@ load differently from the others, for the loader's tests:
   ``hidden_size_per_layer_input``), sliding-window and full attention layers,
   the last layers sharing earlier layers' KV (fewer caches than layers) and
   tied embeddings. Like the catalog's checkpoints it declares a vision config
-  and ships ``preprocessor_config.json`` and a vision tensor, which the text
-  model drops.
+  and ships ``preprocessor_config.json`` and vision and audio tensors, which
+  the text model drops.
 * ``lfm2``: an LFM2.5-style (``model_type: "lfm2"``) model of short
   convolution and attention layers whose config gives the feed-forward width
   only as ``intermediate_size`` (no ``block_ff_dim``, which older mlx-lm and
@@ -552,9 +552,11 @@ def _write_weights(kind: DemoKind, dims: _Dims, config: dict[str, Any], dest: Pa
         # A_log stays float32 as in real checkpoints (see cast_predicate).
         weights[name] = w if name.endswith("A_log") else w.astype(dtype)
     if kind == "ple":
-        # A vision tower's tensor, as in the catalog's multimodal exports:
-        # the text model's sanitize drops it.
-        weights["vision_tower.patch_embedder.weight"] = mx.zeros((dims.hidden, 48), dtype)
+        # A tensor of each tower and projector, named as mlx-vlm exports the
+        # catalog's multimodal checkpoints: the text model's sanitize drops them.
+        for tower in ("vision_tower.patch_embedder", "embed_vision.embedding_projection"):
+            weights[f"{tower}.weight"] = mx.zeros((dims.hidden, 48), dtype)
+        weights["audio_tower.subsample_conv_projection.weight"] = mx.zeros((dims.hidden, 48), dtype)
     mx.eval(weights)
     # MLX-native names and layouts: qwen3_5's sanitize then changes nothing
     # (conv1d weights are already (C, K, 1), so no +1 shift of the norms).
