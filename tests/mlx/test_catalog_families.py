@@ -136,7 +136,8 @@ async def test_the_ple_model_serves_from_the_seed_command_line_with_its_table_ma
 def test_external_ple_dir_on_a_model_without_a_table_is_a_notice_that_it_does_not_apply(
     dense_model: Path, tmp_path: Path
 ) -> None:
-    args = cli._parser().parse_args(seed_command_line(dense_model, tmp_path))
+    argv, profile = cli._command_line(seed_command_line(dense_model, tmp_path), seed_launch=False)
+    args = cli._parser(profile).parse_args(argv)
     assert cli._ple_notice(dense_model, args) == (
         "--external-ple-dir: not applicable, the model declares no per-layer embedding table"
     )
