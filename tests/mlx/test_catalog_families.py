@@ -6,6 +6,7 @@ real loader and decoded over the real engine and HTTP app in this Trio run:
   and KV-shared layers, and a vision config it serves without; also started
   from the seed supervisor's own command line, whose ``--external-ple-dir``
   once refused it and now has its table read from the model's files;
+* ``ple-gemma3n``: the same for Gemma 3n, with Hugging Face's tensor names;
 * ``lfm2``: an LFM2.5 config that gives the feed-forward width only as
   ``intermediate_size`` (the seed patched ``block_ff_dim`` into the file for
   mlx-lm 0.31 and mlx-vlm 0.6);
@@ -46,9 +47,14 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(params=["ple", "lfm2", "qwen3_5-text"])
+@pytest.fixture(params=["ple", "ple-gemma3n", "lfm2", "qwen3_5-text"])
 def family_model(request: pytest.FixtureRequest) -> Path:
-    name = {"ple": "ple_model", "lfm2": "lfm2_model", "qwen3_5-text": "qwen3_5_text_model"}
+    name = {
+        "ple": "ple_model",
+        "ple-gemma3n": "ple_gemma3n_model",
+        "lfm2": "lfm2_model",
+        "qwen3_5-text": "qwen3_5_text_model",
+    }
     path: Path = request.getfixturevalue(name[request.param])
     return path
 

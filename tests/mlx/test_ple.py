@@ -1,9 +1,9 @@
 """The per-layer embedding table read from the model's files (``mlx.ple``):
 the same logits to the bit as the table held in memory, for the table as
 float32, bfloat16 and 4-bit (converted from the ple demo model by mlx-lm's
-own ``convert``), on the loader's float32 path and with weights kept as
-stored; and a table the files do not hold as the model uses it stays in
-memory, with a warning, rather than failing the load."""
+own ``convert``) and for Gemma 3n's, on the loader's float32 path and with
+weights kept as stored; and a table the files do not hold as the model uses
+it stays in memory, with a warning, rather than failing the load."""
 
 from __future__ import annotations
 
@@ -33,12 +33,15 @@ def _converted(source: Path, dest: Path, **kw: Any) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "4-bit"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "4-bit", "gemma3n"])
 def stored(
     request: pytest.FixtureRequest, ple_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     if request.param == "float32":
         return ple_model
+    if request.param == "gemma3n":
+        path: Path = request.getfixturevalue("ple_gemma3n_model")
+        return path
     dest = tmp_path_factory.mktemp("ple") / request.param
     if request.param == "bfloat16":
         return _converted(ple_model, dest, dtype="bfloat16")
@@ -46,7 +49,8 @@ def stored(
 
 
 def _table(model: Any) -> Any:
-    return model.language_model.model.embed_tokens_per_layer
+    (table,) = [m for p, m in model.named_modules() if p.endswith(".embed_tokens_per_layer")]
+    return table
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["float32-on-cpu", "as-stored"])

@@ -89,6 +89,12 @@ def ple_model(gezel_home: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ple_gemma3n_model(gezel_home: Path) -> Path:
+    """Gemma 3n-shaped, Hugging Face's tensor names."""
+    return _build(gezel_home, "ple-gemma3n")
+
+
+@pytest.fixture(scope="session")
 def lfm2_model(gezel_home: Path) -> Path:
     return _build(gezel_home, "lfm2")
 

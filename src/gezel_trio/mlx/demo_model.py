@@ -30,6 +30,10 @@ load differently from the others, for the loader's tests:
   tied embeddings. Like the catalog's checkpoints it declares a vision config
   and ships ``preprocessor_config.json`` and vision and audio tensors, which
   the text model drops.
+* ``ple-gemma3n``: the same for Gemma 3n (``model_type: "gemma3n"``: AltUp
+  and Laurel blocks, per-layer feed-forward widths), its tensors named as
+  Hugging Face's checkpoints name them (``model.language_model.*``,
+  ``model.vision_tower.*``, ``model.audio_tower.*``).
 * ``lfm2``: an LFM2.5-style (``model_type: "lfm2"``) model of short
   convolution and attention layers whose config gives the feed-forward width
   only as ``intermediate_size`` (no ``block_ff_dim``, which older mlx-lm and
@@ -64,14 +68,14 @@ tests:
 
 * The ``lm_head`` rows of the added tokens (eos, ``<think>``,
   ``<tool_call>``, ...) are zero (with tied embeddings, their embedding
-  rows), so their logit is always exactly 0 while ordinary tokens spread
-  around it. Greedy decoding practically never picks them and generations
+  rows; nearly zero in the Gemma 3n kind), so their logit is always 0 while
+  ordinary tokens spread around it. Greedy decoding practically never picks them and generations
   run to ``max_tokens``; with sampling they stay possible but rare.
 * The other ``lm_head`` rows are scaled by ``_LOGIT_SCALE`` so the logits
   have a standard deviation of about 2.3: sampling at temperature 1 is then
   peaked enough that each added token is unlikely (an eos, of two ids, comes
   about once in 14,000 steps) and not every step is a near-uniform draw.
-* With tied embeddings (the ple and lfm2 kinds) the embedding is the output
+* With tied embeddings (the ple, ple-gemma3n and lfm2 kinds) the embedding is the output
   layer: it is drawn at ``_TIED_EMBED_SCALE`` (at unit scale the input token
   dominated the residual stream and greedy decoding repeated it for ever) and
   the final norm's weight brings the logits' spread back to about 2.3.
@@ -93,7 +97,7 @@ from .model_source import cache_root, materialize
 if TYPE_CHECKING:
     import mlx.core as mx
 
-DemoKind = Literal["dense", "hybrid", "vision", "ple", "lfm2", "qwen3_5-text"]
+DemoKind = Literal["dense", "hybrid", "vision", "ple", "ple-gemma3n", "lfm2", "qwen3_5-text"]
 DemoSize = Literal["tiny", "bench"]
 
 BUILDER_VERSION: Final = "v2"
@@ -122,8 +126,13 @@ _SEED: Final = 1234
 _LOGIT_SCALE: Final = 4.0
 _TIED_EMBED_SCALE: Final = 0.03
 _TIED_LOGIT_STD: Final = 2.3
+_ADDED_ROW_SCALE: Final = 1e-4
 # The norm before the output layer, in the tied kinds' parameter names.
-_FINAL_NORMS: Final = ("language_model.model.norm.weight", "model.embedding_norm.weight")
+_FINAL_NORMS: Final = (
+    "language_model.model.norm.weight",
+    "model.language_model.norm.weight",
+    "model.embedding_norm.weight",
+)
 _TARGET_VOCAB: Final = 4096  # an upper bound: min_frequency=2 stops earlier
 _MAX_POSITIONS: Final = 32768
 # Qwen2/Qwen3.5's pre-tokenizer split (transformers' PRETOKENIZE_REGEX).
@@ -233,7 +242,7 @@ def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
     if kind == "vision":
         config = _vision_config(size, config, vocab_size)
         _write_processor(size, dest)
-    elif kind == "ple":
+    elif kind in ("ple", "ple-gemma3n"):
         # The image processor's file, as the catalog's checkpoints ship it:
         # the loader must still serve the model as text.
         _write_processor(size, dest, llava=False)
@@ -359,6 +368,8 @@ def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any
         }
     if kind == "ple":
         return _ple_config(dims, common)
+    if kind == "ple-gemma3n":
+        return _gemma3n_config(dims, common)
     if kind == "lfm2":
         return _lfm2_config(dims, common)
     hybrid = _hybrid_config(dims, common)
@@ -426,6 +437,39 @@ def _ple_config(dims: _Dims, common: dict[str, Any]) -> dict[str, Any]:
         "text_config": text,
         "vision_config": {"model_type": "gemma4_vision", "hidden_size": dims.hidden},
         "vocab_size": common["vocab_size"],
+        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+        "torch_dtype": dims.dtype,
+    }
+
+
+def _gemma3n_config(dims: _Dims, common: dict[str, Any]) -> dict[str, Any]:
+    text = {
+        **common,
+        "model_type": "gemma3n_text",
+        "intermediate_size": [dims.intermediate] * dims.layers,
+        "rms_norm_eps": 1e-6,
+        "vocab_size_per_layer_input": common["vocab_size"],
+        "hidden_size_per_layer_input": dims.per_layer,
+        "num_kv_shared_layers": dims.layers // 2,
+        "layer_types": ["sliding_attention", "full_attention"] * (dims.layers // 2),
+        "sliding_window": 128,
+        "rope_local_base_freq": 10000.0,
+        "rope_theta": 1000000.0,
+        "final_logit_softcapping": 30.0,
+        "activation_sparsity_pattern": [0.0] * dims.layers,
+        "altup_num_inputs": 4,
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "altup_active_idx": 0,
+        "laurel_rank": 8,
+        "tie_word_embeddings": True,
+    }
+    return {
+        "model_type": "gemma3n",
+        "architectures": ["Gemma3nForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "gemma3n_vision", "hidden_size": dims.hidden},
+        "audio_config": {"model_type": "gemma3n_audio", "hidden_size": dims.hidden},
         "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
         "torch_dtype": dims.dtype,
     }
@@ -530,9 +574,9 @@ def _demo_module(kind: DemoKind, config: dict[str, Any]) -> Any:
         cfg.text_config = llava.TextConfig.from_dict(config["text_config"])
         cfg.vision_config = llava.VisionConfig.from_dict(config["vision_config"])
         return llava.Model(cfg)
-    from mlx_lm.models import gemma4, lfm2, llama, qwen3_5
+    from mlx_lm.models import gemma3n, gemma4, lfm2, llama, qwen3_5
 
-    arch = {"dense": llama, "ple": gemma4, "lfm2": lfm2}.get(kind, qwen3_5)
+    arch = {"dense": llama, "ple": gemma4, "ple-gemma3n": gemma3n, "lfm2": lfm2}.get(kind, qwen3_5)
     return arch.Model(arch.ModelArgs.from_dict(config))
 
 
@@ -557,6 +601,9 @@ def _write_weights(kind: DemoKind, dims: _Dims, config: dict[str, Any], dest: Pa
         for tower in ("vision_tower.patch_embedder", "embed_vision.embedding_projection"):
             weights[f"{tower}.weight"] = mx.zeros((dims.hidden, 48), dtype)
         weights["audio_tower.subsample_conv_projection.weight"] = mx.zeros((dims.hidden, 48), dtype)
+    elif kind == "ple-gemma3n":
+        for tower in ("vision_tower", "audio_tower", "embed_vision", "embed_audio"):
+            weights[f"model.{tower}.embedding.weight"] = mx.zeros((dims.hidden, 48), dtype)
     mx.eval(weights)
     # MLX-native names and layouts: qwen3_5's sanitize then changes nothing
     # (conv1d weights are already (C, K, 1), so no +1 shift of the norms).
@@ -607,9 +654,12 @@ def _init_param(name: str, shape: tuple[int, ...], key: mx.array, *, tied: bool)
         w = mx.random.normal(shape, key=key)
         if tied:
             # The output layer too: the added tokens' rows are zero, as the
-            # lm_head rows are below.
+            # lm_head rows are below. Gemma 3n's AltUp divides by the
+            # magnitude of a token's embedding, so there they are merely
+            # small (their logits then within about 0.01 of 0).
             n_added = len(SPECIAL_TOKENS) + len(CONTROL_TOKENS)
-            w = mx.where(mx.arange(shape[0])[:, None] < n_added, 0.0, w * _TIED_EMBED_SCALE)
+            added = w * _ADDED_ROW_SCALE if name.startswith("model.language_model.") else 0.0
+            w = mx.where(mx.arange(shape[0])[:, None] < n_added, added, w * _TIED_EMBED_SCALE)
         return w
     fan_in = 1
     for d in shape[1:]:
