@@ -249,8 +249,8 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
 
 
 def _ple_notice(model_dir: Path, args: argparse.Namespace) -> str | None:
-    """What ``--external-ple-dir`` does for this model, as a notice (the
-    seed's supervisor passes it for every model)."""
+    """What ``--external-ple-dir`` does for this model, as a notice (a seed
+    supervisor may pass it whatever the model)."""
     if args.external_ple_dir is None:
         return None
     table = per_layer_embedding_table(model_dir)

@@ -16,6 +16,14 @@ are held as float32, when that fits in half the memory available;
 stored. On a GPU the weights are left as they are.
 
 One log line says which BLAS MLX is bound to and which weight format runs.
+
+A model with a per-layer embedding table (Gemma 3n, Gemma 4 E-series) loads
+as text even where its directory declares a vision tower (the image path
+cannot batch its sliding-window and KV-shared layers). With
+``EngineConfig.map_per_layer_embeddings`` the model loads lazily and its
+table is replaced, before it is ever read, by one that reads its rows from
+the model's files (``ple``); a table that cannot be read that way is held in
+memory like any weight, with a warning.
 """
 
 from __future__ import annotations
