@@ -24,6 +24,10 @@ import base64
 import io
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +153,43 @@ def test_external_ple_dir_on_a_model_without_a_table_is_a_notice_that_it_does_no
     )
     without = cli._parser().parse_args(["serve", "--model", str(dense_model)])
     assert cli._ple_notice(dense_model, without) is None
+
+
+def test_the_seed_command_line_serves_the_ple_model_in_a_real_process(
+    ple_model: Path, tmp_path: Path
+) -> None:
+    """``gezel-trio`` itself, as the supervisor starts it: it once exited 2
+    here. One notice on stderr, an answer, and a clean stop on SIGTERM."""
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gezel_trio", *seed_command_line(ple_model, tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        assert proc.stdout is not None
+        url = None
+        for line in proc.stdout:  # ends if the process dies: then url stays None
+            if line.startswith("gezel-trio listening on "):
+                url = line.split()[-1]
+                break
+        assert url is not None, stderr.read_text()
+        body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=HANG)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=HANG) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    notices = [n for n in stderr.read_text().splitlines() if "--external-ple-dir" in n]
+    assert len(notices) == 1, notices
+    assert notices[0].startswith("gezel-trio: --external-ple-dir: gemma4 declares a per-layer")
+    assert "(memory-mapped), not held in memory" in notices[0]
