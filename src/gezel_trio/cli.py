@@ -16,6 +16,7 @@ from .core.config import EngineConfig
 from .core.errors import ModelLoadError
 from .core.settings import flag_default, from_flag, settings_of
 from .http.app import HttpSettings
+from .mlx.demo_model import DemoKind
 from .mlx.model_source import per_layer_embedding_table, resolve_model
 from .profiles import PROFILES, SEED, STANDARD
 from .server import ServerConfig
@@ -147,7 +148,7 @@ def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
     )
 
     d = sub.add_parser("demo-model", help="build a bundled demo model and print its path")
-    d.add_argument("--kind", choices=["dense", "hybrid", "vision"], default="dense")
+    d.add_argument("--kind", choices=typing.get_args(DemoKind), default="dense")
     d.add_argument("--size", choices=["tiny", "bench"], default="tiny")
 
     sub.add_parser(
@@ -210,13 +211,14 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
         "--external-ple-dir",
         type=Path,
         default=None,
-        help="accepted; a model with a per-layer embedding table is refused at load "
-        "(this build cannot memory-map it from a derived view)",
+        help="as --map-per-layer-embeddings: a per-layer embedding table (Gemma 3n, Gemma 4 "
+        "E-series) is read from the model's own files; the directory is not used",
     )
     g.add_argument(
         "--allow-resident-ple-fallback",
         action="store_true",
-        help="with --external-ple-dir: load such a model with its table resident instead",
+        help="accepted; no effect (a table that cannot be mapped is held in memory, "
+        "with a warning)",
     )
 
 
@@ -266,30 +268,21 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
     return notes
 
 
-def _check_ple(model_dir: Path, args: argparse.Namespace) -> str | None:
-    """The seed's PLE flags at load: a refusal message, or ``None`` (notices
-    go to stderr)."""
+def _ple_notice(model_dir: Path, args: argparse.Namespace) -> str | None:
+    """What ``--external-ple-dir`` does for this model, as a notice (a seed
+    supervisor may pass it whatever the model)."""
     if args.external_ple_dir is None:
         return None
     table = per_layer_embedding_table(model_dir)
     if table is None:
-        print(
-            "gezel-trio: --external-ple-dir: not applicable, the model declares no "
-            "per-layer embedding table",
-            file=sys.stderr,
-        )
-        return None
-    if args.allow_resident_ple_fallback:
-        print(
-            f"gezel-trio: --external-ple-dir: {table}; this build cannot serve it from an "
-            "external view, loading it resident (--allow-resident-ple-fallback)",
-            file=sys.stderr,
-        )
-        return None
+        return "--external-ple-dir: not applicable, the model declares no per-layer embedding table"
+    # The seed derived a view directory for its loader to map (Qwen4 only;
+    # it held Gemma 3n and Gemma 4 E-series tables in memory). Here every
+    # such table is mapped where it lies, so the directory is not needed.
     return (
-        f"--external-ple-dir: {table}, and this build cannot memory-map it from an external "
-        "view; the planned memory assumed it would. Pass --allow-resident-ple-fallback to "
-        "load it resident, or serve without --external-ple-dir"
+        f"--external-ple-dir: {table}; its rows are read from the model's own files as "
+        f"tokens need them (memory-mapped), not held in memory; {args.external_ple_dir} "
+        "is not used"
     )
 
 
@@ -304,6 +297,9 @@ def server_config(
         model=model_dir,
         # The seed's 0 meant its serial path: one sequence at a time.
         max_concurrency=args.max_concurrency or 1,
+        map_per_layer_embeddings=(
+            args.map_per_layer_embeddings or args.external_ple_dir is not None
+        ),
         # The seed's name for the ceiling, where ours is not given.
         memory_limit_mb=(
             args.memory_limit_mb
@@ -363,11 +359,8 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
     if args.command == "prepare-model":
         print(model_dir)
         return 0
-    refusal = _check_ple(model_dir, args)
-    if refusal is not None:
-        print(f"gezel-trio: {refusal}", file=sys.stderr)
-        return 2
-    for note in _seed_notices(args):
+    ple = _ple_notice(model_dir, args)
+    for note in [*_seed_notices(args), *([ple] if ple else [])]:
         print(f"gezel-trio: {note}", file=sys.stderr)
     if args.profile != STANDARD:
         print(f"gezel-trio: profile {args.profile}", file=sys.stderr)

@@ -85,20 +85,29 @@ def _model_with_ple(root: Path) -> Path:
     return model
 
 
-def test_a_model_with_a_ple_table_is_refused_before_anything_loads(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_model_with_a_ple_table_is_served_mapped_with_a_notice_not_refused(
+    tmp_path: Path,
 ) -> None:
     model = _model_with_ple(tmp_path)
     argv = ["serve", "--model", str(model), "--external-ple-dir", str(tmp_path / "view")]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("gezel-trio: --external-ple-dir: qwen4 declares a per-layer embedding")
-    assert "--allow-resident-ple-fallback" in err
-    args = cli._parser().parse_args([*argv, "--allow-resident-ple-fallback"])
-    assert cli._check_ple(model, args) is None
-    assert "loading it resident" in capsys.readouterr().err
-    # Without --external-ple-dir nothing was planned around a view: it loads.
-    assert cli._check_ple(model, cli._parser().parse_args(["serve"])) is None
+    for extra in ([], ["--allow-resident-ple-fallback"]):
+        args = cli._parser().parse_args([*argv, *extra])
+        notice = cli._ple_notice(model, args)
+        assert notice is not None
+        assert notice.startswith("--external-ple-dir: qwen4 declares a per-layer embedding")
+        assert "(memory-mapped), not held in memory" in notice
+        assert cli.server_config(args, model).engine.map_per_layer_embeddings
+    # Without --external-ple-dir nothing was asked of the table: no notice,
+    # and the table is loaded as any other weight unless our flag asks.
+    plain = cli._parser().parse_args(["serve"])
+    assert cli._ple_notice(model, plain) is None
+    assert not cli.server_config(plain, model).engine.map_per_layer_embeddings
+    ours = cli._parser().parse_args(["serve", "--map-per-layer-embeddings"])
+    assert cli.server_config(ours, model).engine.map_per_layer_embeddings
+    alone = cli._parser().parse_args(["serve", "--allow-resident-ple-fallback"])
+    assert "--allow-resident-ple-fallback: no effect without --external-ple-dir" in (
+        cli._seed_notices(alone)
+    )
 
 
 def test_out_of_range_marker_settings_are_a_message(tmp_path: Path) -> None:

@@ -63,3 +63,17 @@ async def read_content_frames(stream: trio.SocketStream, count: int) -> int:
         buf += data
         seen = buf.count(b'"content":"') - buf.count(b'"content":""')
     return seen
+
+
+@asynccontextmanager
+async def served_config(config: ServerConfig) -> AsyncIterator[tuple[Engine, str]]:
+    """``server.serve`` with a whole ``ServerConfig``, as a command line
+    builds it (``cli.server_config``); bind it to port 0. Leaving the block
+    cancels the server (and closes the engine)."""
+    engines: list[Engine] = []
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, config, on_engine=engines.append))
+        try:
+            yield engines[0], binds[0]
+        finally:
+            nursery.cancel_scope.cancel()

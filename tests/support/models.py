@@ -84,6 +84,29 @@ def vision_model(gezel_home: Path) -> Path:
     return _build(gezel_home, "vision")
 
 
+@pytest.fixture(scope="session")
+def ple_model(gezel_home: Path) -> Path:
+    """Gemma 4 E-series-shaped: a per-layer embedding table."""
+    return _build(gezel_home, "ple")
+
+
+@pytest.fixture(scope="session")
+def ple_gemma3n_model(gezel_home: Path) -> Path:
+    """Gemma 3n-shaped, Hugging Face's tensor names."""
+    return _build(gezel_home, "ple-gemma3n")
+
+
+@pytest.fixture(scope="session")
+def lfm2_model(gezel_home: Path) -> Path:
+    return _build(gezel_home, "lfm2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_text_model(gezel_home: Path) -> Path:
+    """A text-only Qwen 3.5 export (``language_model.*`` shards, no vision)."""
+    return _build(gezel_home, "qwen3_5-text")
+
+
 @pytest.fixture(scope="session", params=["dense", "hybrid"])
 def any_model(request: pytest.FixtureRequest, dense_model: Path, hybrid_model: Path) -> Path:
     return dense_model if request.param == "dense" else hybrid_model

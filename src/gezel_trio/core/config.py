@@ -171,6 +171,13 @@ class EngineConfig:
         help="on the CPU, keep quantized and half-precision weights as stored instead of "
         "float32, which MLX's CPU kernels multiply many times faster",
     )
+    # The seed's ``--external-ple-dir`` asks for this too (``cli``).
+    map_per_layer_embeddings: bool = setting(
+        False,
+        flag="--map-per-layer-embeddings",
+        help="read a per-layer embedding table (Gemma 3n, Gemma 4 E-series) from the model's "
+        "files as tokens need its rows, memory-mapped, instead of holding it in memory",
+    )
     # A running request whose reader drained nothing for this long is
     # withdrawn (its cache saved like any cancellation); ``None``: never.
     stall_timeout: float | None = setting(

@@ -19,11 +19,36 @@
   (16 for the tiny size's 32x32 pixels in 8x8 patches, 64 for bench's 112x112
   in 14x14).
 
+Three more kinds have the shapes of model families in the seed's catalog that
+load differently from the others, for the loader's tests:
+
+* ``ple``: a Gemma 4 E-series-style (``model_type: "gemma4"``, the text in
+  ``text_config``) model with a per-layer embedding table
+  (``embed_tokens_per_layer``, declared by ``vocab_size_per_layer_input`` and
+  ``hidden_size_per_layer_input``), sliding-window and full attention layers,
+  the last layers sharing earlier layers' KV (fewer caches than layers) and
+  tied embeddings. Like the catalog's checkpoints it declares a vision config
+  and ships ``preprocessor_config.json`` and vision and audio tensors, which
+  the text model drops.
+* ``ple-gemma3n``: the same for Gemma 3n (``model_type: "gemma3n"``: AltUp
+  and Laurel blocks, per-layer feed-forward widths), its tensors named as
+  Hugging Face's checkpoints name them (``model.language_model.*``,
+  ``model.vision_tower.*``, ``model.audio_tower.*``).
+* ``lfm2``: an LFM2.5-style (``model_type: "lfm2"``) model of short
+  convolution and attention layers whose config gives the feed-forward width
+  only as ``intermediate_size`` (no ``block_ff_dim``, which older mlx-lm and
+  mlx-vlm required), with tied embeddings.
+* ``qwen3_5-text``: the hybrid kind as a text-only Qwen 3.5 export: the
+  multimodal architecture name (``Qwen3_5ForConditionalGeneration``), the text
+  in ``text_config``, no vision config, only ``language_model.*`` tensors,
+  sharded in two files with ``model.safetensors.index.json`` (the shape whose
+  absent vision tower mlx-vlm's strict loading rejected for the seed).
+
 Sizes: ``tiny`` (hidden 64, 4 layers, float32, about 2 MB) for tests and
 ``bench`` (hidden 512, 8 layers, bfloat16, 42-47 MB) so that prefill and
 decode cost something measurable.
 
-Both kinds share one tokenizer: a byte-level BPE trained at build time,
+All kinds share one tokenizer: a byte-level BPE trained at build time,
 deterministically, on the English text in ``demo_data/corpus.txt``, with the
 same normalizer, pre-tokenizer and decoder as Qwen's (transformers rebuilds
 qwen3_5 tokenizers that way whatever tokenizer.json says, so only that
@@ -38,18 +63,22 @@ output when that is a space. The first ten ids are fixed (see
 
 The weights are random, drawn from explicit PRNG keys rather than the global
 MLX random state, so a build is reproducible whatever else the process does. Generated text is
-nonsense made of corpus word pieces. Two adjustments make that useful to
+nonsense made of corpus word pieces. These adjustments make that useful to
 tests:
 
 * The ``lm_head`` rows of the added tokens (eos, ``<think>``,
-  ``<tool_call>``, ...) are zero, so their logit is always exactly 0 while
-  ordinary tokens spread around it. Greedy decoding practically never picks
-  them and generations run to ``max_tokens``; with sampling they stay possible
-  but rare.
+  ``<tool_call>``, ...) are zero (with tied embeddings, their embedding
+  rows; nearly zero in the Gemma 3n kind), so their logit is always 0 while
+  ordinary tokens spread around it. Greedy decoding practically never picks them and generations
+  run to ``max_tokens``; with sampling they stay possible but rare.
 * The other ``lm_head`` rows are scaled by ``_LOGIT_SCALE`` so the logits
   have a standard deviation of about 2.3: sampling at temperature 1 is then
   peaked enough that each added token is unlikely (an eos, of two ids, comes
   about once in 14,000 steps) and not every step is a near-uniform draw.
+* With tied embeddings (the ple, ple-gemma3n and lfm2 kinds) the embedding is the output
+  layer: it is drawn at ``_TIED_EMBED_SCALE`` (at unit scale the input token
+  dominated the residual stream and greedy decoding repeated it for ever) and
+  the final norm's weight brings the logits' spread back to about 2.3.
 
 Each directory name carries ``BUILDER_VERSION``: change it whenever the output
 changes so that stale directories are not reused.
@@ -68,7 +97,7 @@ from .model_source import cache_root, materialize
 if TYPE_CHECKING:
     import mlx.core as mx
 
-DemoKind = Literal["dense", "hybrid", "vision"]
+DemoKind = Literal["dense", "hybrid", "vision", "ple", "ple-gemma3n", "lfm2", "qwen3_5-text"]
 DemoSize = Literal["tiny", "bench"]
 
 BUILDER_VERSION: Final = "v2"
@@ -95,6 +124,15 @@ IMAGE_TOKEN: Final = "<image>"
 
 _SEED: Final = 1234
 _LOGIT_SCALE: Final = 4.0
+_TIED_EMBED_SCALE: Final = 0.03
+_TIED_LOGIT_STD: Final = 2.3
+_ADDED_ROW_SCALE: Final = 1e-4
+# The norm before the output layer, in the tied kinds' parameter names.
+_FINAL_NORMS: Final = (
+    "language_model.model.norm.weight",
+    "model.language_model.norm.weight",
+    "model.embedding_norm.weight",
+)
 _TARGET_VOCAB: Final = 4096  # an upper bound: min_frequency=2 stops earlier
 _MAX_POSITIONS: Final = 32768
 # Qwen2/Qwen3.5's pre-tokenizer split (transformers' PRETOKENIZE_REGEX).
@@ -118,6 +156,8 @@ class _Dims:
     linear_v_heads: int
     linear_k_dim: int
     linear_v_dim: int
+    # The per-layer embedding width of the ple kind (per layer).
+    per_layer: int
     dtype: Literal["float32", "bfloat16"]
 
 
@@ -134,6 +174,7 @@ def _dims(size: DemoSize) -> _Dims:
             linear_v_heads=4,
             linear_k_dim=32,
             linear_v_dim=16,
+            per_layer=16,
             # Exact on every backend; the size does not matter at this scale.
             dtype="float32",
         )
@@ -148,6 +189,7 @@ def _dims(size: DemoSize) -> _Dims:
         linear_v_heads=8,
         linear_k_dim=64,
         linear_v_dim=64,
+        per_layer=64,
         # Halves the file, and is faster than float32 on MLX's CPU backend too.
         dtype="bfloat16",
     )
@@ -200,6 +242,10 @@ def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
     if kind == "vision":
         config = _vision_config(size, config, vocab_size)
         _write_processor(size, dest)
+    elif kind in ("ple", "ple-gemma3n"):
+        # The image processor's file, as the catalog's checkpoints ship it:
+        # the loader must still serve the model as text.
+        _write_processor(size, dest, llava=False)
     _write_json(dest / "config.json", config)
     _write_json(
         dest / "generation_config.json",
@@ -208,7 +254,7 @@ def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
             "pad_token_id": ENDOFTEXT_ID,
         },
     )
-    _write_weights(kind, dims, config, dest / "model.safetensors")
+    _write_weights(kind, dims, config, dest)
 
 
 def _write_json(path: Path, obj: object) -> None:
@@ -320,8 +366,33 @@ def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any
             "rope_theta": 10000.0,
             "mlp_bias": False,
         }
-    return {
+    if kind == "ple":
+        return _ple_config(dims, common)
+    if kind == "ple-gemma3n":
+        return _gemma3n_config(dims, common)
+    if kind == "lfm2":
+        return _lfm2_config(dims, common)
+    hybrid = _hybrid_config(dims, common)
+    if kind == "hybrid":
         # Flat (no text_config): mlx-lm's qwen3_5 ModelArgs accepts both.
+        return hybrid
+    text = {**hybrid, "model_type": "qwen3_5_text"}
+    del text["architectures"]
+    # Multimodal rotary sections, as the exports keep them (mlx-lm's text
+    # model rotates plain positions and ignores them; mlx-vlm requires them).
+    text["rope_parameters"] = {**hybrid["rope_parameters"], "mrope_section": [1, 1, 0]}
+    return {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "eos_token_id": IM_END_ID,
+        "torch_dtype": dims.dtype,
+    }
+
+
+def _hybrid_config(dims: _Dims, common: dict[str, Any]) -> dict[str, Any]:
+    return {
         "model_type": "qwen3_5",
         "architectures": ["Qwen3_5ForCausalLM"],
         **common,
@@ -339,6 +410,95 @@ def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any
             "partial_rotary_factor": 0.25,
         },
     }
+
+
+def _ple_config(dims: _Dims, common: dict[str, Any]) -> dict[str, Any]:
+    layers = ["sliding_attention", "full_attention"] * (dims.layers // 2)
+    text = {
+        **common,
+        "model_type": "gemma4_text",
+        "num_key_value_heads": 1,
+        "global_head_dim": 2 * dims.head_dim,
+        "rms_norm_eps": 1e-6,
+        # The per-layer embedding table: one row of layers x width per token.
+        "vocab_size_per_layer_input": common["vocab_size"],
+        "hidden_size_per_layer_input": dims.per_layer,
+        # The last half of the layers reuse the KV of the last earlier layer
+        # of their type, so the model keeps fewer caches than it has layers.
+        "num_kv_shared_layers": dims.layers // 2,
+        "layer_types": layers,
+        "sliding_window": 128,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+    }
+    return {
+        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": dims.hidden},
+        "vocab_size": common["vocab_size"],
+        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+        "torch_dtype": dims.dtype,
+    }
+
+
+def _gemma3n_config(dims: _Dims, common: dict[str, Any]) -> dict[str, Any]:
+    text = {
+        **common,
+        "model_type": "gemma3n_text",
+        "intermediate_size": [dims.intermediate] * dims.layers,
+        "rms_norm_eps": 1e-6,
+        "vocab_size_per_layer_input": common["vocab_size"],
+        "hidden_size_per_layer_input": dims.per_layer,
+        "num_kv_shared_layers": dims.layers // 2,
+        "layer_types": ["sliding_attention", "full_attention"] * (dims.layers // 2),
+        "sliding_window": 128,
+        "rope_local_base_freq": 10000.0,
+        "rope_theta": 1000000.0,
+        "final_logit_softcapping": 30.0,
+        "activation_sparsity_pattern": [0.0] * dims.layers,
+        "altup_num_inputs": 4,
+        "altup_coef_clip": 120.0,
+        "altup_correct_scale": True,
+        "altup_active_idx": 0,
+        "laurel_rank": 8,
+        "tie_word_embeddings": True,
+    }
+    return {
+        "model_type": "gemma3n",
+        "architectures": ["Gemma3nForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "gemma3n_vision", "hidden_size": dims.hidden},
+        "audio_config": {"model_type": "gemma3n_audio", "hidden_size": dims.hidden},
+        "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
+        "torch_dtype": dims.dtype,
+    }
+
+
+def _lfm2_config(dims: _Dims, common: dict[str, Any]) -> dict[str, Any]:
+    # Conv, conv, attention, ...: LFM2's pattern of short convolutions
+    # (ArraysCache) with attention (KVCache) every third layer.
+    kinds = ["conv", "conv", "full_attention"]
+    config = {
+        **common,
+        "model_type": "lfm2",
+        "architectures": ["Lfm2ForCausalLM"],
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": dims.hidden,
+        "block_multiple_of": 32,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": True,
+        # The feed-forward width as LFM2.5 exports give it: intermediate_size
+        # only (mlx-lm 0.31 and mlx-vlm 0.6 required block_ff_dim).
+        "intermediate_size": 3 * dims.intermediate // 2,
+        "layer_types": [kinds[i % 3] for i in range(dims.layers)],
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    }
+    del config["head_dim"]  # hidden_size // heads
+    return config
 
 
 def _vision_config(size: DemoSize, text: dict[str, Any], vocab_size: int) -> dict[str, Any]:
@@ -370,7 +530,7 @@ def _vision_config(size: DemoSize, text: dict[str, Any], vocab_size: int) -> dic
     }
 
 
-def _write_processor(size: DemoSize, dest: Path) -> None:
+def _write_processor(size: DemoSize, dest: Path, *, llava: bool = True) -> None:
     image, patch = (32, 8) if size == "tiny" else (112, 14)
     _write_json(
         dest / "preprocessor_config.json",
@@ -390,6 +550,8 @@ def _write_processor(size: DemoSize, dest: Path) -> None:
             "resample": 3,
         },
     )
+    if not llava:
+        return
     _write_json(
         dest / "processor_config.json",
         {
@@ -402,42 +564,80 @@ def _write_processor(size: DemoSize, dest: Path) -> None:
     )
 
 
-def _write_weights(kind: DemoKind, dims: _Dims, config: dict[str, Any], path: Path) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    # Instantiated only for the exact parameter names and shapes that load()
-    # expects; its own (global-RNG) initial values are replaced below.
+def _demo_module(kind: DemoKind, config: dict[str, Any]) -> Any:
+    """The model class that ``load()`` builds for ``config``, instantiated
+    only for its parameter names and shapes."""
     if kind == "vision":
         from mlx_vlm.models import llava
 
         cfg = llava.ModelConfig.from_dict(config)
         cfg.text_config = llava.TextConfig.from_dict(config["text_config"])
         cfg.vision_config = llava.VisionConfig.from_dict(config["vision_config"])
-        model: Any = llava.Model(cfg)
-    else:
-        from mlx_lm.models import llama, qwen3_5
+        return llava.Model(cfg)
+    from mlx_lm.models import gemma3n, gemma4, lfm2, llama, qwen3_5
 
-        arch = llama if kind == "dense" else qwen3_5
-        model = arch.Model(arch.ModelArgs.from_dict(config))
+    arch = {"dense": llama, "ple": gemma4, "ple-gemma3n": gemma3n, "lfm2": lfm2}.get(kind, qwen3_5)
+    return arch.Model(arch.ModelArgs.from_dict(config))
+
+
+def _write_weights(kind: DemoKind, dims: _Dims, config: dict[str, Any], dest: Path) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    # Its own (global-RNG) initial values are replaced below.
+    model = _demo_module(kind, config)
     params = sorted(cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
     keys = mx.random.split(mx.random.key(_SEED), len(params))
     dtype = mx.bfloat16 if dims.dtype == "bfloat16" else mx.float32
+    tied = bool((config.get("text_config") or config).get("tie_word_embeddings"))
     weights: dict[str, mx.array] = {}
     for i, (name, value) in enumerate(params):
-        w = _init_param(name, tuple(value.shape), keys[i])
+        w = _init_param(name, tuple(value.shape), keys[i], tied=tied)
         # A_log stays float32 as in real checkpoints (see cast_predicate).
         weights[name] = w if name.endswith("A_log") else w.astype(dtype)
+    if kind == "ple":
+        # A tensor of each tower and projector, named as mlx-vlm exports the
+        # catalog's multimodal checkpoints: the text model's sanitize drops them.
+        for tower in ("vision_tower.patch_embedder", "embed_vision.embedding_projection"):
+            weights[f"{tower}.weight"] = mx.zeros((dims.hidden, 48), dtype)
+        weights["audio_tower.subsample_conv_projection.weight"] = mx.zeros((dims.hidden, 48), dtype)
+    elif kind == "ple-gemma3n":
+        for tower in ("vision_tower", "audio_tower", "embed_vision", "embed_audio"):
+            weights[f"model.{tower}.embedding.weight"] = mx.zeros((dims.hidden, 48), dtype)
     mx.eval(weights)
     # MLX-native names and layouts: qwen3_5's sanitize then changes nothing
     # (conv1d weights are already (C, K, 1), so no +1 shift of the norms).
-    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    if kind != "qwen3_5-text":
+        mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+        return
+    # Two shards and their index, as the text-only exports come.
+    names = sorted(weights)
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
+    for file, part in shards.items():
+        shard = {n: weights[n] for n in part}
+        mx.save_safetensors(str(dest / file), shard, metadata={"format": "mlx"})
+    _write_json(
+        dest / "model.safetensors.index.json",
+        {
+            "metadata": {"total_size": sum(w.nbytes for w in weights.values())},
+            "weight_map": {n: file for file, part in shards.items() for n in part},
+        },
+    )
 
 
-def _init_param(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
+def _init_param(name: str, shape: tuple[int, ...], key: mx.array, *, tied: bool) -> mx.array:
     import mlx.core as mx
 
+    if tied and name in _FINAL_NORMS:
+        # A normed hidden state has length sqrt(width): logits of std
+        # scale * weight * sqrt(width).
+        return mx.full(shape, _TIED_LOGIT_STD / (_TIED_EMBED_SCALE * shape[0] ** 0.5))
     if name.endswith("norm.weight") or name.endswith("dt_bias"):
+        return mx.ones(shape)
+    if name.endswith("layer_scalar"):
         return mx.ones(shape)
     if len(shape) == 1 and "norm" in name and name.endswith(".weight"):
         return mx.ones(shape)  # the vision tower's layer_norm1 / pre_layrnorm ...
@@ -451,7 +651,16 @@ def _init_param(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
     if name.endswith("embed_tokens.weight"):
         # Unit scale: the input token stays prominent in the residual stream
         # (every layer is pre-normed, so nothing downstream needs it smaller).
-        return mx.random.normal(shape, key=key)
+        w = mx.random.normal(shape, key=key)
+        if tied:
+            # The output layer too: the added tokens' rows are zero, as the
+            # lm_head rows are below. Gemma 3n's AltUp divides by the
+            # magnitude of a token's embedding, so there they are merely
+            # small (their logits then within about 0.01 of 0).
+            n_added = len(SPECIAL_TOKENS) + len(CONTROL_TOKENS)
+            added = w * _ADDED_ROW_SCALE if name.startswith("model.language_model.") else 0.0
+            w = mx.where(mx.arange(shape[0])[:, None] < n_added, added, w * _TIED_EMBED_SCALE)
+        return w
     fan_in = 1
     for d in shape[1:]:
         fan_in *= d
@@ -464,7 +673,9 @@ def _init_param(name: str, shape: tuple[int, ...], key: mx.array) -> mx.array:
         row = mx.arange(shape[0])[:, None]
         w = mx.where(row < n_added, 0.0, w * _LOGIT_SCALE)
         if name.startswith("language_model."):
-            w = mx.where(row == shape[0] - 1, 0.0, w)  # never generate <image>
+            # Never generate the vision kind's <image> (the last id); the
+            # qwen3_5 kinds' last piece is zeroed too, as it always was.
+            w = mx.where(row == shape[0] - 1, 0.0, w)
     return w
 
 

@@ -16,6 +16,14 @@ are held as float32, when that fits in half the memory available;
 stored. On a GPU the weights are left as they are.
 
 One log line says which BLAS MLX is bound to and which weight format runs.
+
+A model with a per-layer embedding table (Gemma 3n, Gemma 4 E-series) loads
+as text even where its directory declares a vision tower (the image path
+cannot batch its sliding-window and KV-shared layers). With
+``EngineConfig.map_per_layer_embeddings`` the model loads lazily and its
+table is replaced, before it is ever read, by one that reads its rows from
+the model's files (``ple``); a table that cannot be read that way is held in
+memory like any weight, with a warning.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from mlx_lm.utils import load
 from ..core.config import EngineConfig
 from ..core.errors import ModelLoadError
 from . import blas
-from .model_source import resolve_model
+from .model_source import per_layer_embedding_table, resolve_model
+from .ple import MappedEmbedding, UnmappableTable, map_table
 from .vision import is_vision_model, load_vision
 
 __all__ = ["LoadedModel", "fingerprint_model_dir", "hold_float32", "load_model"]
@@ -59,21 +68,44 @@ class LoadedModel:
 def load_model(config: EngineConfig) -> LoadedModel:
     """Resolve, load and adapt the model; raises ``ModelLoadError``."""
     path = resolve_model(config.model)
-    if is_vision_model(path):
+    ple = per_layer_embedding_table(path)
+    if is_vision_model(path) and ple is not None:
+        # Gemma 3n and Gemma 4 E-series checkpoints ship their vision (and
+        # audio) towers, but their language models keep sliding-window and
+        # KV-shared layers, which the image path cannot batch: they serve
+        # text, on mlx-lm's class, which drops the towers' weights.
+        log.info("%s: %s; serving it as a text model (images are refused)", path.name, ple)
+    elif is_vision_model(path):
         vision, tokenizer, weights = load_vision(
             path, lambda vlm: _adapt_weights(vlm, keep=config.keep_quantized)
         )
         log.info("vision model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
         return LoadedModel(vision.text, tokenizer, path, weights, vision)
+    mapped = config.map_per_layer_embeddings and ple is not None
     try:
         # A local directory, and the tokenizer told to stay local: nothing
-        # here can reach a model hub, whatever the environment says.
-        model, tokenizer = load(str(path), tokenizer_config={"local_files_only": True})
+        # here can reach a model hub, whatever the environment says. Lazily
+        # where the table is to be mapped: its arrays are then never read.
+        model, tokenizer = load(str(path), tokenizer_config={"local_files_only": True}, lazy=mapped)
     except Exception as exc:
         raise ModelLoadError(f"could not load {path}: {type(exc).__name__}: {exc}") from exc
+    if mapped:
+        _map_table(model, path)
     weights = _adapt_weights(model, keep=config.keep_quantized)
     log.info("model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
     return LoadedModel(model, tokenizer, path, weights)
+
+
+def _map_table(model: Any, path: Path) -> None:
+    try:
+        where = map_table(model, path)
+    except (UnmappableTable, OSError, ValueError) as exc:
+        log.warning("%s: the per-layer embedding table is held in memory: %s", path.name, exc)
+    else:
+        log.info(
+            "%s: per-layer embedding table read from its files as needed: %s", path.name, where
+        )
+    mx.eval(model.parameters())
 
 
 def _stored_format(model: Any) -> str:
@@ -143,6 +175,9 @@ def hold_float32(model: Any) -> None:
     ``model`` by a float32 one (on the host thread, like every MLX call)."""
     slow = [(p, _as_float32(m)) for p, m in model.named_modules() if _slow_on_cpu(m)]
     model.update_modules(tree_unflatten(slow))
+    for _, m in model.named_modules():
+        if isinstance(m, MappedEmbedding):
+            m.output_dtype = mx.float32  # its rows, as they are read
     mx.eval(model.parameters())
 
 
