@@ -20,7 +20,9 @@ import attrs
 from ..core.model import ModelInfo
 from .reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
 from .toolcalls import (
+    GEMMA4,
     GENERIC,
+    GLM,
     HERMES,
     MISTRAL,
     QWEN3_CODER,
@@ -92,7 +94,9 @@ def _is_object(text: str) -> bool:
         return False
 
 
-_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC)}
+_FORMATS: dict[str, ToolFormat] = {
+    f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC, GEMMA4, GLM)
+}
 
 
 class Shaper:

@@ -12,7 +12,7 @@ from .._markers import MarkerSeeker
 from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
 from ._format import ToolFormat
 
-__all__ = ["FIRST_CHARS", "QWEN3_CODER", "XmlBody", "open_body"]
+__all__ = ["FIRST_CHARS", "QWEN3_CODER", "XmlBody", "open_body", "param_json"]
 
 QWEN3_CODER = ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", "xml")
 
@@ -40,7 +40,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(name)  # NaN and Infinity are not JSON
 
 
-def _param_json(raw: str) -> str:
+def param_json(raw: str) -> str:
     """A parameter's value as JSON text.
 
     The template writes strings bare and everything else as JSON, so a value
@@ -168,7 +168,7 @@ class XmlBody:
         return i
 
     def _param_done(self) -> None:
-        value = _param_json("".join(self._parts))
+        value = param_json("".join(self._parts))
         self._parts.clear()
         key = json.dumps(self._key, ensure_ascii=False)
         self._owner._args(("{" if not self._params else ", ") + key + ": " + value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._markers import MarkerSeeker
-from . import _hermes, _mistral, _qwen_xml
+from . import _gemma, _glm, _hermes, _mistral, _qwen_xml
 from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
 from ._events import CallArgs, CallEnd, CallStart, Content, ToolEvent, new_call_id
 from ._format import ToolFormat
@@ -17,6 +17,8 @@ _SYNTAX: dict[str, tuple[frozenset[str], Callable[[Owner, ToolFormat], Body]]] =
     "json": (_hermes.FIRST_CHARS, _hermes.open_body),
     "xml": (_qwen_xml.FIRST_CHARS, _qwen_xml.open_body),
     "name_args": (_mistral.FIRST_CHARS, _mistral.open_body),
+    "gemma": (_gemma.FIRST_CHARS, _gemma.open_body),
+    "glm": (_glm.FIRST_CHARS, _glm.open_body),
 }
 
 
