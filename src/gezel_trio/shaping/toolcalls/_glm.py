@@ -19,9 +19,7 @@ __all__ = ["FIRST_CHARS", "GLM", "GlmBody", "open_body"]
 GLM = ToolFormat("glm", "<tool_call>", "</tool_call>", "glm")
 
 # A GLM call opens with the bare function name.
-FIRST_CHARS = frozenset(
-    "_.:-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" + WS
-)
+FIRST_CHARS = frozenset("_.:-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" + WS)
 
 
 def open_body(owner: Owner, fmt: ToolFormat) -> Body:
