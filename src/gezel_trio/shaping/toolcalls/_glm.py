@@ -30,7 +30,7 @@ _KEY_OPEN = "<arg_key>"
 _KEY_CLOSE = "</arg_key>"
 _VALUE_OPEN = "<arg_value>"
 _VALUE_CLOSE = "</arg_value>"
-_NAME_STOP = re.compile(r"[\n<]")
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.:\-]*+")
 _TAG_WINDOW = 16  # more than any tag, the closing marker included
 
 _G_NAME = 0
@@ -93,15 +93,18 @@ class GlmBody:
         return i if self.status else n
 
     def _name(self, text: str, i: int) -> int:
-        m = _NAME_STOP.search(text, i)
-        if m is None:
-            self._parts.append(text[i:])
-            return len(text)
-        k = m.start()
-        self._parts.append(text[i:k])
-        name = "".join(self._parts).strip()
+        """The bare function name, up to the newline or the first tag."""
+        if not self._parts and text[i] in WS:
+            return skip_ws(text, i)
+        m = _NAME_CHARS.match(text, i)
+        assert m is not None
+        self._parts.append(m.group())
+        k = m.end()
+        if k == len(text):
+            return k
+        name = "".join(self._parts)
         self._parts.clear()
-        if not name or any(c in name for c in " \t\r>"):
+        if not name or text[k] not in "\n<":
             return self._fail(k)
         self._owner._start(name)
         self._state = _G_BODY
@@ -119,7 +122,12 @@ class GlmBody:
             self._state = _G_BETWEEN
             return
         sep = "{" if not self._pairs else ", "
-        self._owner._args(sep + json.dumps(self._key, ensure_ascii=False) + ": " + param_json(text))
+        self._owner._args(
+            sep
+            + json.dumps(self._key, ensure_ascii=False)
+            + ": "
+            + param_json(text, own_lines=False)
+        )
         self._pairs += 1
         self._state = _G_BODY
 

@@ -40,17 +40,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(name)  # NaN and Infinity are not JSON
 
 
-def param_json(raw: str) -> str:
+def param_json(raw: str, *, own_lines: bool = True) -> str:
     """A parameter's value as JSON text.
 
     The template writes strings bare and everything else as JSON, so a value
     that parses as a JSON number, bool, null, array or object is taken as one,
     and anything else is a string. Without the tool's schema, a string that
     looks like a number (a zip code ``12345``) is taken as the number.
+    ``own_lines``: the template puts the value on lines of its own (one
+    newline before and after it is layout).
     """
-    # The template puts the value on lines of its own.
-    value = raw[1:] if raw.startswith("\n") else raw
-    value = value[:-1] if value.endswith("\n") else value
+    value = raw
+    if own_lines:
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
     try:
         parsed = json.loads(value, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
