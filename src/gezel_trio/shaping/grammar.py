@@ -8,23 +8,37 @@ starts. It imports llguidance but never MLX; the engine side
 (``mlx_constraints``) turns a ``Constraint`` into a per-sequence logits
 processor.
 
-How each kind is expressed:
+How each kind is expressed, in the call markup of the model's chat
+template (``tool_format``: Hermes JSON, Qwen3-Coder XML, GLM, Gemma 4 or the
+generic format; ``shaping.call_syntax`` spells a call in each):
 
 * ``json_object`` / ``json_schema``: llguidance's JSON-schema grammar
   (``{"type": "object"}`` for ``json_object``).
 * ``tool_call`` (``tool_choice`` ``"required"`` or a named function): a Lark
-  grammar forcing exactly one Hermes call,
+  grammar forcing exactly one call, e.g. Hermes'
   ``<tool_call>\\n{"name": "f", "arguments": ARGS}\\n</tool_call>``, one
-  alternative per allowed tool, each with its parameters schema inlined as
-  ``%json {...}``. Parallel calls are not generated: one call, then EOS.
-* ``tool_name`` (``tool_grammar: {"mode": "name-only"}``): free text in which
-  the ``<tool_call>`` special token opens a call whose name must be one of
-  the tools (arguments: any JSON object); after ``</tool_call>`` free text
-  resumes, so several calls may appear. The free text is a terminal that
-  cannot contain the characters ``<tool_call>``, so a call spelled out in
-  plain text (which the tool-call parser would also pick up) is impossible:
-  every call goes through the constrained branch. Being text, it cannot
-  hold other special tokens either (EOS still ends the turn anywhere).
+  alternative per allowed tool, its arguments by its parameters schema
+  (``%json {...}`` in the JSON markups; key by key in the others). Parallel
+  calls are not generated: one call, then EOS.
+* ``tool_name`` (the gezel ``tool_grammar`` field the seed's client sends,
+  ``{"format": ..., "mode": "name-only" | "name-and-params"}``): free text
+  in which the markup's opening special token opens a call whose name must
+  be one of the tools; ``name-only`` leaves the arguments free (any
+  well-formed arguments the markup can write, so the call always parses),
+  ``name-and-params`` (the seed's default) holds them to the tool's schema
+  as a forced call does. After the closing token free text resumes, so
+  several calls may appear, or none. The free text is a terminal that
+  cannot contain the opener's characters, so a call spelled out in plain
+  text (which the tool-call parser would also pick up) is impossible: every
+  call goes through the constrained branch. Being text, it cannot hold
+  other special tokens either (EOS still ends the turn anywhere).
+  ``format`` names the family the client expects (the seed's ``hermes`` is
+  the ``<tool_call>`` family, which includes Qwen 3.5/3.6's Qwen3-Coder
+  XML); where it disagrees with the template, the template's markup is
+  used all the same: it is what the model learned, what the parser reads
+  and what the history renders, and a grammar in another markup would only
+  fight the model (the seed skipped its grammar then). An unknown
+  ``format`` or ``mode`` is a 400 naming ``tool_grammar``.
 * ``json_or_tool_call``: ``response_format`` JSON together with tools under
   ``tool_choice`` ``"auto"``: either the JSON answer or one constrained call,
   which is what the OpenAI API allows in that case.
@@ -36,11 +50,12 @@ ordinary tokens; ``json_or_tool_call`` is then one JSON grammar (``anyOf``
 the answer and the call), and ``tool_name`` is refused (free text cannot be
 stopped before a plain-text opener).
 
-The Hermes tool tags are the tokenizer's ``<tool_call>`` / ``</tool_call>`` special
-tokens (``Constraint.special_tokens`` lists them), not the same characters
-spelled with ordinary tokens: that is what Hermes-format models emit, and it
-keeps generated ids identical to what the chat template renders for the
-history, so the prompt cache can be reused on the next turn.
+The tool tags are the tokenizer's special tokens (``<tool_call>`` /
+``</tool_call>``; Gemma 4's ``<|tool_call>`` / ``<tool_call|>`` and its
+string delimiter ``<|"|>``; ``Constraint.special_tokens`` lists them), not
+the same characters spelled with ordinary tokens: that is what these models
+emit, and it keeps generated ids identical to what the chat template renders
+for the history, so the prompt cache can be reused on the next turn.
 
 JSON is generated compactly in ``json.dumps`` style (``", "`` and ``": "``,
 no other whitespace): flexible whitespace lets a weak model loop on newlines
