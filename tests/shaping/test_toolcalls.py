@@ -623,6 +623,16 @@ def test_glm_malformed_before_the_name_is_content(text: str) -> None:
     assert whole(GLM, text) == [Content(text)]
 
 
+def test_glm_cut_off_between_pairs_is_a_good_call() -> None:
+    # A stop string may take the closing marker.
+    text = "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
+    assert whole(GLM, text) == call(0, "f", '{"a": 1}')
+    assert whole(GLM, "<tool_call>now\n") == call(0, "now", "{}")
+    assert whole(GLM, text + "<arg_key>b</arg_key><arg_value>cut") == [
+        *call(0, "f", '{"a": 1', malformed=True)
+    ]
+
+
 def test_glm_breakage_after_the_name_is_malformed() -> None:
     text = "<tool_call>f\n<arg_key>a</arg_key>\n<oops></tool_call>"
     assert whole(GLM, text) == [

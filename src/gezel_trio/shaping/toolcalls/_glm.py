@@ -72,7 +72,12 @@ class GlmBody:
         self._seekers = {_G_KEY: MarkerSeeker(_KEY_CLOSE), _G_VALUE: MarkerSeeker(_VALUE_CLOSE)}
 
     def closable_at_end(self) -> bool:
-        return False
+        # Cut off between pairs: only the closing marker is missing (a stop
+        # string may have taken it), so the call is whole.
+        if self._state != _G_BODY:
+            return False
+        self._owner._args("}" if self._pairs else "{}")
+        return True
 
     def step(self, text: str, i: int) -> int:
         n = len(text)
