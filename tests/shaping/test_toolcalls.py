@@ -38,6 +38,7 @@ from gezel_trio.shaping.toolcalls import (
     collect,
     detect_format,
     resolve_format,
+    string_parameters,
 )
 
 MiB = 1 << 20
@@ -621,6 +622,34 @@ def test_glm_without_arguments_and_several_calls() -> None:
 )
 def test_glm_malformed_before_the_name_is_content(text: str) -> None:
     assert whole(GLM, text) == [Content(text)]
+
+
+def test_string_parameters_stay_strings_with_the_tools_schema() -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "zip": {"type": "string"},
+                        "flag": {"enum": ["true", "false"]},
+                        "n": {"type": "integer"},
+                    },
+                },
+            },
+        }
+    ]
+    known = string_parameters(tools)
+    assert known == {"f": frozenset({"zip", "flag"})}
+    params = {"zip": "01234", "flag": "true", "n": "5"}
+    args = '{"zip": "01234", "flag": "true", "n": 5}'
+    for fmt, text in ((QWEN3_CODER, xml_call("f", params)), (GLM, glm_call("f", params))):
+        s = ToolCallSplitter(fmt, id_factory=counter(), string_params=known)
+        assert merged(s.feed(text) + s.finish()) == call(0, "f", args)
+        # Without the schema a value that looks like JSON is taken as JSON.
+        assert json.loads(collect(run(fmt, [text]))[1][0]["function"]["arguments"])["flag"] is True
 
 
 def test_glm_cut_off_between_pairs_is_a_good_call() -> None:

@@ -57,7 +57,7 @@ from ._glm import GLM
 from ._hermes import HERMES
 from ._mistral import MISTRAL
 from ._qwen_xml import QWEN3_CODER
-from ._splitter import ToolCallSplitter
+from ._splitter import ToolCallSplitter, string_parameters
 
 __all__ = [
     "GEMMA4",
@@ -77,4 +77,5 @@ __all__ = [
     "detect_format",
     "new_call_id",
     "resolve_format",
+    "string_parameters",
 ]

@@ -68,6 +68,7 @@ class GlmBody:
         self._lit = ""
         self._parts: list[str] = []
         self._key = ""
+        self._function = ""
         self._pairs = 0
         self._seekers = {_G_KEY: MarkerSeeker(_KEY_CLOSE), _G_VALUE: MarkerSeeker(_VALUE_CLOSE)}
 
@@ -111,6 +112,7 @@ class GlmBody:
         self._parts.clear()
         if not name or text[k] not in "\n<":
             return self._fail(k)
+        self._function = name
         self._owner._start(name)
         self._state = _G_BODY
         return k
@@ -131,7 +133,9 @@ class GlmBody:
             sep
             + json.dumps(self._key, ensure_ascii=False)
             + ": "
-            + param_json(text, own_lines=False)
+            + param_json(
+                text, own_lines=False, string=self._owner._is_string(self._function, self._key)
+            )
         )
         self._pairs += 1
         self._state = _G_BODY

@@ -40,7 +40,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(name)  # NaN and Infinity are not JSON
 
 
-def param_json(raw: str, *, own_lines: bool = True) -> str:
+def param_json(raw: str, *, own_lines: bool = True, string: bool = False) -> str:
     """A parameter's value as JSON text.
 
     The template writes strings bare and everything else as JSON, so a value
@@ -48,12 +48,16 @@ def param_json(raw: str, *, own_lines: bool = True) -> str:
     and anything else is a string. Without the tool's schema, a string that
     looks like a number (a zip code ``12345``) is taken as the number.
     ``own_lines``: the template puts the value on lines of its own (one
-    newline before and after it is layout).
+    newline before and after it is layout). ``string``: the tool's schema
+    declares the parameter a string, so the value is one whatever it looks
+    like.
     """
     value = raw
     if own_lines:
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
+    if string:
+        return json.dumps(value, ensure_ascii=False)
     try:
         parsed = json.loads(value, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
@@ -88,6 +92,7 @@ class XmlBody:
     _state = _X_OPEN
     _lit = ""  # a tag cut by the end of the text
     _key = ""
+    _name = ""
     _params = 0
 
     def __init__(self, owner: Owner, end: str) -> None:
@@ -137,6 +142,7 @@ class XmlBody:
         if not word:
             return self._fail(k + 1)
         if st == _X_NAME:
+            self._name = word
             self._owner._start(word)
             self._state = _X_BODY
         else:
@@ -171,7 +177,8 @@ class XmlBody:
         return i
 
     def _param_done(self) -> None:
-        value = param_json("".join(self._parts))
+        string = self._owner._is_string(self._name, self._key)
+        value = param_json("".join(self._parts), string=string)
         self._parts.clear()
         key = json.dumps(self._key, ensure_ascii=False)
         self._owner._args(("{" if not self._params else ", ") + key + ": " + value)
