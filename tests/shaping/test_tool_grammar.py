@@ -277,6 +277,16 @@ def test_gemma4_keys_come_sorted_and_strings_cannot_spell_the_delimiter(tok: Any
     assert not (m.consume_tokens(ids) and m.is_accepting())
 
 
+def test_the_models_thinking_tokens_may_open_and_close_in_free_text() -> None:
+    tok = _byte_tokenizer([*SPECIALS, "<think>", "</think>"])
+    text = "<think>\nplan</think>\n" + glm("list", {})
+    plain = grammar("glm", "name-only", llg_tokenizer=tok)
+    assert not accepts(tok, plain, text)
+    thinking = grammar("glm", "name-only", llg_tokenizer=tok, text_tokens=("<think>", "</think>"))
+    assert accepts(tok, thinking, text)
+    assert not accepts(tok, thinking, "<think>" + glm("rm", {}))
+
+
 def test_a_tokenizer_without_the_markups_tokens_is_refused() -> None:
     plain = _byte_tokenizer(["<|im_end|>", "<tool_call>", "</tool_call>"])
     with pytest.raises(InvalidRequest) as exc:

@@ -284,8 +284,17 @@ def _think_ids(tokenizer: Any) -> tuple[int, int] | None:
 class _Compiler:
     """``backend.ConstraintCompiler`` over llguidance with this model's vocabulary."""
 
-    def __init__(self, grammar_tok: GrammarTokenizer, *, tool_format: str | None) -> None:
+    def __init__(
+        self,
+        grammar_tok: GrammarTokenizer,
+        *,
+        tool_format: str | None,
+        think_markers: tuple[str, str] | None = None,
+    ) -> None:
         self._llg = grammar_tok.llg
+        # The thinking tokens free text may hold under tool_grammar (a model
+        # that opens its own think block, as GLM and Gemma 4 do).
+        self._text_tokens = grammar_tok.added_tokens_in(think_markers or ())
         self._format: ToolFormatName | None = next(
             (f for f in GRAMMAR_FORMATS if f == tool_format), None
         )
@@ -315,6 +324,7 @@ class _Compiler:
             tool_format=self._format or "hermes",
             llg_tokenizer=self._llg,
             custom_tools=custom_tools,
+            text_tokens=self._text_tokens,
         )
 
 
@@ -403,7 +413,11 @@ class MlxBackend:
         except (TypeError, ValueError) as exc:
             log.warning("constrained decoding unavailable for this tokenizer: %s", exc)
         self._compiler = (
-            _Compiler(self._grammar_tok, tool_format=self._info.tool_format)
+            _Compiler(
+                self._grammar_tok,
+                tool_format=self._info.tool_format,
+                think_markers=self._info.think_markers,
+            )
             if self._grammar_tok is not None
             else None
         )

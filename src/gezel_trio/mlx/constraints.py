@@ -145,6 +145,15 @@ class GrammarTokenizer:
         added = hf_tokenizer.get_added_vocab() if hasattr(hf_tokenizer, "get_added_vocab") else {}
         self._added_tokens: frozenset[str] = frozenset(added)
 
+    def added_tokens_in(self, texts: Iterable[str]) -> tuple[str, ...]:
+        """The added tokens spelled inside ``texts`` (say ``<|channel>`` in
+        Gemma 4's ``<|channel>thought``), in order of appearance."""
+        found: list[str] = []
+        for text in texts:
+            at = sorted((text.find(t), t) for t in self._added_tokens if t in text)
+            found += [t for _, t in at if t not in found]
+        return tuple(found)
+
     def closing_sequences(self, texts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
         """``Constraint.closing_texts`` as token ids, special tokens parsed."""
         return tuple(tuple(self.llg.tokenize_str(t, parse_special=True)) for t in texts)

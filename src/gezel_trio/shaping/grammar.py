@@ -132,6 +132,9 @@ TOOL_GRAMMAR_FORMATS: Final[Mapping[str, tuple[str, ...]]] = {
 }
 TOOL_GRAMMAR_MODES: Final = ("name-only", "name-and-params")
 
+# A special token's name as llguidance's Lark reads one.
+_SPECIAL_TOKEN = re.compile(r"<[^<>\s]+>")
+
 # OpenAI's own rule for function names; it also keeps names safe to splice
 # into Lark string literals.
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -194,6 +197,7 @@ def build_constraint(
     tool_format: ToolFormatName = "hermes",
     llg_tokenizer: Any = None,
     custom_tools: Mapping[str, Mapping[str, Any] | None] | None = None,
+    text_tokens: Sequence[str] = (),
 ) -> Constraint | None:
     """The constraint a chat request asks for, compiled, or ``None``.
 
@@ -206,8 +210,11 @@ def build_constraint(
     matcher. ``custom_tools`` maps the names of custom (freeform) tools,
     rendered as functions taking one ``input`` string, to their Responses
     format: a forced call's input then matches its grammar
-    (``shaping.custom_tools``). CPU-bound, no I/O; see the module docstring
-    for timings.
+    (``shaping.custom_tools``). ``text_tokens`` are special tokens the free
+    text of a ``tool_grammar`` turn may hold: the model's own thinking
+    markers (``<think>`` / ``</think>``, Gemma 4's ``<|channel>`` /
+    ``<channel|>``), which the text terminal could not otherwise produce.
+    CPU-bound, no I/O; see the module docstring for timings.
     """
     fmt = syntax_for(
         tool_format,
@@ -293,7 +300,12 @@ def build_constraint(
         all_tools = _tools(tools, param="tools")
         return _compile_lark(
             "tool_name",
-            _calls_in_text_lark(all_tools, fmt, free=hint.mode == "name-only"),
+            _calls_in_text_lark(
+                all_tools,
+                fmt,
+                free=hint.mode == "name-only",
+                text_tokens=[t for t in text_tokens if _SPECIAL_TOKEN.fullmatch(t)],
+            ),
             all_tools,
             fmt,
             param="tool_grammar",
@@ -594,14 +606,18 @@ def _without_options(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in schema.items() if k != "x-guidance"}
 
 
-def _calls_in_text_lark(tools: Sequence[_Tool], fmt: CallSyntax, *, free: bool) -> str:
-    """Free text with any number of calls, each naming one of ``tools``."""
+def _calls_in_text_lark(
+    tools: Sequence[_Tool], fmt: CallSyntax, *, free: bool, text_tokens: Sequence[str]
+) -> str:
+    """Free text with any number of calls, each naming one of ``tools``;
+    ``text_tokens`` (the model's thinking tokens) may appear in the text."""
     # TEXT is any text that does not spell the opener (the and/not regex
     # operators are llguidance extensions); the grammar's call is the only way in.
+    breaks = " | ".join([fmt.wrapped("call"), *text_tokens])
     return "\n".join(
         [
             "start: segment* TEXT",
-            f"segment: TEXT {fmt.wrapped('call')}",
+            f"segment: TEXT ({breaks})",
             *fmt.call_rules(tools, free=free, dump=_dump_tools),
             f"TEXT: {fmt.free_text()}",
         ]
