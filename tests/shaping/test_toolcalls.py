@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gezel_trio.shaping.toolcalls import (
+    GEMMA4,
     GENERIC,
+    GLM,
     HERMES,
     MISTRAL,
     QWEN3_CODER,
@@ -36,6 +38,7 @@ from gezel_trio.shaping.toolcalls import (
     collect,
     detect_format,
     resolve_format,
+    string_parameters,
 )
 
 MiB = 1 << 20
@@ -109,12 +112,25 @@ def test_the_family_is_read_from_the_template() -> None:
     assert detect_format(MISTRAL_TEMPLATE) is MISTRAL
 
 
+GLM_TEMPLATE = (
+    "{{- '<tool_call>' + tc.name -}}{% for k, v in args.items() %}<arg_key>{{ k }}</arg_key>"
+    "\n<arg_value>{{ v }}</arg_value>\n{% endfor %}</tool_call>"
+)
+GEMMA4_TEMPLATE = "{{- '<|tool_call>call:' + function['name'] + '{' -}}...{{- '}<tool_call|>' -}}"
+
+
+def test_gemma4_and_glm_are_read_from_the_template() -> None:
+    assert detect_format(GLM_TEMPLATE) is GLM
+    assert detect_format(GEMMA4_TEMPLATE) is GEMMA4
+    # GLM's template also has <tool_call>; Qwen3-Coder's has neither <arg_key>
+    # nor Gemma's tokens.
+    assert detect_format(QWEN3_CODER_TEMPLATE + GLM_TEMPLATE) is GLM
+
+
 def test_unknown_families_are_not_guessed() -> None:
     assert detect_format(None) is None
     assert detect_format("") is None
     assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
-    # GLM writes <tool_call>NAME<arg_key>..., not JSON: no splitter rather than a wrong one.
-    assert detect_format("<tool_call>{{ name }}<arg_key>k</arg_key>") is None
     # Mistral's older JSON-list form.
     assert detect_format("[TOOL_CALLS] [{{ calls | tojson }}]") is None
 
@@ -500,6 +516,161 @@ def test_xml_cut_off_is_malformed() -> None:
     assert whole(QWEN3_CODER, text) == [CallStart(0, "call-0", "f"), CallEnd(0, True)]
 
 
+# --- Gemma 4 ----------------------------------------------------------------------
+
+Q = '<|"|>'
+
+
+def test_gemma4_call_becomes_json_arguments() -> None:
+    text = (
+        f"Let me check.<|tool_call>call:get_weather{{city:{Q}Paris, "
+        f'"FR"{Q},days:3,opts:{{units:[{Q}c{Q},1.5,true],x:null}},when:None}}<tool_call|>'
+    )
+    args = (
+        '{"city": "Paris, \\"FR\\"", "days": 3, '
+        '"opts": {"units": ["c", 1.5, true], "x": null}, "when": null}'
+    )
+    assert whole(GEMMA4, text) == [Content("Let me check."), *call(0, "get_weather", args)]
+    assert json.loads(args)["city"] == 'Paris, "FR"'
+
+
+def test_gemma4_strings_stream_as_they_are_generated() -> None:
+    s = splitter(GEMMA4)
+    assert s.feed("<|tool_call>call:wri") == []
+    assert s.feed("te{path:<|") == [CallStart(0, "call-0", "write"), CallArgs(0, '{"path": ')]
+    assert s.feed('"|>a\nb') == [CallArgs(0, '"a\\nb')]
+    assert s.feed("\n") == [CallArgs(0, "\\n")]
+    assert s.feed(f"{Q}}}<tool_call|>") == [CallArgs(0, '"}'), CallEnd(0)]
+
+
+def test_gemma4_quoted_keys_words_and_empty_calls() -> None:
+    text = f"<|tool_call>call:now{{}}<tool_call|><|tool_call>call:f{{{Q}k k{Q}:yes}}<tool_call|>"
+    assert whole(GEMMA4, text) == [*call(0, "now", "{}"), *call(1, "f", '{"k k": "yes"}')]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<|tool_call>cal:f{}<tool_call|>",
+        "<|tool_call>call:{}<tool_call|>",
+        "<|tool_call>call:bad name{}<tool_call|>",
+        "<|tool_call>call:f",
+        "<|tool_call>plain words",
+    ],
+)
+def test_gemma4_malformed_before_the_name_is_content(text: str) -> None:
+    assert whole(GEMMA4, text) == [Content(text)]
+    assert merged(run(GEMMA4, text)) == [Content(text)]
+
+
+def test_gemma4_breakage_and_early_end_are_malformed() -> None:
+    assert whole(GEMMA4, "<|tool_call>call:f{a:1<tool_call|>ok") == [
+        *call(0, "f", '{"a": 1', malformed=True),
+        Content("ok"),
+    ]
+    assert whole(GEMMA4, "<|tool_call>call:f{a::1}<tool_call|>") == [
+        *call(0, "f", '{"a": ', malformed=True),
+        Content(":1}<tool_call|>"),
+    ]
+    assert whole(GEMMA4, f"<|tool_call>call:f{{a:{Q}cut") == [
+        *call(0, "f", '{"a": "cut', malformed=True)
+    ]
+
+
+# --- GLM ---------------------------------------------------------------------------
+
+
+def glm_call(name: str, params: dict[str, str], nl: str = "\n") -> str:
+    body = "".join(
+        f"<arg_key>{k}</arg_key>{nl}<arg_value>{v}</arg_value>{nl}" for k, v in params.items()
+    )
+    return f"<tool_call>{name}{nl}{body}</tool_call>"
+
+
+@pytest.mark.parametrize("nl", ["\n", ""], ids=["glm-4.5", "glm-4.7"])
+def test_glm_call_with_typed_values(nl: str) -> None:
+    text = "Checking.\n" + glm_call(
+        "run", {"command": "ls <b>\n", "timeout": "30", "flags": '{"v": true}'}, nl
+    )
+    # A value is the text between its tags, newlines included.
+    args = '{"command": "ls <b>\\n", "timeout": 30, "flags": {"v": true}}'
+    assert whole(GLM, text) == [Content("Checking.\n"), *call(0, "run", args)]
+
+
+def test_glm_pairs_stream_one_by_one() -> None:
+    s = splitter(GLM)
+    assert s.feed("<tool_call>get_wea") == []
+    assert s.feed("ther\n<arg_key>ci") == [CallStart(0, "call-0", "get_weather")]
+    assert s.feed("ty</arg_key>\n<arg_value>Oslo</arg_val") == []
+    assert s.feed("ue>\n") == [CallArgs(0, '{"city": "Oslo"')]
+    assert s.feed("</tool_call>") == [CallArgs(0, "}"), CallEnd(0)]
+
+
+def test_glm_without_arguments_and_several_calls() -> None:
+    text = "<tool_call>now</tool_call>\n" + glm_call("f", {"a": "x"})
+    assert whole(GLM, text) == [*call(0, "now", "{}"), *call(1, "f", '{"a": "x"}')]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>I think so</tool_call>",
+        "<tool_call><arg_key>a</arg_key></tool_call>",
+        '<tool_call>{"name": "f"}</tool_call>',
+        "<tool_call>f",
+    ],
+)
+def test_glm_malformed_before_the_name_is_content(text: str) -> None:
+    assert whole(GLM, text) == [Content(text)]
+
+
+def test_string_parameters_stay_strings_with_the_tools_schema() -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "zip": {"type": "string"},
+                        "flag": {"enum": ["true", "false"]},
+                        "n": {"type": "integer"},
+                    },
+                },
+            },
+        }
+    ]
+    known = string_parameters(tools)
+    assert known == {"f": frozenset({"zip", "flag"})}
+    params = {"zip": "01234", "flag": "true", "n": "5"}
+    args = '{"zip": "01234", "flag": "true", "n": 5}'
+    for fmt, text in ((QWEN3_CODER, xml_call("f", params)), (GLM, glm_call("f", params))):
+        s = ToolCallSplitter(fmt, id_factory=counter(), string_params=known)
+        assert merged(s.feed(text) + s.finish()) == call(0, "f", args)
+        # Without the schema a value that looks like JSON is taken as JSON.
+        assert json.loads(collect(run(fmt, [text]))[1][0]["function"]["arguments"])["flag"] is True
+
+
+def test_glm_cut_off_between_pairs_is_a_good_call() -> None:
+    # A stop string may take the closing marker.
+    text = "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n"
+    assert whole(GLM, text) == call(0, "f", '{"a": 1}')
+    assert whole(GLM, "<tool_call>now\n") == call(0, "now", "{}")
+    assert whole(GLM, text + "<arg_key>b</arg_key><arg_value>cut") == [
+        *call(0, "f", '{"a": 1', malformed=True)
+    ]
+
+
+def test_glm_breakage_after_the_name_is_malformed() -> None:
+    text = "<tool_call>f\n<arg_key>a</arg_key>\n<oops></tool_call>"
+    assert whole(GLM, text) == [
+        CallStart(0, "call-0", "f"),
+        CallEnd(0, True),
+        Content("<oops></tool_call>"),
+    ]
+
+
 # --- Mistral -----------------------------------------------------------------------
 
 
@@ -579,12 +750,59 @@ def mistral_calls(draw: st.DrawFn) -> tuple[str, str, Any]:
     return f"[TOOL_CALLS]{name}[ARGS]{json.dumps(args)}", name, args
 
 
-CALLS = {HERMES: hermes_calls(), QWEN3_CODER: xml_calls(), MISTRAL: mistral_calls()}
+def gemma_value(value: Any) -> str:
+    """``value`` as Gemma 4's chat template writes it."""
+    if isinstance(value, str):
+        return f'<|"|>{value}<|"|>'
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{gemma_value(v)}" for k, v in sorted(value.items())) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(gemma_value(v) for v in value) + "]"
+    return repr(value)
+
+
+gemma_keys = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,6}", fullmatch=True)
+gemma_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(st.characters(exclude_characters="<"), max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(gemma_keys, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@st.composite
+def gemma_calls(draw: st.DrawFn) -> tuple[str, str, Any]:
+    name = draw(names)
+    args = draw(st.dictionaries(gemma_keys, gemma_values, max_size=4))
+    return f"<|tool_call>call:{name}{gemma_value(args)}<tool_call|>", name, args
+
+
+@st.composite
+def glm_calls(draw: st.DrawFn) -> tuple[str, str, Any]:
+    name = draw(names)
+    params = draw(st.dictionaries(names, st.text(st.characters(exclude_characters="<"))))
+    return glm_call(name, params, draw(st.sampled_from(["\n", ""]))), name, params
+
+
+CALLS = {
+    HERMES: hermes_calls(),
+    QWEN3_CODER: xml_calls(),
+    MISTRAL: mistral_calls(),
+    GEMMA4: gemma_calls(),
+    GLM: glm_calls(),
+}
 # Junk made of markup: marker pieces, JSON punctuation, escapes, tags.
 JUNK_PIECES = [
     "<tool_call>", "</tool_call>", "<tool_ca", "</tool", "<", ">", "{", "}", "[", "]", '"', ":",
     ",", "\\", "\\u", "d83d", "name", '"name": "x"', '"arguments": ', "[TOOL_CALLS]", "[ARGS]",
     "<function=f>", "<parameter=p>", "</parameter>", "</function>", "\n", " ", "a", "1", "é",
+    "<|tool_call>", "<tool_call|>", "call:", "call:f{", '<|"|>', "<|", "k:", "<arg_key>",
+    "</arg_key>", "<arg_value>", "</arg_value>",
 ]  # fmt: skip
 junk = st.lists(st.sampled_from(JUNK_PIECES), max_size=8).map("".join)
 
@@ -620,7 +838,7 @@ def well_formed(events: list[ToolEvent]) -> bool:
     return open_call is None
 
 
-@pytest.mark.parametrize("fmt", [HERMES, QWEN3_CODER, MISTRAL], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [HERMES, QWEN3_CODER, MISTRAL, GEMMA4, GLM], ids=lambda f: f.name)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_chunking_gives_the_same_events(fmt: ToolFormat, data: st.DataObject) -> None:
@@ -632,7 +850,7 @@ def test_any_chunking_gives_the_same_events(fmt: ToolFormat, data: st.DataObject
     assert well_formed(expected)
 
 
-@pytest.mark.parametrize("fmt", [HERMES, QWEN3_CODER, MISTRAL], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [HERMES, QWEN3_CODER, MISTRAL, GEMMA4, GLM], ids=lambda f: f.name)
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(), data=st.data())
 def test_arbitrary_text_never_raises(fmt: ToolFormat, text: str, data: st.DataObject) -> None:
@@ -651,7 +869,7 @@ def xml_value(v: str) -> Any:
     return v if isinstance(parsed, str) else parsed
 
 
-@pytest.mark.parametrize("fmt", [HERMES, QWEN3_CODER, MISTRAL], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [HERMES, QWEN3_CODER, MISTRAL, GEMMA4, GLM], ids=lambda f: f.name)
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_valid_calls_come_out_whole(fmt: ToolFormat, data: st.DataObject) -> None:
@@ -663,7 +881,7 @@ def test_valid_calls_come_out_whole(fmt: ToolFormat, data: st.DataObject) -> Non
     assert [c["function"]["name"] for c in calls] == [name for _, (_, name, _) in drawn]
     for got, (_, (_, _, args)) in zip(calls, drawn, strict=True):
         parsed = json.loads(got["function"]["arguments"])
-        if fmt is QWEN3_CODER:
+        if fmt in (QWEN3_CODER, GLM):
             args = {k: xml_value(v) for k, v in args.items()}
         assert parsed == args
     # Prose is content, except whitespace alone right after a call.
@@ -697,6 +915,12 @@ ADVERSARIAL = {
         "<tool_call><function=f><parameter=a>" + "</param" * (MiB // 7),
     ),
     "mistral junk": (MISTRAL, "[TOOL_CALLS]" * (MiB // 12)),
+    "gemma endless string": (GEMMA4, '<|tool_call>call:f{a:<|"|>' + "<|" * (MiB // 2)),
+    "gemma nested arrays": (GEMMA4, "<|tool_call>call:f{a:" + "[" * MiB),
+    "glm endless value": (
+        GLM,
+        "<tool_call>f<arg_key>a</arg_key><arg_value>" + "</arg" * (MiB // 5),
+    ),
 }  # fmt: skip
 
 

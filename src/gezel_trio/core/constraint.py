@@ -22,10 +22,14 @@ class Constraint:
     ``grammar`` is a serialized llguidance grammar (``LLMatcher`` input).
     ``tool_names`` lists the functions a call may name (empty for plain
     JSON). ``special_tokens`` are the tokenizer tokens the grammar refers to;
-    a model whose tokenizer lacks them cannot serve it.
+    a model whose tokenizer lacks them cannot serve it. ``closing_texts``
+    are the markup's own ways to end a value or a call (``</parameter>``,
+    ``<tool_call|>``...), which the engine steers to near the end of the
+    budget where the grammar allows one whole.
     """
 
     kind: ConstraintKind
     grammar: str = attrs.field(repr=False)
     tool_names: tuple[str, ...] = ()
     special_tokens: tuple[str, ...] = ()
+    closing_texts: tuple[str, ...] = ()

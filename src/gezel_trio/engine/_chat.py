@@ -280,7 +280,13 @@ def open_chat(
     choices = [
         ChatChoice(
             prepared,
-            Shaper(info, prepared.request.prompt, tools=chat.parses_tools, reasoning=not raw),
+            Shaper(
+                info,
+                prepared.request.prompt,
+                tools=chat.parses_tools,
+                reasoning=not raw,
+                tool_specs=chat.tools,
+            ),
             index=i,
             replies=replies,
         )

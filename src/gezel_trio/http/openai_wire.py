@@ -302,10 +302,14 @@ class WarmRequest:
 
 @attrs.frozen
 class ToolGrammar:
-    """gezel: constrain what the model may call; ``name-only``: a grammar
-    allows only the declared tools' names."""
+    """gezel (the seed's field): constrain tool calls with a grammar.
+    ``name-only``: calls may name only the declared tools, arguments free;
+    ``name-and-params`` (the seed's default): the whole call by the tool's
+    schema. ``format`` names the markup family the client expects; the
+    template's own markup is used either way (``shaping.grammar``)."""
 
-    mode: Literal["name-only"]
+    mode: Literal["name-only", "name-and-params"] = "name-and-params"
+    format: Literal["hermes", "gemma", "glm", "qwen3_coder"] | None = None
 
 
 @attrs.frozen

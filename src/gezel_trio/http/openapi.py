@@ -45,7 +45,8 @@ _DOCS: dict[str, str] = {
     "chat_template_override": "gezel: a Jinja chat template used instead of the model's.",
     "chat_template_kwargs": "gezel: extra variables for the chat template (enable_thinking ...).",
     "max_thinking_tokens": "gezel: close the think block after this many tokens.",
-    "tool_grammar": 'gezel: {"mode": "name-only"} constrains tool names with a grammar.',
+    "tool_grammar": "gezel: constrain tool calls with a grammar; mode name-only (names) or "
+    "name-and-params (the whole call, by schema); format hermes, gemma, glm or qwen3_coder.",
     "disable_speculation": "gezel: opt out of speculative decoding.",
     "ignore_eos": "vLLM: generate exactly max_tokens tokens.",
     "min_tokens": "vLLM: hold end-of-sequence back for this many tokens.",

@@ -44,7 +44,7 @@ from ..core.constraint import Constraint
 from ..core.errors import InvalidRequest
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority, SamplingParams
-from ..shaping.grammar import ToolFormatName, build_constraint
+from ..shaping.grammar import GRAMMAR_FORMATS, ToolFormatName, build_constraint
 from ..shaping.prompt import ChatTemplateRenderer
 from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.text import COMMON_FRAMING_MARKERS
@@ -82,7 +82,8 @@ _CACHE_CLASSES: dict[str, Any] = {
 }
 
 # Added tokens that are content, not framing: later layers parse them.
-_CONTENT_MARKERS = ("tool_call", "tool_response", "think", "TOOL_CALLS", "ARGS")
+# Gemma 4's string delimiter <|"|> is content too: it spells tool-call arguments.
+_CONTENT_MARKERS = ("tool_call", "tool_response", "think", "TOOL_CALLS", "ARGS", '<|"|>')
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
@@ -290,10 +291,19 @@ def _think_ids(tokenizer: Any) -> tuple[int, int] | None:
 class _Compiler:
     """``backend.ConstraintCompiler`` over llguidance with this model's vocabulary."""
 
-    def __init__(self, grammar_tok: GrammarTokenizer, *, tool_format: str | None) -> None:
+    def __init__(
+        self,
+        grammar_tok: GrammarTokenizer,
+        *,
+        tool_format: str | None,
+        think_markers: tuple[str, str] | None = None,
+    ) -> None:
         self._llg = grammar_tok.llg
-        self._format: ToolFormatName | None = (
-            "hermes" if tool_format == "hermes" else "generic" if tool_format == "generic" else None
+        # The thinking tokens free text may hold under tool_grammar (a model
+        # that opens its own think block, as GLM and Gemma 4 do).
+        self._text_tokens = grammar_tok.added_tokens_in(think_markers or ())
+        self._format: ToolFormatName | None = next(
+            (f for f in GRAMMAR_FORMATS if f == tool_format), None
         )
 
     def compile(
@@ -305,11 +315,13 @@ class _Compiler:
         tool_grammar: Any,
         custom_tools: Any = None,
     ) -> Constraint | None:
-        if self._format is None and (tool_choice not in (None, "auto", "none") or tool_grammar):
+        forced = tool_choice not in (None, "auto", "none")
+        if self._format is None and (forced or tool_grammar):
             raise InvalidRequest(
-                "tool-call constraints need a model whose chat template has Hermes "
-                "tool calls or no tool syntax at all (the generic format)",
-                param="tool_choice",
+                "tool-call constraints need a model whose chat template has Hermes, "
+                "Qwen3-Coder, Gemma 4 or GLM tool calls, or no tool syntax at all "
+                "(the generic format)",
+                param="tool_choice" if forced else "tool_grammar",
             )
         return build_constraint(
             response_format=response_format,
@@ -319,6 +331,7 @@ class _Compiler:
             tool_format=self._format or "hermes",
             llg_tokenizer=self._llg,
             custom_tools=custom_tools,
+            text_tokens=self._text_tokens,
         )
 
 
@@ -399,7 +412,11 @@ class MlxBackend:
         except (TypeError, ValueError) as exc:
             log.warning("constrained decoding unavailable for this tokenizer: %s", exc)
         self._compiler = (
-            _Compiler(self._grammar_tok, tool_format=self._info.tool_format)
+            _Compiler(
+                self._grammar_tok,
+                tool_format=self._info.tool_format,
+                think_markers=self._info.think_markers,
+            )
             if self._grammar_tok is not None
             else None
         )

@@ -145,6 +145,19 @@ class GrammarTokenizer:
         added = hf_tokenizer.get_added_vocab() if hasattr(hf_tokenizer, "get_added_vocab") else {}
         self._added_tokens: frozenset[str] = frozenset(added)
 
+    def added_tokens_in(self, texts: Iterable[str]) -> tuple[str, ...]:
+        """The added tokens spelled inside ``texts`` (say ``<|channel>`` in
+        Gemma 4's ``<|channel>thought``), in order of appearance."""
+        found: list[str] = []
+        for text in texts:
+            at = sorted((text.find(t), t) for t in self._added_tokens if t in text)
+            found += [t for _, t in at if t not in found]
+        return tuple(found)
+
+    def closing_sequences(self, texts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """``Constraint.closing_texts`` as token ids, special tokens parsed."""
+        return tuple(tuple(self.llg.tokenize_str(t, parse_special=True)) for t in texts)
+
     def matcher(self, constraint: Constraint) -> Any:
         """A fresh ``llguidance.LLMatcher`` for ``constraint``.
 
@@ -154,8 +167,8 @@ class GrammarTokenizer:
         missing = [t for t in constraint.special_tokens if t not in self._added_tokens]
         if missing:
             raise InvalidRequest(
-                f"this model's tokenizer has no {', '.join(missing)} token; "
-                "tool-call constraints need a Hermes-format model",
+                f"this model's tokenizer has no {', '.join(missing)} token, which its "
+                "template's tool-call markup needs",
                 param=param,
             )
         # log_level 0: llguidance would print warnings to stderr; errors are
@@ -186,6 +199,7 @@ class GrammarProcessor:
         budget: int | None = None,
         closers: dict[bool, tuple[int, ...]] | None = None,
         token_bytes: Any = None,
+        closing_sequences: Sequence[Sequence[int]] = (),
     ) -> None:
         if not eos_ids:
             raise ValueError("eos_ids must not be empty")
@@ -193,6 +207,10 @@ class GrammarProcessor:
         # Steering to the shortest ending starts when this many tokens are left.
         self._close_at = None if budget is None else budget - closing_reserve(budget)
         self._closers = closers or {True: (), False: ()}
+        # The markup's own endings (``Constraint.closing_texts``), and what is
+        # left of the one being written.
+        self._sequences = tuple(tuple(q) for q in closing_sequences if q)
+        self._pending: list[int] = []
         # Whether the text so far ends inside a JSON string (quotes and
         # escapes of the consumed tokens), which decides what closes it.
         self._token_bytes = token_bytes
@@ -238,6 +256,11 @@ class GrammarProcessor:
         except Exception as exc:  # API-level misuse, e.g. an id past the vocabulary
             self._fail(f"token {token} could not be consumed: {exc}")
             return
+        if self._pending:
+            if token == self._pending[0]:
+                self._pending.pop(0)
+            else:
+                self._pending.clear()
         if not ok:
             self._fail(f"token {token} was rejected: {self._matcher.get_error()}")
         elif self._close_at is not None and self._token_bytes is not None:
@@ -291,14 +314,33 @@ class GrammarProcessor:
         return self._eos_only
 
     def _closing(self, allowed: mx.array) -> mx.array:
-        """The first closer the grammar allows now, alone; else ``allowed``."""
+        """The next token of a markup ending the grammar allows whole, else
+        the first closer the grammar allows now, alone; else ``allowed``."""
         self.closing = True
+        if not self._in_string:
+            if not (self._pending and self._allowed_token(self._pending[0])):
+                self._pending = next(
+                    (
+                        list(q)
+                        for q in self._sequences
+                        if self._matcher.validate_tokens(list(q)) == len(q)
+                    ),
+                    [],
+                )
+            if self._pending:
+                return self._only(self._pending[0])
         for token in self._closers[self._in_string]:
-            if token < self._width and self._allowed[token]:
-                only = np.zeros(self._width, dtype=np.bool_)
-                only[token] = True
-                return mx.array(only)
+            if self._allowed_token(token):
+                return self._only(token)
         return allowed
+
+    def _allowed_token(self, token: int) -> bool:
+        return token < self._width and bool(self._allowed[token])
+
+    def _only(self, token: int) -> mx.array:
+        only = np.zeros(self._width, dtype=np.bool_)
+        only[token] = True
+        return mx.array(only)
 
     def _resize(self, width: int) -> None:
         # Columns past the tokenizer stay False forever: a padded vocabulary.
@@ -345,6 +387,7 @@ def make_grammar_processor(
         budget=budget,
         closers=llg_tokenizer.closers,
         token_bytes=llg_tokenizer.llg.decode_bytes,
+        closing_sequences=llg_tokenizer.closing_sequences(constraint.closing_texts),
     )
     for token in generated:
         processor.advance(token)

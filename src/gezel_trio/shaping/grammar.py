@@ -8,23 +8,37 @@ starts. It imports llguidance but never MLX; the engine side
 (``mlx_constraints``) turns a ``Constraint`` into a per-sequence logits
 processor.
 
-How each kind is expressed:
+How each kind is expressed, in the call markup of the model's chat
+template (``tool_format``: Hermes JSON, Qwen3-Coder XML, GLM, Gemma 4 or the
+generic format; ``shaping.call_syntax`` spells a call in each):
 
 * ``json_object`` / ``json_schema``: llguidance's JSON-schema grammar
   (``{"type": "object"}`` for ``json_object``).
 * ``tool_call`` (``tool_choice`` ``"required"`` or a named function): a Lark
-  grammar forcing exactly one Hermes call,
+  grammar forcing exactly one call, e.g. Hermes'
   ``<tool_call>\\n{"name": "f", "arguments": ARGS}\\n</tool_call>``, one
-  alternative per allowed tool, each with its parameters schema inlined as
-  ``%json {...}``. Parallel calls are not generated: one call, then EOS.
-* ``tool_name`` (``tool_grammar: {"mode": "name-only"}``): free text in which
-  the ``<tool_call>`` special token opens a call whose name must be one of
-  the tools (arguments: any JSON object); after ``</tool_call>`` free text
-  resumes, so several calls may appear. The free text is a terminal that
-  cannot contain the characters ``<tool_call>``, so a call spelled out in
-  plain text (which the tool-call parser would also pick up) is impossible:
-  every call goes through the constrained branch. Being text, it cannot
-  hold other special tokens either (EOS still ends the turn anywhere).
+  alternative per allowed tool, its arguments by its parameters schema
+  (``%json {...}`` in the JSON markups; key by key in the others). Parallel
+  calls are not generated: one call, then EOS.
+* ``tool_name`` (the gezel ``tool_grammar`` field the seed's client sends,
+  ``{"format": ..., "mode": "name-only" | "name-and-params"}``): free text
+  in which the markup's opening special token opens a call whose name must
+  be one of the tools; ``name-only`` leaves the arguments free (any
+  well-formed arguments the markup can write, so the call always parses),
+  ``name-and-params`` (the seed's default) holds them to the tool's schema
+  as a forced call does. After the closing token free text resumes, so
+  several calls may appear, or none. The free text is a terminal that
+  cannot contain the opener's characters, so a call spelled out in plain
+  text (which the tool-call parser would also pick up) is impossible: every
+  call goes through the constrained branch. Being text, it cannot hold
+  other special tokens either (EOS still ends the turn anywhere).
+  ``format`` names the family the client expects (the seed's ``hermes`` is
+  the ``<tool_call>`` family, which includes Qwen 3.5/3.6's Qwen3-Coder
+  XML); where it disagrees with the template, the template's markup is
+  used all the same: it is what the model learned, what the parser reads
+  and what the history renders, and a grammar in another markup would only
+  fight the model (the seed skipped its grammar then). An unknown
+  ``format`` or ``mode`` is a 400 naming ``tool_grammar``.
 * ``json_or_tool_call``: ``response_format`` JSON together with tools under
   ``tool_choice`` ``"auto"``: either the JSON answer or one constrained call,
   which is what the OpenAI API allows in that case.
@@ -36,11 +50,12 @@ ordinary tokens; ``json_or_tool_call`` is then one JSON grammar (``anyOf``
 the answer and the call), and ``tool_name`` is refused (free text cannot be
 stopped before a plain-text opener).
 
-The Hermes tool tags are the tokenizer's ``<tool_call>`` / ``</tool_call>`` special
-tokens (``Constraint.special_tokens`` lists them), not the same characters
-spelled with ordinary tokens: that is what Hermes-format models emit, and it
-keeps generated ids identical to what the chat template renders for the
-history, so the prompt cache can be reused on the next turn.
+The tool tags are the tokenizer's special tokens (``<tool_call>`` /
+``</tool_call>``; Gemma 4's ``<|tool_call>`` / ``<tool_call|>`` and its
+string delimiter ``<|"|>``; ``Constraint.special_tokens`` lists them), not
+the same characters spelled with ordinary tokens: that is what these models
+emit, and it keeps generated ids identical to what the chat template renders
+for the history, so the prompt cache can be reused on the next turn.
 
 JSON is generated compactly in ``json.dumps`` style (``", "`` and ``": "``,
 no other whitespace): flexible whitespace lets a weak model loop on newlines
@@ -60,6 +75,7 @@ should still run ``build_constraint`` in a worker thread.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal
@@ -69,16 +85,23 @@ import llguidance
 
 from ..core.constraint import Constraint, ConstraintKind
 from ..core.errors import InvalidRequest
+from .call_syntax import CallSyntax, JsonSyntax, syntax_for
 from .custom_tools import INPUT_PARAMETER, escaped_grammar, grammar_of
 
 __all__ = [
+    "GRAMMAR_FORMATS",
     "MAX_GRAMMAR_BYTES",
     "MAX_SCHEMA_BYTES",
     "MAX_SCHEMA_DEPTH",
+    "TOOL_GRAMMAR_FORMATS",
+    "TOOL_GRAMMAR_MODES",
     "Constraint",
     "ConstraintKind",
+    "ToolFormatName",
+    "ToolGrammarHint",
     "build_constraint",
     "parser_limits",
+    "tool_grammar_hint",
 ]
 
 
@@ -92,12 +115,25 @@ MAX_GRAMMAR_BYTES: Final = 256 * 1024
 # Checked before json.dumps, which would hit Python's recursion limit near 1000.
 MAX_SCHEMA_DEPTH: Final = 64
 
-TOOL_CALL_OPEN: Final = "<tool_call>"
-TOOL_CALL_CLOSE: Final = "</tool_call>"
-# The generic format's call opener (shaping.toolcalls.GENERIC.start), as generated.
-GENERIC_CALL_OPEN: Final = '{"tool_call": '
+log = logging.getLogger(__name__)
 
-ToolFormatName = Literal["hermes", "generic"]
+# The tool formats (``shaping.toolcalls`` names) a grammar can be built for.
+ToolFormatName = Literal["hermes", "generic", "qwen3_coder", "gemma4", "glm"]
+GRAMMAR_FORMATS: Final = ("hermes", "generic", "qwen3_coder", "gemma4", "glm")
+
+# tool_grammar.format (the seed client's names, and ours for Qwen3-Coder) ->
+# the template markups it names. The seed's "hermes" meant the <tool_call>
+# family: Qwen 3.5/3.6 and Nemotron templates are Qwen3-Coder XML inside it.
+TOOL_GRAMMAR_FORMATS: Final[Mapping[str, tuple[str, ...]]] = {
+    "hermes": ("hermes", "qwen3_coder"),
+    "qwen3_coder": ("qwen3_coder",),
+    "gemma": ("gemma4",),
+    "glm": ("glm",),
+}
+TOOL_GRAMMAR_MODES: Final = ("name-only", "name-and-params")
+
+# A special token's name as llguidance's Lark reads one.
+_SPECIAL_TOKEN = re.compile(r"<[^<>\s]+>")
 
 # OpenAI's own rule for function names; it also keeps names safe to splice
 # into Lark string literals.
@@ -111,6 +147,11 @@ _JSON_OPTIONS: Final[Mapping[str, Any]] = {
     "key_separator": ": ",
     "coerce_one_of": True,
 }
+
+# name-only arguments in the JSON markups: any object.
+_ANY_OBJECT: Final = json.dumps(
+    {"type": "object", "x-guidance": {**_JSON_OPTIONS, "lenient": True}}
+)
 
 # A function with no "parameters" takes none (OpenAI semantics): only {}.
 _NO_PARAMETERS: Final[Mapping[str, Any]] = {"type": "object", "additionalProperties": False}
@@ -156,6 +197,7 @@ def build_constraint(
     tool_format: ToolFormatName = "hermes",
     llg_tokenizer: Any = None,
     custom_tools: Mapping[str, Mapping[str, Any] | None] | None = None,
+    text_tokens: Sequence[str] = (),
 ) -> Constraint | None:
     """The constraint a chat request asks for, compiled, or ``None``.
 
@@ -168,15 +210,34 @@ def build_constraint(
     matcher. ``custom_tools`` maps the names of custom (freeform) tools,
     rendered as functions taking one ``input`` string, to their Responses
     format: a forced call's input then matches its grammar
-    (``shaping.custom_tools``). CPU-bound, no I/O; see the module docstring
-    for timings.
+    (``shaping.custom_tools``). ``text_tokens`` are special tokens the free
+    text of a ``tool_grammar`` turn may hold: the model's own thinking
+    markers (``<think>`` / ``</think>``, Gemma 4's ``<|channel>`` /
+    ``<channel|>``), which the text terminal could not otherwise produce.
+    CPU-bound, no I/O; see the module docstring for timings.
     """
-    if tool_format not in ("hermes", "generic"):
+    fmt = syntax_for(
+        tool_format,
+        json_options=_JSON_OPTIONS,
+        free_args=_ANY_OBJECT,
+        custom_input=INPUT_PARAMETER,
+    )
+    if fmt is None:
         raise InvalidRequest(f"unsupported tool format {tool_format!r}", param="tool_format")
-    fmt = _Syntax(tool_format)
     response = _response_schema(response_format)
     choice = _tool_choice(tool_choice)
-    name_only = _name_only(tool_grammar)
+    hint = tool_grammar_hint(tool_grammar)
+    if hint is not None and hint.format is not None and not hint.agrees_with(fmt.name):
+        # The template's markup is what the model was taught, what the parser
+        # reads and what the history renders: it wins (see the module docstring).
+        log.info(
+            "tool_grammar.format %r names another family than this template's %s markup; "
+            "constraining in the template's markup",
+            hint.format,
+            fmt.name,
+        )
+    # Custom tools' grammars apply inside a JSON string (the JSON markups).
+    custom = custom_tools if isinstance(fmt, JsonSyntax) else None
 
     if isinstance(choice, _Forced) or choice == "required":
         if response is not None:
@@ -185,7 +246,7 @@ def build_constraint(
                 "the tool's parameters schema already constrains the output",
                 param="response_format",
             )
-        all_tools = _tools(tools, param="tools", custom=custom_tools)
+        all_tools = _tools(tools, param="tools", custom=custom)
         if isinstance(choice, _Forced):
             chosen = [t for t in all_tools if t.name in choice.names]
             missing = set(choice.names) - {t.name for t in chosen}
@@ -219,10 +280,10 @@ def build_constraint(
         _validate(grammar, param="response_format", tok=llg_tokenizer)
         return Constraint(kind, grammar)
 
-    if name_only:
+    if hint is not None:
         if not tools:
             raise InvalidRequest(
-                'tool_grammar {"mode": "name-only"} needs tools to constrain names to',
+                f'tool_grammar {{"mode": "{hint.mode}"}} needs tools to constrain names to',
                 param="tool_grammar",
             )
         if not tools_active:
@@ -232,14 +293,19 @@ def build_constraint(
             # the opener that is decided per token, but llguidance's greedy
             # lexer cannot stop free text before a plain-text opener.
             raise InvalidRequest(
-                'tool_grammar {"mode": "name-only"} needs a model with a Hermes '
-                "tool-call template (this one uses the generic JSON format)",
+                f'tool_grammar {{"mode": "{hint.mode}"}} needs a model whose chat template '
+                "has tool-call markup (this one uses the generic JSON format)",
                 param="tool_grammar",
             )
         all_tools = _tools(tools, param="tools")
         return _compile_lark(
             "tool_name",
-            _name_only_lark(all_tools, fmt),
+            _calls_in_text_lark(
+                all_tools,
+                fmt,
+                free=hint.mode == "name-only",
+                text_tokens=[t for t in text_tokens if _SPECIAL_TOKEN.fullmatch(t)],
+            ),
             all_tools,
             fmt,
             param="tool_grammar",
@@ -325,15 +391,48 @@ def _tool_choice(tool_choice: str | Mapping[str, Any] | None) -> str | _Forced |
     )
 
 
-def _name_only(tool_grammar: Mapping[str, Any] | None) -> bool:
+@attrs.frozen
+class ToolGrammarHint:
+    """The gezel ``tool_grammar`` field, checked.
+
+    ``format`` is the markup family the client expects (``None``: the
+    template's); ``mode`` is ``name-only`` (names pinned, arguments free but
+    well formed) or ``name-and-params`` (the whole call by the tool's
+    schema, the seed's default).
+    """
+
+    format: str | None
+    mode: str
+
+    def agrees_with(self, tool_format: str) -> bool:
+        """Whether ``format`` names the family of a template's markup."""
+        return self.format is None or tool_format in TOOL_GRAMMAR_FORMATS[self.format]
+
+
+def tool_grammar_hint(tool_grammar: Mapping[str, Any] | None) -> ToolGrammarHint | None:
+    """``tool_grammar`` checked; raises ``InvalidRequest`` naming it."""
     if tool_grammar is None:
-        return False
-    mode = tool_grammar.get("mode") if isinstance(tool_grammar, Mapping) else None
-    if mode == "name-only":
-        return True
-    raise InvalidRequest(
-        f'tool_grammar.mode must be "name-only", not {mode!r}', param="tool_grammar"
-    )
+        return None
+    if not isinstance(tool_grammar, Mapping):
+        raise InvalidRequest("tool_grammar must be an object", param="tool_grammar")
+    unknown = sorted(set(tool_grammar) - {"format", "mode"})
+    if unknown:
+        raise InvalidRequest(
+            f"tool_grammar takes format and mode, not {', '.join(unknown)}", param="tool_grammar"
+        )
+    mode = tool_grammar.get("mode", "name-and-params")
+    if mode not in TOOL_GRAMMAR_MODES:
+        raise InvalidRequest(
+            f'tool_grammar.mode must be "name-only" or "name-and-params", not {mode!r}',
+            param="tool_grammar",
+        )
+    fmt = tool_grammar.get("format")
+    if fmt is not None and fmt not in TOOL_GRAMMAR_FORMATS:
+        listed = ", ".join(f'"{f}"' for f in TOOL_GRAMMAR_FORMATS)
+        raise InvalidRequest(
+            f"tool_grammar.format must be one of {listed}, not {fmt!r}", param="tool_grammar"
+        )
+    return ToolGrammarHint(fmt, mode)
 
 
 def _tools(
@@ -454,52 +553,16 @@ def _dump(value: Any, *, param: str) -> str:
 # --- Lark grammars --------------------------------------------------------
 
 
-def _lit(text: str) -> str:
-    # A JSON string literal is a valid llguidance Lark string literal.
-    return json.dumps(text)
+def _forced_call_lark(tools: Sequence[_Tool], fmt: CallSyntax) -> str:
+    rules = fmt.call_rules(tools, free=False, dump=_dump_tools)
+    return "\n".join([f"start: {fmt.wrapped('call')}", *rules])
 
 
-def _call_head(name: str) -> str:
-    return _lit(f'{{"name": "{name}", "arguments": ')
+def _dump_tools(value: Any) -> str:
+    return _dump(value, param="tools")
 
 
-def _call_rules(tools: Sequence[_Tool]) -> list[str]:
-    """``call`` = one alternative per tool, each with its own schema; a custom
-    tool's input is its own grammar (``@custom_<i>``, see ``_compile_lark``)
-    between the quotes of the ``input`` string."""
-    alts = " | ".join(f"call_{i}" for i in range(len(tools)))
-    rules = [f"call: {alts}"]
-    for i, t in enumerate(tools):
-        if t.grammar is not None:
-            opener = _lit(f'{{"{INPUT_PARAMETER}": "')
-            rules.append(f'call_{i}: {_call_head(t.name)} {opener} @custom_{i} "\\"}}}}"')
-        else:
-            args = _dump(t.parameters, param="tools")
-            rules.append(f'call_{i}: {_call_head(t.name)} %json {args} "}}"')
-    return rules
-
-
-@attrs.frozen
-class _Syntax:
-    """How a call is wrapped, per tool format."""
-
-    name: ToolFormatName
-
-    def wrapped(self, body: str) -> str:
-        if self.name == "generic":
-            return f'{_lit(GENERIC_CALL_OPEN)} {body} "}}"'
-        return f'{TOOL_CALL_OPEN} "\\n" {body} "\\n" {TOOL_CALL_CLOSE}'
-
-    @property
-    def special_tokens(self) -> tuple[str, ...]:
-        return () if self.name == "generic" else (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
-
-
-def _forced_call_lark(tools: Sequence[_Tool], fmt: _Syntax) -> str:
-    return "\n".join([f"start: {fmt.wrapped('call')}", *_call_rules(tools)])
-
-
-def _json_or_call_lark(schema: Mapping[str, Any], tools: Sequence[_Tool], fmt: _Syntax) -> str:
+def _json_or_call_lark(schema: Mapping[str, Any], tools: Sequence[_Tool], fmt: CallSyntax) -> str:
     if fmt.name == "generic":
         # Both alternatives are JSON objects: one JSON grammar with anyOf, as
         # an answer and a call that both open with "{" cannot be told apart
@@ -534,7 +597,7 @@ def _json_or_call_lark(schema: Mapping[str, Any], tools: Sequence[_Tool], fmt: _
         [
             f"start: answer | {fmt.wrapped('call')}",
             f"answer: %json {_dump(schema, param='response_format')}",
-            *_call_rules(tools),
+            *fmt.call_rules(tools, free=False, dump=_dump_tools),
         ]
     )
 
@@ -543,20 +606,20 @@ def _without_options(schema: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in schema.items() if k != "x-guidance"}
 
 
-def _name_only_lark(tools: Sequence[_Tool], fmt: _Syntax) -> str:
-    heads = " | ".join(_call_head(t.name) for t in tools)
-    args = _dump(
-        {"type": "object", "x-guidance": {**_JSON_OPTIONS, "lenient": True}}, param="tools"
-    )
+def _calls_in_text_lark(
+    tools: Sequence[_Tool], fmt: CallSyntax, *, free: bool, text_tokens: Sequence[str]
+) -> str:
+    """Free text with any number of calls, each naming one of ``tools``;
+    ``text_tokens`` (the model's thinking tokens) may appear in the text."""
     # TEXT is any text that does not spell the opener (the and/not regex
     # operators are llguidance extensions); the grammar's call is the only way in.
+    breaks = " | ".join([fmt.wrapped("call"), *text_tokens])
     return "\n".join(
         [
             "start: segment* TEXT",
-            f"segment: TEXT {fmt.wrapped('call')}",
-            f'call: CALL_HEAD %json {args} "}}"',
-            f"CALL_HEAD: {heads}",
-            f"TEXT: /(?s:.*)/ & ~/(?s:.*){TOOL_CALL_OPEN}(?s:.*)/",
+            f"segment: TEXT ({breaks})",
+            *fmt.call_rules(tools, free=free, dump=_dump_tools),
+            f"TEXT: {fmt.free_text()}",
         ]
     )
 
@@ -565,7 +628,7 @@ def _compile_lark(
     kind: ConstraintKind,
     lark: str,
     tools: Sequence[_Tool],
-    fmt: _Syntax,
+    fmt: CallSyntax,
     *,
     param: str,
     tok: Any,
@@ -596,6 +659,7 @@ def _compile_lark(
         grammar,
         tool_names=tuple(t.name for t in tools),
         special_tokens=fmt.special_tokens,
+        closing_texts=fmt.closing_texts,
     )
 
 

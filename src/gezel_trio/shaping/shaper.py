@@ -13,6 +13,7 @@ gets these same events (``Engine.chat``); none shapes text itself.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +21,9 @@ import attrs
 from ..core.model import ModelInfo
 from .reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
 from .toolcalls import (
+    GEMMA4,
     GENERIC,
+    GLM,
     HERMES,
     MISTRAL,
     QWEN3_CODER,
@@ -31,6 +34,7 @@ from .toolcalls import (
     ToolCallSplitter,
     ToolEvent,
     ToolFormat,
+    string_parameters,
 )
 
 __all__ = [
@@ -92,17 +96,27 @@ def _is_object(text: str) -> bool:
         return False
 
 
-_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC)}
+_FORMATS: dict[str, ToolFormat] = {
+    f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC, GEMMA4, GLM)
+}
 
 
 class Shaper:
     """Text in, shaped events out; ``message()`` is the assistant message so far."""
 
     def __init__(
-        self, info: ModelInfo, prompt: tuple[int, ...], *, tools: bool, reasoning: bool = True
+        self,
+        info: ModelInfo,
+        prompt: tuple[int, ...],
+        *,
+        tools: bool,
+        reasoning: bool = True,
+        tool_specs: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """``tools``: turn tool markup into calls; ``reasoning``: split the
-        think block out (off for a raw prompt, whose output is plain text)."""
+        think block out (off for a raw prompt, whose output is plain text);
+        ``tool_specs``: the request's tools, whose schemas tell a string
+        parameter in markups that write values bare."""
         self._reasoning: ReasoningSplitter | None = None
         if reasoning and info.think_markers is not None and info.think_ids is not None:
             start, end = info.think_markers
@@ -111,7 +125,11 @@ class Shaper:
         fmt = _FORMATS.get(info.tool_format or "") if tools else None
         # Unknown template families stream content untouched: markers are
         # resolved from the template, never guessed from output.
-        self._tools = ToolCallSplitter(fmt) if fmt is not None else None
+        self._tools = (
+            ToolCallSplitter(fmt, string_params=string_parameters(tool_specs))
+            if fmt is not None
+            else None
+        )
         self.calls: list[ToolCallDone] = []
         self._open: dict[int, list[Any]] = {}  # index -> [id, name, argument parts]
         self.content: list[str] = []

@@ -44,21 +44,25 @@ tokens of markup go through Python one by one.
 The modules behind this facade: ``_splitter`` (the marker search and the
 event stream), ``_events``, ``_format`` and ``_detect``, and one module per
 markup: ``_hermes`` (and ``_generic``, which reuses its body), ``_mistral``,
-``_qwen_xml``; ``_json_lexer`` is the JSON lexer that Hermes and Mistral
-share.
+``_qwen_xml``, ``_gemma`` (Gemma 4), ``_glm`` (GLM-4.5 to 4.7);
+``_json_lexer`` is the JSON lexer that Hermes and Mistral share.
 """
 
 from ._detect import detect_format, resolve_format
 from ._events import CallArgs, CallEnd, CallStart, Content, ToolEvent, collect, new_call_id
 from ._format import ToolFormat
+from ._gemma import GEMMA4
 from ._generic import GENERIC
+from ._glm import GLM
 from ._hermes import HERMES
 from ._mistral import MISTRAL
 from ._qwen_xml import QWEN3_CODER
-from ._splitter import ToolCallSplitter
+from ._splitter import ToolCallSplitter, string_parameters
 
 __all__ = [
+    "GEMMA4",
     "GENERIC",
+    "GLM",
     "HERMES",
     "MISTRAL",
     "QWEN3_CODER",
@@ -73,4 +77,5 @@ __all__ = [
     "detect_format",
     "new_call_id",
     "resolve_format",
+    "string_parameters",
 ]

@@ -32,10 +32,13 @@ def skip_ws(text: str, i: int) -> int:
 
 
 class Owner(Protocol):
-    """The splitter, as a body sees it: told the name once, then argument text."""
+    """The splitter, as a body sees it: told the name once, then argument text.
+    ``_is_string`` says whether a tool's parameter is declared a string (the
+    markups that write values bare need the schema to tell ``"3"`` from 3)."""
 
     def _start(self, name: str) -> None: ...
     def _args(self, fragment: str) -> None: ...
+    def _is_string(self, name: str, key: str) -> bool: ...
 
 
 class Body(Protocol):

@@ -4,7 +4,9 @@ from what the model writes."""
 from __future__ import annotations
 
 from ._format import ToolFormat
+from ._gemma import GEMMA4
 from ._generic import GENERIC, teaches_no_tool_syntax
+from ._glm import GLM
 from ._hermes import HERMES
 from ._mistral import MISTRAL
 from ._qwen_xml import QWEN3_CODER
@@ -15,13 +17,17 @@ __all__ = ["detect_format", "resolve_format"]
 def detect_format(chat_template: str | None) -> ToolFormat | None:
     """The tool-call format a chat template teaches its model, or None.
 
-    Checked most specific first: Qwen3-Coder's template also contains
-    ``<tool_call>``. GLM's ``<arg_key>`` bodies and Mistral's older JSON-list
-    form are not supported, so they give None rather than a wrong guess.
+    Checked most specific first: GLM's and Qwen3-Coder's templates also
+    contain ``<tool_call>``. Mistral's older JSON-list form is not
+    supported, so it gives None rather than a wrong guess.
     """
     if not chat_template:
         return None
     t = chat_template
+    if "<|tool_call>" in t and "<tool_call|>" in t:
+        return GEMMA4
+    if "<tool_call>" in t and "<arg_key>" in t:
+        return GLM
     if "<tool_call>" in t and "<function=" in t and "<parameter=" in t:
         return QWEN3_CODER
     if "<tool_call>" in t and "<arg_key>" not in t:

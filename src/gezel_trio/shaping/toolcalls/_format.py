@@ -22,9 +22,13 @@ class ToolFormat:
       blocks, then ``</function>`` (Qwen3-Coder).
     * ``"name_args"``: ``NAME[ARGS]`` then the arguments as one JSON value
       (Mistral tokenizer v11 and later).
+    * ``"gemma"``: ``call:NAME{key:VALUE,...}`` in Gemma 4's own value syntax
+      (bare keys, strings between ``<|"|>`` tokens).
+    * ``"glm"``: ``NAME`` then ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``
+      pairs (GLM-4.5 to 4.7).
     """
 
     name: str
     start: str = attrs.field(validator=attrs.validators.min_len(1))
     end: str
-    body: Literal["json", "xml", "name_args"]
+    body: Literal["json", "xml", "name_args", "gemma", "glm"]

@@ -12,7 +12,7 @@ from .._markers import MarkerSeeker
 from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
 from ._format import ToolFormat
 
-__all__ = ["FIRST_CHARS", "QWEN3_CODER", "XmlBody", "open_body"]
+__all__ = ["FIRST_CHARS", "QWEN3_CODER", "XmlBody", "open_body", "param_json"]
 
 QWEN3_CODER = ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", "xml")
 
@@ -40,17 +40,24 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(name)  # NaN and Infinity are not JSON
 
 
-def _param_json(raw: str) -> str:
+def param_json(raw: str, *, own_lines: bool = True, string: bool = False) -> str:
     """A parameter's value as JSON text.
 
     The template writes strings bare and everything else as JSON, so a value
     that parses as a JSON number, bool, null, array or object is taken as one,
     and anything else is a string. Without the tool's schema, a string that
     looks like a number (a zip code ``12345``) is taken as the number.
+    ``own_lines``: the template puts the value on lines of its own (one
+    newline before and after it is layout). ``string``: the tool's schema
+    declares the parameter a string, so the value is one whatever it looks
+    like.
     """
-    # The template puts the value on lines of its own.
-    value = raw[1:] if raw.startswith("\n") else raw
-    value = value[:-1] if value.endswith("\n") else value
+    value = raw
+    if own_lines:
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+    if string:
+        return json.dumps(value, ensure_ascii=False)
     try:
         parsed = json.loads(value, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
@@ -85,6 +92,7 @@ class XmlBody:
     _state = _X_OPEN
     _lit = ""  # a tag cut by the end of the text
     _key = ""
+    _name = ""
     _params = 0
 
     def __init__(self, owner: Owner, end: str) -> None:
@@ -134,6 +142,7 @@ class XmlBody:
         if not word:
             return self._fail(k + 1)
         if st == _X_NAME:
+            self._name = word
             self._owner._start(word)
             self._state = _X_BODY
         else:
@@ -168,7 +177,8 @@ class XmlBody:
         return i
 
     def _param_done(self) -> None:
-        value = _param_json("".join(self._parts))
+        string = self._owner._is_string(self._name, self._key)
+        value = param_json("".join(self._parts), string=string)
         self._parts.clear()
         key = json.dumps(self._key, ensure_ascii=False)
         self._owner._args(("{" if not self._params else ", ") + key + ": " + value)

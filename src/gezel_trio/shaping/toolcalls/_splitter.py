@@ -2,21 +2,48 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .._markers import MarkerSeeker
-from . import _hermes, _mistral, _qwen_xml
+from . import _gemma, _glm, _hermes, _mistral, _qwen_xml
 from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
 from ._events import CallArgs, CallEnd, CallStart, Content, ToolEvent, new_call_id
 from ._format import ToolFormat
 
-__all__ = ["ToolCallSplitter"]
+__all__ = ["ToolCallSplitter", "string_parameters"]
+
+
+def string_parameters(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, frozenset[str]]:
+    """Each function tool's parameters whose schema says string (``type``
+    string, or an ``enum`` / ``const`` of strings)."""
+    out: dict[str, frozenset[str]] = {}
+    for tool in tools or ():
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        params = fn.get("parameters") if isinstance(fn, Mapping) else None
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(props, Mapping):
+            continue
+        out[str(fn.get("name"))] = frozenset(k for k, v in props.items() if _is_string(v))
+    return out
+
+
+def _is_string(schema: Any) -> bool:
+    if not isinstance(schema, Mapping):
+        return False
+    enum = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(enum, list) and enum:
+        return all(isinstance(v, str) for v in enum)
+    return schema.get("type") == "string"
+
 
 # Each body syntax: the characters a call can begin with, and its body.
 _SYNTAX: dict[str, tuple[frozenset[str], Callable[[Owner, ToolFormat], Body]]] = {
     "json": (_hermes.FIRST_CHARS, _hermes.open_body),
     "xml": (_qwen_xml.FIRST_CHARS, _qwen_xml.open_body),
     "name_args": (_mistral.FIRST_CHARS, _mistral.open_body),
+    "gemma": (_gemma.FIRST_CHARS, _gemma.open_body),
+    "glm": (_glm.FIRST_CHARS, _glm.open_body),
 }
 
 
@@ -68,8 +95,17 @@ class ToolCallSplitter:
     the model writes.
     """
 
-    def __init__(self, fmt: ToolFormat, *, id_factory: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self,
+        fmt: ToolFormat,
+        *,
+        id_factory: Callable[[], str] = new_call_id,
+        string_params: Mapping[str, frozenset[str]] | None = None,
+    ) -> None:
+        """``string_params``: each tool's parameters declared strings
+        (``string_parameters``), for the markups that write values bare."""
         self._fmt = fmt
+        self._string_params = string_params or {}
         self._new_id = id_factory
         self._opener = MarkerSeeker(fmt.start)
         self._start0 = fmt.start[0]
@@ -192,6 +228,9 @@ class ToolCallSplitter:
         if self._held_args:
             self._text(self._index, "".join(self._held_args))
             self._held_args.clear()
+
+    def _is_string(self, name: str, key: str) -> bool:
+        return key in self._string_params.get(name, ())
 
     def _args(self, fragment: str) -> None:
         if self._started:

@@ -1,0 +1,395 @@
+"""How one tool call is spelled in each chat-template markup, as Lark rules
+for llguidance (``shaping.grammar`` assembles them into whole grammars).
+
+Each markup is a ``CallSyntax``: the special tokens its calls use, the text
+that opens a call (free text around calls must never spell it), how the
+call is wrapped, and ``call_rules``: a ``call`` rule with one alternative per
+tool whose name is a literal, so a call can only name a declared tool. The
+arguments come in two strengths:
+
+* ``free``: any arguments the markup can write (any JSON object; any
+  ``<parameter=KEY>`` blocks; any Gemma 4 object), well formed, so the
+  result always parses.
+* by schema: what the tool's parameters schema allows. In the JSON markups
+  the whole arguments object is the schema's JSON grammar. In the others the
+  declared keys come in their order (the template's own order: declaration
+  order, or sorted for Gemma 4, whose template sorts them), required ones
+  present, each at most once, and each value by its schema: a string is
+  free text (an ``enum`` or ``const`` of strings: one of its values), a
+  typed value (number, boolean, object, array...) the JSON grammar of its
+  schema (Gemma 4: its own number and literal syntax; nested values free),
+  and a value whose schema has no type, or a ``$ref``, free. A tool whose
+  schema declares no properties takes free arguments.
+
+Every spelling is the one the chat template renders (the newlines of the
+Qwen3-Coder layout, Gemma 4's comma without a space, GLM's optional
+newlines), so generated ids match the rendered history and the prompt cache
+is reused on the next turn, and a weak model is not given a way to loop on
+whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol
+
+__all__ = [
+    "GEMMA_STRING",
+    "CallSyntax",
+    "JsonSyntax",
+    "Tool",
+    "syntax_for",
+]
+
+GEMMA_STRING: Final = '<|"|>'
+
+
+class Tool(Protocol):
+    """What a syntax needs of a tool: its name and prepared parameters schema."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parameters(self) -> Mapping[str, Any]: ...
+
+    @property
+    def grammar(self) -> str | None: ...
+
+
+def lit(text: str) -> str:
+    """A Lark string literal (a JSON string literal is a valid one)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _without_opener(opener: str) -> str:
+    return "/(?s:.*)/ & ~/(?s:.*)" + _regex_escape(opener) + "(?s:.*)/"
+
+
+def _regex_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in "\\/.^$|?*+()[]{}-" else c for c in text)
+
+
+class CallSyntax:
+    """One markup's call spelling; see the module docstring."""
+
+    name: str = ""
+    opener: str = ""
+    closer: str = ""
+    special_tokens: tuple[str, ...] = ()
+    # Texts that end a value or the call, tried in order near the budget's
+    # end (``mlx.constraints``); the JSON markups' JSON closers need none.
+    closing_texts: tuple[str, ...] = ()
+
+    def wrapped(self, body: str) -> str:
+        return f"{self.opener} {body} {self.closer}"
+
+    def free_text(self) -> str:
+        """A terminal definition: any text that does not spell the opener."""
+        return _without_opener(self.opener)
+
+    def call_rules(
+        self, tools: Sequence[Tool], *, free: bool, dump: Callable[[Any], str]
+    ) -> list[str]:
+        raise NotImplementedError
+
+
+class JsonSyntax(CallSyntax):
+    """Hermes (``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``)
+    and the generic format (``{"tool_call": {...}}``, plain text)."""
+
+    def __init__(self, name: str, *, free_args: str, custom_input: str) -> None:
+        self.name = name
+        self._free_args = free_args
+        self._custom_input = custom_input
+        if name == "generic":
+            self.opener, self.closer, self.special_tokens = '{"tool_call": ', "}", ()
+        else:
+            self.opener, self.closer = "<tool_call>", "</tool_call>"
+            self.special_tokens = (self.opener, self.closer)
+
+    def wrapped(self, body: str) -> str:
+        if self.name == "generic":
+            return f'{lit(self.opener)} {body} "}}"'
+        return f'{self.opener} "\\n" {body} "\\n" {self.closer}'
+
+    @staticmethod
+    def _head(name: str) -> str:
+        return lit(f'{{"name": "{name}", "arguments": ')
+
+    def call_rules(
+        self, tools: Sequence[Tool], *, free: bool, dump: Callable[[Any], str]
+    ) -> list[str]:
+        if free:
+            heads = " | ".join(self._head(t.name) for t in tools)
+            return [f'call: CALL_HEAD %json {self._free_args} "}}"', f"CALL_HEAD: {heads}"]
+        alts = " | ".join(f"call_{i}" for i in range(len(tools)))
+        rules = [f"call: {alts}"]
+        for i, t in enumerate(tools):
+            if t.grammar is not None:
+                # A custom tool's input is its own grammar (@custom_<i>)
+                # between the quotes of the input string.
+                opener = lit(f'{{"{self._custom_input}": "')
+                rules.append(f'call_{i}: {self._head(t.name)} {opener} @custom_{i} "\\"}}}}"')
+            else:
+                rules.append(f'call_{i}: {self._head(t.name)} %json {dump(t.parameters)} "}}"')
+        return rules
+
+
+# --- the markups whose arguments are not one JSON value -----------------------
+
+
+def _value_kind(schema: Any) -> tuple[str, tuple[str, ...]]:
+    """How a property's value is constrained: ``("enum", values)``,
+    ``("string", ())``, ``("json", ())`` (a typed value), or ``("free", ())``."""
+    if not isinstance(schema, Mapping) or "$ref" in json.dumps(schema, default=str):
+        return "free", ()
+    enum = schema.get("enum")
+    if "const" in schema:
+        enum = [schema["const"]]
+    if isinstance(enum, list) and enum:
+        if all(isinstance(v, str) for v in enum):
+            return "enum", tuple(dict.fromkeys(enum))
+        return "json", ()
+    kind = schema.get("type")
+    if kind == "string":
+        return "string", ()
+    if kind in ("integer", "number", "boolean", "null", "object", "array"):
+        return "json", ()
+    return "free", ()
+
+
+def _json_scalar(schema: Mapping[str, Any]) -> bool:
+    """A number, boolean or null (or an enum of them): spelled alike in JSON
+    and in Gemma 4's syntax."""
+    enum = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(enum, list):
+        return not any(isinstance(v, str | list | dict) for v in enum)
+    return schema.get("type") in ("integer", "number", "boolean", "null")
+
+
+def _properties(tool: Tool) -> tuple[list[tuple[str, Any]], set[str]] | None:
+    """The declared properties in order and the required names; ``None``
+    when the schema declares none (free arguments)."""
+    props = tool.parameters.get("properties")
+    if not isinstance(props, Mapping) or not props:
+        if tool.parameters.get("additionalProperties") is False:
+            return [], set()  # no parameters at all
+        return None
+    required = tool.parameters.get("required")
+    names = set(required) if isinstance(required, list) else set()
+    return [(str(k), v) for k, v in props.items()], names
+
+
+class _KeyedSyntax(CallSyntax):
+    """A markup whose arguments are key/value entries written one by one."""
+
+    # Whether entries are separated by commas (Gemma 4) or just follow each other.
+    separated = False
+    sorted_keys = False
+
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        self._options = options
+
+    def call_rules(
+        self, tools: Sequence[Tool], *, free: bool, dump: Callable[[Any], str]
+    ) -> list[str]:
+        alts = " | ".join(f"call_{i}" for i in range(len(tools)))
+        rules = [f"call: {alts}", *self.shared_rules()]
+        for i, t in enumerate(tools):
+            props = None if free else _properties(t)
+            if props is None:
+                args = self.free_args()
+            else:
+                entries, required = props
+                if self.sorted_keys:
+                    entries = sorted(entries)
+                options = t.parameters.get("x-guidance", self._options)
+                values = [(k, self.entry(k, schema, options, dump)) for k, schema in entries]
+                args = self._sequence(rules, i, values, required)
+            rules.append(f"call_{i}: {self.call(t.name, args)}")
+        return rules
+
+    def _sequence(
+        self, rules: list[str], i: int, values: list[tuple[str, str]], required: set[str]
+    ) -> str:
+        """The entries in order, optional unless required."""
+        if not values:
+            return '""'
+        if not self.separated:
+            return " ".join(e if k in required else f"({e})?" for k, e in values)
+        # With separators: first_j (nothing written yet) and after_j (a
+        # comma comes before the next entry), so optional entries stay
+        # linear in size.
+        n = len(values)
+        for j, (k, e) in enumerate(values):
+            last = j + 1 == n
+            next_after = '""' if last else f"args_{i}_after_{j + 1}"
+            next_first = '""' if last else f"args_{i}_first_{j + 1}"
+            first = f"{e} {next_after}"
+            after = f'"," {e} {next_after}'
+            if k not in required:
+                first += f" | {next_first}"
+                after += f" | {next_after}"
+            rules.append(f"args_{i}_first_{j}: {first}")
+            rules.append(f"args_{i}_after_{j}: {after}")
+        return f"args_{i}_first_0"
+
+    @staticmethod
+    def json_value(schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
+        prepared = dict(schema)
+        prepared["x-guidance"] = options
+        return f"%json {dump(prepared)}"
+
+    # Per markup:
+    def shared_rules(self) -> list[str]:
+        raise NotImplementedError
+
+    def free_args(self) -> str:
+        raise NotImplementedError
+
+    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
+        raise NotImplementedError
+
+    def call(self, name: str, args: str) -> str:
+        raise NotImplementedError
+
+
+class _QwenXmlSyntax(_KeyedSyntax):
+    """Qwen3-Coder: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
+    </parameter>\\n...</function>\\n</tool_call>``. A free value is any text
+    up to the first ``</parameter>`` (a lazy lexeme: the parser ends a value
+    there too)."""
+
+    name = "qwen3_coder"
+    opener, closer = "<tool_call>", "</tool_call>"
+    special_tokens = (opener, closer)
+    closing_texts = (
+        "</parameter>\n",
+        "\n</parameter>\n",
+        "</function>\n</tool_call>",
+        "\n</function>\n</tool_call>",
+    )
+
+    def wrapped(self, body: str) -> str:
+        return f'{self.opener} "\\n" {body} "\\n" {self.closer}'
+
+    def shared_rules(self) -> list[str]:
+        return [
+            'xml_param: "<parameter=" XML_KEY ">\\n" xml_text "\\n"',
+            'xml_text[lazy]: /(?s:.*)/ "</parameter>"',
+            r"XML_KEY: /[A-Za-z_$][A-Za-z0-9_.$\-]*/",
+        ]
+
+    def free_args(self) -> str:
+        return "xml_param*"
+
+    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
+        head = lit("<parameter=" + key + ">\n")
+        kind, values = _value_kind(schema)
+        if kind == "enum":
+            alts = " | ".join(lit(v) for v in values)
+            return f'{head} ({alts}) "\\n</parameter>\\n"'
+        if kind == "json":
+            return f'{head} {self.json_value(schema, options, dump)} "\\n</parameter>\\n"'
+        return f'{head} xml_text "\\n"'
+
+    def call(self, name: str, args: str) -> str:
+        head = lit("<function=" + name + ">\n")
+        return f'{head} {args} "</function>"'
+
+
+class _GlmSyntax(_KeyedSyntax):
+    """GLM: ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE
+    </arg_value>\\n...</tool_call>``; the newlines are optional (GLM-4.7's
+    template writes none)."""
+
+    name = "glm"
+    opener, closer = "<tool_call>", "</tool_call>"
+    special_tokens = (opener, closer)
+    closing_texts = ("</arg_value>", "</tool_call>", "\n</tool_call>")
+
+    def shared_rules(self) -> list[str]:
+        return [
+            'glm_pair: "<arg_key>" GLM_KEY "</arg_key>" "\\n"? "<arg_value>" glm_text "\\n"?',
+            'glm_text[lazy]: /(?s:.*)/ "</arg_value>"',
+            r"GLM_KEY: /[A-Za-z_$][A-Za-z0-9_.$\-]*/",
+        ]
+
+    def free_args(self) -> str:
+        return "glm_pair*"
+
+    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
+        head = f'{lit(f"<arg_key>{key}</arg_key>")} "\\n"? "<arg_value>"'
+        kind, values = _value_kind(schema)
+        if kind == "enum":
+            alts = " | ".join(lit(v) for v in values)
+            return f'{head} ({alts}) "</arg_value>" "\\n"?'
+        if kind == "json":
+            return f'{head} {self.json_value(schema, options, dump)} "</arg_value>" "\\n"?'
+        return f'{head} glm_text "\\n"?'
+
+    def call(self, name: str, args: str) -> str:
+        return f'{lit(name)} "\\n"? {args}'
+
+
+class _GemmaSyntax(_KeyedSyntax):
+    """Gemma 4: ``<|tool_call>call:NAME{key:VALUE,...}<tool_call|>``, strings
+    between ``<|"|>`` tokens, keys bare and sorted (the template's
+    ``dictsort``)."""
+
+    name = "gemma4"
+    opener, closer = "<|tool_call>", "<tool_call|>"
+    special_tokens = (opener, closer, GEMMA_STRING)
+    closing_texts = (GEMMA_STRING, "}<tool_call|>", "}", "]")
+    separated = True
+    sorted_keys = True
+
+    def shared_rules(self) -> list[str]:
+        s = GEMMA_STRING
+        return [
+            'gemma_members: (gemma_member ("," gemma_member)*)?',
+            'gemma_member: GEMMA_KEY ":" gemma_value',
+            'gemma_value: gemma_string | GEMMA_NUMBER | "true" | "false" | "null"'
+            ' | "{" gemma_members "}" | "[" (gemma_value ("," gemma_value)*)? "]"',
+            f"gemma_string: {s} GEMMA_TEXT? {s}",
+            # Text cannot spell the delimiter: the parser would end the string there.
+            f"GEMMA_TEXT: /(?s:.+)/ & ~/(?s:.*){_regex_escape(s)}(?s:.*)/",
+            r"GEMMA_KEY: /[A-Za-z_$][A-Za-z0-9_$]*/",
+            r"GEMMA_NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+        ]
+
+    def free_args(self) -> str:
+        return "gemma_members"
+
+    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
+        head = lit(f"{key}:")
+        kind, values = _value_kind(schema)
+        if kind == "enum":
+            alts = " | ".join(lit(v) for v in values)
+            return f"{head} {GEMMA_STRING} ({alts}) {GEMMA_STRING}"
+        if kind == "string":
+            return f"{head} gemma_string"
+        if kind == "json" and _json_scalar(schema):
+            # Gemma 4 writes numbers, booleans and null as JSON does.
+            return f"{head} {self.json_value(schema, options, dump)}"
+        return f"{head} gemma_value"
+
+    def call(self, name: str, args: str) -> str:
+        return f'{lit(f"call:{name}{{")} {args} "}}"'
+
+
+def syntax_for(
+    name: str, *, json_options: Mapping[str, Any], free_args: str, custom_input: str
+) -> CallSyntax | None:
+    """The call syntax of a tool format (``shaping.toolcalls`` names), or None."""
+    if name in ("hermes", "generic"):
+        return JsonSyntax(name, free_args=free_args, custom_input=custom_input)
+    keyed: dict[str, type[_KeyedSyntax]] = {
+        "qwen3_coder": _QwenXmlSyntax,
+        "glm": _GlmSyntax,
+        "gemma4": _GemmaSyntax,
+    }
+    cls = keyed.get(name)
+    return cls(json_options) if cls is not None else None

@@ -1,0 +1,296 @@
+"""Gemma 4 markup: ``<|tool_call>call:NAME{key:VALUE,...}<tool_call|>``.
+
+Gemma 4's chat template writes the arguments in a JSON-like syntax of its
+own: keys bare (``key:``), strings between two ``<|"|>`` tokens with nothing
+escaped inside, numbers and ``true`` / ``false`` / ``null`` bare, objects
+``{...}`` and arrays ``[...]`` nested the same way, no whitespace. The body
+turns that into the arguments' JSON text as it streams: ``{`` and each key
+at once, a string's text as it arrives (escaped), a bare value once it ends.
+Keys spelled ``<|"|>key<|"|>`` (the template's tool declarations write them
+so) are read too, as are Python's ``True`` / ``False`` / ``None``, which a
+template without a ``none`` branch renders; any other bare word is a string.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from .._markers import MarkerSeeker
+from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
+from ._format import ToolFormat
+
+__all__ = ["FIRST_CHARS", "GEMMA4", "STRING_DELIMITER", "GemmaBody", "open_body"]
+
+GEMMA4 = ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", "gemma")
+
+# A string's delimiter (one special token in Gemma 4's vocabulary).
+STRING_DELIMITER = '<|"|>'
+
+FIRST_CHARS = frozenset("c" + WS)
+
+
+def open_body(owner: Owner, fmt: ToolFormat) -> Body:
+    return GemmaBody(owner, fmt.end)
+
+
+_HEAD = "call:"
+_NAME = re.compile(r"[A-Za-z0-9_.:\-]*+")
+_BARE = re.compile(r"[^,:{}\[\]<\s]*+")
+_PYTHON_WORDS = {"True": "true", "False": "false", "None": "null"}
+
+# States after the name; each says what may come next.
+_S_HEAD = 0  # "call:"
+_S_NAME = 1
+_S_KEY_OR_CLOSE = 2  # just after "{"
+_S_KEY = 3  # after "," in an object
+_S_COLON = 4
+_S_VALUE = 5
+_S_ITEM_OR_CLOSE = 6  # just after "["
+_S_AFTER = 7  # after a value: "," or a closer
+_S_STRING = 8  # inside <|"|>...<|"|>
+_S_BARE = 9  # a bare key or value, cut by the end of the text
+
+
+def _bare_json(word: str) -> str:
+    """A bare value as JSON: a JSON number or literal as it is, else a string."""
+    if word in _PYTHON_WORDS:
+        return _PYTHON_WORDS[word]
+    try:
+        value = json.loads(word)
+    except ValueError:
+        value = None
+    else:
+        if isinstance(value, bool | int | float) or value is None:
+            return word
+    return json.dumps(word, ensure_ascii=False)
+
+
+class GemmaBody:
+    """Gemma 4's ``call:NAME{...}``, converted to JSON arguments as it streams.
+
+    The call is complete when the object opened after the name closes; the
+    closing marker then follows (read by the splitter's trailer). The
+    closing marker written inside an unfinished object ends the call as
+    malformed.
+    """
+
+    status = RUNNING
+    back = ""
+    complete = False
+
+    def __init__(self, owner: Owner, end: str) -> None:
+        self._owner = owner
+        self._end = end
+        self._state = _S_HEAD
+        self._lit = ""  # a tag or the head, cut by the end of the text
+        self._parts: list[str] = []  # the name, or a bare word, so far
+        self._stack: list[str] = []  # "{" or "[" per open container
+        self._key_string = False  # the string being read is a key
+        self._seeker = MarkerSeeker(STRING_DELIMITER)
+        self._first = True  # no member yet in the innermost container
+
+    def closable_at_end(self) -> bool:
+        return False
+
+    def step(self, text: str, i: int) -> int:
+        n = len(text)
+        while i < n and not self.status:
+            st = self._state
+            if st == _S_STRING:
+                i = self._string(text, i)
+            elif st == _S_HEAD:
+                i = self._head(text, i)
+            elif st == _S_NAME:
+                i = self._name(text, i)
+            elif st == _S_BARE:
+                i = self._bare(text, i)
+            elif self._lit:
+                i = self._tag(text, i)
+            elif text[i] in WS:
+                i = skip_ws(text, i)
+            else:
+                i = self._structure(text, i)
+        return i if self.status else n
+
+    # -- before the arguments
+
+    def _head(self, text: str, i: int) -> int:
+        cand = self._lit + text[i : i + len(_HEAD)]
+        if cand.startswith(_HEAD):
+            used = len(_HEAD) - len(self._lit)
+            self._lit = ""
+            self._state = _S_NAME
+            return i + used
+        if _HEAD.startswith(cand):
+            self._lit = cand
+            return len(text)
+        k = 0
+        while k < len(cand) and cand[k] == _HEAD[k]:
+            k += 1
+        return self._fail(i + k - len(self._lit), back=cand[:k])
+
+    def _name(self, text: str, i: int) -> int:
+        m = _NAME.match(text, i)
+        assert m is not None
+        self._parts.append(m.group())
+        j = m.end()
+        if j == len(text):
+            return j
+        name = "".join(self._parts)
+        self._parts.clear()
+        if text[j] != "{" or not name:
+            return self._fail(j)
+        self._owner._start(name)
+        self._open("{")
+        return j + 1
+
+    # -- the arguments
+
+    def _structure(self, text: str, i: int) -> int:
+        c = text[i]
+        st = self._state
+        if c == "<":
+            return self._tag(text, i)
+        if st in (_S_KEY_OR_CLOSE, _S_ITEM_OR_CLOSE, _S_AFTER) and c in "}]":
+            return self._close(c, i)
+        if st == _S_AFTER:
+            if c != ",":
+                return self._fail(i)
+            self._state = _S_KEY if self._stack[-1] == "{" else _S_VALUE
+            return i + 1
+        if st == _S_COLON:
+            if c != ":":
+                return self._fail(i)
+            self._owner._args(": ")
+            self._state = _S_VALUE
+            return i + 1
+        if st in (_S_KEY_OR_CLOSE, _S_KEY):
+            if c in ",:{}[]":
+                return self._fail(i)
+            self._key_string = True
+            self._state = _S_BARE
+            return i
+        # A value (or an array item).
+        if c in "{[":
+            self._member()
+            self._open(c)
+            return i + 1
+        if c in ",:}]":
+            return self._fail(i)
+        self._member()
+        self._key_string = False
+        self._state = _S_BARE
+        return i
+
+    def _member(self) -> None:
+        """The separator before a value in an array (objects add it with the key)."""
+        if self._stack[-1] == "[":
+            if not self._first:
+                self._owner._args(", ")
+            self._first = False
+
+    def _open(self, c: str) -> None:
+        self._stack.append(c)
+        self._owner._args(c)
+        self._first = True
+        self._state = _S_KEY_OR_CLOSE if c == "{" else _S_ITEM_OR_CLOSE
+
+    def _close(self, c: str, i: int) -> int:
+        if (self._stack[-1] == "{") != (c == "}"):
+            return self._fail(i)
+        self._stack.pop()
+        self._owner._args(c)
+        self._first = False
+        self._state = _S_AFTER
+        if not self._stack:
+            self.complete = True
+            self.status = DONE
+        return i + 1
+
+    def _key(self, key: str) -> None:
+        sep = "" if self._first else ", "
+        self._first = False
+        self._owner._args(sep + json.dumps(key, ensure_ascii=False))
+        self._state = _S_COLON
+
+    def _bare(self, text: str, i: int) -> int:
+        m = _BARE.match(text, i)
+        assert m is not None
+        self._parts.append(m.group())
+        j = m.end()
+        if j == len(text):
+            return j
+        word = "".join(self._parts)
+        self._parts.clear()
+        if not word:
+            return self._fail(j)
+        if self._key_string:
+            self._key(word)
+        else:
+            self._owner._args(_bare_json(word))
+            self._state = _S_AFTER
+        return j
+
+    def _tag(self, text: str, i: int) -> int:
+        """``<|"|>`` (a string opens) or the closing marker (the call ends early)."""
+        cand = self._lit + text[i : i + max(len(STRING_DELIMITER), len(self._end))]
+        for tag in (STRING_DELIMITER, self._end):
+            if cand.startswith(tag):
+                used = len(tag) - len(self._lit)
+                self._lit = ""
+                if tag == self._end:
+                    self.status = CLOSED
+                    return i + used
+                return self._string_opens(i + used)
+        tags = (STRING_DELIMITER, self._end)
+        if any(tag.startswith(cand) for tag in tags):
+            self._lit = cand
+            return len(text)
+        best = max(_common_prefix(cand, tag) for tag in tags)
+        lit, self._lit = self._lit, ""
+        return self._fail(i + best - len(lit), back=cand[:best])
+
+    def _string_opens(self, i: int) -> int:
+        st = self._state
+        if st in (_S_KEY_OR_CLOSE, _S_KEY):
+            self._key_string = True
+        elif st in (_S_VALUE, _S_ITEM_OR_CLOSE):
+            self._member()
+            self._key_string = False
+        else:
+            return self._fail(i - len(STRING_DELIMITER), back="")
+        if not self._key_string:
+            self._owner._args('"')
+        self._state = _S_STRING
+        return i
+
+    def _string(self, text: str, i: int) -> int:
+        before, j, found = self._seeker.seek(text, i)
+        if self._key_string:
+            self._parts.append(before)
+        elif before:
+            self._owner._args(json.dumps(before, ensure_ascii=False)[1:-1])
+        if found:
+            if self._key_string:
+                key = "".join(self._parts)
+                self._parts.clear()
+                self._key(key)
+            else:
+                self._owner._args('"')
+                self._state = _S_AFTER
+        return j
+
+    def _fail(self, i: int, back: str = "") -> int:
+        self.status = FAILED
+        self.back = back
+        return i
+
+
+def _common_prefix(a: str, b: str) -> int:
+    k = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        k += 1
+    return k

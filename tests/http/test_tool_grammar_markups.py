@@ -1,0 +1,178 @@
+"""``tool_grammar`` as the seed's client sends it, on the real MLX backend with
+demo models that speak each family's tool-call markup (``tests/support/
+markup_models.py``): the demo template's Hermes JSON, Qwen3-Coder XML, GLM
+and Gemma 4.
+
+The weights are random, so a call that parses and matches its schema here
+is the grammar's doing alone, and the parser's: the call is forced
+(``tool_choice: "required"``) with the client's ``tool_grammar`` beside it,
+and its arguments are typed (enums and integers) so the grammar closes every
+value within the budget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import jsonschema
+import pytest
+import trio
+
+from tests.support.inprocess import served
+from tests.support.markup_models import markup_model
+
+pytestmark = pytest.mark.slow
+
+HANG = 120
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Bergen"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+MESSAGES = [{"role": "user", "content": "What is the weather like in Oslo this week?"}]
+
+# The markup family of each model -> the tool_grammar.format the seed's client sends.
+CLIENT_FORMAT = {"hermes": "hermes", "qwen3_coder": "hermes", "glm": "glm", "gemma4": "gemma"}
+
+
+@pytest.fixture(scope="module", params=list(CLIENT_FORMAT))
+def family_model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, dense_model: Path
+) -> Iterator[tuple[str, Path]]:
+    family: str = request.param
+    if family == "hermes":
+        yield family, dense_model
+        return
+    base = tmp_path_factory.mktemp("markup")
+    yield family, markup_model(dense_model, family, base / f"demo-{family}")
+
+
+def body(family: str, mode: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "tool_grammar": {"format": CLIENT_FORMAT[family], "mode": mode},
+        "max_tokens": 96,
+        "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": False},
+        **extra,
+    }
+
+
+def streamed_calls(lines: list[str]) -> tuple[str, list[dict[str, Any]], str | None]:
+    """Content, tool calls and finish reason, read from SSE lines the way
+    OpenAI's SDK adds up deltas."""
+    content, calls, finish = "", {}, None
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for tc in delta.get("tool_calls") or []:
+                call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                fn = tc.get("function") or {}
+                call["name"] += fn.get("name") or ""
+                call["arguments"] += fn.get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return content, [calls[k] for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize(
+    ("mode", "choice"),
+    [
+        ("name-and-params", {"type": "function", "function": {"name": "get_weather"}}),
+        ("name-only", "required"),
+    ],
+)
+async def test_a_forced_turn_of_each_markup_yields_a_call_that_validates(
+    family_model: tuple[str, Path], mode: str, choice: Any
+) -> None:
+    family, model = family_model
+    with trio.fail_after(HANG):
+        async with served(model) as (engine, url), httpx.AsyncClient(base_url=url) as client:
+            assert engine.info.tool_format == family
+            r = await client.post(
+                "/v1/chat/completions", json=body(family, mode, tool_choice=choice), timeout=HANG
+            )
+            assert r.status_code == 200, r.text
+            answer = r.json()["choices"][0]
+            assert answer["finish_reason"] == "tool_calls", answer
+            (call,) = answer["message"]["tool_calls"]
+            name = call["function"]["name"]
+            args = json.loads(call["function"]["arguments"])
+            jsonschema.validate(args, SCHEMAS[name])
+
+            # Streamed: the same call, assembled from its deltas.
+            lines: list[str] = []
+            async with client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json=body(family, mode, tool_choice=choice, stream=True),
+                timeout=HANG,
+            ) as s:
+                assert s.status_code == 200
+                lines = [line async for line in s.aiter_lines()]
+            _content, calls, finish = streamed_calls(lines)
+            assert finish == "tool_calls"
+            assert calls == [{"name": name, "arguments": call["function"]["arguments"]}]
+
+
+async def test_calls_in_free_text_name_only_declared_tools(
+    family_model: tuple[str, Path],
+) -> None:
+    """Not forced, the model pushed towards the call opener (token bias on
+    its id): every call it opens names a declared tool. (Its free arguments
+    rarely close on random weights within the budget: only names are
+    checked.)"""
+    family, model = family_model
+    with trio.fail_after(HANG):
+        async with served(model) as (_e, url), httpx.AsyncClient(base_url=url) as client:
+            payload = body(family, "name-only", temperature=1.0, max_tokens=48)
+            payload.pop("tool_choice")
+            names: list[str] = []
+            for seed in range(3):
+                # Id 6 is the call opener in each of these vocabularies.
+                payload.update(seed=seed, logit_bias={"6": 60})
+                r = await client.post("/v1/chat/completions", json=payload, timeout=HANG)
+                assert r.status_code == 200, r.text
+                calls = r.json()["choices"][0]["message"].get("tool_calls") or []
+                names += [c["function"]["name"] for c in calls]
+            assert names
+            assert set(names) <= set(SCHEMAS)
+
+
+async def test_unknown_format_and_mode_are_400_naming_tool_grammar(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with served(dense_model) as (_e, url), httpx.AsyncClient(base_url=url) as client:
+            for grammar in (
+                {"format": "llama", "mode": "name-only"},
+                {"format": "hermes", "mode": "everything"},
+                {"format": "hermes", "mode": "name-only", "strict": True},
+            ):
+                payload = {**body("hermes", "name-only"), "tool_grammar": grammar}
+                payload.pop("tool_choice")
+                r = await client.post("/v1/chat/completions", json=payload)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["param"].startswith("tool_grammar"), error
