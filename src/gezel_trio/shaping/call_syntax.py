@@ -133,8 +133,21 @@ class JsonSyntax(CallSyntax):
                 opener = lit(f'{{"{self._custom_input}": "')
                 rules.append(f'call_{i}: {self._head(t.name)} {opener} @custom_{i} "\\"}}}}"')
             else:
-                rules.append(f'call_{i}: {self._head(t.name)} %json {dump(t.parameters)} "}}"')
+                schema = _declared_keys_only(t.parameters)
+                rules.append(f'call_{i}: {self._head(t.name)} %json {dump(schema)} "}}"')
         return rules
+
+
+def _declared_keys_only(parameters: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The arguments' schema with only its declared keys allowed, where it
+    declares some and says nothing of others: JSON Schema admits any other
+    key then, and an unguided model writes one (an MCP tool's schema rarely
+    says ``additionalProperties``), which no tool takes. The keyed markups
+    below pin their keys the same way."""
+    props = parameters.get("properties")
+    if isinstance(props, Mapping) and props and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
 
 
 # --- the markups whose arguments are not one JSON value -----------------------
