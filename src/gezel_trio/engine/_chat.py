@@ -177,7 +177,9 @@ class ChatChoice:
                 message = self._shaper.message()
                 if self._replies is not None and self.prepared.chat.prompt is None:
                     # The next turn's history carries this reply back.
-                    self._replies.record(message, self.prepared.request.prompt, self._tokens)
+                    self._replies.record(
+                        self._shaper.history_message(), self.prepared.request.prompt, self._tokens
+                    )
                 self._pending.append(ChatFinished(final, usage, message, stop_sequence))
                 self._done = True
             case Failed():
@@ -280,7 +282,13 @@ def open_chat(
     choices = [
         ChatChoice(
             prepared,
-            Shaper(info, prepared.request.prompt, tools=chat.parses_tools, reasoning=not raw),
+            Shaper(
+                info,
+                prepared.request.prompt,
+                tools=chat.parses_tools,
+                reasoning=not raw,
+                reasoning_format=chat.reasoning_format,
+            ),
             index=i,
             replies=replies,
         )
