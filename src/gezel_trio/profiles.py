@@ -25,6 +25,8 @@ SEED_DEFAULTS: dict[str, object] = {
     # The seed's prefill chunk. The client passes --prefill-step-size only
     # when its user overrides it and otherwise relies on this default.
     "prefill_step_size": 2048,
+    # The seed sent <think>...</think> inside content; its client reads only content and splits it.
+    "reasoning_format": "none",
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}
