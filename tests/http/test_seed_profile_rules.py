@@ -34,3 +34,12 @@ def test_an_unknown_reasoning_format_flag_is_a_usage_error(
         cli._parser().parse_args(["serve", "--reasoning-format", "deepseek-legacy"])
     assert exit_.value.code == 2
     assert "--reasoning-format" in capsys.readouterr().err
+
+
+def test_dropping_past_tool_calls_follows_the_profile_and_the_flag_wins(tmp_path: Path) -> None:
+    assert config(STANDARD, model=tmp_path).engine.drop_past_tool_calls is False
+    assert config(SEED, model=tmp_path).engine.drop_past_tool_calls is True
+    off = config(SEED, "--no-drop-past-tool-calls", model=tmp_path)
+    assert off.engine.drop_past_tool_calls is False
+    on = config(STANDARD, "--drop-past-tool-calls", model=tmp_path)
+    assert on.engine.drop_past_tool_calls is True

@@ -393,6 +393,7 @@ class MlxBackend:
             tokenizer,
             boundaries=not trimmable,
             generic_tools=self._info.tool_format == GENERIC.name,
+            drop_past_tool_calls=config.drop_past_tool_calls,
         )
         self._grammar_tok: GrammarTokenizer | None = None
         try:
