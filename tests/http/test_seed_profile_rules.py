@@ -43,3 +43,10 @@ def test_dropping_past_tool_calls_follows_the_profile_and_the_flag_wins(tmp_path
     assert off.engine.drop_past_tool_calls is False
     on = config(STANDARD, "--drop-past-tool-calls", model=tmp_path)
     assert on.engine.drop_past_tool_calls is True
+
+
+def test_the_tool_call_stop_follows_the_profile_and_the_flag_wins(tmp_path: Path) -> None:
+    assert config(STANDARD, model=tmp_path).engine.stop_at_tool_call_end is False
+    assert config(SEED, model=tmp_path).engine.stop_at_tool_call_end is True
+    off = config(SEED, "--stop-at-tool-call-end", "off", model=tmp_path)
+    assert off.engine.stop_at_tool_call_end is False
