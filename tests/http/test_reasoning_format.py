@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx2 as httpx
 import trio
 import trio.testing
 
@@ -24,6 +26,7 @@ from gezel_trio.core.request import GenerationRequest, RenderedPrompt
 from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.testing import EOS, ScriptedBackend, open_test_engine
 from gezel_trio.testing._scripted import CharRenderer
+from tests.support.inprocess import served
 from tests.support.think_split import ClientThinkSplit
 
 THINK, END_THINK = 0xE000, 0xE001  # the markers' ids: never rendered from text
@@ -217,3 +220,37 @@ def test_responses_and_messages_keep_their_typed_reasoning_under_none() -> None:
     status, body = post(OWN, {"model": "m", "input": "2+2?"}, NONE, "/v1/responses")
     assert status == 200
     assert [item["type"] for item in body["output"]] == ["reasoning", "message"]
+
+
+async def test_the_real_model_streams_a_budget_closed_block_through_content(
+    dense_model: Path,
+) -> None:
+    # The demo template opens <think> when thinking is on; the random model
+    # never closes it, so the thinking budget does, and the answer follows.
+    body = {
+        **QUESTION,
+        **THINKING,
+        "stream": True,
+        "max_tokens": 24,
+        "max_thinking_tokens": 6,
+        "temperature": 0,
+    }
+    frames = []
+    async with (
+        served(dense_model, NONE) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=120) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                frames.append(json.loads(line[6:]))
+    deltas = [c["delta"] for f in frames for c in f["choices"]]
+    assert not any("reasoning_content" in d for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content.count("</think>") == 1
+    assert not content.startswith("<think>")  # the prompt opened it, not the model
+    live, reasoning = client_reads(frames, opens=True)
+    assert reasoning.strip()
+    assert "".join(live).strip()
+    assert live[-1] == ""  # the answer came live, none of it held to the end
