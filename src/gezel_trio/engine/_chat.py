@@ -152,7 +152,7 @@ class ChatChoice:
         ):
             return False
         try:
-            value = json.loads("".join(self._shaper.content))
+            value = json.loads("".join(self._shaper.answer))
         except ValueError:
             return False
         return isinstance(value, dict | list)

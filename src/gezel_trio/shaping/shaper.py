@@ -147,8 +147,9 @@ class Shaper:
         self._open: dict[int, list[Any]] = {}  # index -> [id, name, argument parts]
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        # The answer without the think block (``none`` sends the two as one).
-        self._answer: list[str] = []
+        # The answer without the think block (``content`` too, but with the
+        # ``none`` format, which sends the two as one).
+        self.answer: list[str] = []
 
     def feed(self, text: str) -> list[ShapedEvent]:
         if not text:
@@ -178,7 +179,7 @@ class Shaper:
         ``auto`` drops them)."""
         if not self._verbatim:
             return self.message()
-        msg = self._message(self._answer, [])
+        msg = self._message(self.answer, [])
         if msg["content"]:
             msg["content"] = msg["content"].lstrip("\r\n") or None
         if msg["content"] is None and not self.calls:
@@ -232,7 +233,7 @@ class Shaper:
                     out.append(ReasoningDelta(text))
                 case Content(text=text) if text:
                     self.content.append(text)
-                    self._answer.append(text)
+                    self.answer.append(text)
                     out.append(TextDelta(text))
                 case CallStart(index=index, id=cid, name=name):
                     self._open[index] = [cid, name, []]
