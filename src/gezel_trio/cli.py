@@ -75,7 +75,9 @@ def _add_setting_flags(group: argparse._ArgumentGroup, cls: type) -> None:
             group.add_argument(meta.flag, action="store_true", help=text)
         else:
             kind = meta.flag_type or _flag_type(hints[field.name])
-            group.add_argument(meta.flag, type=kind, default=default, help=text)
+            group.add_argument(
+                meta.flag, type=kind, default=default, choices=meta.choices, help=text
+            )
 
 
 def _flag_type(hint: object) -> Any:

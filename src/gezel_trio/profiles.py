@@ -33,6 +33,12 @@ SEED_DEFAULTS: dict[str, object] = {
     "default_temperature": 0.0,
     # The seed's memory policy: buffer cache 1/16 of what is wired (256 MB-4 GB), the ceiling wired.
     "mlx_memory_policy": "bounded",
+    # The seed sent <think>...</think> inside content; its client reads only content and splits it.
+    "reasoning_format": "none",
+    # The seed left past tool calls out of Hermes/Qwen prompts: its suite 8/11 with, 5/11 without.
+    "drop_past_tool_calls": "on",
+    # The seed stopped at </tool_call> for models declaring a tool_call_parser (~450 calls a turn).
+    "stop_at_tool_call_end": "on",
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}

@@ -220,6 +220,25 @@ class EngineConfig:
         help="render Claude Code's x-anthropic-billing-header line into the prompt "
         "(dropped by default: it changes every request and defeats the prompt cache)",
     )
+    # The seed's history rule for templates that render a tool result without
+    # its call (Hermes/Qwen): leave the history's tool calls out of the prompt
+    # (shaping.prompt.ChatTemplateRenderer says what it costs the cache).
+    drop_past_tool_calls: bool = setting(
+        False,
+        flag="--drop-past-tool-calls",
+        on_off=True,
+        help="leave the history's assistant tool calls out of the prompt for templates "
+        "that render a tool result without its call (Hermes/Qwen); their results stay",
+    )
+    # The seed stopped at </tool_call> for models that declare a tool-call
+    # parser and no </tool_call> eos: without it one looped out ~450 calls.
+    stop_at_tool_call_end: bool = setting(
+        False,
+        flag="--stop-at-tool-call-end",
+        on_off=True,
+        help="end a turn at its first </tool_call> for models whose generation_config.json "
+        "declares a tool_call_parser (one call per turn; the call still parses)",
+    )
     # Images, for vision models: at most this many per request, each at most
     # this many bytes as sent (after base64) and this many pixels once
     # decoded. A 16-megapixel RGB image is 48 MB in memory. The HTTP body

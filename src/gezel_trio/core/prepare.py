@@ -22,7 +22,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -89,6 +89,8 @@ class ChatRequest:
     the request is still cached. ``template_kwargs`` go to the chat template
     (``enable_thinking``); ``max_thinking_tokens`` bounds a think block.
     ``images`` fill the ``{"type": "image"}`` content parts, in order.
+    ``reasoning_format`` ``none`` leaves the think block in the answer text
+    as the model wrote it (``auto``: split out as reasoning).
     """
 
     messages: Sequence[Mapping[str, Any]] = ()
@@ -120,6 +122,8 @@ class ChatRequest:
     # Custom (freeform) tools among ``tools``, rendered as functions taking
     # one ``input`` string: name -> Responses format (``shaping.custom_tools``).
     custom_tools: Mapping[str, Mapping[str, Any] | None] = attrs.field(factory=dict)
+    # ``shaping.shaper.ReasoningFormat``.
+    reasoning_format: Literal["auto", "none"] = "auto"
 
     @property
     def parses_tools(self) -> bool:

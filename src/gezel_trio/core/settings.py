@@ -59,6 +59,8 @@ class Setting:
     # A ``bool`` field set by ``--name on|off`` (a bare ``--name``: on) and
     # ``--no-name``.
     on_off: bool = False
+    # The values the flag accepts (argparse's ``choices``); ``None``: any.
+    choices: tuple[str, ...] | None = None
 
 
 def setting(
@@ -72,10 +74,20 @@ def setting(
     at_least: int | None = None,
     zero_is_none: bool = False,
     on_off: bool = False,
+    choices: Sequence[str] | None = None,
 ) -> _T:
     """An ``attrs`` field with ``default`` and ``validator`` that carries a
     ``Setting``: its help and, with ``flag``, how the CLI sets it."""
-    meta = Setting(help, flag, flag_type, per_unit, at_least, zero_is_none, on_off)
+    meta = Setting(
+        help,
+        flag,
+        flag_type,
+        per_unit,
+        at_least,
+        zero_is_none,
+        on_off,
+        tuple(choices) if choices is not None else None,
+    )
     # attrs.field returns its own placeholder, typed as the default's type.
     field: _T = attrs.field(default=default, validator=validator, metadata={_KEY: meta})
     return field

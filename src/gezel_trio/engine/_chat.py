@@ -152,7 +152,7 @@ class ChatChoice:
         ):
             return False
         try:
-            value = json.loads("".join(self._shaper.content))
+            value = json.loads("".join(self._shaper.answer))
         except ValueError:
             return False
         return isinstance(value, dict | list)
@@ -177,7 +177,9 @@ class ChatChoice:
                 message = self._shaper.message()
                 if self._replies is not None and self.prepared.chat.prompt is None:
                     # The next turn's history carries this reply back.
-                    self._replies.record(message, self.prepared.request.prompt, self._tokens)
+                    self._replies.record(
+                        self._shaper.history_message(), self.prepared.request.prompt, self._tokens
+                    )
                 self._pending.append(ChatFinished(final, usage, message, stop_sequence))
                 self._done = True
             case Failed():
@@ -286,6 +288,7 @@ def open_chat(
                 tools=chat.parses_tools,
                 reasoning=not raw,
                 tool_specs=chat.tools,
+                reasoning_format=chat.reasoning_format,
             ),
             index=i,
             replies=replies,

@@ -31,6 +31,7 @@ from werkzeug.exceptions import HTTPException
 from ..core.errors import GezelError
 from ..core.settings import MIB, setting
 from ..engine import Engine
+from ..shaping.shaper import REASONING_FORMATS, ReasoningFormat
 from . import anthropic_messages, cache_api, openai_chat, openai_completions, openai_responses
 from .edge import (
     Forbidden,
@@ -83,6 +84,18 @@ class HttpSettings:
         "an 'array' of the named entries, as the seed sidecar answered",
         validator=attrs.validators.in_(("object", "array")),
     )
+    # The seed sent the think block inside content, as written, and its
+    # client splits <think> itself (llama.cpp's --reasoning-format none).
+    reasoning_format: ReasoningFormat = setting(
+        "auto",
+        flag="--reasoning-format",
+        flag_type=str,
+        choices=REASONING_FORMATS,
+        validator=attrs.validators.in_(REASONING_FORMATS),
+        help="chat completions: 'auto' sends the think block as reasoning_content; "
+        "'none' leaves it in content as the model wrote it (<think> markers included); "
+        "a request's reasoning_format field wins",
+    )
     # Told of every bug a route survived (answered 500): the server's stdout
     # protocol prints it tagged, so a supervisor never reads it as a death.
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
@@ -121,7 +134,11 @@ def create_app(
 
     protocols: list[ProtocolBlueprint] = [
         cache_api.blueprint(engine, stats_format=settings.cache_stats_format),
-        openai_chat.blueprint(engine, stream_tool_calls=settings.stream_tool_calls),
+        openai_chat.blueprint(
+            engine,
+            stream_tool_calls=settings.stream_tool_calls,
+            reasoning_format=settings.reasoning_format,
+        ),
         openai_completions.blueprint(engine),
         openai_responses.blueprint(engine, responses if responses is not None else ResponseStore()),
         anthropic_messages.blueprint(engine),

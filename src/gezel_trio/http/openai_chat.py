@@ -30,7 +30,7 @@ from ..engine import (
     combined_usage,
 )
 from ..shaping.custom_tools import RawInput, custom_input
-from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta
+from ..shaping.shaper import ReasoningDelta, ReasoningFormat, TextDelta, ToolCallDelta
 from .edge import ProtocolBlueprint, error_response, json_body, refusal
 from .openai_wire import (
     ChatCompletionRequest,
@@ -69,11 +69,16 @@ def _refuse_unsupported(req: ChatCompletionRequest, *, vision: bool) -> None:
 
 
 def chat_request(
-    req: ChatCompletionRequest, *, vision: bool = True, default_temperature: float = 1.0
+    req: ChatCompletionRequest,
+    *,
+    vision: bool = True,
+    default_temperature: float = 1.0,
+    reasoning_format: ReasoningFormat = "auto",
 ) -> ChatRequest:
     """The engine's view of a validated chat-completions body. ``vision``:
     whether the model takes images (a text-only model refuses them here);
-    ``default_temperature``: where the body names none."""
+    ``default_temperature``: where the body names none; ``reasoning_format``:
+    the server's, which the body's own field overrides."""
     _refuse_unsupported(req, vision=vision)
     images = tuple(p for i, m in enumerate(req.messages) for p in m.image_parts(i))
     return ChatRequest(
@@ -98,7 +103,15 @@ def chat_request(
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         images=images,
         n=req.n,
+        reasoning_format=_reasoning_format(req.reasoning_format, reasoning_format),
     )
+
+
+def _reasoning_format(asked: str | None, default: ReasoningFormat) -> ReasoningFormat:
+    """The body's ``reasoning_format`` (llama.cpp's names), else the server's."""
+    if asked is None:
+        return default
+    return "none" if asked == "none" else "auto"
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -298,9 +311,12 @@ class _Chunks:
         return frame(body)
 
 
-def blueprint(engine: Engine, *, stream_tool_calls: bool = True) -> ProtocolBlueprint:
+def blueprint(
+    engine: Engine, *, stream_tool_calls: bool = True, reasoning_format: ReasoningFormat = "auto"
+) -> ProtocolBlueprint:
     """The chat completions route (and its alias without ``/v1``) over
-    ``engine``; errors leave in the OpenAI envelope."""
+    ``engine``; errors leave in the OpenAI envelope. ``reasoning_format``:
+    where the think block goes unless a request says (``--reasoning-format``)."""
     bp = ProtocolBlueprint("openai_chat", __name__, refusal(engine, error_response))
 
     @bp.route("/v1/chat/completions", methods=["POST"])
@@ -311,6 +327,7 @@ def blueprint(engine: Engine, *, stream_tool_calls: bool = True) -> ProtocolBlue
             req,
             vision=engine.info.vision,
             default_temperature=engine.config.default_temperature,
+            reasoning_format=reasoning_format,
         )
         prepared = await engine.prepare_chat(chat)
         cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -385,6 +385,11 @@ class ChatCompletionRequest:
     max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
     tool_grammar: ToolGrammar | None = None
     disable_speculation: bool = False
+    # llama.cpp's per-request field: ``none`` leaves the think block in
+    # content as written; ``auto`` and ``deepseek`` (llama.cpp's name for
+    # the same split) send it as ``reasoning_content``; absent: the
+    # server's --reasoning-format.
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
 
     @property
     def stop_list(self) -> tuple[str, ...]:

@@ -22,6 +22,12 @@ The rules, for one generation:
 * Text after the end marker is content, verbatim, later markers included.
 * Without an end marker (the budget or ``max_tokens`` ran out) everything
   after the start is reasoning.
+
+:class:`ThinkPassthrough` applies the same rules but keeps the text as the
+model wrote it (``--reasoning-format none``): its ``Reasoning`` values carry
+the block verbatim, markers and layout included, so the concatenation of
+everything it returns is the output itself. It tells the shaper where the
+block ends (tool markup is parsed only after it) without changing a byte.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ __all__ = [
     "Reasoning",
     "ReasoningEvent",
     "ReasoningSplitter",
+    "ThinkPassthrough",
     "prompt_opens_thinking",
     "prompt_opens_thinking_tokens",
 ]
@@ -202,3 +209,80 @@ class ReasoningSplitter:
     def _take(self) -> list[ReasoningEvent]:
         out, self._events = self._events, []
         return out
+
+
+class ThinkPassthrough:
+    """Marks the think block in one generation's streamed text without
+    editing it: ``Reasoning`` values are the block as written (start marker,
+    layout and end marker included), ``Content`` values the rest. Same
+    interface as :class:`ReasoningSplitter`, the same rules for where the
+    block is; only a possible marker at the end of a piece is held back.
+    """
+
+    def __init__(
+        self, start: str = "<think>", end: str = "</think>", *, starts_inside: bool
+    ) -> None:
+        if not start or not end:
+            raise ValueError("think markers must not be empty")
+        self._start = start
+        self._end = end
+        self._lead = ""  # whitespace and part of the start marker, not yet decided
+        self._close = MarkerSeeker(end)
+        self._phase = _THINK if starts_inside else _LEAD
+        self._finished = False
+
+    @property
+    def inside(self) -> bool:
+        """True while the output is in the think block."""
+        return self._phase == _THINK
+
+    def feed(self, text: str) -> list[ReasoningEvent]:
+        """Take the next piece of output; return the text it completes."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        out: list[ReasoningEvent] = []
+        i = 0
+        if self._phase == _LEAD and text:
+            i = self._lead_in(text, out)
+        if self._phase == _THINK and i < len(text):
+            before, i, found = self._close.seek(text, i)
+            if found:
+                before += self._end
+                self._phase = _ANSWER
+            if before:
+                out.append(Reasoning(before))
+        if self._phase == _ANSWER and i < len(text):
+            out.append(Content(text[i:]))
+        return out
+
+    def finish(self) -> list[ReasoningEvent]:
+        """End the output and release what was held back."""
+        if self._finished:
+            return []
+        self._finished = True
+        held = self._lead if self._phase == _LEAD else self._close.take()
+        self._lead = ""
+        if not held:
+            return []
+        return [Content(held) if self._phase == _LEAD else Reasoning(held)]
+
+    def _lead_in(self, text: str, out: list[ReasoningEvent]) -> int:
+        """Before anything visible: whitespace, then the start marker or
+        not. Returns where the rest of ``text`` begins."""
+        held = len(self._lead)
+        lead = self._lead + text
+        body = lead.lstrip(_WS)
+        if body.startswith(self._start):
+            self._phase = _THINK
+            self._lead = ""
+            cut = len(lead) - len(body) + len(self._start)
+            out.append(Reasoning(lead[:cut]))
+            return cut - held  # what was held is whitespace and less than the marker
+        if self._start.startswith(body):
+            self._lead = lead  # still undecided
+            return len(text)
+        # No block: what was held is the start of the answer.
+        self._phase = _ANSWER
+        self._lead = ""
+        out.append(Content(lead))
+        return len(text)

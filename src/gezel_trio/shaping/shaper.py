@@ -8,18 +8,30 @@ carries the whole call once its markup closed. Both hold back only what could
 still be a marker, so any chunking of the same output gives the same events.
 Every protocol (chat completions, Responses, Messages) and every embedder
 gets these same events (``Engine.chat``); none shapes text itself.
+
+The reasoning format says what becomes of the think block: ``auto`` splits
+it out as ``ReasoningDelta`` (``reasoning_content`` on the wire); ``none``
+(llama.cpp's ``--reasoning-format none``, the seed's behaviour) leaves it in
+the answer text exactly as the model wrote it, markers included, so a client
+that splits ``<think>`` itself sees what the seed sent. Either way tool
+markup is parsed only after the block.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import attrs
 
 from ..core.model import ModelInfo
-from .reasoning import Reasoning, ReasoningSplitter, prompt_opens_thinking_tokens
+from .reasoning import (
+    Reasoning,
+    ReasoningSplitter,
+    ThinkPassthrough,
+    prompt_opens_thinking_tokens,
+)
 from .toolcalls import (
     GEMMA4,
     GENERIC,
@@ -38,13 +50,21 @@ from .toolcalls import (
 )
 
 __all__ = [
+    "REASONING_FORMATS",
     "ReasoningDelta",
+    "ReasoningFormat",
     "ShapedEvent",
     "Shaper",
     "TextDelta",
     "ToolCallDelta",
     "ToolCallDone",
 ]
+
+
+# ``auto``: the think block split out as reasoning; ``none``: left in the
+# answer text as written.
+ReasoningFormat: TypeAlias = Literal["auto", "none"]
+REASONING_FORMATS: tuple[ReasoningFormat, ...] = ("auto", "none")
 
 
 @attrs.frozen
@@ -112,16 +132,22 @@ class Shaper:
         tools: bool,
         reasoning: bool = True,
         tool_specs: Sequence[Mapping[str, Any]] | None = None,
+        reasoning_format: ReasoningFormat = "auto",
     ) -> None:
-        """``tools``: turn tool markup into calls; ``reasoning``: split the
-        think block out (off for a raw prompt, whose output is plain text);
+        """``tools``: turn tool markup into calls; ``reasoning``: find the
+        think block (off for a raw prompt, whose output is plain text);
         ``tool_specs``: the request's tools, whose schemas tell a string
-        parameter in markups that write values bare."""
-        self._reasoning: ReasoningSplitter | None = None
+        parameter in markups that write values bare; ``reasoning_format``:
+        split the block out (``auto``) or leave it in the text as written
+        (``none``)."""
+        self._reasoning: ReasoningSplitter | ThinkPassthrough | None = None
+        # ``none``: the block's text is answer text, as written.
+        self._verbatim = reasoning_format == "none"
         if reasoning and info.think_markers is not None and info.think_ids is not None:
             start, end = info.think_markers
             inside = prompt_opens_thinking_tokens(prompt, info.think_ids)
-            self._reasoning = ReasoningSplitter(start, end, starts_inside=inside)
+            kind = ThinkPassthrough if self._verbatim else ReasoningSplitter
+            self._reasoning = kind(start, end, starts_inside=inside)
         fmt = _FORMATS.get(info.tool_format or "") if tools else None
         # Unknown template families stream content untouched: markers are
         # resolved from the template, never guessed from output.
@@ -134,6 +160,9 @@ class Shaper:
         self._open: dict[int, list[Any]] = {}  # index -> [id, name, argument parts]
         self.content: list[str] = []
         self.reasoning: list[str] = []
+        # The answer without the think block (``content`` too, but with the
+        # ``none`` format, which sends the two as one).
+        self.answer: list[str] = []
 
     def feed(self, text: str) -> list[ShapedEvent]:
         if not text:
@@ -151,12 +180,31 @@ class Shaper:
 
     def message(self) -> dict[str, Any]:
         """The OpenAI-shaped assistant message: ``content``,
-        ``reasoning_content`` (and ``reasoning``), ``tool_calls``."""
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        ``reasoning_content`` (and ``reasoning``), ``tool_calls``. With the
+        ``none`` format the think block stays in ``content``, as written."""
+        return self._message(self.content, [] if self._verbatim else self.reasoning)
+
+    def history_message(self) -> dict[str, Any]:
+        """The message as a client sends it back in its history (what the
+        reply ledger keys on): ``message()``, except that with the ``none``
+        format the think block is taken off, as the client that splits it
+        itself does, and so are the line breaks that began the answer (as
+        ``auto`` drops them)."""
+        if not self._verbatim:
+            return self.message()
+        msg = self._message(self.answer, [])
+        if msg["content"]:
+            msg["content"] = msg["content"].lstrip("\r\n") or None
+        if msg["content"] is None and not self.calls:
+            msg["content"] = ""
+        return msg
+
+    def _message(self, content: list[str], reasoning: list[str]) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(content) or None}
         if not self.calls:
             msg["content"] = msg["content"] or ""
-        if self.reasoning:
-            msg["reasoning_content"] = msg["reasoning"] = "".join(self.reasoning)
+        if reasoning:
+            msg["reasoning_content"] = msg["reasoning"] = "".join(reasoning)
         if self.calls:
             msg["tool_calls"] = [
                 {
@@ -189,11 +237,16 @@ class Shaper:
         out: list[ShapedEvent] = []
         for event in events:
             match event:
+                case Reasoning(text=text) if text and self._verbatim:
+                    self.reasoning.append(text)
+                    self.content.append(text)
+                    out.append(TextDelta(text))
                 case Reasoning(text=text) if text:
                     self.reasoning.append(text)
                     out.append(ReasoningDelta(text))
                 case Content(text=text) if text:
                     self.content.append(text)
+                    self.answer.append(text)
                     out.append(TextDelta(text))
                 case CallStart(index=index, id=cid, name=name):
                     self._open[index] = [cid, name, []]
