@@ -25,6 +25,8 @@ SEED_DEFAULTS: dict[str, object] = {
     # The seed's prefill chunk. The client passes --prefill-step-size only
     # when its user overrides it and otherwise relies on this default.
     "prefill_step_size": 2048,
+    # The seed always ran its parent-death watchdog: the app never passes a flag for it.
+    "exit_with_parent": "on",
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}
