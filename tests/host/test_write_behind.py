@@ -1,0 +1,102 @@
+"""Write-behind: dirty cache entries reach the disk through the writer
+thread soon after they are saved, in order per file key, and a flush or a
+shutdown finds little or nothing left to write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+
+from gezel_trio import EngineConfig, open_engine
+from gezel_trio.host.persist import DiskCache
+from tests.host.test_prompt_cache import P1, Harness, request
+from tests.support.fakes import FakeOps, FakeState
+
+TOKENS = tuple(range(50))
+HANG = 120
+
+
+def test_a_write_behind_lands_indexed_and_loads(tmp_path: Path) -> None:
+    d = DiskCache(tmp_path, "fp", FakeOps(trimmable=True))
+    state = FakeState(TOKENS, True)
+    assert d.save_behind("name:s", TOKENS, state, kind="session", roster="r", tag="t")
+    assert d.writes_in_flight == 1
+    assert d.collect(None) == [("t", True)]
+    assert d.writes_in_flight == 0
+    assert d.index["name:s"].tokens == TOKENS
+    loaded = d.load("name:s")
+    assert loaded is not None and loaded.state == state
+    d.close()
+
+
+def test_writes_of_one_key_land_in_order_and_a_delete_waits_for_them(tmp_path: Path) -> None:
+    d = DiskCache(tmp_path, "fp", FakeOps(trimmable=True))
+    short, long = TOKENS[:10], TOKENS
+    assert d.save_behind("name:s", short, FakeState(short, True), kind="session", roster="")
+    # A synchronous save of the same key waits for the write in flight:
+    # the older state never lands over the newer one.
+    assert d.save("name:s", long, FakeState(long, True), kind="session", roster="")
+    loaded = d.load("name:s")
+    assert loaded is not None and loaded.tokens == long
+    assert d.save_behind("name:s", short, FakeState(short, True), kind="session", roster="")
+    # Nor does a write in flight bring a deleted file back.
+    assert d.delete("name:s")
+    assert not d.exists("name:s")
+    assert "name:s" not in d.index
+    d.close()
+    assert list(tmp_path.rglob("*.gzc")) == []
+    assert list(tmp_path.rglob(".*.tmp.*")) == []
+
+
+def test_write_behind_makes_the_flush_find_nothing(tmp_path: Path) -> None:
+    h = Harness(trimmable=True, disk=tmp_path)
+    h.run(request(P1, cache_id="a"))
+    h.run(request(range(500, 520)))
+    staged = 0
+    while h.cache.write_behind():
+        staged += 1
+    assert staged == 2  # the named entry, then the anonymous one
+    assert h.cache.collect_behind(None) == 2
+    assert all(not e.dirty for e in h.cache.store)
+    assert h.cache.flush() == 0
+    assert h.disk is not None
+    assert sorted(e.kind for e in h.disk.index.values()) == ["anonymous", "session"]
+    h.cache.close_disk()
+
+
+def test_an_entry_renamed_while_its_write_is_in_flight_stays_dirty(tmp_path: Path) -> None:
+    h = Harness(trimmable=True, disk=tmp_path)
+    h.run(request(range(500, 520)))
+    assert h.cache.write_behind()
+    (entry,) = list(h.cache.store)
+    h.cache.store.rename(entry, "later", "session", "")
+    h.cache.collect_behind(None)
+    # The file written holds the anonymous key: the name is still unwritten.
+    assert entry.dirty
+    assert h.cache.flush() == 1
+    assert h.disk is not None and h.disk.exists("name:later")
+    h.cache.close_disk()
+
+
+async def test_an_idle_engine_writes_a_finished_turn_behind(
+    dense_model: Path, tmp_path: Path
+) -> None:
+    """The real engine: after a turn the host writes its entry while idle;
+    the stats say clean without any flush, and the flush finds nothing."""
+    config = EngineConfig(model=dense_model, persist_dir=tmp_path, write_behind=True)
+    with trio.fail_after(HANG):
+        async with open_engine(config) as engine:
+            handle = await engine.chat(
+                [{"role": "user", "content": "Hello there."}], max_tokens=4, cache_id="s"
+            )
+            with handle:
+                async for _ in handle:
+                    pass
+            await engine.wait_until(
+                lambda _: any(e.cache_id == "s" for e in engine.cache_view)
+                and not any(e.dirty for e in engine.cache_view)
+            )
+            assert engine.cache_totals.disk_entries >= 1
+            assert await engine.flush() == 0
+    assert list(tmp_path.rglob("*.gzc"))
