@@ -27,6 +27,8 @@ SEED_DEFAULTS: dict[str, object] = {
     "prefill_step_size": 2048,
     # The seed always ran its parent-death watchdog: the app never passes a flag for it.
     "exit_with_parent": "on",
+    # The client SIGKILLs 3 s after SIGTERM: dirty entries go to disk as they are saved.
+    "write_behind": "on",
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}

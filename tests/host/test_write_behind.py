@@ -26,7 +26,8 @@ def test_a_write_behind_lands_indexed_and_loads(tmp_path: Path) -> None:
     assert d.writes_in_flight == 0
     assert d.index["name:s"].tokens == TOKENS
     loaded = d.load("name:s")
-    assert loaded is not None and loaded.state == state
+    assert loaded is not None
+    assert loaded.state == state
     d.close()
 
 
@@ -38,7 +39,8 @@ def test_writes_of_one_key_land_in_order_and_a_delete_waits_for_them(tmp_path: P
     # the older state never lands over the newer one.
     assert d.save("name:s", long, FakeState(long, True), kind="session", roster="")
     loaded = d.load("name:s")
-    assert loaded is not None and loaded.tokens == long
+    assert loaded is not None
+    assert loaded.tokens == long
     assert d.save_behind("name:s", short, FakeState(short, True), kind="session", roster="")
     # Nor does a write in flight bring a deleted file back.
     assert d.delete("name:s")
@@ -75,7 +77,8 @@ def test_an_entry_renamed_while_its_write_is_in_flight_stays_dirty(tmp_path: Pat
     # The file written holds the anonymous key: the name is still unwritten.
     assert entry.dirty
     assert h.cache.flush() == 1
-    assert h.disk is not None and h.disk.exists("name:later")
+    assert h.disk is not None
+    assert h.disk.exists("name:later")
     h.cache.close_disk()
 
 
@@ -94,9 +97,12 @@ async def test_an_idle_engine_writes_a_finished_turn_behind(
                 async for _ in handle:
                     pass
             await engine.wait_until(
-                lambda _: any(e.cache_id == "s" for e in engine.cache_view)
-                and not any(e.dirty for e in engine.cache_view)
+                lambda _: (
+                    any(e.cache_id == "s" for e in engine.cache_view)
+                    and not any(e.dirty for e in engine.cache_view)
+                )
             )
             assert engine.cache_totals.disk_entries >= 1
             assert await engine.flush() == 0
-    assert list(tmp_path.rglob("*.gzc"))
+    files = await trio.to_thread.run_sync(lambda: list(tmp_path.rglob("*.gzc")))
+    assert files

@@ -888,15 +888,20 @@ class PromptCache:
             if entry in self._behind or not entry.path:
                 continue
             try:
-                state = self._ops.join_state(
-                    [n.block for n in entry.path], entry.end, entry.rest
-                )
+                state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
             except Exception:
                 log.exception("cache write failed: the state could not be assembled")
                 return False
             key = _file_key(entry)
-            common = {"kind": entry.kind, "roster": entry.roster, "owner": entry.owner}
-            if self.disk.save_behind(key, entry.tokens, state, tag=entry, **common):
+            if self.disk.save_behind(
+                key,
+                entry.tokens,
+                state,
+                kind=entry.kind,
+                roster=entry.roster,
+                owner=entry.owner,
+                tag=entry,
+            ):
                 self._behind[entry] = key
             return True
         return False
