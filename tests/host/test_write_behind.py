@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from gezel_trio import EngineConfig, open_engine
@@ -106,3 +107,24 @@ async def test_an_idle_engine_writes_a_finished_turn_behind(
             assert await engine.flush() == 0
     files = await trio.to_thread.run_sync(lambda: list(tmp_path.rglob("*.gzc")))
     assert files
+
+
+def test_a_failing_disk_pauses_write_behind_instead_of_retrying_in_a_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = Harness(trimmable=True, disk=tmp_path)
+    h.run(request(P1, cache_id="a"))
+
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(h.ops, "dump_state", full)
+    assert not h.cache.write_behind()
+    assert h.disk is not None
+    assert h.disk.problem == "No space left on device"
+    monkeypatch.undo()
+    # Paused: the idle host goes idle rather than spinning on the disk...
+    assert not h.cache.write_behind()
+    # ...while a flush still writes (and clears the trouble).
+    assert h.cache.flush() == 1
+    assert h.disk.problem is None

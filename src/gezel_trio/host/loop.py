@@ -476,14 +476,24 @@ class _Host:
         if self.seqs and start < self._behind_next:
             return False
         staged = self.cache.write_behind(min_age=BUSY_WRITE_AGE if self.seqs else 0.0)
-        if staged and self.seqs:
-            self._behind_next = start + 10 * (time.perf_counter() - start)
+        if self.seqs:
+            # Nothing to write: look again a little later, not every step.
+            spent = time.perf_counter() - start
+            self._behind_next = start + (10 * spent if staged else BUSY_LOOK_EVERY)
         return staged
 
-    def settle_behind(self) -> None:
-        """Idle with writes behind in flight: wait a moment for them (the
-        stats then say they are clean) instead of sleeping until work."""
-        self.cache.collect_behind(BEHIND_POLL)
+    def may_sleep(self) -> bool:
+        """Idle, with write-behind on: ``False`` while there is writing to
+        do (one entry staged per turn of the loop, so new work is taken
+        between them) or in flight (waited for a moment: the stats then say
+        the entries are clean), or while a write that landed meanwhile has
+        changed the view the Trio side has not seen."""
+        if self.write_behind():
+            return False
+        if self.cache.writes_behind:
+            self.cache.collect_behind(BEHIND_POLL)
+            return False
+        return self.cache.version == self._reported_version
 
     def shutdown(self) -> None:
         """Last act on the thread: file what is still running, flush to disk
@@ -539,8 +549,10 @@ _STEPPED = _Stepped()
 _IDLE = _Idle()
 
 
-# A busy host writes behind only entries saved this many seconds ago.
+# A busy host writes behind only entries saved this many seconds ago, and
+# looks for one at most this often when it found none.
 BUSY_WRITE_AGE = 1.0
+BUSY_LOOK_EVERY = 0.25
 # How long an idle host waits for a write behind in flight before it looks
 # for work again: the delay a request arriving meanwhile may see.
 BEHIND_POLL = 0.005
@@ -591,13 +603,7 @@ def _drive(
                 # insertion, a command's reply) is delivered first.
                 idle = not report.has_news
                 if idle and host.write_behind_on:
-                    # An idle host writes dirty entries behind, one per turn
-                    # of the loop so new work is taken between them.
-                    if host.write_behind():
-                        idle = False
-                    elif host.cache.writes_behind:
-                        host.settle_behind()
-                        idle = False
+                    idle = host.may_sleep()
             if observed:
                 for point in [*_order_points(orders), *_points(report, host, chunks)]:
                     yield _At(point)

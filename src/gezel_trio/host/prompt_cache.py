@@ -139,6 +139,11 @@ class _Seq:
     pins: tuple[Pin, ...] = ()
 
 
+# Seconds write-behind pauses after a failed write (a full or read-only
+# disk): eviction, flushes and the shutdown still write, and report.
+BEHIND_BACKOFF = 5.0
+
+
 def _reaching(node: Node, pos: int) -> Entry | None:
     """The most recently used entry through ``node`` that holds tokens past
     ``pos``: the cached side of a divergence there."""
@@ -264,6 +269,9 @@ class PromptCache:
         self.version = 0
         # Entries whose write behind is in flight, with the file key written.
         self._behind: dict[Entry, str] = {}
+        # No write behind is tried before this time (time.monotonic()): a
+        # failing disk is not retried in a loop (its cause is logged once).
+        self._behind_after = 0.0
 
     # --- admission ---------------------------------------------------------
 
@@ -884,6 +892,8 @@ class PromptCache:
         if self.disk is None or not self.disk.writable:
             return False
         self.collect_behind()
+        if time.monotonic() < self._behind_after:
+            return False
         for entry in self._to_write(min_age):
             if entry in self._behind or not entry.path:
                 continue
@@ -891,9 +901,10 @@ class PromptCache:
                 state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
             except Exception:
                 log.exception("cache write failed: the state could not be assembled")
+                self._behind_after = time.monotonic() + BEHIND_BACKOFF
                 return False
             key = _file_key(entry)
-            if self.disk.save_behind(
+            if not self.disk.save_behind(
                 key,
                 entry.tokens,
                 state,
@@ -902,7 +913,9 @@ class PromptCache:
                 owner=entry.owner,
                 tag=entry,
             ):
-                self._behind[entry] = key
+                self._behind_after = time.monotonic() + BEHIND_BACKOFF
+                return False
+            self._behind[entry] = key
             return True
         return False
 
@@ -921,7 +934,9 @@ class PromptCache:
         cleaned = 0
         for entry, saved in self.disk.collect(timeout):
             key = self._behind.pop(entry, None)
-            if saved and entry.path and key == _file_key(entry):
+            if not saved:
+                self._behind_after = time.monotonic() + BEHIND_BACKOFF
+            elif entry.path and key == _file_key(entry):
                 entry.dirty = False
                 cleaned += 1
         if cleaned:
