@@ -42,11 +42,14 @@ def test_writes_of_one_key_land_in_order_and_a_delete_waits_for_them(tmp_path: P
     loaded = d.load("name:s")
     assert loaded is not None
     assert loaded.tokens == long
-    assert d.save_behind("name:s", short, FakeState(short, True), kind="session", roster="")
     # Nor does a write in flight bring a deleted file back.
+    assert d.save_behind("name:s", short, FakeState(short, True), kind="session", roster="", tag=2)
     assert d.delete("name:s")
     assert not d.exists("name:s")
     assert "name:s" not in d.index
+    # The writes a save or a delete waited for are still reported.
+    assert d.collect() == [(None, True), (2, True)]
+    assert d.writes_in_flight == 0
     d.close()
     assert list(tmp_path.rglob("*.gzc")) == []
     assert list(tmp_path.rglob(".*.tmp.*")) == []
@@ -80,6 +83,19 @@ def test_an_entry_renamed_while_its_write_is_in_flight_stays_dirty(tmp_path: Pat
     assert h.cache.flush() == 1
     assert h.disk is not None
     assert h.disk.exists("name:later")
+    h.cache.close_disk()
+
+
+def test_an_entry_evicted_while_its_write_is_in_flight_is_not_waited_for_again(
+    tmp_path: Path,
+) -> None:
+    h = Harness(trimmable=True, disk=tmp_path)
+    h.run(request(P1, cache_id="a"))
+    assert h.cache.write_behind()
+    assert h.cache.evict("a") == (True, True)  # the delete waited for the write
+    h.cache.collect_behind()
+    assert h.cache.writes_behind == 0  # an idle host may sleep again
+    assert list(tmp_path.rglob("*.gzc")) == []
     h.cache.close_disk()
 
 

@@ -184,6 +184,9 @@ class DiskCache:
         # how many of its writes per file key are not collected yet.
         self._writer: _Writer | None = None
         self._pending: collections.Counter[str] = collections.Counter()
+        # Writes behind indexed already (a save, load or delete waited for
+        # them) whose ``(tag, saved)`` the next ``collect`` reports.
+        self._landed: list[tuple[Any, bool]] = []
         # The current write trouble, logged once per cause (/health shows it).
         self.problem: str | None = None
         try:
@@ -254,17 +257,8 @@ class DiskCache:
         """The writes behind that finished, as ``(tag, saved)``, their files
         indexed; with a ``timeout``, first waits that long (``None``: for
         ever) for those in flight."""
-        if self._writer is None:
-            return []
-        if timeout != 0.0:
-            self._writer.wait(timeout)
-        out = []
-        while self._writer.done:
-            staged, result = self._writer.done.popleft()
-            self._pending[staged.file_key] -= 1
-            if self._pending[staged.file_key] <= 0:
-                del self._pending[staged.file_key]
-            out.append((staged.tag, self._finish(staged, result)))
+        self._drain(timeout)
+        out, self._landed = self._landed, []
         return out
 
     def close(self, timeout: float | None = None) -> list[tuple[Any, bool]]:
@@ -280,7 +274,21 @@ class DiskCache:
     def _settle(self, file_key: str) -> None:
         """A write behind of ``file_key`` still in flight lands first."""
         if file_key in self._pending:
-            self.collect(None)
+            self._drain(None)
+
+    def _drain(self, timeout: float | None) -> None:
+        """Index the writes behind that finished (waiting up to ``timeout``
+        for those in flight), keeping their outcome for ``collect``."""
+        if self._writer is None:
+            return
+        if timeout != 0.0:
+            self._writer.wait(timeout)
+        while self._writer.done:
+            staged, result = self._writer.done.popleft()
+            self._pending[staged.file_key] -= 1
+            if self._pending[staged.file_key] <= 0:
+                del self._pending[staged.file_key]
+            self._landed.append((staged.tag, self._finish(staged, result)))
 
     def _stage(
         self,
