@@ -4,7 +4,9 @@ shutdown finds little or nothing left to write."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -59,11 +61,11 @@ def test_write_behind_makes_the_flush_find_nothing(tmp_path: Path) -> None:
     h = Harness(trimmable=True, disk=tmp_path)
     h.run(request(P1, cache_id="a"))
     h.run(request(range(500, 520)))
-    staged = 0
-    while h.cache.write_behind():
-        staged += 1
-    assert staged == 2  # the named entry, then the anonymous one
+    assert h.cache.write_behind()  # the named entry first
+    assert h.cache.write_behind()  # then the anonymous one
+    assert not h.cache.write_behind()  # nothing more, or two in flight
     assert h.cache.collect_behind(None) == 2
+    assert not h.cache.write_behind()
     assert all(not e.dirty for e in h.cache.store)
     assert h.cache.flush() == 0
     assert h.disk is not None
@@ -144,3 +146,29 @@ def test_a_failing_disk_pauses_write_behind_instead_of_retrying_in_a_loop(
     # ...while a flush still writes (and clears the trouble).
     assert h.cache.flush() == 1
     assert h.disk.problem is None
+
+
+def test_at_most_two_writes_behind_are_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = Harness(trimmable=True, disk=tmp_path)
+    for name in "abc":
+        h.run(request(range(100 * ord(name), 100 * ord(name) + 40), cache_id=name))
+    assert h.disk is not None
+    slow_disk = threading.Event()
+    seal = h.disk._seal
+
+    def held(job: Any) -> Any:
+        slow_disk.wait()
+        return seal(job)
+
+    monkeypatch.setattr(h.disk, "_seal", held)
+    assert h.cache.write_behind()
+    assert h.cache.write_behind()
+    assert not h.cache.write_behind(), "a third waits for the slow disk"
+    slow_disk.set()
+    assert h.cache.collect_behind(None) == 2
+    assert h.cache.write_behind()  # the third
+    assert h.cache.collect_behind(None) == 1
+    assert h.cache.flush() == 0
+    h.cache.close_disk()

@@ -142,6 +142,9 @@ class _Seq:
 # Seconds write-behind pauses after a failed write (a full or read-only
 # disk): eviction, flushes and the shutdown still write, and report.
 BEHIND_BACKOFF = 5.0
+# Writes behind staged and not yet landed, at most: one being sealed, the
+# next one staged, so a slow disk never piles temp files up.
+BEHIND_IN_FLIGHT = 2
 
 
 def _reaching(node: Node, pos: int) -> Entry | None:
@@ -887,12 +890,13 @@ class PromptCache:
         """Hand the first dirty entry a flush would write (and that is not
         being written already) to the disk's writer thread: its state is
         assembled and serialized here, on the host thread, the rest is not.
-        ``False``: nothing to hand over. A finished write marks the entry
-        clean in ``collect_behind``."""
+        ``False``: nothing to hand over, ``BEHIND_IN_FLIGHT`` writes in
+        flight, or paused after a failed write. A finished write marks the
+        entry clean in ``collect_behind``."""
         if self.disk is None or not self.disk.writable:
             return False
         self.collect_behind()
-        if time.monotonic() < self._behind_after:
+        if len(self._behind) >= BEHIND_IN_FLIGHT or time.monotonic() < self._behind_after:
             return False
         for entry in self._to_write(min_age):
             if entry in self._behind or not entry.path:
