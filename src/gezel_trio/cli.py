@@ -126,11 +126,6 @@ def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
     for cls, group in groups.items():
         _add_setting_flags(group, cls)
     # The process's own, which main reads: no config holds them.
-    groups[ServerConfig].add_argument(
-        "--exit-with-parent",
-        action="store_true",
-        help="drain and exit when the parent process dies (sidecar use)",
-    )
     groups[ServerConfig].add_argument("--log-level", default="INFO", help="the stderr log's level")
     _add_seed_flags(s)
     # After every flag exists: the profile's values become their defaults,
@@ -351,6 +346,19 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
         print(ensure_demo_model(args.kind, args.size))
         return 0
 
+    watch_parent = None
+    if args.command == "serve" and args.exit_with_parent == "on":
+        # First: an orphan loads no model (and fetches none) only to drop it.
+        from .server import Orphaned, exit_with_parent
+
+        try:
+            watch_parent = exit_with_parent()
+        except Orphaned as exc:
+            print(f"gezel-trio: {exc}", file=sys.stderr)
+            return 1  # the seed's status for it
+        except OSError as exc:
+            print(f"gezel-trio: {exc}", file=sys.stderr)
+            return 2
     # Before Trio starts: a first run fetches and converts, with progress on
     # stderr, and a model that cannot be had is a message, not a traceback.
     try:
@@ -367,18 +375,11 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
     if args.profile != STANDARD:
         print(f"gezel-trio: profile {args.profile}", file=sys.stderr)
 
-    from .server import exit_with_parent, main_serve
+    from .server import main_serve
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(LogFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
-    watch_parent = None
-    if args.exit_with_parent:
-        try:
-            watch_parent = exit_with_parent()
-        except OSError as exc:
-            print(f"gezel-trio: {exc}", file=sys.stderr)
-            return 2
     try:
         config = server_config(args, model_dir, watch_parent)
     except ValueError as exc:

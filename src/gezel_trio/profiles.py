@@ -39,6 +39,10 @@ SEED_DEFAULTS: dict[str, object] = {
     "drop_past_tool_calls": "on",
     # The seed stopped at </tool_call> for models declaring a tool_call_parser (~450 calls a turn).
     "stop_at_tool_call_end": "on",
+    # The seed always ran its parent-death watchdog: the app never passes a flag for it.
+    "exit_with_parent": "on",
+    # The client SIGKILLs 3 s after SIGTERM: dirty entries go to disk as they are saved.
+    "write_behind": "on",
 }
 
 PROFILES: dict[str, dict[str, object]] = {STANDARD: {}, SEED: SEED_DEFAULTS}

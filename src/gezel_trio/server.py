@@ -13,7 +13,8 @@
                 ├─ hypercorn serve     the quart-trio app, bound after the engine
                 └─ signal watcher      SIGINT/SIGTERM -> graceful drain
 
-Shutdown: a signal stops hypercorn from accepting and lets in-flight requests
+Shutdown: a signal stops hypercorn from accepting, closes idle keep-alive
+connections at once (``_idle_closable``) and lets in-flight requests
 finish for up to ``graceful_timeout`` seconds; then the nursery is cancelled,
 which closes the engine (remaining requests fail with ``EngineClosed``) and
 the host thread stops after its current step and a flush bounded by
@@ -36,6 +37,7 @@ import signal
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import attrs
 import trio
@@ -52,7 +54,7 @@ from .http.response_store import ResponseStore
 from .mlx import mlx_backend
 from .stdout_protocol import StdoutProtocol, StdoutSettings
 
-__all__ = ["ServerConfig", "serve"]
+__all__ = ["Orphaned", "ServerConfig", "serve"]
 
 log = logging.getLogger("gezel_trio.server")
 
@@ -77,6 +79,16 @@ class ServerConfig:
         10.0,
         flag="--graceful-timeout",
         help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    # Read by the command (cli.main) before the server starts: on Linux the
+    # kernel's parent-death signal is asked for then, elsewhere
+    # ``watch_parent`` below is polled.
+    exit_with_parent: bool = setting(
+        False,
+        flag="--exit-with-parent",
+        on_off=True,
+        help="on: drain and exit when the parent process dies, and refuse to start "
+        "when it is already gone (sidecar use)",
     )
     # Drain and exit once this process's parent is no longer this pid
     # (--exit-with-parent where the kernel cannot signal it: macOS).
@@ -131,6 +143,36 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
         shutdown.set()
 
 
+def _idle_closable(app: Any) -> Any:
+    """``app`` with its last send of each response shielded, so that hypercorn
+    closes the connection at once on shutdown while it idles between requests.
+
+    Hypercorn closes an idle keep-alive connection from a task it starts when
+    the previous response ends, inside the app's last send. quart-trio
+    cancels its own nursery as that response ends, and a task started from a
+    cancelled scope is never moved to the connection's nursery (trio's
+    ``started`` leaves it where it is): it dies at once, and nothing closes
+    the idle connection until ``graceful_timeout`` runs out, which cost
+    every stop the whole 10 s. The shielded send is the one that writes the
+    response's end, which hypercorn already writes shielded."""
+
+    async def shielded_end(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+
+        async def send_end_shielded(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await app(scope, receive, send_end_shielded)
+
+    return shielded_end
+
+
 async def _serve_http(  # noqa: ASYNC128 - hypercorn.serve calls started()
     app: object,
     hc: HypercornConfig,
@@ -140,7 +182,13 @@ async def _serve_http(  # noqa: ASYNC128 - hypercorn.serve calls started()
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
-        await hypercorn_serve(app, hc, shutdown_trigger=shutdown.wait, task_status=task_status)  # type: ignore[arg-type]
+        await hypercorn_serve(
+            _idle_closable(app),
+            hc,
+            shutdown_trigger=shutdown.wait,
+            task_status=task_status,
+            mode="asgi",
+        )
     finally:
         # The HTTP server has drained (or failed): the engine goes with it.
         owner.cancel()
@@ -227,23 +275,31 @@ async def serve(
         raise died[0]
 
 
+class Orphaned(Exception):
+    """The parent process was gone before the server started."""
+
+
 def exit_with_parent() -> int | None:
     """Drain and exit when our parent dies. On Linux the kernel sends
     SIGTERM (prctl PR_SET_PDEATHSIG), so a sidecar whose app crashed drains
     like any other SIGTERM, and this returns ``None``. Elsewhere (macOS) it
-    returns the parent's pid, for ``ServerConfig.watch_parent`` to poll."""
-    if not sys.platform.startswith("linux"):
-        return os.getppid()
-    import ctypes
+    returns the parent's pid, for ``ServerConfig.watch_parent`` to poll.
 
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:
-        # The parent died before the request took effect: act on it now.
-        os.kill(os.getpid(), signal.SIGTERM)
-    return None
+    Raises ``Orphaned`` when we were re-parented to init already (the
+    parent died before, or while, the request took effect): as the seed
+    did, the model is not loaded only to be dropped again."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # Checked after the request: a parent that dies later is signalled.
+    parent = os.getppid()
+    if parent == 1:
+        raise Orphaned("the parent process is already gone (parent pid 1): not starting")
+    return None if sys.platform.startswith("linux") else parent
 
 
 def main_serve(

@@ -203,6 +203,17 @@ class EngineConfig:
         help="bound on the shutdown flush of dirty cache entries to disk",
         validator=attrs.validators.ge(0),
     )
+    # On: a dirty cache entry is written to disk soon after it is saved
+    # (while the engine idles, or a tenth of a busy engine's time), so a
+    # stop has little left to flush. Off: dirty entries wait for eviction,
+    # /admin/flush or the shutdown flush.
+    write_behind: bool = setting(
+        False,
+        flag="--write-behind",
+        on_off=True,
+        help="on: write dirty cache entries to --persist-dir soon after they are saved, "
+        "so the shutdown flush is small",
+    )
     # After this many consecutive failed model steps the engine stops with
     # ``EngineFailure`` (the process exits non-zero for its supervisor).
     max_step_failures: int = setting(

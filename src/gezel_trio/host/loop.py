@@ -152,10 +152,15 @@ class _Host:
         memory_limit_bytes: int | None = None,
         shutdown_timeout: float | None = None,
         observed: bool = False,
+        write_behind: bool = False,
     ) -> None:
         self.backend = backend
         self.memory_limit = memory_limit_bytes
         self.shutdown_timeout = shutdown_timeout
+        self.write_behind_on = write_behind and cache.disk is not None
+        # A busy host stages its next write behind no sooner than this
+        # (time.perf_counter()): at most a tenth of its time goes to them.
+        self._behind_next = 0.0
         self.cache = cache
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
@@ -465,9 +470,42 @@ class _Host:
         for rid in rids:
             self._left(rid)
 
+    def write_behind(self) -> bool:
+        """Between steps: hand one dirty cache entry to the disk's writer
+        thread (``PromptCache.write_behind``); ``True`` if one was. An idle
+        host writes whatever is dirty; a busy one only entries saved a
+        second ago or more (a turn's interim snapshots are replaced by then)
+        and stays under a tenth of its time serializing them, so decoding
+        keeps its pace."""
+        if not self.write_behind_on:
+            return False
+        start = time.perf_counter()
+        if self.seqs and start < self._behind_next:
+            return False
+        staged = self.cache.write_behind(min_age=BUSY_WRITE_AGE if self.seqs else 0.0)
+        if self.seqs:
+            # Nothing to write: look again a little later, not every step.
+            spent = time.perf_counter() - start
+            self._behind_next = start + (10 * spent if staged else BUSY_LOOK_EVERY)
+        return staged
+
+    def may_sleep(self) -> bool:
+        """Idle, with write-behind on: ``False`` while there is writing to
+        do (one entry staged per turn of the loop, so new work is taken
+        between them) or in flight (waited for a moment: the stats then say
+        the entries are clean), or while a write that landed meanwhile has
+        changed the view the Trio side has not seen."""
+        if self.write_behind():
+            return False
+        if self.cache.writes_behind:
+            self.cache.collect_behind(BEHIND_POLL)
+            return False
+        return self.cache.version == self._reported_version
+
     def shutdown(self) -> None:
         """Last act on the thread: file what is still running, flush to disk
-        within ``shutdown_timeout`` seconds."""
+        within ``shutdown_timeout`` seconds (the writes behind in flight
+        land first, in the same bound)."""
         if self.seqs:
             rids = list(self.seqs)
             self.seqs.clear()
@@ -477,7 +515,11 @@ class _Host:
                     rid, "its cancellation save", self.cache.cancelled, rid, states.get(rid)
                 )
         timeout = self.shutdown_timeout
-        self.cache.flush(deadline=None if timeout is None else time.monotonic() + timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self.cache.flush(deadline=deadline)
+        finally:
+            self.cache.close_disk(deadline)
 
 
 # --- the one loop, and the two ways to run it ------------------------------
@@ -514,6 +556,15 @@ _STEPPED = _Stepped()
 _IDLE = _Idle()
 
 
+# A busy host writes behind only entries saved this many seconds ago, and
+# looks for one at most this often when it found none.
+BUSY_WRITE_AGE = 1.0
+BUSY_LOOK_EVERY = 0.25
+# How long an idle host waits for a write behind in flight before it looks
+# for work again: the delay a request arriving meanwhile may see.
+BEHIND_POLL = 0.005
+
+
 def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
     limit = config.memory_limit_mb
     return _Host(
@@ -522,6 +573,7 @@ def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
         None if limit is None else int(limit * 1024 * 1024),
         config.shutdown_timeout,
         observed,
+        config.write_behind,
     )
 
 
@@ -551,11 +603,14 @@ def _drive(
             idle = False
             if host.seqs and orders.lane is not None:
                 report = host.step(orders.lane)
+                host.write_behind()
             else:
                 report = host.report()
                 # Only an empty report may wait: news (a request refused at
                 # insertion, a command's reply) is delivered first.
                 idle = not report.has_news
+                if idle and host.write_behind_on:
+                    idle = host.may_sleep()
             if observed:
                 for point in [*_order_points(orders), *_points(report, host, chunks)]:
                     yield _At(point)

@@ -22,17 +22,29 @@ mid-write is swept when the directory is opened.
 Runs on the engine's host thread (the state codec is the backend's, which
 for MLX must run on that thread). Every I/O failure is logged and reported
 as a miss or a failed save, never raised into a request.
+
+Write-behind (``save_behind``): the host thread writes the state to the temp
+file (the codec, the part that must run there) and hands the rest - the
+metadata, the checksum, fsync, the rename - to one writer thread that
+``DiskCache`` starts on first use and ``close`` joins. The writer touches
+nothing but its own files: what it did comes back through ``collect`` on
+the host thread, which alone updates the index. Writes of one file key land
+in the order they were asked for; ``save``, ``load`` and ``delete`` of a key
+with a write in flight wait for it first.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import secrets
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -89,6 +101,66 @@ class Loaded:
     owner: str | None = None
 
 
+@attrs.frozen
+class _Staged:
+    """A state written to its temp file, its metadata ready: what is left
+    of the save needs no backend and runs on any thread."""
+
+    file_key: str
+    tokens: tuple[int, ...]
+    kind: str
+    roster: str
+    owner: str | None
+    tmp: Path
+    final: Path
+    meta: bytes
+    # What the caller of save_behind gets back from collect.
+    tag: Any = None
+
+
+class _Writer:
+    """The write-behind thread: seals staged files in order. ``outstanding``
+    counts what was handed over and is not yet in ``done``."""
+
+    def __init__(self, seal: Any) -> None:
+        self._seal = seal
+        self._jobs: queue.SimpleQueue[_Staged | None] = queue.SimpleQueue()
+        self.done: collections.deque[tuple[_Staged, Exception | os.stat_result]] = (
+            collections.deque()
+        )
+        self._idle = threading.Condition()
+        self.outstanding = 0
+        # A daemon: a write stuck in the kernel never holds the process past
+        # its shutdown bound (the temp file is swept at the next start).
+        self._thread = threading.Thread(target=self._run, name="gezel-cache-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, job: _Staged) -> None:
+        with self._idle:
+            self.outstanding += 1
+        self._jobs.put(job)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Until every job handed over is done; ``False`` at ``timeout``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self.outstanding == 0, timeout)
+
+    def stop(self, timeout: float | None) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                result: Exception | os.stat_result = self._seal(job)
+            except Exception as exc:  # reported on the host thread, by collect
+                result = exc
+            with self._idle:
+                self.done.append((job, result))
+                self.outstanding -= 1
+                self._idle.notify_all()
+
+
 def safe_fingerprint(value: str) -> str:
     """An operator-given fingerprint, made safe as a directory name."""
     if _SAFE.match(value) and value not in (".", ".."):
@@ -108,6 +180,13 @@ class DiskCache:
         self.writable = True
         # file key -> what its file holds, read from the files' metadata.
         self.index: dict[str, DiskEntry] = {}
+        # The write-behind thread, started by the first save_behind, and
+        # how many of its writes per file key are not collected yet.
+        self._writer: _Writer | None = None
+        self._pending: collections.Counter[str] = collections.Counter()
+        # Writes behind indexed already (a save, load or delete waited for
+        # them) whose ``(tag, saved)`` the next ``collect`` reports.
+        self._landed: list[tuple[Any, bool]] = []
         # The current write trouble, logged once per cause (/health shows it).
         self.problem: str | None = None
         try:
@@ -136,8 +215,95 @@ class DiskCache:
         owner: str | None = None,
     ) -> bool:
         """Write atomically; ``False`` (logged) on any failure."""
-        if not self.writable:
+        self._settle(file_key)  # an older write behind must not land after this one
+        staged = self._stage(file_key, tokens, state, kind=kind, roster=roster, owner=owner)
+        if staged is None:
             return False
+        try:
+            result: Exception | os.stat_result = self._seal(staged)
+        except Exception as exc:
+            result = exc
+        return self._finish(staged, result)
+
+    def save_behind(
+        self,
+        file_key: str,
+        tokens: Iterable[int],
+        state: Any,
+        *,
+        kind: str,
+        roster: str,
+        owner: str | None = None,
+        tag: Any = None,
+    ) -> bool:
+        """Write ``state`` to a temp file here (the codec's part) and leave
+        the rest to the writer thread; ``False`` (logged) when even that
+        failed. ``collect`` later reports ``(tag, saved)``."""
+        staged = self._stage(file_key, tokens, state, kind=kind, roster=roster, owner=owner)
+        if staged is None:
+            return False
+        if self._writer is None:
+            self._writer = _Writer(self._seal)
+        self._pending[file_key] += 1
+        self._writer.put(attrs.evolve(staged, tag=tag))
+        return True
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Writes behind handed over and not collected yet."""
+        return self._pending.total()
+
+    def collect(self, timeout: float | None = 0.0) -> list[tuple[Any, bool]]:
+        """The writes behind that finished, as ``(tag, saved)``, their files
+        indexed; with a ``timeout``, first waits that long (``None``: for
+        ever) for those in flight."""
+        self._drain(timeout)
+        out, self._landed = self._landed, []
+        return out
+
+    def close(self, timeout: float | None = None) -> list[tuple[Any, bool]]:
+        """Wait (up to ``timeout`` seconds) for the writes behind, stop the
+        writer thread; what finished, as ``collect`` reports it."""
+        if self._writer is None:
+            return []
+        done = self.collect(timeout)
+        self._writer.stop(0 if self._pending else timeout)
+        self._writer = None
+        return done
+
+    def _settle(self, file_key: str) -> None:
+        """A write behind of ``file_key`` still in flight lands first."""
+        if file_key in self._pending:
+            self._drain(None)
+
+    def _drain(self, timeout: float | None) -> None:
+        """Index the writes behind that finished (waiting up to ``timeout``
+        for those in flight), keeping their outcome for ``collect``."""
+        if self._writer is None:
+            return
+        if timeout != 0.0:
+            self._writer.wait(timeout)
+        while self._writer.done:
+            staged, result = self._writer.done.popleft()
+            self._pending[staged.file_key] -= 1
+            if self._pending[staged.file_key] <= 0:
+                del self._pending[staged.file_key]
+            self._landed.append((staged.tag, self._finish(staged, result)))
+
+    def _stage(
+        self,
+        file_key: str,
+        tokens: Iterable[int],
+        state: Any,
+        *,
+        kind: str,
+        roster: str,
+        owner: str | None,
+    ) -> _Staged | None:
+        """The state in a temp file beside its final one: the codec's part,
+        on the calling (host) thread. ``None`` (logged) on a failure."""
+        if not self.writable:
+            return None
         final = self.path_for(file_key)
         tmp = self.dir / f".{final.stem}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
         tokens = tuple(tokens)
@@ -153,9 +319,21 @@ class DiskCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)  # removed while serving: recreate
             self._codec.dump_state(state, {"gezel_file_key": file_key}, tmp)
-            blob = json.dumps(meta, separators=(",", ":")).encode()
+        except Exception as exc:  # OSError, or the codec's own errors
+            self._trouble(exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return None
+        blob = json.dumps(meta, separators=(",", ":")).encode()
+        return _Staged(file_key, tokens, kind, roster, owner, tmp, final, blob)
+
+    def _seal(self, staged: _Staged) -> os.stat_result:
+        """The metadata, the checksum, fsync and the rename: no backend, any
+        thread. Raises on a failure, the temp file removed."""
+        tmp = staged.tmp
+        try:
             with tmp.open("ab") as f:
-                f.write(blob + len(blob).to_bytes(4, "big"))
+                f.write(staged.meta + len(staged.meta).to_bytes(4, "big"))
             digest = hashlib.sha256()
             with tmp.open("rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
@@ -164,16 +342,27 @@ class DiskCache:
                 f.write(MAGIC + FORMAT_VERSION.to_bytes(4, "big") + digest.digest())
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, final)
+            os.replace(tmp, staged.final)
             self._fsync_dir()
-            st = final.stat()
-        except Exception as exc:  # OSError, or the codec's own errors
-            self._trouble(exc)
+            return staged.final.stat()
+        except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
+            raise
+
+    def _finish(self, staged: _Staged, result: Exception | os.stat_result) -> bool:
+        """A sealed write indexed, or a failed one reported (host thread)."""
+        if isinstance(result, Exception):
+            self._trouble(result)
             return False
-        self.index[file_key] = DiskEntry(
-            file_key, tokens, kind, roster, owner, st.st_size, st.st_mtime
+        self.index[staged.file_key] = DiskEntry(
+            staged.file_key,
+            staged.tokens,
+            staged.kind,
+            staged.roster,
+            staged.owner,
+            result.st_size,
+            result.st_mtime,
         )
         if self.problem is not None:
             log.warning("cache saves work again (after: %s)", self.problem)
@@ -195,6 +384,7 @@ class DiskCache:
     # --- read --------------------------------------------------------------
 
     def load(self, file_key: str) -> Loaded | None:
+        self._settle(file_key)
         path = self.path_for(file_key)
         try:
             data = path.read_bytes()
@@ -223,6 +413,7 @@ class DiskCache:
         return None
 
     def delete(self, file_key: str) -> bool:
+        self._settle(file_key)  # or the write in flight would bring the file back
         self.index.pop(file_key, None)
         try:
             self.path_for(file_key).unlink()

@@ -141,6 +141,14 @@ class _Seq:
     pins: tuple[Pin, ...] = ()
 
 
+# Seconds write-behind pauses after a failed write (a full or read-only
+# disk): eviction, flushes and the shutdown still write, and report.
+BEHIND_BACKOFF = 5.0
+# Writes behind staged and not yet landed, at most: one being sealed, the
+# next one staged, so a slow disk never piles temp files up.
+BEHIND_IN_FLIGHT = 2
+
+
 def _reaching(node: Node, pos: int) -> Entry | None:
     """The most recently used entry through ``node`` that holds tokens past
     ``pos``: the cached side of a divergence there."""
@@ -264,6 +272,11 @@ class PromptCache:
         self._counts = {"lookups": 0, "hits": 0, "prompt": 0, "cached": 0, "evictions": 0}
         self._evicted = _EvictedTrail(self.store.block_tokens)
         self.version = 0
+        # Entries whose write behind is in flight, with the file key written.
+        self._behind: dict[Entry, str] = {}
+        # No write behind is tried before this time (time.monotonic()): a
+        # failing disk is not retried in a loop (its cause is logged once).
+        self._behind_after = 0.0
 
     # --- admission ---------------------------------------------------------
 
@@ -796,6 +809,10 @@ class PromptCache:
     def _write(self, entry: Entry) -> None:
         if self.disk is None or not entry.path:
             return
+        if entry in self._behind:
+            self.collect_behind(None)  # its write behind may already be the write
+            if not entry.dirty:
+                return
         try:
             state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
         except Exception:
@@ -850,33 +867,133 @@ class PromptCache:
             right,
         )
 
-    # --- commands from the Trio side ---------------------------------------
+    # --- write-behind ------------------------------------------------------
 
-    def flush(self, deadline: float | None = None) -> int:
-        """Write dirty entries to disk - every named one, then anonymous ones
-        from the most recently used while the disk budget has room; returns
-        how many were written. Stops once ``time.monotonic()`` passes
-        ``deadline`` (shutdown)."""
-        if self.disk is None:
-            return 0
-        written = 0
+    def _to_write(self, min_age: float = 0.0) -> Iterator[Entry]:
+        """The dirty entries a flush writes, in its order: every named one,
+        then anonymous ones from the most recently used while the disk
+        budget has room; with ``min_age``, only those saved that many
+        seconds ago or more."""
+        assert self.disk is not None
         order = sorted(self.store, key=lambda e: (e.key is None, -e.last_use))
+        now = time.time()
         for entry in order:
-            if not entry.dirty:
+            if not entry.dirty or now - entry.used_at < min_age:
                 continue
-            if deadline is not None and time.monotonic() > deadline:
-                log.warning("flush stopped at its deadline; dirty entries left unwritten")
-                break
             if (
                 entry.key is None
                 and self._disk_budget > 0
                 and self.disk.total_bytes >= 0.8 * self._disk_budget
             ):
                 continue  # the cold part of the store is not worth a restart's disk
+            yield entry
+
+    def write_behind(self, min_age: float = 0.0) -> bool:
+        """Hand the first dirty entry a flush would write (and that is not
+        being written already) to the disk's writer thread: its state is
+        assembled and serialized here, on the host thread, the rest is not.
+        ``False``: nothing to hand over, ``BEHIND_IN_FLIGHT`` writes in
+        flight, or paused after a failed write. A finished write marks the
+        entry clean in ``collect_behind``."""
+        if self.disk is None or not self.disk.writable:
+            return False
+        self.collect_behind()
+        if len(self._behind) >= BEHIND_IN_FLIGHT or time.monotonic() < self._behind_after:
+            return False
+        for entry in self._to_write(min_age):
+            if entry in self._behind or not entry.path:
+                continue
+            try:
+                state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
+            except Exception:
+                log.exception("cache write failed: the state could not be assembled")
+                self._behind_after = time.monotonic() + BEHIND_BACKOFF
+                return False
+            key = _file_key(entry)
+            if not self.disk.save_behind(
+                key,
+                entry.tokens,
+                state,
+                kind=entry.kind,
+                roster=entry.roster,
+                owner=entry.owner,
+                tag=entry,
+            ):
+                self._behind_after = time.monotonic() + BEHIND_BACKOFF
+                return False
+            self._behind[entry] = key
+            return True
+        return False
+
+    @property
+    def writes_behind(self) -> int:
+        """Writes behind in flight."""
+        return len(self._behind)
+
+    def collect_behind(self, timeout: float | None = 0.0) -> int:
+        """Mark clean the entries whose write behind finished (waiting up to
+        ``timeout`` seconds for those in flight; ``None``: until all land);
+        returns how many. One renamed meanwhile stays dirty: its file is
+        another key's."""
+        if self.disk is None or not self._behind:
+            return 0
+        cleaned = 0
+        for entry, saved in self.disk.collect(timeout):
+            key = self._behind.pop(entry, None)
+            if not saved:
+                self._behind_after = time.monotonic() + BEHIND_BACKOFF
+            elif entry.path and key == _file_key(entry):
+                entry.dirty = False
+                cleaned += 1
+        if cleaned:
+            self.version += 1
+            self._prune_disk()
+        return cleaned
+
+    def close_disk(self, deadline: float | None = None) -> None:
+        """Last act (shutdown): the writes behind land by ``deadline``
+        (``time.monotonic()``), then the writer thread stops."""
+        if self.disk is None:
+            return
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.collect_behind(left)
+        self.disk.close(left)
+        self._behind.clear()
+
+    # --- commands from the Trio side ---------------------------------------
+
+    def flush(self, deadline: float | None = None) -> int:
+        """Write dirty entries to disk - every named one, then anonymous ones
+        from the most recently used while the disk budget has room; returns
+        how many were written (writes behind that landed meanwhile count).
+        Stops once ``time.monotonic()`` passes ``deadline`` (shutdown)."""
+        if self.disk is None:
+            return 0
+        started = time.monotonic()
+        left = None if deadline is None else max(0.0, deadline - started)
+        written = self.collect_behind(left if self._behind else 0.0)
+        behind = written
+        nbytes = 0
+        for entry in self._to_write():
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("flush stopped at its deadline; dirty entries left unwritten")
+                break
+            if entry in self._behind:
+                continue  # still in flight at the deadline: close_disk waits for it
             self._write(entry)
-            written += 0 if entry.dirty else 1
+            if not entry.dirty:
+                written += 1
+                nbytes += entry.nbytes
         if written:
-            log.info("flushed %d dirty entries to disk", written)
+            log.info(
+                "flushed %d dirty entries to disk (%d written here, %d bytes, in %.3f s; "
+                "%d were writes behind)",
+                written,
+                written - behind,
+                nbytes,
+                time.monotonic() - started,
+                behind,
+            )
         return written
 
     def evict(self, key: str) -> tuple[bool, bool]:
