@@ -50,3 +50,9 @@ def test_the_tool_call_stop_follows_the_profile_and_the_flag_wins(tmp_path: Path
     assert config(SEED, model=tmp_path).engine.stop_at_tool_call_end is True
     off = config(SEED, "--stop-at-tool-call-end", "off", model=tmp_path)
     assert off.engine.stop_at_tool_call_end is False
+
+
+def test_think_by_default_is_a_flag_neither_profile_sets(tmp_path: Path) -> None:
+    assert config(STANDARD, model=tmp_path).engine.think_by_default is False
+    assert config(SEED, model=tmp_path).engine.think_by_default is False
+    assert config(SEED, "--think-by-default", model=tmp_path).engine.think_by_default is True

@@ -231,6 +231,16 @@ class EngineConfig:
         help="render Claude Code's x-anthropic-billing-header line into the prompt "
         "(dropped by default: it changes every request and defeats the prompt cache)",
     )
+    # The seed rendered every prompt with enable_thinking true unless the
+    # request said otherwise: its app's catalog was tuned that way, and a
+    # template that reads the switch as "off unless set" would not reason.
+    think_by_default: bool = setting(
+        False,
+        flag="--think-by-default",
+        on_off=True,
+        help="on: a request whose chat_template_kwargs name no enable_thinking renders "
+        "with enable_thinking true (the seed's default); off: the template's own default",
+    )
     # The seed's history rule for templates that render a tool result without
     # its call (Hermes/Qwen): leave the history's tool calls out of the prompt
     # (shaping.prompt.ChatTemplateRenderer says what it costs the cache).

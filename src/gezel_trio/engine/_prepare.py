@@ -64,6 +64,8 @@ class Preparer:
     ) -> RenderedPrompt:
         renderer = self.loaded.renderer
         kwargs = dict(template_kwargs or {})
+        if self.config.think_by_default:
+            kwargs.setdefault("enable_thinking", True)
         messages, pins = self._without_billing_header(messages, pins)
         extra = {"pins": tuple(pins)} if pins else {}
         replies = self.replies
