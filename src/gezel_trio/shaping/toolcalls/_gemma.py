@@ -19,7 +19,7 @@ import re
 from .._markers import MarkerSeeker
 from ._body import CLOSED, DONE, WS, Body, Owner, skip_ws
 from ._format import ToolFormat
-from ._tags import TaggedBody
+from ._tags import TaggedBody, held_word
 
 __all__ = ["FIRST_CHARS", "GEMMA4", "STRING_DELIMITER", "GemmaBody", "open_body"]
 
@@ -114,14 +114,9 @@ class GemmaBody(TaggedBody):
     # -- before the arguments
 
     def _name(self, text: str, i: int) -> int:
-        m = _NAME.match(text, i)
-        assert m is not None
-        self._parts.append(m.group())
-        j = m.end()
-        if j == len(text):
+        name, j = held_word(_NAME, text, i, self._parts)
+        if name is None:
             return j
-        name = "".join(self._parts)
-        self._parts.clear()
         if text[j] != "{" or not name:
             return self._fail(j)
         self._owner._start(name)
@@ -198,14 +193,9 @@ class GemmaBody(TaggedBody):
         self._state = _S_COLON
 
     def _bare(self, text: str, i: int) -> int:
-        m = _BARE.match(text, i)
-        assert m is not None
-        self._parts.append(m.group())
-        j = m.end()
-        if j == len(text):
+        word, j = held_word(_BARE, text, i, self._parts)
+        if word is None:
             return j
-        word = "".join(self._parts)
-        self._parts.clear()
         if not word:
             return self._fail(j)
         if self._key_string:

@@ -13,7 +13,7 @@ from .._markers import MarkerSeeker
 from ._body import CLOSED, WS, Body, Owner, skip_ws
 from ._format import ToolFormat
 from ._qwen_xml import param_json
-from ._tags import TaggedBody
+from ._tags import TaggedBody, held_word
 
 __all__ = ["FIRST_CHARS", "GLM", "GlmBody", "open_body"]
 
@@ -88,14 +88,9 @@ class GlmBody(TaggedBody):
         """The bare function name, up to the newline or the first tag."""
         if not self._parts and text[i] in WS:
             return skip_ws(text, i)
-        m = _NAME_CHARS.match(text, i)
-        assert m is not None
-        self._parts.append(m.group())
-        k = m.end()
-        if k == len(text):
+        name, k = held_word(_NAME_CHARS, text, i, self._parts)
+        if name is None:
             return k
-        name = "".join(self._parts)
-        self._parts.clear()
         if not name or text[k] not in "\n<":
             return self._fail(k)
         self._function = name

@@ -4,14 +4,17 @@ The tagged markups (Qwen3-Coder's, GLM's, Gemma 4's head, string delimiter
 and closing marker) each, at some point, expect one of a few fixed strings.
 The text arrives in pieces cut anywhere, so a tag may be split over two
 pieces: its start is held until the next piece decides it. What a tag means
-once read is the markup's own (``_tag_done``).
+once read is the markup's own (``_tag_done``). A bare word (a name, Gemma's
+bare keys and values) is held the same way until a character ends it.
 """
 
 from __future__ import annotations
 
+import re
+
 from ._body import FAILED, RUNNING
 
-__all__ = ["TaggedBody"]
+__all__ = ["TaggedBody", "held_word"]
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -21,6 +24,23 @@ def _common_prefix(a: str, b: str) -> int:
             break
         k += 1
     return k
+
+
+def held_word(
+    pattern: re.Pattern[str], text: str, i: int, parts: list[str]
+) -> tuple[str | None, int]:
+    """The word ``pattern`` matches at ``i``, after the ``parts`` of it that
+    earlier pieces held, and where it ends; ``None`` while the end of the
+    text cuts it (what it matched is then held in ``parts``)."""
+    m = pattern.match(text, i)
+    assert m is not None
+    parts.append(m.group())
+    j = m.end()
+    if j == len(text):
+        return None, j
+    word = "".join(parts)
+    parts.clear()
+    return word, j
 
 
 class TaggedBody:
