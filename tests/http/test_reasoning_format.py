@@ -6,7 +6,7 @@ end of the prompt when ``enable_thinking`` is on (as Qwen-style templates
 do), and its script writes the block, the answer and, when asked, a tool
 call. Each stream is read the way the seed's client reads it: only
 ``delta.content`` (and ``tool_calls``), split with its own ``<think>``
-handling (``tests/support/think_split.py``).
+handling (``StreamingReasoningSplit`` of ``tests/support/seed_client.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.testing import EOS, ScriptedBackend, open_test_engine
 from gezel_trio.testing._scripted import CharRenderer
 from tests.support.inprocess import served
-from tests.support.think_split import ClientThinkSplit
+from tests.support.seed_client import StreamingReasoningSplit
 
 THINK, END_THINK = 0xE000, 0xE001  # the markers' ids: never rendered from text
 CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -117,15 +117,15 @@ def post(
 def client_reads(frames: list[dict[str, Any]], *, opens: bool) -> tuple[list[str], str]:
     """The visible text the client shows as each frame arrives (the last
     entry: its flush at the end of the turn), and the reasoning it kept."""
-    split = ClientThinkSplit(opens_in_reasoning=opens)
+    split = StreamingReasoningSplit(opens_in_reasoning=opens)
     live, reasoning = [], ""
     for frame in frames:
         for choice in frame["choices"]:
-            visible, thought = split.push(choice["delta"].get("content") or "")
-            live.append(visible)
-            reasoning += thought
-    visible, thought = split.flush()
-    return [*live, visible], reasoning + thought
+            part = split.push(choice["delta"].get("content") or "")
+            live.append(part.visible)
+            reasoning += part.reasoning
+    end = split.flush()
+    return [*live, end.visible], reasoning + end.reasoning
 
 
 NONE = HttpSettings(reasoning_format="none")

@@ -20,7 +20,6 @@ import importlib.resources
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ import pytest
 
 from gezel_trio import cli
 from tests.support.models import with_context
+from tests.support.process import terminate
 
 pytestmark = pytest.mark.slow
 
@@ -104,13 +104,9 @@ class Launched:
 
     def stop(self) -> int:
         """SIGTERM, as the app stops its engine; the exit status."""
-        self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=30)
+            return terminate(self.proc)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
             self._reader.join(timeout=30)
             assert self.proc.stdout is not None
             self.proc.stdout.close()

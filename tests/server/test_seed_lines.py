@@ -9,12 +9,9 @@ is for a line or a reply, with a deadline; no test sleeps."""
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +21,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from tests.support.process import FIXED
+from tests.support.process import FIXED, spawn_server
 from tests.support.seed import CACHE_HIT, CACHE_WARMED, LEAF, QUEUE
 
 pytestmark = pytest.mark.slow
@@ -61,26 +58,7 @@ class _Lines:
 
 @pytest.fixture(scope="module")
 def server(dense_model: Path) -> Iterator[tuple[str, _Lines]]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gezel_trio",
-            "serve",
-            "--model",
-            str(dense_model),
-            "--port",
-            "0",
-            "--max-concurrency",
-            "1",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    proc = spawn_server(dense_model, "--max-concurrency", "1")
     assert proc.stdout is not None
     lines = _Lines(proc.stdout)
     try:

@@ -11,7 +11,6 @@ run on Linux, and the 500 envelope for a bug in a route.
 from __future__ import annotations
 
 import os
-import select
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from gezel_trio import EngineConfig, open_engine
 from gezel_trio.http.app import HttpSettings, create_app
+from tests.support.process import orphan_exits
 from tests.support.seed import LEAF, TAGGED
 
 pytestmark = pytest.mark.slow
@@ -120,25 +120,8 @@ sys.exit(main_serve(config))
 
 def test_exit_with_parent_polling_drains_when_the_parent_dies(dense_model: Path) -> None:
     """The macOS path (poll ``getppid``), exercised on Linux."""
-    parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, POLLED_CHILD, str(dense_model)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert parent.stdout is not None
-    assert parent.stdin is not None
-    child_pid = int(parent.stdout.readline())
-    pidfd = os.pidfd_open(child_pid)
-    parent.kill()
-    parent.wait()
-    parent.stdout.close()
-    parent.stdin.close()
-    try:
-        readable, _, _ = select.select([pidfd], [], [], 60)
-    finally:
-        os.close(pidfd)
-    assert readable, "the server outlived its parent"
+    parent = [sys.executable, "-c", PARENT, POLLED_CHILD, str(dense_model)]
+    assert orphan_exits(parent, 60), "the server outlived its parent"
 
 
 async def test_a_bug_in_a_route_is_a_500_envelope(dense_model: Path) -> None:

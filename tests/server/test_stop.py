@@ -19,7 +19,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from tests.support.process import FIXED, Server, start_server, stop_server
+from tests.support.process import FIXED, Server, orphan_exits, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -191,25 +191,8 @@ def test_the_seed_profile_drains_and_exits_when_its_parent_dies(
 ) -> None:
     """No flag: the seed launch runs the watchdog by itself."""
     log = tmp_path / "stderr.txt"
-    parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, str(dense_model), str(log)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert parent.stdout is not None
-    assert parent.stdin is not None
-    child_pid = int(parent.stdout.readline())
-    pidfd = os.pidfd_open(child_pid)  # readable once the server exits
-    parent.kill()
-    parent.wait()
-    parent.stdout.close()
-    parent.stdin.close()
-    try:
-        readable, _, _ = select.select([pidfd], [], [], 2 * KILL_AFTER)
-    finally:
-        os.close(pidfd)
-    assert readable, "the server outlived its parent"
+    parent = [sys.executable, "-c", PARENT, str(dense_model), str(log)]
+    assert orphan_exits(parent, 2 * KILL_AFTER), "the server outlived its parent"
     assert "received SIGTERM: draining" in log.read_text()
 
 

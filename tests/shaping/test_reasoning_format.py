@@ -5,8 +5,9 @@ the model wrote it, and a client that reads only that text and splits
 ``ThinkPassthrough`` is checked to give back its input byte for byte however
 the text is cut; the shaper is fed the way the engine feeds it, and its
 ``TextDelta`` values are read through the client's own splitting
-(``tests/support/think_split.py``), once for a template that opens the block
-in the prompt and once for a model that opens it itself.
+(``StreamingReasoningSplit`` of ``tests/support/seed_client.py``), once for
+a template that opens the block in the prompt and once for a model that
+opens it itself.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gezel_trio.shaping.shaper import (
     ToolCallDelta,
     ToolCallDone,
 )
-from tests.support.think_split import ClientThinkSplit
+from tests.support.seed_client import StreamingReasoningSplit
 
 THINK, END_THINK = 7, 8  # the think markers' token ids in these prompts
 INFO = ModelInfo(
@@ -118,17 +119,17 @@ def read_like_the_client(
 ) -> tuple[list[str], str, str]:
     """What the seed's client shows: the visible text released at each step
     (the last entry: its flush), the whole answer and the whole reasoning."""
-    split = ClientThinkSplit(opens_in_reasoning=opens)
+    split = StreamingReasoningSplit(opens_in_reasoning=opens)
     live: list[str] = []
     reasoning = ""
     for events in steps:
         content = "".join(e.text for e in events if isinstance(e, TextDelta))
-        visible, thought = split.push(content)
-        live.append(visible)
-        reasoning += thought
-    visible, thought = split.flush()
-    live.append(visible)
-    return live, "".join(live), reasoning + thought
+        part = split.push(content)
+        live.append(part.visible)
+        reasoning += part.reasoning
+    end = split.flush()
+    live.append(end.visible)
+    return live, "".join(live), reasoning + end.reasoning
 
 
 PIECES_OPENED = ["Let me ", "see.\n</th", "ink>\n\nThe answer", " is 4."]

@@ -16,6 +16,7 @@ starts its own with ``start_server``.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -45,8 +46,10 @@ class Server:
         )
 
 
-def start_server(model: Path, *args: str) -> Server:
-    proc = subprocess.Popen(
+def spawn_server(model: Path, *args: str) -> subprocess.Popen[str]:
+    """``gezel-trio serve`` on ``model`` and a free port, with ``args``; its
+    stdout is the caller's to read (the listening line comes first)."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -65,6 +68,10 @@ def start_server(model: Path, *args: str) -> Server:
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def start_server(model: Path, *args: str) -> Server:
+    proc = spawn_server(model, *args)
     assert proc.stdout is not None
     for line in proc.stdout:  # ends if the process dies: then the assert below fails
         if line.startswith("gezel-trio listening on "):
@@ -74,17 +81,46 @@ def start_server(model: Path, *args: str) -> Server:
     raise AssertionError(f"server exited with {proc.wait()} before listening")
 
 
+def terminate(proc: subprocess.Popen[str], timeout: float = 30) -> int:
+    """SIGTERM, as a user stops the server; its exit status. One still
+    running after ``timeout`` seconds is killed (and the wait's error
+    raised)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def stop_server(server: Server) -> int:
     server.client.close()
-    server.proc.send_signal(signal.SIGTERM)
     try:
-        return server.proc.wait(timeout=30)
+        return terminate(server.proc)
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
         if server.proc.stdout is not None:
             server.proc.stdout.close()
+
+
+def orphan_exits(parent: list[str], timeout: float) -> bool:
+    """Run ``parent``, a program that starts a server, prints the server's
+    pid once it listens and then waits on its stdin; kill it; say whether the
+    orphaned server exited within ``timeout`` seconds."""
+    proc = subprocess.Popen(parent, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdin is not None
+    child_pid = int(proc.stdout.readline())
+    pidfd = os.pidfd_open(child_pid)  # readable once the server exits
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    proc.stdin.close()
+    try:
+        readable, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    return bool(readable)
 
 
 def _shared(model: Path) -> Iterator[Server]:

@@ -269,7 +269,32 @@ class _KeyedSyntax(CallSyntax):
         raise NotImplementedError
 
 
-class _QwenXmlSyntax(_KeyedSyntax):
+class _BareValueSyntax(_KeyedSyntax):
+    """A keyed markup that writes each value bare and closes it with a tag
+    (Qwen3-Coder, GLM): an enum or a typed value is closed by that tag right
+    after it; any other value is free text, which the markup's lazy rule
+    ends at the same tag."""
+
+    # Per markup: the grammar after a constrained value, and a free value.
+    value_end = ""
+    free_value = ""
+
+    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
+        head = self.entry_head(key)
+        kind, values = _value_kind(schema)
+        if kind == "enum":
+            alts = " | ".join(lit(v) for v in values)
+            return f"{head} ({alts}) {self.value_end}"
+        if kind == "json":
+            return f"{head} {self.json_value(schema, options, dump)} {self.value_end}"
+        return f"{head} {self.free_value}"
+
+    def entry_head(self, key: str) -> str:
+        """The grammar of an entry up to its value."""
+        raise NotImplementedError
+
+
+class _QwenXmlSyntax(_BareValueSyntax):
     """Qwen3-Coder: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
     </parameter>\\n...</function>\\n</tool_call>``. A free value is any text
     up to the first ``</parameter>`` (a lazy lexeme: the parser ends a value
@@ -298,22 +323,18 @@ class _QwenXmlSyntax(_KeyedSyntax):
     def free_args(self) -> str:
         return "xml_param*"
 
-    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
-        head = lit("<parameter=" + key + ">\n")
-        kind, values = _value_kind(schema)
-        if kind == "enum":
-            alts = " | ".join(lit(v) for v in values)
-            return f'{head} ({alts}) "\\n</parameter>\\n"'
-        if kind == "json":
-            return f'{head} {self.json_value(schema, options, dump)} "\\n</parameter>\\n"'
-        return f'{head} xml_text "\\n"'
+    value_end = '"\\n</parameter>\\n"'
+    free_value = 'xml_text "\\n"'
+
+    def entry_head(self, key: str) -> str:
+        return lit("<parameter=" + key + ">\n")
 
     def call(self, name: str, args: str) -> str:
         head = lit("<function=" + name + ">\n")
         return f'{head} {args} "</function>"'
 
 
-class _GlmSyntax(_KeyedSyntax):
+class _GlmSyntax(_BareValueSyntax):
     """GLM: ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE
     </arg_value>\\n...</tool_call>``; the newlines are optional (GLM-4.7's
     template writes none)."""
@@ -333,15 +354,11 @@ class _GlmSyntax(_KeyedSyntax):
     def free_args(self) -> str:
         return "glm_pair*"
 
-    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
-        head = f'{lit(f"<arg_key>{key}</arg_key>")} "\\n"? "<arg_value>"'
-        kind, values = _value_kind(schema)
-        if kind == "enum":
-            alts = " | ".join(lit(v) for v in values)
-            return f'{head} ({alts}) "</arg_value>" "\\n"?'
-        if kind == "json":
-            return f'{head} {self.json_value(schema, options, dump)} "</arg_value>" "\\n"?'
-        return f'{head} glm_text "\\n"?'
+    value_end = '"</arg_value>" "\\n"?'
+    free_value = 'glm_text "\\n"?'
+
+    def entry_head(self, key: str) -> str:
+        return f'{lit(f"<arg_key>{key}</arg_key>")} "\\n"? "<arg_value>"'
 
     def call(self, name: str, args: str) -> str:
         return f'{lit(name)} "\\n"? {args}'

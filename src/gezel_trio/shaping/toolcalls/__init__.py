@@ -45,7 +45,8 @@ The modules behind this facade: ``_splitter`` (the marker search and the
 event stream), ``_events``, ``_format`` and ``_detect``, and one module per
 markup: ``_hermes`` (and ``_generic``, which reuses its body), ``_mistral``,
 ``_qwen_xml``, ``_gemma`` (Gemma 4), ``_glm`` (GLM-4.5 to 4.7);
-``_json_lexer`` is the JSON lexer that Hermes and Mistral share.
+``_json_lexer`` is the JSON lexer that Hermes and Mistral share, ``_tags``
+the reading of fixed tags that Qwen3-Coder, GLM and Gemma 4 share.
 """
 
 from ._detect import detect_format, resolve_format

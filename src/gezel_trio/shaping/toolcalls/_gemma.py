@@ -17,8 +17,9 @@ import json
 import re
 
 from .._markers import MarkerSeeker
-from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
+from ._body import CLOSED, DONE, WS, Body, Owner, skip_ws
 from ._format import ToolFormat
+from ._tags import TaggedBody, held_word
 
 __all__ = ["FIRST_CHARS", "GEMMA4", "STRING_DELIMITER", "GemmaBody", "open_body"]
 
@@ -66,7 +67,7 @@ def _bare_json(word: str) -> str:
     return json.dumps(word, ensure_ascii=False)
 
 
-class GemmaBody:
+class GemmaBody(TaggedBody):
     """Gemma 4's ``call:NAME{...}``, converted to JSON arguments as it streams.
 
     The call is complete when the object opened after the name closes; the
@@ -75,15 +76,12 @@ class GemmaBody:
     malformed.
     """
 
-    status = RUNNING
-    back = ""
-    complete = False
-
     def __init__(self, owner: Owner, end: str) -> None:
         self._owner = owner
         self._end = end
+        # Inside the arguments: a string opens, or the call ends early.
+        self._tags = (STRING_DELIMITER, end)
         self._state = _S_HEAD
-        self._lit = ""  # a tag or the head, cut by the end of the text
         self._parts: list[str] = []  # the name, or a bare word, so far
         self._stack: list[str] = []  # "{" or "[" per open container
         self._key_string = False  # the string being read is a key
@@ -100,13 +98,13 @@ class GemmaBody:
             if st == _S_STRING:
                 i = self._string(text, i)
             elif st == _S_HEAD:
-                i = self._head(text, i)
+                i = self._tag(text, i, (_HEAD,))
             elif st == _S_NAME:
                 i = self._name(text, i)
             elif st == _S_BARE:
                 i = self._bare(text, i)
             elif self._lit:
-                i = self._tag(text, i)
+                i = self._tag(text, i, self._tags)
             elif text[i] in WS:
                 i = skip_ws(text, i)
             else:
@@ -115,30 +113,10 @@ class GemmaBody:
 
     # -- before the arguments
 
-    def _head(self, text: str, i: int) -> int:
-        cand = self._lit + text[i : i + len(_HEAD)]
-        if cand.startswith(_HEAD):
-            used = len(_HEAD) - len(self._lit)
-            self._lit = ""
-            self._state = _S_NAME
-            return i + used
-        if _HEAD.startswith(cand):
-            self._lit = cand
-            return len(text)
-        k = 0
-        while k < len(cand) and cand[k] == _HEAD[k]:
-            k += 1
-        return self._fail(i + k - len(self._lit), back=cand[:k])
-
     def _name(self, text: str, i: int) -> int:
-        m = _NAME.match(text, i)
-        assert m is not None
-        self._parts.append(m.group())
-        j = m.end()
-        if j == len(text):
+        name, j = held_word(_NAME, text, i, self._parts)
+        if name is None:
             return j
-        name = "".join(self._parts)
-        self._parts.clear()
         if text[j] != "{" or not name:
             return self._fail(j)
         self._owner._start(name)
@@ -151,7 +129,7 @@ class GemmaBody:
         c = text[i]
         st = self._state
         if c == "<":
-            return self._tag(text, i)
+            return self._tag(text, i, self._tags)
         if st in (_S_KEY_OR_CLOSE, _S_ITEM_OR_CLOSE, _S_AFTER) and c in "}]":
             return self._close(c, i)
         if st == _S_AFTER:
@@ -215,14 +193,9 @@ class GemmaBody:
         self._state = _S_COLON
 
     def _bare(self, text: str, i: int) -> int:
-        m = _BARE.match(text, i)
-        assert m is not None
-        self._parts.append(m.group())
-        j = m.end()
-        if j == len(text):
+        word, j = held_word(_BARE, text, i, self._parts)
+        if word is None:
             return j
-        word = "".join(self._parts)
-        self._parts.clear()
         if not word:
             return self._fail(j)
         if self._key_string:
@@ -232,24 +205,14 @@ class GemmaBody:
             self._state = _S_AFTER
         return j
 
-    def _tag(self, text: str, i: int) -> int:
-        """``<|"|>`` (a string opens) or the closing marker (the call ends early)."""
-        cand = self._lit + text[i : i + max(len(STRING_DELIMITER), len(self._end))]
-        for tag in (STRING_DELIMITER, self._end):
-            if cand.startswith(tag):
-                used = len(tag) - len(self._lit)
-                self._lit = ""
-                if tag == self._end:
-                    self.status = CLOSED
-                    return i + used
-                return self._string_opens(i + used)
-        tags = (STRING_DELIMITER, self._end)
-        if any(tag.startswith(cand) for tag in tags):
-            self._lit = cand
-            return len(text)
-        best = max(_common_prefix(cand, tag) for tag in tags)
-        lit, self._lit = self._lit, ""
-        return self._fail(i + best - len(lit), back=cand[:best])
+    def _tag_done(self, tag: str, i: int) -> int:
+        if tag == _HEAD:
+            self._state = _S_NAME
+            return i
+        if tag == self._end:  # the call ends early
+            self.status = CLOSED
+            return i
+        return self._string_opens(i)
 
     def _string_opens(self, i: int) -> int:
         st = self._state
@@ -280,17 +243,3 @@ class GemmaBody:
                 self._owner._args('"')
                 self._state = _S_AFTER
         return j
-
-    def _fail(self, i: int, back: str = "") -> int:
-        self.status = FAILED
-        self.back = back
-        return i
-
-
-def _common_prefix(a: str, b: str) -> int:
-    k = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        k += 1
-    return k

@@ -10,9 +10,10 @@ import json
 import re
 
 from .._markers import MarkerSeeker
-from ._body import CLOSED, FAILED, RUNNING, WS, Body, Owner, skip_ws
+from ._body import CLOSED, WS, Body, Owner, skip_ws
 from ._format import ToolFormat
 from ._qwen_xml import param_json
+from ._tags import TaggedBody, held_word
 
 __all__ = ["FIRST_CHARS", "GLM", "GlmBody", "open_body"]
 
@@ -31,7 +32,6 @@ _KEY_CLOSE = "</arg_key>"
 _VALUE_OPEN = "<arg_value>"
 _VALUE_CLOSE = "</arg_value>"
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.:\-]*+")
-_TAG_WINDOW = 16  # more than any tag, the closing marker included
 
 _G_NAME = 0
 _G_BODY = 1  # before <arg_key> or the closing marker
@@ -40,16 +40,7 @@ _G_BETWEEN = 3  # before <arg_value>
 _G_VALUE = 4
 
 
-def _common_prefix(a: str, b: str) -> int:
-    k = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        k += 1
-    return k
-
-
-class GlmBody:
+class GlmBody(TaggedBody):
     """GLM's ``NAME<arg_key>K</arg_key><arg_value>V</arg_value>...``.
 
     The arguments object is built as Qwen3-Coder's is (``XmlBody``): each
@@ -57,15 +48,10 @@ class GlmBody:
     which is the only end a GLM call has.
     """
 
-    status = RUNNING
-    back = ""
-    complete = False
-
     def __init__(self, owner: Owner, end: str) -> None:
         self._owner = owner
         self._end = end
         self._state = _G_NAME
-        self._lit = ""
         self._parts: list[str] = []
         self._key = ""
         self._function = ""
@@ -102,14 +88,9 @@ class GlmBody:
         """The bare function name, up to the newline or the first tag."""
         if not self._parts and text[i] in WS:
             return skip_ws(text, i)
-        m = _NAME_CHARS.match(text, i)
-        assert m is not None
-        self._parts.append(m.group())
-        k = m.end()
-        if k == len(text):
+        name, k = held_word(_NAME_CHARS, text, i, self._parts)
+        if name is None:
             return k
-        name = "".join(self._parts)
-        self._parts.clear()
         if not name or text[k] not in "\n<":
             return self._fail(k)
         self._function = name
@@ -140,21 +121,6 @@ class GlmBody:
         self._pairs += 1
         self._state = _G_BODY
 
-    def _tag(self, text: str, i: int, tags: tuple[str, ...]) -> int:
-        lit = self._lit
-        cand = lit + text[i : i + _TAG_WINDOW]
-        best = 0
-        for tag in tags:
-            if cand.startswith(tag):
-                self._lit = ""
-                return self._tag_done(tag, i + len(tag) - len(lit))
-            best = max(best, _common_prefix(cand, tag))
-        if best == len(cand):  # a tag cut by the end of the text
-            self._lit = cand
-            return len(text)
-        self._lit = ""
-        return self._fail(i + best - len(lit), back=cand[:best])
-
     def _tag_done(self, tag: str, i: int) -> int:
         if tag == _KEY_OPEN:
             self._state = _G_KEY
@@ -164,9 +130,4 @@ class GlmBody:
             self._owner._args("}" if self._pairs else "{}")
             self.complete = True
             self.status = CLOSED
-        return i
-
-    def _fail(self, i: int, back: str = "") -> int:
-        self.status = FAILED
-        self.back = back
         return i

@@ -9,8 +9,9 @@ import re
 from typing import Any
 
 from .._markers import MarkerSeeker
-from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
+from ._body import CLOSED, DONE, WS, Body, Owner, skip_ws
 from ._format import ToolFormat
+from ._tags import TaggedBody
 
 __all__ = ["FIRST_CHARS", "QWEN3_CODER", "XmlBody", "open_body", "param_json"]
 
@@ -33,7 +34,6 @@ _PARAM_TAG = "<parameter="
 _PARAM_END = "</parameter>"
 _FUNCTION_END = "</function>"
 _WORD_STOP = re.compile(r"[>\n<]")
-_TAG_WINDOW = 32  # more than any tag, closing markers included
 
 
 def _reject_constant(name: str) -> Any:
@@ -67,16 +67,7 @@ def param_json(raw: str, *, own_lines: bool = True, string: bool = False) -> str
     return value.strip()
 
 
-def _common_prefix(a: str, b: str) -> int:
-    k = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        k += 1
-    return k
-
-
-class XmlBody:
+class XmlBody(TaggedBody):
     """Qwen3-Coder's ``<function=NAME><parameter=KEY>VALUE</parameter>...</function>``.
 
     The arguments object is built as JSON text: ``{`` and the first member
@@ -86,11 +77,7 @@ class XmlBody:
     ends a value, whatever the value holds.
     """
 
-    status = RUNNING
-    back = ""
-    complete = False
     _state = _X_OPEN
-    _lit = ""  # a tag cut by the end of the text
     _key = ""
     _name = ""
     _params = 0
@@ -150,20 +137,6 @@ class XmlBody:
             self._state = _X_VALUE
         return k + 1
 
-    def _tag(self, text: str, i: int, tags: tuple[str, ...]) -> int:
-        lit = self._lit
-        cand = lit + text[i : i + _TAG_WINDOW]
-        best = 0
-        for tag in tags:
-            if cand.startswith(tag):
-                self._lit = ""
-                return self._tag_done(tag, i + len(tag) - len(lit))
-            best = max(best, _common_prefix(cand, tag))
-        if best == len(cand):  # a tag cut by the end of the text
-            self._lit = cand
-            return len(text)
-        return self._fail(i + best - len(lit), back=cand[:best])
-
     def _tag_done(self, tag: str, i: int) -> int:
         if tag == _FUNCTION_TAG:
             self._state = _X_NAME
@@ -183,8 +156,3 @@ class XmlBody:
         key = json.dumps(self._key, ensure_ascii=False)
         self._owner._args(("{" if not self._params else ", ") + key + ": " + value)
         self._params += 1
-
-    def _fail(self, i: int, back: str = "") -> int:
-        self.status = FAILED
-        self.back = back
-        return i
