@@ -73,6 +73,10 @@ def _add_setting_flags(group: argparse._ArgumentGroup, cls: type) -> None:
             )
         elif isinstance(field.default, bool):
             group.add_argument(meta.flag, action="store_true", help=text)
+        elif meta.repeat:
+            group.add_argument(
+                meta.flag, action="append", type=meta.flag_type or str, default=None, help=text
+            )
         else:
             kind = meta.flag_type or _flag_type(hints[field.name])
             group.add_argument(

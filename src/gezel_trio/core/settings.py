@@ -61,6 +61,9 @@ class Setting:
     on_off: bool = False
     # The values the flag accepts (argparse's ``choices``); ``None``: any.
     choices: tuple[str, ...] | None = None
+    # A tuple field whose flag may be given several times, each adding one
+    # value (absent: the empty tuple).
+    repeat: bool = False
 
 
 def setting(
@@ -75,6 +78,7 @@ def setting(
     zero_is_none: bool = False,
     on_off: bool = False,
     choices: Sequence[str] | None = None,
+    repeat: bool = False,
 ) -> _T:
     """An ``attrs`` field with ``default`` and ``validator`` that carries a
     ``Setting``: its help and, with ``flag``, how the CLI sets it."""
@@ -87,6 +91,7 @@ def setting(
         zero_is_none,
         on_off,
         tuple(choices) if choices is not None else None,
+        repeat,
     )
     # attrs.field returns its own placeholder, typed as the default's type.
     field: _T = attrs.field(default=default, validator=validator, metadata={_KEY: meta})
@@ -104,6 +109,8 @@ def flag_default(field: attrs.Attribute[Any], meta: Setting) -> Any:
     default = field.default
     if meta.on_off:
         return "on" if default else "off"
+    if meta.repeat:
+        return None  # argparse's append starts from nothing
     if isinstance(default, bool):
         return False  # a bare switch, absent
     if default is None and meta.zero_is_none:
@@ -117,6 +124,8 @@ def from_flag(field: attrs.Attribute[Any], meta: Setting, value: Any) -> Any:
     """The field's value for the flag's ``value``."""
     if meta.on_off:
         return value == "on"
+    if meta.repeat:
+        return tuple(value or ())
     if isinstance(field.default, bool) and field.default:
         return not value  # a bare switch turns off what is on by default
     if meta.zero_is_none and not value:

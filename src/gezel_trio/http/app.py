@@ -35,6 +35,7 @@ from ..shaping.shaper import REASONING_FORMATS, ReasoningFormat
 from . import anthropic_messages, cache_api, openai_chat, openai_completions, openai_responses
 from .edge import (
     Forbidden,
+    ForbiddenOrigin,
     HttpError,
     NotFound,
     ProtocolBlueprint,
@@ -43,13 +44,12 @@ from .edge import (
     refusal,
 )
 from .openapi import openapi_json
+from .origins import OriginPolicy, check_origins
 from .response_store import ResponseStore
 
 __all__ = ["HttpSettings", "create_app"]
 
 log = logging.getLogger("gezel_trio.http")
-
-_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 @attrs.frozen
@@ -65,7 +65,27 @@ class HttpSettings:
     max_body_bytes: int = setting(
         8 * MIB, flag="--max-body-mb", flag_type=float, per_unit=MIB, help="largest request body"
     )
-    allowed_origins: tuple[str, ...] = ()
+    # A browser page's state-changing requests (POST, DELETE) are refused
+    # unless its Origin is the server's own, a loopback one, or one of these
+    # (``http.origins``); these also get CORS headers, so such a page can call
+    # the API.
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        flag="--allowed-origin",
+        repeat=True,
+        validator=lambda _i, _a, value: check_origins(value),
+        help="an origin (https://app.example) whose web pages may send POST and DELETE "
+        "requests, with CORS headers; repeat for more, * for any",
+    )
+    # Against DNS rebinding: the Host names answered besides loopback names
+    # (and IP literals, when bound beyond loopback without --api-key).
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        flag="--allowed-host",
+        repeat=True,
+        help="a Host name the server answers besides loopback names and IP addresses "
+        "(checked when bound to loopback, or beyond it without --api-key); repeat for more",
+    )
     # Off: a streamed tool call comes whole, in one chunk, when the answer
     # ends (the seed's --stream-tool-calls absent); on: as argument deltas.
     stream_tool_calls: bool = setting(
@@ -101,14 +121,6 @@ class HttpSettings:
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
 
 
-def _host_name(host: str) -> str:
-    """The name part of a Host header: ``[::1]:8080`` -> ``[::1]``, ``a:80`` -> ``a``."""
-    host = host.lower()
-    if host.startswith("["):
-        return host[: host.find("]") + 1] if "]" in host else host
-    return host.rsplit(":", 1)[0]
-
-
 def _key_matches(req: Any, key: str) -> bool:
     """``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY``
     (Anthropic clients); both compared in constant time, every time."""
@@ -117,6 +129,20 @@ def _key_matches(req: Any, key: str) -> bool:
     by_bearer = hmac.compare_digest(bearer.encode(), f"Bearer {key}".encode())
     by_header = hmac.compare_digest(x_api_key.encode(), key.encode())
     return by_bearer or (bool(x_api_key) and by_header)
+
+
+def _preflight(origin: str) -> Response:
+    """A CORS preflight's answer for an allowed origin: any method the API
+    has, and the headers the browser asked to send."""
+    resp = Response("", status=204)
+    resp.headers["Access-Control-Allow-Origin"] = origin
+    resp.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE"
+    asked = request.headers.get("Access-Control-Request-Headers")
+    if asked:
+        resp.headers["Access-Control-Allow-Headers"] = asked
+    resp.headers["Access-Control-Max-Age"] = "600"
+    resp.vary.add("Origin")
+    return resp
 
 
 def create_app(
@@ -130,7 +156,9 @@ def create_app(
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    loopback_bound = settings.host in _LOOPBACK_HOSTS
+    policy = OriginPolicy.of(
+        settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins
+    )
 
     protocols: list[ProtocolBlueprint] = [
         cache_api.blueprint(engine, stats_format=settings.cache_stats_format),
@@ -160,17 +188,34 @@ def create_app(
         # stall the next request on a keep-alive connection when a response
         # goes out before the body was received (a GET with a body, a 404).
         await request.get_data(cache=True)
+        host = request.host or ""
+        origin = request.headers.get("Origin")
         try:
-            # DNS rebinding: a page on evil.example resolving to 127.0.0.1 must
-            # not reach a loopback-bound server.
-            if loopback_bound and _host_name(request.host or "") not in _LOOPBACK_HOSTS:
-                raise Forbidden(f"host {request.host!r} is not allowed")
+            # DNS rebinding: a page on evil.example resolving to this server
+            # must not reach it (http.origins).
+            if (problem := policy.host_problem(host)) is not None:
+                raise Forbidden(problem)
+            # A page on another origin posting a form or a bodiless POST:
+            # browsers send those without a preflight.
+            if (problem := policy.origin_problem(request.method, origin, host)) is not None:
+                raise ForbiddenOrigin(problem)
+            if request.method == "OPTIONS" and (allowed := policy.cors_origin(origin)):
+                # A preflight carries no key: answered before the key check.
+                return _preflight(allowed)
             key = settings.api_key
             if key is not None and request.path != "/health" and not _key_matches(request, key):
                 raise Unauthorized("missing or wrong API key")
         except GezelError as err:
             return refuse(err)
         return None
+
+    @app.after_request
+    async def cors(resp: Response) -> Response:
+        allowed = policy.cors_origin(request.headers.get("Origin"))
+        if allowed is not None:
+            resp.headers["Access-Control-Allow-Origin"] = allowed
+            resp.vary.add("Origin")
+        return resp
 
     # Every error leaves as a JSON envelope, never an HTML page.
     @app.errorhandler(GezelError)

@@ -18,6 +18,7 @@ from .strict import parse_json
 __all__ = [
     "Envelope",
     "Forbidden",
+    "ForbiddenOrigin",
     "HttpError",
     "NotFound",
     "ProtocolBlueprint",
@@ -45,6 +46,10 @@ class Forbidden(GezelError):
     status = 403
     error_type = "invalid_request_error"
     code = "forbidden_host"
+
+
+class ForbiddenOrigin(Forbidden):
+    code = "forbidden_origin"
 
 
 class NotFound(GezelError):

@@ -216,7 +216,10 @@ _ANTHROPIC_ERROR = {
 
 _COMMON_ERRORS = {
     "401": "Missing or wrong API key (with --api-key).",
-    "403": "A Host header that is not loopback while bound to loopback.",
+    "403": (
+        "A Host header the server does not answer (DNS rebinding), or a POST or "
+        "DELETE from a web page on an origin that is not allowed."
+    ),
     "404": "No such route or entry.",
     "405": "Method not allowed on this route.",
     "500": "An internal error, in the error envelope.",
