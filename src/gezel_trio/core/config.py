@@ -287,6 +287,15 @@ class EngineConfig:
         help="largest image once decoded, in pixels (width x height)",
         validator=[_positive, attrs.validators.le(89_478_485)],
     )
+    # All of one request's images together, decoded: eight 16-megapixel
+    # PNGs (0.75 MB as sent) were ~580 MB at once. Every header is read and
+    # the sum checked before any image is decoded.
+    max_request_image_pixels: int = setting(
+        32_000_000,
+        flag="--max-request-image-pixels",
+        help="all the images of one request together, once decoded, in pixels",
+        validator=_positive,
+    )
     # Recent replies' generated ids, so a re-sent history reuses them
     # (``shaping.replies``). A token id is 8 bytes in the ledger's tuples
     # plus the interpreter's small-int sharing: 1M ids is about 8 MB.

@@ -1,12 +1,14 @@
 """Images into a vision prompt, on a worker thread.
 
 ``prepare_vision`` runs in ``trio.to_thread.run_sync``, never on the Trio
-thread and never on the MLX host thread: it decodes each ``ImagePart``
-(base64, then Pillow), checks it against the limits, hashes its pixels, runs
-the model's processor (``ImagePreparer``: resizing, normalising, expanding
-each image marker to its placeholder tokens) and returns the request's key
-prompt with its ``VisionPrompt``. Every failure is an ``InvalidImage`` (400)
-naming the part. The vision tower itself runs later, on the host thread.
+thread and never on the MLX host thread: it reads each ``ImagePart``'s
+header (base64, then Pillow) and checks its size and the request's total
+against the limits before decoding any, then decodes them one at a time,
+hashes their pixels, runs the model's processor (``ImagePreparer``:
+resizing, normalising, expanding each image marker to its placeholder
+tokens) and returns the request's key prompt with its ``VisionPrompt``.
+Every failure is an ``InvalidImage`` (400) naming the part. The vision
+tower itself runs later, on the host thread.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..core.errors import InvalidImage, InvalidRequest
 from ..core.images import ImagePart, ImageSpan, VisionPrompt, key_prompt, place_images
 from ..core.request import RenderedPrompt
 
-__all__ = ["ImageLimits", "decode_image", "prepare_vision"]
+__all__ = ["ImageLimits", "decode_image", "decode_images", "open_image", "prepare_vision"]
 
 # What Pillow calls the formats the server takes: PNG, JPEG, WebP, GIF.
 _FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}
@@ -37,10 +39,17 @@ class ImageLimits:
     count: int
     bytes: int
     pixels: int
+    # All of one request's images together.
+    total_pixels: int
 
     @classmethod
     def of(cls, config: EngineConfig) -> ImageLimits:
-        return cls(config.max_images, config.max_image_bytes, config.max_image_pixels)
+        return cls(
+            config.max_images,
+            config.max_image_bytes,
+            config.max_image_pixels,
+            config.max_request_image_pixels,
+        )
 
 
 @attrs.frozen
@@ -49,10 +58,10 @@ class Decoded:
     digest: bytes
 
 
-def decode_image(part: ImagePart, limits: ImageLimits) -> Decoded:
-    """Decode one image (worker thread). The digest hashes the decoded RGB
-    pixels and the size, so the same picture sent as PNG or as lossless
-    WebP is the same image to the prompt cache."""
+def open_image(part: ImagePart, limits: ImageLimits) -> Any:
+    """One image's bytes opened by Pillow (worker thread), its header read
+    and its size checked, its pixels not yet decoded: Pillow reads the size
+    from the header and decodes only on ``load``."""
     from PIL import Image, UnidentifiedImageError
 
     where = part.param
@@ -80,6 +89,11 @@ def decode_image(part: ImagePart, limits: ImageLimits) -> Decoded:
         )
     if width < 1 or height < 1:
         raise InvalidImage(f"{where}: the image has no pixels", param=where)
+    return image
+
+
+def _decoded(image: Any, where: str) -> Decoded:
+    """The RGB pixels of an opened image and their digest (worker thread)."""
     try:
         image.seek(0)  # an animated GIF or WebP: its first frame
         image.load()
@@ -91,10 +105,47 @@ def decode_image(part: ImagePart, limits: ImageLimits) -> Decoded:
             f"decoded ({exc})",
             param=where,
         ) from exc
+    finally:
+        # The decoded original (palette, RGBA, ...) goes as soon as the RGB
+        # copy exists: one image's two buffers at a time, never all of them.
+        image.close()
     digest = hashlib.blake2b(
         f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes(), digest_size=16
     ).digest()
     return Decoded(rgb, digest)
+
+
+def decode_image(part: ImagePart, limits: ImageLimits) -> Decoded:
+    """Decode one image (worker thread). The digest hashes the decoded RGB
+    pixels and the size, so the same picture sent as PNG or as lossless
+    WebP is the same image to the prompt cache."""
+    return _decoded(open_image(part, limits), part.param)
+
+
+def decode_images(parts: Sequence[ImagePart], limits: ImageLimits) -> list[Decoded]:
+    """Every image of a request, decoded (worker thread), after every
+    header has been read and checked: the request's pixels together are
+    bounded by ``limits.total_pixels``, and nothing is decoded for a request
+    that will be refused."""
+    opened: list[Any] = []
+    total = 0
+    try:
+        for part in parts:
+            image = open_image(part, limits)
+            opened.append(image)
+            width, height = image.size
+            total += width * height
+            if total > limits.total_pixels:
+                raise InvalidImage(
+                    f"{part.param}: with this {width}x{height} image the request's images "
+                    f"come to {total} pixels, more than the {limits.total_pixels} allowed "
+                    "in one request",
+                    param=part.param,
+                )
+        return [_decoded(image, part.param) for image, part in zip(opened, parts, strict=True)]
+    finally:
+        for image in opened:
+            image.close()  # a no-op for one already decoded
 
 
 def prepare_vision(
@@ -111,7 +162,7 @@ def prepare_vision(
             f"{len(parts)} images in one request; at most {limits.count} are allowed",
             param=parts[limits.count].param,
         )
-    decoded = [decode_image(p, limits) for p in parts]
+    decoded = decode_images(parts, limits)
     try:
         tokens, features = preparer.prepare(rendered.text, [d.image for d in decoded])
     except Exception as exc:
