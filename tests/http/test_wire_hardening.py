@@ -104,6 +104,22 @@ def assert_refused(r: httpx.Response, param: str) -> None:
         ),
         ({"chat_template_override": "{% for x in %}"}, "chat_template_override"),
         ({"chat_template_override": "x" * 70_000}, "chat_template_override"),
+        ({"chat_template_override": "{{ 'x' * 20000000 }}"}, "chat_template_override"),
+        (
+            {
+                "chat_template_override": "{% for a in range(100000) %}"
+                "{% for b in range(100000) %}{% endfor %}{% endfor %}"
+            },
+            "chat_template_override",
+        ),
+        (
+            {"chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+            "chat_template_kwargs.chat_template",
+        ),
+        (
+            {"chat_template_kwargs": {"tokenize": True, "enable_thinking": False}},
+            "chat_template_kwargs.tokenize",
+        ),
         ({"cache_id": "a\u0000snapshot"}, "cache_id"),
         ({"prompt_cache_key": "line\nbreak"}, "prompt_cache_key"),
         ({"modalities": ["text", "audio"]}, "modalities[1]"),

@@ -251,6 +251,22 @@ class EngineConfig:
         help="leave the history's assistant tool calls out of the prompt for templates "
         "that render a tool result without its call (Hermes/Qwen); their results stay",
     )
+    # A request's own chat template (chat_template_override) is client code:
+    # it renders under these bounds (shaping.template_budget). A real template
+    # renders in milliseconds; 4 M characters is about a million tokens, past
+    # every context served, where {{ 'x' * 20000000 }} took 33 s and 3.1 GB.
+    template_render_seconds: float = setting(
+        2.0,
+        flag="--template-render-seconds",
+        help="time one request's chat_template_override may take to render (a 400 past it)",
+        validator=attrs.validators.gt(0),
+    )
+    template_max_chars: int = setting(
+        4_000_000,
+        flag="--template-max-chars",
+        help="characters a chat_template_override may render, or build in any one value",
+        validator=_positive,
+    )
     # The seed stopped at </tool_call> for models that declare a tool-call
     # parser and no </tool_call> eos: without it one looped out ~450 calls.
     stop_at_tool_call_end: bool = setting(

@@ -10,17 +10,19 @@ template that compiles). Each raises ``InvalidRequest`` naming the field.
 from __future__ import annotations
 
 import json
+import threading
 import unicodedata
+from collections import OrderedDict
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
 import attrs
 import jsonschema
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..core.errors import InvalidRequest
 from ..shaping.grammar import custom_grammar_problem
+from ..shaping.template_budget import compile_problem
 from .strict import FieldInvalid
 
 __all__ = [
@@ -92,9 +94,38 @@ def check_cache_id(value: str | None, param: str) -> None:
         raise InvalidRequest(f"{param} must not contain control characters", param=param)
 
 
+# What the renderer itself passes to the template, or transformers'
+# ``apply_chat_template`` takes as its own arguments: sent as template
+# kwargs, ``chat_template`` replaced the template unchecked, and the others
+# made the render fail, so the fallback without kwargs dropped every other key.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "conversations",
+        "documents",
+        "max_length",
+        "messages",
+        "padding",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "sanitize_control_tokens",
+        "tokenize",
+        "tokenizer_kwargs",
+        "tools",
+        "truncation",
+    }
+)
+
+
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
     """``chat_template_kwargs`` must be JSON of at most
-    ``MAX_TEMPLATE_KWARGS_CHARS`` characters."""
+    ``MAX_TEMPLATE_KWARGS_CHARS`` characters and name none of
+    ``RESERVED_TEMPLATE_KWARGS`` (a chat template is sent as
+    ``chat_template_override``, tools as ``tools``)."""
     if kwargs is None:
         return
     try:
@@ -103,6 +134,12 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
         raise InvalidRequest(str(exc), param="chat_template_kwargs") from exc
     if size > MAX_TEMPLATE_KWARGS_CHARS:
         raise InvalidRequest("chat_template_kwargs is too large", param="chat_template_kwargs")
+    for key in sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs)):
+        hint = " (send chat_template_override)" if key == "chat_template" else ""
+        raise InvalidRequest(
+            f"chat_template_kwargs.{key} is set by the server, not by template kwargs{hint}",
+            param=f"chat_template_kwargs.{key}",
+        )
 
 
 def check_metadata(metadata: dict[str, Any] | None) -> None:
@@ -125,7 +162,7 @@ def check_parameters(params: dict[str, Any] | None, where: str) -> None:
     if params is None:
         return
     try:
-        problem = _schema_problem(json.dumps(params, sort_keys=True))
+        problem = _SCHEMA_PROBLEMS.get(json.dumps(params, sort_keys=True))
     except (TypeError, ValueError, RecursionError) as exc:
         problem = str(exc)
     if problem is not None:
@@ -140,16 +177,50 @@ def check_custom_grammar(syntax: str, definition: str, where: str) -> None:
         raise InvalidRequest(f"{param} is not a valid {syntax} grammar: {problem}", param=param)
 
 
-@lru_cache(maxsize=64)
 def _grammar_problem(syntax: str, definition: str) -> str | None:
-    # Once per distinct grammar: an agent sends the same tools every turn.
+    return _GRAMMAR_PROBLEMS.get(f"{syntax}\0{definition}")
+
+
+def _keyed_grammar_problem(key: str) -> str | None:
+    syntax, _, definition = key.partition("\0")
     return custom_grammar_problem(syntax, definition)
 
 
-@lru_cache(maxsize=256)
+class _ProblemMemo:
+    """A check's answer once per distinct text (an agent sends the same
+    tools and grammars each turn), in an LRU bounded by the texts' size: a
+    count alone (256 schemas) let 256 schemas of 8 MB each stay. A text
+    larger than the whole bound is checked and not kept."""
+
+    def __init__(self, check: Callable[[str], str | None], max_chars: int) -> None:
+        self._check = check
+        self._max_chars = max_chars
+        self._chars = 0
+        self._problems: OrderedDict[str, str | None] = OrderedDict()
+        self._lock = threading.Lock()  # parsing may run on worker threads
+
+    def get(self, canonical: str) -> str | None:
+        with self._lock:
+            if canonical in self._problems:
+                self._problems.move_to_end(canonical)
+                return self._problems[canonical]
+        problem = self._check(canonical)
+        if len(canonical) <= self._max_chars:
+            with self._lock:
+                if canonical not in self._problems:
+                    self._problems[canonical] = problem
+                    self._chars += len(canonical)
+                while self._chars > self._max_chars:
+                    old, _ = self._problems.popitem(last=False)
+                    self._chars -= len(old)
+        return problem
+
+    def held_chars(self) -> int:
+        return self._chars
+
+
 def _schema_problem(canonical: str) -> str | None:
-    """Why a tool's ``parameters`` is not a JSON schema (``None``: it is).
-    Checked once per distinct schema: an agent sends the same tools each turn."""
+    """Why a tool's ``parameters`` is not a JSON schema (``None``: it is)."""
     schema = json.loads(canonical)
     if not isinstance(schema, dict):
         return "it must be an object"
@@ -163,6 +234,12 @@ def _schema_problem(canonical: str) -> str | None:
     except RecursionError:
         return "it is nested too deeply"
     return None
+
+
+# 4 M characters each: the tool sets of many agents at once, where one
+# 8 MB body used to stay whole.
+_SCHEMA_PROBLEMS = _ProblemMemo(_schema_problem, 4_000_000)
+_GRAMMAR_PROBLEMS = _ProblemMemo(_keyed_grammar_problem, 4_000_000)
 
 
 def check_template(template: str | None) -> None:
@@ -182,17 +259,8 @@ def check_template(template: str | None) -> None:
         )
 
 
-_SANDBOX = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-
 @lru_cache(maxsize=32)
 def _template_problem(template: str) -> str | None:
     """Compile once per distinct override (a bounded LRU: a client sending
     new templates each time costs one compile each, never unbounded memory)."""
-    try:
-        _SANDBOX.from_string(template)
-    except TemplateError as exc:
-        return f"{type(exc).__name__}: {exc}"[:300]
-    except (RecursionError, MemoryError, ValueError) as exc:
-        return f"{type(exc).__name__}"
-    return None
+    return compile_problem(template)

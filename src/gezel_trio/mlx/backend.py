@@ -47,6 +47,7 @@ from ..core.request import GenerationRequest, Priority, SamplingParams
 from ..shaping.grammar import GRAMMAR_FORMATS, ToolFormatName, build_constraint
 from ..shaping.prompt import ChatTemplateRenderer
 from ..shaping.reasoning import prompt_opens_thinking_tokens
+from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
@@ -429,6 +430,9 @@ class MlxBackend:
             boundaries=not trimmable,
             generic_tools=self._info.tool_format == GENERIC.name,
             drop_past_tool_calls=config.drop_past_tool_calls,
+            template_budget=TemplateBudget(
+                config.template_render_seconds, config.template_max_chars
+            ),
         )
         self._grammar_tok: GrammarTokenizer | None = None
         try:

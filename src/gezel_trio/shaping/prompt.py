@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import hashlib
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +23,7 @@ from ..core.cache_plan import common_prefix
 from ..core.errors import InvalidRequest
 from ..core.request import RenderedPrompt
 from .replies import GeneratedReply, ReplyLedger
+from .template_budget import BoundedTemplates, TemplateBudget, TemplateBudgetExceeded
 
 log = logging.getLogger("gezel_trio.prompt")
 
@@ -256,13 +260,16 @@ class ChatTemplateRenderer:
         boundaries: bool = False,
         generic_tools: bool = False,
         drop_past_tool_calls: bool = False,
+        template_budget: TemplateBudget | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._generic_tools = generic_tools
         self._drop_past_tool_calls = drop_past_tool_calls
-        self._needs_linkage: dict[str, bool] = {}
-        self._bare_results: dict[str, bool] = {}
-        self._system_in_place: dict[str, bool] = {}
+        self._needs_linkage = _ProbeMemo()
+        self._bare_results = _ProbeMemo()
+        self._system_in_place = _ProbeMemo()
+        # A request's own template renders under this budget.
+        self._templates = BoundedTemplates(template_budget or TemplateBudget())
         self._find_boundaries = boundaries
 
     def render(
@@ -281,7 +288,31 @@ class ChatTemplateRenderer:
         order). With ``replies``, each assistant turn this server generated
         is spelled with the ids it generated where the rendered text holds
         its reply (``_splice``), so a re-sent history reuses the cache
-        through its last reply."""
+        through its last reply. A ``template_override`` that spends more
+        than its budget is an ``InvalidRequest`` naming it."""
+        if template_override is None:
+            return self._render(messages, tools, template_kwargs, None, band_chars, pins, replies)
+        try:
+            with self._templates.spending():
+                return self._render(
+                    messages, tools, template_kwargs, template_override, band_chars, pins, replies
+                )
+        except TemplateBudgetExceeded as exc:
+            raise InvalidRequest(
+                f"chat_template_override is too costly to render: {exc.why}",
+                param="chat_template_override",
+            ) from exc
+
+    def _render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+        template_override: str | None,
+        band_chars: int | None,
+        pins: Sequence[int],
+        replies: ReplyLedger | None,
+    ) -> RenderedPrompt:
         template = template_override or getattr(self._tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequest(
@@ -310,6 +341,8 @@ class ChatTemplateRenderer:
                 break
             try:
                 text = self._apply(prepared, rung_tools, rung_kwargs, template_override)
+            except TemplateBudgetExceeded:
+                raise  # no fallback renders a bomb any cheaper
             except Exception as exc:  # jinja2 and transformers raise assorted types
                 first_error = first_error or exc
                 continue
@@ -414,6 +447,8 @@ class ChatTemplateRenderer:
         prepared, head_tools = self._prepared(head, tools, template, override)
         try:
             other = self._apply(prepared, head_tools if used[1] else None, used[0], override, False)
+        except TemplateBudgetExceeded:
+            raise
         except Exception:  # a template that refuses the shorter conversation: no pin
             return None
         cut = bisect.bisect_right(ends, common_prefix(text, other)) - 1
@@ -583,6 +618,8 @@ class ChatTemplateRenderer:
         for head, generation_prompt in probes:
             try:
                 other = self._apply(head, tools, kwargs, template_override, generation_prompt)
+            except TemplateBudgetExceeded:
+                raise
             except Exception:  # a template that refuses the probe: no checkpoint there
                 continue
             cut = bisect.bisect_right(ends, common_prefix(text, other)) - 1
@@ -598,10 +635,19 @@ class ChatTemplateRenderer:
         template_override: str | None,
         generation_prompt: bool = True,
     ) -> str:
-        extra = dict(kwargs)
+        owner = self._template_owner()
         if template_override is not None:
-            extra["chat_template"] = template_override
-        text = self._template_owner().apply_chat_template(
+            # transformers' variables: the special tokens, then the kwargs.
+            special = getattr(owner, "special_tokens_map", None)
+            return self._templates.render(
+                template_override,
+                messages,
+                tools=tools,
+                add_generation_prompt=generation_prompt,
+                variables={**(special if isinstance(special, dict) else {}), **kwargs},
+            )
+        extra = dict(kwargs)
+        text = owner.apply_chat_template(
             list(messages),
             tools=list(tools) if tools else None,
             add_generation_prompt=generation_prompt,
@@ -641,6 +687,8 @@ class ChatTemplateRenderer:
         ]
         try:
             text = self._apply(probe, None, {}, override)
+        except TemplateBudgetExceeded:
+            raise
         except Exception:  # a template that refuses a later system message
             text = ""
         at = [text.find(m) for m in (*marks, _PROBE_LATER_SYSTEM, _PROBE_USER)]
@@ -672,6 +720,8 @@ class ChatTemplateRenderer:
         ]
         try:
             needed = _PROBE_RESULT not in self._apply(probe, None, {}, override)
+        except TemplateBudgetExceeded:
+            raise
         except Exception:  # a template that cannot render unlinked calls needs links
             needed = True
         self._needs_linkage[template] = needed
@@ -690,6 +740,8 @@ class ChatTemplateRenderer:
         ]
         try:
             bare = _PROBE_RESULT in self._apply(probe, None, {}, override)
+        except TemplateBudgetExceeded:
+            raise
         except Exception:  # a template that refuses a result without its call keeps calls
             bare = False
         log.info(
@@ -701,6 +753,41 @@ class ChatTemplateRenderer:
         )
         self._bare_results[template] = bare
         return bare
+
+
+class _ProbeMemo:
+    """A probe's answer per template, kept by the template's digest in an
+    LRU: every distinct override used to be kept whole (+33 MB per 600
+    templates); 32-byte keys and ``MAX`` entries bound it near 1 MB."""
+
+    MAX = 4096
+
+    def __init__(self) -> None:
+        self._answers: OrderedDict[bytes, bool] = OrderedDict()
+        self._lock = threading.Lock()  # renders run on several worker threads
+
+    @staticmethod
+    def _key(template: str) -> bytes:
+        return hashlib.sha256(template.encode("utf-8", "surrogatepass")).digest()
+
+    def get(self, template: str) -> bool | None:
+        key = self._key(template)
+        with self._lock:
+            answer = self._answers.get(key)
+            if answer is not None:
+                self._answers.move_to_end(key)
+            return answer
+
+    def __setitem__(self, template: str, answer: bool) -> None:
+        key = self._key(template)
+        with self._lock:
+            self._answers[key] = answer
+            self._answers.move_to_end(key)
+            while len(self._answers) > self.MAX:
+                self._answers.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._answers)
 
 
 def _has_later_system(messages: Sequence[dict[str, Any]]) -> bool:
