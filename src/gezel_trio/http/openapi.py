@@ -11,7 +11,6 @@ listed here, with the gezel extensions described.
 
 from __future__ import annotations
 
-import json
 import types
 import typing
 from functools import lru_cache
@@ -21,7 +20,7 @@ import attrs
 
 from . import anthropic_wire, openai_wire, responses_wire
 from .checks import MAX_CACHE_ID_CHARS, MAX_MESSAGES
-from .strict import Pattern, Range
+from .strict import Pattern, Range, dump_json
 
 __all__ = ["document", "openapi_json"]
 
@@ -527,4 +526,4 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
 
 
 def openapi_json(model_id: str) -> str:
-    return json.dumps(document(model_id))
+    return dump_json(document(model_id))

@@ -11,9 +11,10 @@ import copy
 import io
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Final, Literal, cast
 
 import attrs
 import mlx.core as mx
@@ -145,6 +146,11 @@ def _added_tokens(tokenizer: Any) -> dict[int, str]:
 
 
 _SEED_MASK = (1 << 64) - 1
+
+# What a chosen token's non-finite logprob is reported as: JSON has no
+# -Infinity. The value vLLM's OpenAI server writes for one (it floors every
+# logprob at -9999.0).
+_LOGPROB_FLOOR: Final = -9999.0
 
 
 class _Faults:
@@ -888,13 +894,22 @@ class MlxBackend:
         if k is None or logprobs is None:
             return None, ()
         chosen = float(logprobs[token].item())
+        if not math.isfinite(chosen):
+            # A step whose every token was masked (-inf), or whose logits broke (NaN).
+            chosen = _LOGPROB_FLOOR
         if k == 0:
             return chosen, ()
         idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
         ids: Any = idx.tolist()
         vals: Any = logprobs[idx].tolist()
-        pairs = sorted(zip(ids, vals, strict=True), key=lambda t: -t[1])
-        return chosen, tuple((int(i), float(v)) for i, v in pairs)
+        # A token a grammar, min_tokens or a thinking budget masked (-inf) is
+        # no candidate: it is left out, so a constrained step may list fewer
+        # than k alternatives (the tokens it could have taken).
+        pairs = sorted(
+            ((int(i), float(v)) for i, v in zip(ids, vals, strict=True) if math.isfinite(v)),
+            key=lambda t: -t[1],
+        )
+        return chosen, tuple(pairs)
 
     def memory_in_use(self) -> int:
         return int(mx.get_active_memory())
