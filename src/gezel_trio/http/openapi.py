@@ -50,6 +50,8 @@ _DOCS: dict[str, str] = {
     "ignore_eos": "vLLM: generate exactly max_tokens tokens.",
     "min_tokens": "vLLM: hold end-of-sequence back for this many tokens.",
     "top_k": "Sample from the k most likely tokens; at or above the vocabulary: no filter.",
+    "top_p": "Nucleus sampling; 0 (anything below 1e-5): the most likely token only.",
+    "temperature": "0 (anything below 1e-5): greedy, the most likely token.",
     "seed": "A private random stream per request; -1: random.",
     "logit_bias": "Token id (decimal string, inside the vocabulary) to a bias in [-100, 100].",
     "prompt_cache_key": "OpenAI: used as cache_id when no cache_id is given.",
