@@ -4,7 +4,7 @@ JSON has no ``NaN`` and no ``Infinity``; Python's writer emits them, and
 JavaScript's and Go's parsers then reject the whole response. Every answer
 here is read with a parser that refuses them (``strict``), the way those
 clients read it. Three sources of non-finite numbers are covered: tokens a
-grammar masked, listed among ``top_logprobs`` as ``-Infinity``; sampling
+grammar masked, listed among ``top_logprobs`` as ``-Infinity`` (now -9999.0); sampling
 parameters that turn the distribution into ``NaN`` (refused now, each a 400
 naming itself); and any that slips through anyway, which the one JSON
 writer (``http.strict.dump_json``) raises on instead of sending.
@@ -88,11 +88,12 @@ def assert_finite(entries: list[dict[str, Any]]) -> None:
         assert entry["logprob"] >= -9999.0, entry
         for alt in entry["top_logprobs"]:
             assert math.isfinite(alt["logprob"]), entry
-    # A grammar step allows few tokens: the masked ones are not listed.
-    assert min(len(e["top_logprobs"]) for e in entries) < 20
+        assert len(entry["top_logprobs"]) == 20, entry
+    # A grammar step allows few tokens: the masked ones are floored, as vLLM does.
+    assert any(alt["logprob"] == -9999.0 for e in entries for alt in e["top_logprobs"])
 
 
-async def test_constrained_top_logprobs_are_json_with_masked_tokens_left_out(
+async def test_constrained_top_logprobs_are_json_with_masked_tokens_floored(
     dense_model: Path,
 ) -> None:
     with trio.fail_after(HANG):

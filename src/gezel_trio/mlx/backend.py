@@ -159,10 +159,14 @@ _GREEDY_BELOW: Final = 1e-5
 # 65504) the best token's logprob, down to -ln(262144) = -12.5, times
 # 1/1e-5 overflows to -inf with every other token's, and the draw is noise.
 _FLOAT32_BELOW: Final = 1e-3
-# What a chosen token's non-finite logprob is reported as: JSON has no
-# -Infinity. The value vLLM's OpenAI server writes for one (it floors every
-# logprob at -9999.0).
+# What a non-finite logprob (a masked token's -inf; NaN if logits broke) is
+# reported as: JSON has no -Infinity. vLLM's OpenAI server floors every
+# logprob at this value.
 _LOGPROB_FLOOR: Final = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
 class _Faults:
@@ -908,20 +912,16 @@ class MlxBackend:
         k = self._logprobs.get(rid)
         if k is None or logprobs is None:
             return None, ()
-        chosen = float(logprobs[token].item())
-        if not math.isfinite(chosen):
-            # A step whose every token was masked (-inf), or whose logits broke (NaN).
-            chosen = _LOGPROB_FLOOR
+        chosen = _finite(float(logprobs[token].item()))
         if k == 0:
             return chosen, ()
         idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
         ids: Any = idx.tolist()
         vals: Any = logprobs[idx].tolist()
-        # A token a grammar, min_tokens or a thinking budget masked (-inf) is
-        # no candidate: it is left out, so a constrained step may list fewer
-        # than k alternatives (the tokens it could have taken).
+        # A token a grammar, min_tokens or a thinking budget masked is -inf:
+        # floored as vLLM floors it, so every step lists k alternatives.
         pairs = sorted(
-            ((int(i), float(v)) for i, v in zip(ids, vals, strict=True) if math.isfinite(v)),
+            ((int(i), _finite(float(v))) for i, v in zip(ids, vals, strict=True)),
             key=lambda t: -t[1],
         )
         return chosen, tuple(pairs)
