@@ -42,8 +42,10 @@ from .request import (
 )
 
 __all__ = [
+    "MAX_PENALTY",
     "MAX_REPETITION_CONTEXT",
     "MAX_TOP_LOGPROBS",
+    "MIN_REPETITION_PENALTY",
     "ChatRequest",
     "PreparedChat",
     "bound_max_tokens",
@@ -58,6 +60,14 @@ __all__ = [
 # the window a repetition penalty looks back over.
 MAX_TOP_LOGPROBS = 20
 MAX_REPETITION_CONTEXT = 8192
+# A repetition penalty divides a repeated token's positive logit: at 0 that is
+# +inf and every logprob NaN, and below about 1e-38 a float32 logit of 30
+# overflows too. At 0.01 a float16 logit overflows only past 655 (real
+# models' stay under 100).
+MIN_REPETITION_PENALTY = 0.01
+# Presence and frequency penalties: OpenAI's and vLLM's [-2, 2]. Subtracted
+# per occurrence, a large negative one lifts a logit to +inf (NaN again).
+MAX_PENALTY = 2.0
 # A forced (grammar-constrained) answer after a think block keeps at least
 # this many tokens, or half the budget, for itself.
 _MIN_FORCED_ROOM = 64
@@ -316,9 +326,9 @@ def _check_sampling(p: SamplingParams, vocab: int) -> None:
         ("temperature", p.temperature, 0.0, math.inf),
         ("top_p", p.top_p, 0.0, 1.0),
         ("min_p", p.min_p, 0.0, 1.0),
-        ("presence_penalty", p.presence_penalty, -math.inf, math.inf),
-        ("frequency_penalty", p.frequency_penalty, -math.inf, math.inf),
-        ("repetition_penalty", p.repetition_penalty, 0.0, math.inf),
+        ("presence_penalty", p.presence_penalty, -MAX_PENALTY, MAX_PENALTY),
+        ("frequency_penalty", p.frequency_penalty, -MAX_PENALTY, MAX_PENALTY),
+        ("repetition_penalty", p.repetition_penalty, MIN_REPETITION_PENALTY, math.inf),
     ):
         if value is not None and not (math.isfinite(value) and lo <= value <= hi):
             raise InvalidRequest(f"{name} must be a finite number in [{lo}, {hi}]", param=name)

@@ -74,7 +74,8 @@ class Pin:
 
 @attrs.frozen
 class SamplingParams:
-    """How the next token is chosen. ``temperature == 0`` is greedy.
+    """How the next token is chosen. ``temperature`` or ``top_p`` 0 (or
+    below 1e-5) is greedy: the most likely token.
 
     ``seed`` gives the sequence its own random stream, so the same seed
     yields the same text whatever else shares the batch.

@@ -22,7 +22,6 @@ prefix from eviction for its ttl.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -65,6 +64,7 @@ from .cache_diagnostics import FingerprintStore, fingerprint, system_block
 from .edge import ProtocolBlueprint, json_body, refusal
 from .images import from_base64, from_data_url
 from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment, run_chat
+from .strict import dump_json, parse_json
 
 __all__ = [
     "MESSAGES_PATH",
@@ -107,7 +107,7 @@ def error_body(err: GezelError) -> dict[str, Any]:
 
 def error_response(err: GezelError) -> Response:
     """Anthropic's envelope as a response (``error_body``)."""
-    resp = Response(json.dumps(error_body(err)), status=err.status, mimetype="application/json")
+    resp = Response(dump_json(error_body(err)), status=err.status, mimetype="application/json")
     if isinstance(err, QueueFull | EngineClosed):
         resp.headers["Retry-After"] = str(err.retry_after)
     return resp
@@ -500,8 +500,10 @@ def _arguments(text: str) -> dict[str, Any]:
     """A call's arguments as the object ``tool_use.input`` must be; a call
     cut short (``max_tokens``) that does not parse is an empty object."""
     try:
-        value = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError:
+        # Strict: a model that writes NaN or Infinity has written no JSON
+        # object, and the body carrying this input must stay JSON.
+        value = parse_json(text) if text.strip() else {}
+    except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -540,7 +542,7 @@ def message_body(
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
-    body = json.dumps({"type": name, **data}, separators=(",", ":"))
+    body = dump_json({"type": name, **data}, compact=True)
     return f"event: {name}\ndata: {body}\n\n".encode()
 
 
@@ -710,7 +712,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         body = message_body(mid, model, finished, show_thinking=show, system=system)
         if diagnostics is not None:
             body.update(diagnostics)
-        return Response(json.dumps(body), mimetype="application/json")
+        return Response(dump_json(body), mimetype="application/json")
 
     @bp.route("/count_tokens", methods=["POST"])
     async def count_tokens() -> Response:
@@ -734,6 +736,6 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             )
             count = len(rendered.tokens)
         body = {"input_tokens": count}
-        return Response(json.dumps(body), mimetype="application/json")
+        return Response(dump_json(body), mimetype="application/json")
 
     return bp

@@ -17,7 +17,6 @@ sequence leaves the batch at the next engine step.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +45,7 @@ from .edge import (
 from .openapi import openapi_json
 from .origins import OriginPolicy, check_origins
 from .response_store import ResponseStore
+from .strict import StrictJSONProvider, dump_json
 
 __all__ = ["HttpSettings", "create_app"]
 
@@ -152,6 +152,8 @@ def create_app(
     server passes the one running in its nursery (without it: an in-memory
     store that refuses ``background: true``)."""
     app = QuartTrio(__name__)
+    # The dicts views return are written refusing NaN and Infinity too.
+    app.json = StrictJSONProvider(app)
     # Quart's default 60 s response timeout silently cuts long streams.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
@@ -266,7 +268,7 @@ def create_app(
             "step": state.step,
         }
         status = 503 if h.status in ("failed", "shutting_down") else 200
-        return Response(json.dumps(body), status=status, mimetype="application/json")
+        return Response(dump_json(body), status=status, mimetype="application/json")
 
     @app.route("/metrics")
     async def metrics() -> Response:

@@ -7,7 +7,6 @@ the engine publishes after each step, or ask the engine for an operation
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import trio
@@ -18,6 +17,7 @@ from ..engine import CacheView, Engine
 from .checks import check_cache_id
 from .edge import ProtocolBlueprint, error_response, json_body, refusal
 from .openai_wire import WarmRequest, parse_warm_request, tool_dicts
+from .strict import dump_json
 
 __all__ = ["blueprint"]
 
@@ -39,7 +39,7 @@ def blueprint(engine: Engine, *, stats_format: str = "object") -> ProtocolBluepr
             # their bytes against its budget and evicts by id. Anonymous
             # entries are bounded by the engine's own budget.
             named = [_entry(e) for e in entries if e.named]
-            return Response(json.dumps(named), mimetype="application/json")
+            return Response(dump_json(named), mimetype="application/json")
         t = engine.cache_totals
         body = {
             "object": "list",
@@ -66,7 +66,7 @@ def blueprint(engine: Engine, *, stats_format: str = "object") -> ProtocolBluepr
                 "evictions": t.evictions,
             },
         }
-        return Response(json.dumps(body), mimetype="application/json")
+        return Response(dump_json(body), mimetype="application/json")
 
     @bp.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
     async def cache_delete(cache_id: str) -> dict[str, Any]:

@@ -3,7 +3,6 @@ the blueprint every protocol is, and JSON bodies."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +12,7 @@ from quart import Blueprint, Response, request
 from ..core.errors import EngineClosed, GezelError, QueueFull
 from ..engine import Engine
 from .sse import error_body
-from .strict import parse_json
+from .strict import dump_json, parse_json
 
 __all__ = [
     "Envelope",
@@ -75,7 +74,7 @@ Envelope = Callable[[GezelError], Response]
 
 def error_response(err: GezelError) -> Response:
     """The OpenAI envelope: ``{"error": {"message", "type", "code", "param"}}``."""
-    resp = Response(json.dumps(error_body(err)), status=err.status, mimetype="application/json")
+    resp = Response(dump_json(error_body(err)), status=err.status, mimetype="application/json")
     if isinstance(err, QueueFull | EngineClosed):
         resp.headers["Retry-After"] = str(err.retry_after)
     return resp

@@ -10,7 +10,6 @@ shaped events become ``chat.completion.chunk`` frames, or one
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -50,6 +49,7 @@ from .sse import (
     liveness_comment,
     run_choices,
 )
+from .strict import dump_json
 
 __all__ = ["blueprint", "chat_request", "logprobs_body"]
 
@@ -359,6 +359,6 @@ def blueprint(
             }
             for i, (finished, items) in enumerate(results)
         ]
-        return Response(json.dumps(body), mimetype="application/json")
+        return Response(dump_json(body), mimetype="application/json")
 
     return bp

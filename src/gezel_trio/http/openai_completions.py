@@ -14,7 +14,6 @@ thread.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -52,6 +51,7 @@ from .sse import (
     run_choices,
     usage_body,
 )
+from .strict import dump_json
 
 __all__ = ["blueprint", "completion_request"]
 
@@ -245,7 +245,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             choices.append(_choice(i, prefix + text, lp, finished.reason))
         usage = combined_usage([finished.usage for finished, _ in results])
         body = _body(cid, model, int(time.time()), choices, usage)
-        return Response(json.dumps(body), mimetype="application/json")
+        return Response(dump_json(body), mimetype="application/json")
 
     @bp.route("/tokenize", methods=["POST"])
     async def tokenize() -> dict[str, Any]:

@@ -31,7 +31,6 @@ turn on the chain names its cache entry (``responses:<first id>``), so
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -79,6 +78,7 @@ from .responses_wire import (
     structure_items,
 )
 from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment
+from .strict import dump_json
 
 __all__ = ["IGNORED_TOOLS_HEADER", "RESPONSES_PATH", "blueprint", "items_to_messages"]
 
@@ -691,7 +691,7 @@ class _Events:
     def _frame(self, event: dict[str, Any]) -> bytes:
         event["sequence_number"] = self._seq
         self._seq += 1
-        data = json.dumps(event, separators=(",", ":"))
+        data = dump_json(event, compact=True)
         return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
     def _frames(self, events: list[dict[str, Any]]) -> list[bytes]:
@@ -941,7 +941,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             body = ctx.body("queued", [])
             store.put(ctx.record(body))
             store.start_background(rid, lambda: _background(engine, store, ctx, prepared))
-            return _ignored(req, Response(json.dumps(body), mimetype="application/json"))
+            return _ignored(req, Response(dump_json(body), mimetype="application/json"))
         output = _Output(
             prepared.request.top_logprobs is not None, frozenset(prepared.chat.custom_tools)
         )
@@ -955,21 +955,21 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             store.put(ctx.record(body))
         if isinstance(end, Failed):
             raise end.error
-        return _ignored(req, Response(json.dumps(body), mimetype="application/json"))
+        return _ignored(req, Response(dump_json(body), mimetype="application/json"))
 
     @bp.route("/<rid>", methods=["GET"])
     async def get_response(rid: str) -> Response:
         rec = store.get(rid)
         if rec is None:
             raise _not_found(rid)
-        return Response(json.dumps(rec.body), mimetype="application/json")
+        return Response(dump_json(rec.body), mimetype="application/json")
 
     @bp.route("/<rid>", methods=["DELETE"])
     async def delete_response(rid: str) -> Response:
         if not store.delete(rid):
             raise _not_found(rid)
         body = {"id": rid, "object": "response.deleted", "deleted": True}
-        return Response(json.dumps(body), mimetype="application/json")
+        return Response(dump_json(body), mimetype="application/json")
 
     @bp.route("/<rid>/cancel", methods=["POST"])
     async def cancel_response(rid: str) -> Response:
@@ -981,6 +981,6 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
         # The job records itself as cancelled as it leaves: wait for that.
         await store.cancel(rid)
         rec = store.get(rid) or rec
-        return Response(json.dumps(rec.body), mimetype="application/json")
+        return Response(dump_json(rec.body), mimetype="application/json")
 
     return bp

@@ -23,6 +23,7 @@ import cattrs
 
 from ..core.errors import InvalidImage, InvalidRequest
 from ..core.images import ImagePart
+from ..core.prepare import MIN_REPETITION_PENALTY
 from ..core.request import SamplingParams
 from ..shaping.custom_tools import as_function, input_arguments
 from .checks import (
@@ -352,7 +353,9 @@ class ChatCompletionRequest:
     n: int = attrs.field(default=1, validator=Range(1, MAX_N))
     presence_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
     frequency_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
-    repetition_penalty: float | None = attrs.field(default=None, validator=Range(0, 10))
+    repetition_penalty: float | None = attrs.field(
+        default=None, validator=Range(MIN_REPETITION_PENALTY, 10)
+    )
     repetition_context_size: int | None = attrs.field(default=None, validator=Range(1, 8192))
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = None
@@ -460,7 +463,9 @@ class CompletionRequest:
     suffix: str | None = None
     presence_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
     frequency_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
-    repetition_penalty: float | None = attrs.field(default=None, validator=Range(0, 10))
+    repetition_penalty: float | None = attrs.field(
+        default=None, validator=Range(MIN_REPETITION_PENALTY, 10)
+    )
     repetition_context_size: int | None = attrs.field(default=None, validator=Range(1, 8192))
     logit_bias: dict[str, float] | None = None
     user: str | None = None

@@ -11,7 +11,6 @@ listed here, with the gezel extensions described.
 
 from __future__ import annotations
 
-import json
 import types
 import typing
 from functools import lru_cache
@@ -21,7 +20,7 @@ import attrs
 
 from . import anthropic_wire, openai_wire, responses_wire
 from .checks import MAX_CACHE_ID_CHARS, MAX_MESSAGES
-from .strict import Pattern, Range
+from .strict import Pattern, Range, dump_json
 
 __all__ = ["document", "openapi_json"]
 
@@ -51,6 +50,8 @@ _DOCS: dict[str, str] = {
     "ignore_eos": "vLLM: generate exactly max_tokens tokens.",
     "min_tokens": "vLLM: hold end-of-sequence back for this many tokens.",
     "top_k": "Sample from the k most likely tokens; at or above the vocabulary: no filter.",
+    "top_p": "Nucleus sampling; 0 (anything below 1e-5): the most likely token only.",
+    "temperature": "0 (anything below 1e-5): greedy, the most likely token.",
     "seed": "A private random stream per request; -1: random.",
     "logit_bias": "Token id (decimal string, inside the vocabulary) to a bias in [-100, 100].",
     "prompt_cache_key": "OpenAI: used as cache_id when no cache_id is given.",
@@ -530,4 +531,4 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
 
 
 def openapi_json(model_id: str) -> str:
-    return json.dumps(document(model_id))
+    return dump_json(document(model_id))

@@ -41,6 +41,8 @@ from typing import Any
 import attrs
 import trio
 
+from .strict import dump_json
+
 __all__ = ["FORMAT_VERSION", "ResponseStore", "StoredResponse"]
 
 log = logging.getLogger("gezel_trio.responses")
@@ -74,7 +76,7 @@ class StoredResponse:
             "messages": self.messages,
             "root": self.root,
         }
-        return json.dumps(data, separators=(",", ":")).encode()
+        return dump_json(data, compact=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> StoredResponse:

@@ -3,7 +3,6 @@ streamed body every protocol's chat goes out through (``ChatStream``)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -31,6 +30,7 @@ from ..engine import (
     ChatLogprobs,
     PreparedChat,
 )
+from .strict import dump_json
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -58,7 +58,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def frame(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + dump_json(obj, compact=True).encode() + b"\n\n"
 
 
 def comment(text: str) -> bytes:

@@ -11,6 +11,12 @@ Each wire module builds its own converter with ``strict_converter`` and adds
 the hooks for its own unions to it (``register_union``); no module changes a
 converter it did not build. ``Range`` and ``Pattern`` are also read by
 ``http.openapi`` into the schema.
+
+The same strictness holds on the way out: ``dump_json`` is the one writer of
+every JSON body, SSE event and stored record, and it refuses ``NaN`` and
+``Infinity`` (which Python's writer emits and JavaScript's and Go's parsers
+reject): a non-finite number that reaches it is a server bug, raised, never
+sent.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from cattrs.errors import (
     IterableValidationError,
 )
 from cattrs.gen import make_dict_structure_fn
+from quart.json.provider import DefaultJSONProvider
 
 from ..core.errors import InvalidRequest
 
@@ -38,7 +45,9 @@ __all__ = [
     "FieldInvalid",
     "Pattern",
     "Range",
+    "StrictJSONProvider",
     "check_text",
+    "dump_json",
     "parse_json",
     "register_union",
     "strict_converter",
@@ -103,6 +112,24 @@ def parse_json(raw: str | bytes) -> Any:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # JSONDecodeError is a ValueError; so are int-length limits.
         raise InvalidRequest(f"the body is not valid JSON: {str(exc)[:200]}") from None
+
+
+def dump_json(value: Any, *, compact: bool = False) -> str:
+    """``value`` as JSON text; ``ValueError`` on a ``NaN`` or an infinity
+    anywhere in it. ``compact``: no spaces after separators (SSE events,
+    stored records); otherwise ``json.dumps``'s default layout."""
+    if compact:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    return json.dumps(value, allow_nan=False)
+
+
+class StrictJSONProvider(DefaultJSONProvider):
+    """Quart's JSON for a view that returns a dict, refusing non-finite
+    numbers as ``dump_json`` does."""
+
+    def dumps(self, obj: Any, **kwargs: Any) -> str:
+        kwargs.setdefault("allow_nan", False)
+        return super().dumps(obj, **kwargs)
 
 
 def check_text(body: Any) -> None:

@@ -11,9 +11,10 @@ import copy
 import io
 import json
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Final, Literal, cast
 
 import attrs
 import mlx.core as mx
@@ -147,6 +148,27 @@ def _added_tokens(tokenizer: Any) -> dict[int, str]:
 
 _SEED_MASK = (1 << 64) - 1
 
+# A temperature or a top_p below this samples greedily (vLLM's
+# _SAMPLING_EPS). Temperature: 1/1e-40 is infinite in float32, and every
+# logprob times it is -inf or NaN, so the draw was noise. top_p: the most
+# likely token alone holds at least 1/vocab of the mass (1e-5 for 100k
+# tokens), so a smaller nucleus is that token; and mlx-lm's apply_top_p,
+# given a top_p that rounds to 0 in float32 (1e-300), indexes past the
+# vocabulary and draws noise.
+_GREEDY_BELOW: Final = 1e-5
+# Below this temperature the scaled logprobs are float32: in float16 (max
+# 65504) the best token's logprob, down to -ln(262144) = -12.5, times
+# 1/1e-5 overflows to -inf with every other token's, and the draw is noise.
+_FLOAT32_BELOW: Final = 1e-3
+# What a non-finite logprob (a masked token's -inf; NaN if logits broke) is
+# reported as: JSON has no -Infinity. vLLM's OpenAI server floors every
+# logprob at this value.
+_LOGPROB_FLOOR: Final = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
+
 
 class _Faults:
     """The per-sequence failure boundary inside ``BatchGenerator.next()``.
@@ -201,7 +223,7 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 
 def _make_sampler(p: SamplingParams, vocab: int) -> Sampler:
-    if p.temperature == 0:
+    if p.temperature < _GREEDY_BELOW or p.top_p < _GREEDY_BELOW:
         # One shared function object: BatchGenerator batches the sampling of
         # sequences whose sampler is the same object.
         return _greedy
@@ -211,14 +233,17 @@ def _make_sampler(p: SamplingParams, vocab: int) -> Sampler:
     inv_temp = 1.0 / p.temperature
     # top_k at or above the vocabulary keeps every token: no filter at all.
     top_k = p.top_k if 0 < p.top_k < vocab or not vocab else 0
+    float32 = p.temperature < _FLOAT32_BELOW
 
     def sample(logprobs: mx.array) -> mx.array:
         if top_k > 0:
             logprobs = apply_top_k(logprobs, top_k)
-        if 0 < p.top_p < 1:
+        if p.top_p < 1:
             logprobs = apply_top_p(logprobs, p.top_p)
         if p.min_p > 0:
             logprobs = apply_min_p(logprobs, p.min_p)
+        if float32:
+            logprobs = logprobs.astype(mx.float32)
         if key is None:
             return mx.random.categorical(logprobs * inv_temp)
         # A private key stream per sequence: the same seed gives the same
@@ -891,14 +916,19 @@ class MlxBackend:
         k = self._logprobs.get(rid)
         if k is None or logprobs is None:
             return None, ()
-        chosen = float(logprobs[token].item())
+        chosen = _finite(float(logprobs[token].item()))
         if k == 0:
             return chosen, ()
         idx = mx.argpartition(-logprobs, kth=k - 1)[:k]
         ids: Any = idx.tolist()
         vals: Any = logprobs[idx].tolist()
-        pairs = sorted(zip(ids, vals, strict=True), key=lambda t: -t[1])
-        return chosen, tuple((int(i), float(v)) for i, v in pairs)
+        # A token a grammar, min_tokens or a thinking budget masked is -inf:
+        # floored as vLLM floors it, so every step lists k alternatives.
+        pairs = sorted(
+            ((int(i), _finite(float(v))) for i, v in zip(ids, vals, strict=True)),
+            key=lambda t: -t[1],
+        )
+        return chosen, tuple(pairs)
 
     def memory_in_use(self) -> int:
         return int(mx.get_active_memory())
