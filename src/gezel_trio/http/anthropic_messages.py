@@ -687,7 +687,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("", methods=["POST"])
     async def messages() -> Response:
-        req = parse_messages_request(await json_body())
+        req = await json_body(parse_messages_request)
         chat = chat_request(req, default_temperature=engine.config.default_temperature)
         prepared = await engine.prepare_chat(chat)
         mid = f"msg_{uuid.uuid4().hex}"
@@ -714,7 +714,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("/count_tokens", methods=["POST"])
     async def count_tokens() -> Response:
-        req = parse_count_tokens_request(await json_body())
+        req = await json_body(parse_count_tokens_request)
         images: list[ImagePart] = []
         messages = chat_messages(req.system, req.messages, images)
         if images:

@@ -891,7 +891,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
 
     @bp.route("", methods=["POST"])
     async def create_response() -> Response:
-        req = parse_responses_request(await json_body())
+        req = await json_body(parse_responses_request)
         prev: StoredResponse | None = None
         if req.previous_response_id is not None:
             prev = store.get(req.previous_response_id)
