@@ -31,7 +31,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
+from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull, shown
 from ..core.events import Failed, Usage
 from ..core.images import ImagePart
 from ..core.request import MessagePin, SamplingParams
@@ -142,7 +142,8 @@ def _text_of(content: str | list[Any], where: str) -> str:
                 raise InvalidRequest(_IMAGE_HERE, param=f"{where}[{j}]")
             case _:
                 raise InvalidRequest(
-                    f"only text blocks may appear here, not {block.type!r}", param=f"{where}[{j}]"
+                    f"only text blocks may appear here, not {shown(block.type)}",
+                    param=f"{where}[{j}]",
                 )
     return _JOIN.join(texts)
 

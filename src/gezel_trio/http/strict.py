@@ -31,7 +31,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn
 
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidRequest, clipped, shown
 
 __all__ = [
     "MAX_DEPTH",
@@ -71,9 +71,9 @@ class Range:
         if value is None:
             return
         if self.lo is not None and value < self.lo:
-            raise FieldInvalid(attr.name, f"{attr.name} must be >= {self.lo}, got {value}")
+            raise FieldInvalid(attr.name, f"{attr.name} must be >= {self.lo}, got {shown(value)}")
         if self.hi is not None and value > self.hi:
-            raise FieldInvalid(attr.name, f"{attr.name} must be <= {self.hi}, got {value}")
+            raise FieldInvalid(attr.name, f"{attr.name} must be <= {self.hi}, got {shown(value)}")
 
 
 @attrs.frozen
@@ -84,7 +84,8 @@ class Pattern:
 
     def __call__(self, _: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         if value is not None and not re.fullmatch(self.regex, value):
-            raise FieldInvalid(attr.name, f"{attr.name} must match {self.regex}, got {value!r}")
+            got = shown(value)
+            raise FieldInvalid(attr.name, f"{attr.name} must match {self.regex}, got {got}")
 
 
 # --- JSON -----------------------------------------------------------------------
@@ -163,7 +164,10 @@ def _has_surrogate(text: str) -> bool:
 def _path(path: tuple[str | int, ...]) -> str:
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{clipped(part)}" if out else clipped(part)
     return out
 
 
@@ -251,7 +255,7 @@ def strict_converter() -> cattrs.Converter:
         def hook(value: Any, _: Any) -> Any:
             if isinstance(value, bool) or value not in allowed:
                 choices = ", ".join(repr(a) for a in allowed)
-                raise TypeError(f"must be one of {choices}; got {value!r}")
+                raise TypeError(f"must be one of {choices}; got {shown(value)}")
             return value
 
         return hook
@@ -295,8 +299,9 @@ def _describe(exc: BaseException, path: str = "") -> tuple[str, str | None]:
     """The first error in a cattrs exception tree, as (message, field path)."""
     if isinstance(exc, ForbiddenExtraKeysError):
         names = sorted(exc.extra_fields)
-        field = f"{path}.{names[0]}" if path else names[0]
-        return f"unknown field {', '.join(map(repr, names))}", field
+        first = clipped(names[0])
+        field = f"{path}.{first}" if path else first
+        return f"unknown field {', '.join(shown(n) for n in names[:8])}", field
     if isinstance(exc, ClassValidationError):
         with_notes, without = exc.group_exceptions()
         for sub, note in with_notes:
