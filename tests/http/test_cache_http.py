@@ -93,13 +93,13 @@ async def test_delete_removes_memory_and_disk(dense_model: Path, tmp_path: Path)
             served(dense_model, persist_dir=tmp_path) as (_engine, url),
             httpx.AsyncClient(base_url=url) as c,
         ):
-            await c.post("/v1/chat/completions", json=chat("gone/with ../slashes", "Hello."))
+            await c.post("/v1/chat/completions", json=chat("gone/with_../slashes", "Hello."))
             flushed = (await c.post("/admin/flush?settle_ms=100")).json()
             assert flushed == {"flushed": 1, "settled": True}
             assert len(gzc_files(tmp_path)) == 1
-            d = await c.delete("/v1/cache/gone/with%20../slashes")
+            d = await c.delete("/v1/cache/gone/with_../slashes")
             assert d.json() == {
-                "cache_id": "gone/with ../slashes",
+                "cache_id": "gone/with_../slashes",
                 "evicted": True,
                 "deleted": True,
                 "memory": True,
@@ -107,16 +107,16 @@ async def test_delete_removes_memory_and_disk(dense_model: Path, tmp_path: Path)
             }
             assert gzc_files(tmp_path) == []
             # Absent: the seed's answer, not an error (DELETE is idempotent).
-            again = await c.delete("/v1/cache/gone/with%20../slashes")
+            again = await c.delete("/v1/cache/gone/with_../slashes")
             assert again.status_code == 200
             assert again.json() == {
-                "cache_id": "gone/with ../slashes",
+                "cache_id": "gone/with_../slashes",
                 "evicted": False,
                 "deleted": False,
                 "memory": False,
                 "disk": False,
             }
-            r = await c.post("/v1/chat/completions", json=chat("gone/with ../slashes", "Hello."))
+            r = await c.post("/v1/chat/completions", json=chat("gone/with_../slashes", "Hello."))
             assert r.json()["usage"]["cached_tokens"] == 0
 
 

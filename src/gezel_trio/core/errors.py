@@ -9,6 +9,7 @@ raised; the HTTP edge turns them into OpenAI-shaped JSON using ``status``,
 from __future__ import annotations
 
 __all__ = [
+    "MAX_SHOWN",
     "EngineClosed",
     "EngineFailure",
     "GezelError",
@@ -18,7 +19,32 @@ __all__ = [
     "QueueFull",
     "RequestFailed",
     "SlowConsumer",
+    "clipped",
+    "shown",
 ]
+
+# How much of a client's value an error quotes: a 2 MB field once made a
+# 2 MB error (6 MB when it was an unknown key, named three times).
+MAX_SHOWN = 200
+# The backstop for a whole message (and a field path) built from values.
+MAX_MESSAGE = 1000
+
+
+def clipped(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` as it is, or its first ``limit`` characters, an ellipsis and
+    its full length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value: object, limit: int = MAX_SHOWN) -> str:
+    """A client's value quoted for a message (its ``repr``), at most about
+    ``limit`` characters: a longer one is cut, with an ellipsis and the
+    full length of the value."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    return clipped(repr(value), limit)
 
 
 class GezelError(Exception):
@@ -29,9 +55,12 @@ class GezelError(Exception):
     code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
+        # Bounded whatever a raiser quoted: an error goes back to the client
+        # and into logs, never as large as the body that caused it.
+        message = clipped(message, MAX_MESSAGE)
         super().__init__(message)
         self.message = message
-        self.param = param
+        self.param = clipped(param, MAX_MESSAGE) if param is not None else None
 
 
 class InvalidRequest(GezelError, ValueError):

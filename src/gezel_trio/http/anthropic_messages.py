@@ -30,7 +30,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull
+from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull, shown
 from ..core.events import Failed, Usage
 from ..core.images import ImagePart
 from ..core.request import MessagePin, SamplingParams
@@ -142,7 +142,8 @@ def _text_of(content: str | list[Any], where: str) -> str:
                 raise InvalidRequest(_IMAGE_HERE, param=f"{where}[{j}]")
             case _:
                 raise InvalidRequest(
-                    f"only text blocks may appear here, not {block.type!r}", param=f"{where}[{j}]"
+                    f"only text blocks may appear here, not {shown(block.type)}",
+                    param=f"{where}[{j}]",
                 )
     return _JOIN.join(texts)
 
@@ -689,7 +690,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("", methods=["POST"])
     async def messages() -> Response:
-        req = parse_messages_request(await json_body())
+        req = await json_body(parse_messages_request)
         chat = chat_request(req, default_temperature=engine.config.default_temperature)
         prepared = await engine.prepare_chat(chat)
         mid = f"msg_{uuid.uuid4().hex}"
@@ -716,7 +717,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("/count_tokens", methods=["POST"])
     async def count_tokens() -> Response:
-        req = parse_count_tokens_request(await json_body())
+        req = await json_body(parse_count_tokens_request)
         images: list[ImagePart] = []
         messages = chat_messages(req.system, req.messages, images)
         if images:

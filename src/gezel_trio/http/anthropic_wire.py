@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar, get_args, get_type_hints
 import attrs
 import cattrs
 
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidRequest, shown
 from .checks import MAX_TOOLS, check_messages, check_parameters, check_stops
 from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
 
@@ -398,7 +398,7 @@ def _tagged(
         why = unserved(tag) if isinstance(tag, str) else None
         if why is not None:
             raise FieldInvalid("type", why)
-        raise FieldInvalid("type", f"{what} type must be one of {choices}; got {tag!r}")
+        raise FieldInvalid("type", f"{what} type must be one of {choices}; got {shown(tag)}")
 
     return hook
 

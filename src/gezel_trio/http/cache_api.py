@@ -105,7 +105,7 @@ def blueprint(engine: Engine, *, stats_format: str = "object") -> ProtocolBluepr
 
     @bp.route("/v1/cache/warm", methods=["POST"])
     async def cache_warm() -> dict[str, Any]:
-        return await _warm(engine, parse_warm_request(await json_body()))
+        return await _warm(engine, await json_body(parse_warm_request))
 
     return bp
 

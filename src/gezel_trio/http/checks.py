@@ -10,8 +10,8 @@ template that compiles). Each raises ``InvalidRequest`` naming the field.
 from __future__ import annotations
 
 import json
+import re
 import threading
-import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import lru_cache
@@ -26,6 +26,7 @@ from ..shaping.template_budget import compile_problem
 from .strict import FieldInvalid
 
 __all__ = [
+    "CACHE_ID_REFUSED",
     "MAX_CACHE_ID_CHARS",
     "MAX_MESSAGES",
     "MAX_METADATA",
@@ -80,18 +81,30 @@ def check_stops(stops: tuple[str, ...], param: str) -> None:
         )
 
 
+# What a cache id must not hold: control characters (Unicode Cc; NUL
+# separates internal keys) and whitespace (Zs, Zl, Zp). An id is printed in
+# the supervisor's stdout lines (``Prefill: ... cache=<id>``), whose reader
+# splits on whitespace: "a cache=b" would draw its bar in session b's row.
+# One class for this check and the OpenAPI pattern (``\uXXXX`` reads the same
+# in Python's and ECMAScript's regexes).
+CACHE_ID_REFUSED = r"\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_REFUSED_IN_ID = re.compile(f"[{CACHE_ID_REFUSED}]")
+
+
 def check_cache_id(value: str | None, param: str) -> None:
-    """Any text is a valid id (ids are hashed, never used as paths), but an
-    empty or unbounded one, or one with control characters (NUL separates
-    internal keys), is a client bug worth naming."""
+    """Any text without whitespace is a valid id (ids are hashed, never used
+    as paths), but an empty or unbounded one, or one with whitespace or
+    control characters, is a client bug worth naming."""
     if value is None:
         return
     if not value:
         raise InvalidRequest(f"{param} must not be empty", param=param)
     if len(value) > MAX_CACHE_ID_CHARS:
         raise InvalidRequest(f"{param} is longer than {MAX_CACHE_ID_CHARS} characters", param=param)
-    if any(unicodedata.category(c) == "Cc" for c in value):
-        raise InvalidRequest(f"{param} must not contain control characters", param=param)
+    if _REFUSED_IN_ID.search(value):
+        raise InvalidRequest(
+            f"{param} must not contain whitespace or control characters", param=param
+        )
 
 
 # What the renderer itself passes to the template, or transformers'

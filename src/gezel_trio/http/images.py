@@ -11,7 +11,7 @@ Decoding happens later, on a worker thread (``engine._images``).
 
 from __future__ import annotations
 
-from ..core.errors import InvalidImage
+from ..core.errors import InvalidImage, shown
 from ..core.images import ImagePart
 
 __all__ = ["SUPPORTED_TYPES", "from_base64", "from_data_url"]
@@ -26,7 +26,7 @@ def _check_type(media_type: str | None, param: str) -> str | None:
     media_type = media_type.strip().lower()
     if media_type not in SUPPORTED_TYPES:
         raise InvalidImage(
-            f"{param}: unsupported image type {media_type!r}; send PNG, JPEG, WebP or GIF",
+            f"{param}: unsupported image type {shown(media_type)}; send PNG, JPEG, WebP or GIF",
             param=param,
         )
     return media_type

@@ -322,7 +322,7 @@ def blueprint(
     @bp.route("/v1/chat/completions", methods=["POST"])
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
-        req = parse_chat_request(await json_body())
+        req = await json_body(parse_chat_request)
         chat = chat_request(
             req,
             vision=engine.info.vision,

@@ -221,7 +221,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     @bp.route("/v1/completions", methods=["POST"])
     @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:
-        req = parse_completion_request(await json_body())
+        req = await json_body(parse_completion_request)
         chat = completion_request(req, default_temperature=engine.config.default_temperature)
         prepared = await engine.prepare_chat(chat)
         echo = await _echo(engine, req, prepared.request.prompt)
@@ -249,7 +249,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("/tokenize", methods=["POST"])
     async def tokenize() -> dict[str, Any]:
-        req = parse_tokenize_request(await json_body())
+        req = await json_body(parse_tokenize_request)
         if req.messages is not None:
             if req.add_special_tokens or req.add_special:
                 raise InvalidRequest(
@@ -285,7 +285,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("/detokenize", methods=["POST"])
     async def detokenize() -> dict[str, Any]:
-        req = parse_detokenize_request(await json_body())
+        req = await json_body(parse_detokenize_request)
         text = await engine.detokenize(req.tokens)
         return {"prompt": text, "content": text}
 

@@ -40,7 +40,7 @@ from typing import Any
 import attrs
 from quart import Response
 
-from ..core.errors import GezelError, InvalidRequest
+from ..core.errors import GezelError, InvalidRequest, shown
 from ..core.events import Failed, TokenLogprob, Usage
 from ..core.images import ImagePart
 from ..core.request import SamplingParams
@@ -879,7 +879,7 @@ def _ignored(req: ResponsesRequest, response: Response) -> Response:
 
 
 def _not_found(rid: str) -> NotFound:
-    return NotFound(f"no stored response {rid!r}", param="response_id")
+    return NotFound(f"no stored response {shown(rid)}", param="response_id")
 
 
 def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
@@ -891,18 +891,18 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
 
     @bp.route("", methods=["POST"])
     async def create_response() -> Response:
-        req = parse_responses_request(await json_body())
+        req = await json_body(parse_responses_request)
         prev: StoredResponse | None = None
         if req.previous_response_id is not None:
             prev = store.get(req.previous_response_id)
             if prev is None:
                 raise InvalidRequest(
-                    f"previous response {req.previous_response_id!r} not found",
+                    f"previous response {shown(req.previous_response_id)} not found",
                     param="previous_response_id",
                 )
             if prev.body.get("status") in ("queued", "in_progress"):
                 raise InvalidRequest(
-                    f"previous response {prev.id!r} has not finished",
+                    f"previous response {shown(prev.id)} has not finished",
                     param="previous_response_id",
                 )
         new = items_to_messages(req.items)

@@ -19,7 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import attrs
 
 from . import anthropic_wire, openai_wire, responses_wire
-from .checks import MAX_CACHE_ID_CHARS, MAX_MESSAGES
+from .checks import CACHE_ID_REFUSED, MAX_CACHE_ID_CHARS, MAX_MESSAGES
 from .strict import Pattern, Range, dump_json
 
 __all__ = ["document", "openapi_json"]
@@ -168,12 +168,13 @@ def _constrain(prop: dict[str, Any], field: attrs.Attribute[Any]) -> None:
 
 
 _CACHE_ID_FIELDS = ("cache_id", "prefix_cache_id", "prompt_cache_key")
-# What ``checks.check_cache_id`` accepts: 1..4096 characters, no control characters.
+# What ``checks.check_cache_id`` accepts: 1..4096 characters, no whitespace
+# or control characters.
 _CACHE_ID = {
     "type": "string",
     "minLength": 1,
     "maxLength": MAX_CACHE_ID_CHARS,
-    "pattern": "^[^\\u0000-\\u001f\\u007f-\\u009f]+$",
+    "pattern": f"^[^{CACHE_ID_REFUSED}]+$",
 }
 
 

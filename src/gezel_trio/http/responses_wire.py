@@ -17,7 +17,7 @@ import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn
 
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidRequest, shown
 from .checks import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -506,13 +506,13 @@ def _converter() -> cattrs.Converter:
             if kind in HOSTED_ITEM_TYPES:
                 raise FieldInvalid(
                     "type",
-                    f"input items of type {kind!r} are not supported: this server runs "
+                    f"input items of type {shown(kind)} are not supported: this server runs "
                     "messages, function and custom tool calls and their outputs, and "
                     "reasoning items",
                 )
             choices = ", ".join(repr(k) for k in _ITEM_CLASSES)
             raise FieldInvalid(
-                "type", f"an input item's type must be one of {choices}; got {kind!r}"
+                "type", f"an input item's type must be one of {choices}; got {shown(kind)}"
             )
         item: InputItem = conv.structure(value, cls)
         return item
@@ -532,7 +532,7 @@ def _converter() -> cattrs.Converter:
         if kind != "function":
             raise FieldInvalid(
                 "type",
-                f"tools of type {kind!r} are not supported: this server runs function and "
+                f"tools of type {shown(kind)} are not supported: this server runs function and "
                 f"custom tools, and ignores hosted ones ({', '.join(HOSTED_TOOL_TYPES)})",
             )
         structured: FunctionTool = plain_tool(value, FunctionTool)
@@ -544,12 +544,14 @@ def _converter() -> cattrs.Converter:
             return conv.structure(value, TextInputFormat)
         if kind == "grammar":
             return conv.structure(value, GrammarInputFormat)
-        raise FieldInvalid("type", f"a custom tool's format is text or grammar, not {kind!r}")
+        raise FieldInvalid("type", f"a custom tool's format is text or grammar, not {shown(kind)}")
 
     def tool_choice(value: Any, _: Any) -> ToolChoice:
         if isinstance(value, str):
             if value not in ("auto", "none", "required"):
-                raise TypeError(f"must be 'auto', 'none', 'required' or an object; got {value!r}")
+                raise TypeError(
+                    f"must be 'auto', 'none', 'required' or an object; got {shown(value)}"
+                )
             return value  # type: ignore[return-value]
         kind = _item_type(value)
         classes: dict[str, type] = {
@@ -560,7 +562,7 @@ def _converter() -> cattrs.Converter:
         if kind not in classes:
             raise FieldInvalid(
                 "type",
-                f"tool_choice of type {kind!r} is not supported: name a function or a "
+                f"tool_choice of type {shown(kind)} is not supported: name a function or a "
                 'custom tool ({"type": "function" | "custom", "name": ...}), list '
                 "allowed_tools, or use auto, none or required",
             )
@@ -637,7 +639,9 @@ def _check(req: ResponsesRequest) -> None:
             if isinstance(tool, HostedTool):
                 continue
             if tool.name in names:
-                raise InvalidRequest(f"tools[{i}].name {tool.name!r} is repeated", param="tools")
+                raise InvalidRequest(
+                    f"tools[{i}].name {shown(tool.name)} is repeated", param="tools"
+                )
             names.add(tool.name)
             if isinstance(tool, FunctionTool):
                 check_parameters(tool.parameters, f"tools[{i}].parameters")

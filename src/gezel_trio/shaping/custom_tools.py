@@ -37,7 +37,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidRequest, shown
 
 # The regex parser Python ships and its opcodes (private modules, untyped;
 # the public sre_parse alias warns on import).
@@ -215,7 +215,9 @@ def escaped_grammar(syntax: str, definition: str, *, where: str) -> str:
     if syntax == "regex":
         return f"start: {_regex_terminal(definition, '', where)}"
     if syntax != "lark":
-        raise InvalidRequest(f"{where}.syntax must be lark or regex, not {syntax!r}", param=where)
+        raise InvalidRequest(
+            f"{where}.syntax must be lark or regex, not {shown(syntax)}", param=where
+        )
     return _escaped_lark(definition, where)
 
 
@@ -376,7 +378,7 @@ def _regex_terminal(pattern: str, flags: str, where: str) -> str:
         parsed = sre_parse.parse(pattern, py_flags)
     except re.error as exc:
         raise InvalidRequest(
-            f"{where}.definition: bad regex {pattern!r}: {exc}", param=where
+            f"{where}.definition: bad regex {shown(pattern)}: {exc}", param=where
         ) from exc
     if parsed.state.flags & re.IGNORECASE:
         raise InvalidRequest(

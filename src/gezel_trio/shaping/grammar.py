@@ -84,7 +84,7 @@ import attrs
 import llguidance
 
 from ..core.constraint import Constraint, ConstraintKind
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidRequest, shown
 from .call_syntax import CallSyntax, JsonSyntax, syntax_for
 from .custom_tools import INPUT_PARAMETER, escaped_grammar, grammar_of
 
@@ -223,7 +223,7 @@ def build_constraint(
         custom_input=INPUT_PARAMETER,
     )
     if fmt is None:
-        raise InvalidRequest(f"unsupported tool format {tool_format!r}", param="tool_format")
+        raise InvalidRequest(f"unsupported tool format {shown(tool_format)}", param="tool_format")
     response = _response_schema(response_format)
     choice = _tool_choice(tool_choice)
     hint = tool_grammar_hint(tool_grammar)
@@ -341,7 +341,7 @@ def _response_schema(
         )
     if rtype != "json_schema":
         raise InvalidRequest(
-            f"response_format.type must be text, json_object or json_schema, not {rtype!r}",
+            f"response_format.type must be text, json_object or json_schema, not {shown(rtype)}",
             param="response_format",
         )
     spec = response_format.get("json_schema")
@@ -423,14 +423,14 @@ def tool_grammar_hint(tool_grammar: Mapping[str, Any] | None) -> ToolGrammarHint
     mode = tool_grammar.get("mode", "name-and-params")
     if mode not in TOOL_GRAMMAR_MODES:
         raise InvalidRequest(
-            f'tool_grammar.mode must be "name-only" or "name-and-params", not {mode!r}',
+            f'tool_grammar.mode must be "name-only" or "name-and-params", not {shown(mode)}',
             param="tool_grammar",
         )
     fmt = tool_grammar.get("format")
     if fmt is not None and fmt not in TOOL_GRAMMAR_FORMATS:
         listed = ", ".join(f'"{f}"' for f in TOOL_GRAMMAR_FORMATS)
         raise InvalidRequest(
-            f"tool_grammar.format must be one of {listed}, not {fmt!r}", param="tool_grammar"
+            f"tool_grammar.format must be one of {listed}, not {shown(fmt)}", param="tool_grammar"
         )
     return ToolGrammarHint(fmt, mode)
 
@@ -462,7 +462,7 @@ def _tools(
                 f"{where}.function.name must match [A-Za-z0-9_-]{{1,64}}", param="tools"
             )
         if name in seen:
-            raise InvalidRequest(f"{where}.function.name {name!r} is repeated", param="tools")
+            raise InvalidRequest(f"{where}.function.name {shown(name)} is repeated", param="tools")
         seen.add(name)
         params = fn.get("parameters")
         if params is None:

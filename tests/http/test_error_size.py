@@ -1,0 +1,60 @@
+"""An error quotes an offending value at most ``MAX_SHOWN`` characters: a
+2 MB field once made a 2 MB error. Each body below puts a 2 MB value where
+an error names or quotes it; every answer is a small 400 that still names
+the field and says how long the value was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import trio
+
+from tests.support.inprocess import served
+
+HANG = 120
+HUGE = "x" * 2_000_000
+USER = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"messages": USER, HUGE: 1}),
+    ("/v1/chat/completions", {"messages": [{"role": HUGE, "content": "hi"}]}),
+    ("/v1/chat/completions", {"messages": USER, "reasoning_effort": HUGE}),
+    (
+        "/v1/chat/completions",
+        {"messages": USER, "tools": [{**TOOL, "function": {**TOOL["function"], "name": HUGE}}]},
+    ),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": HUGE}}),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": HUGE}),
+    ("/v1/responses", {"input": [{"type": HUGE}]}),
+    ("/v1/responses", {"input": "hi", "previous_response_id": HUGE}),
+    (
+        "/v1/messages",
+        {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": HUGE}]}]},
+    ),
+]
+
+
+async def test_an_error_quotes_at_most_a_bounded_part_of_a_huge_value(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as client:
+            for path, body in CASES:
+                r = await client.post(path, json=body, timeout=HANG)
+                assert 400 <= r.status_code < 500, (path, r.status_code)
+                assert len(r.content) < 2_000, (path, r.content[:300])
+                error = r.json()["error"]
+                # Anthropic's envelope has no param: its message names the field.
+                assert error.get("param") or "content" in error["message"], path
+
+
+async def test_a_quoted_value_is_cut_with_its_full_length(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/chat/completions", json={"messages": USER, HUGE: 1})
+            assert r.status_code == 400
+            error = r.json()["error"]
+            assert "unknown field 'xxxx" in error["message"]
+            assert "... (2000000 characters)" in error["message"]
+            assert error["param"] == "x" * 200 + "... (2000000 characters)"
