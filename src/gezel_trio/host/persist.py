@@ -509,46 +509,64 @@ class DiskCache:
 
     def _read_index(self) -> None:
         """Every file's metadata, read from its end; checksums are verified
-        when a file is loaded, so a damaged one costs a miss then."""
+        when a file is loaded, so a damaged one costs a miss then. A file
+        whose metadata is malformed (not JSON, not an object, fields of the
+        wrong type) is removed with one log line: one bad file never stops
+        the server from starting."""
         for path in self.dir.glob("*" + _SUFFIX):
             try:
-                with path.open("rb") as f:
-                    size = f.seek(0, os.SEEK_END)
-                    if size < _TAIL + 8:
-                        continue
-                    f.seek(size - _TAIL)
-                    tail = f.read(_TAIL)
-                    n = int.from_bytes(tail[:4], "big")
-                    if tail[4 : 4 + len(MAGIC)] != MAGIC or not 0 < n <= min(
-                        _MAX_META, size - _TAIL
-                    ):
-                        continue
-                    f.seek(size - _TAIL - n)
-                    meta = json.loads(f.read(n))
-                mtime = path.stat().st_mtime
-            except (OSError, ValueError) as exc:
+                entry = self._index_entry(path)
+            except OSError as exc:
                 log.warning("cache file %s unreadable (%s): skipped", path.name, exc)
                 continue
-            key, tokens = meta.get("file_key"), _tokens(meta)
-            if (
-                not isinstance(key, str)
-                or tokens is None
-                or meta.get("fingerprint") != self.fingerprint
-                or path.name != _file_key(key) + _SUFFIX
-            ):
-                continue
-            owner = meta.get("owner")
-            self.index[key] = DiskEntry(
-                key,
-                tokens,
-                str(meta.get("kind", "session")),
-                str(meta.get("roster", "")),
-                owner if isinstance(owner, str) else None,
-                size,
-                mtime,
-            )
+            if isinstance(entry, str):
+                log.warning("cache file %s malformed (%s): removed", path.name, entry)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            elif entry is not None:
+                self.index[entry.file_key] = entry
         if self.index:
             log.info("disk cache %s: %d entries indexed", self.dir, len(self.index))
+
+    def _index_entry(self, path: Path) -> DiskEntry | str | None:
+        """``path``'s index entry; ``None`` for a file this index skips (too
+        short to be sealed, or another layout's), the reason for one whose
+        metadata is malformed. Raises ``OSError``."""
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < _TAIL + 8:
+                return None
+            f.seek(size - _TAIL)
+            tail = f.read(_TAIL)
+            n = int.from_bytes(tail[:4], "big")
+            if tail[4 : 4 + len(MAGIC)] != MAGIC or not 0 < n <= min(_MAX_META, size - _TAIL):
+                return None
+            f.seek(size - _TAIL - n)
+            raw = f.read(n)
+        mtime = path.stat().st_mtime
+        try:
+            meta = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+            return f"metadata is not JSON: {type(exc).__name__}"
+        if not isinstance(meta, dict):
+            return f"metadata is a JSON {type(meta).__name__}, not an object"
+        key, tokens = meta.get("file_key"), _tokens(meta)
+        if not isinstance(key, str):
+            return "file key missing or not a string"
+        if tokens is None:
+            return "token list malformed"
+        if meta.get("fingerprint") != self.fingerprint or path.name != _file_key(key) + _SUFFIX:
+            return None  # another model's or another key's: load() rejects it if asked
+        owner = meta.get("owner")
+        return DiskEntry(
+            key,
+            tokens,
+            str(meta.get("kind", "session")),
+            str(meta.get("roster", "")),
+            owner if isinstance(owner, str) else None,
+            size,
+            mtime,
+        )
 
     def _sweep_temp_files(self) -> None:
         for p in self.dir.glob(".*" + _TMP_SUFFIX):

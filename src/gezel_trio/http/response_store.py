@@ -78,10 +78,20 @@ class StoredResponse:
 
     @classmethod
     def from_json(cls, raw: bytes) -> StoredResponse:
-        data = json.loads(raw)
+        """Raises ``ValueError`` for anything but a record of this format
+        with fields of the right shapes."""
+        try:
+            data = json.loads(raw)
+        except RecursionError:  # nesting too deep to parse
+            raise ValueError("nested too deeply") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
             raise ValueError("not a stored response of this format")
-        rec = cls(str(data["id"]), dict(data["body"]), list(data["messages"]), str(data["root"]))
+        rid, body, messages, root = (data.get(k) for k in ("id", "body", "messages", "root"))
+        if not (isinstance(rid, str) and isinstance(root, str) and isinstance(body, dict)):
+            raise ValueError("id, root or body malformed")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages malformed")
+        rec = cls(rid, body, messages, root)
         rec.size = len(raw)
         return rec
 
