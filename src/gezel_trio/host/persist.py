@@ -17,7 +17,10 @@ can find the longest cached prefix on disk without loading any state.
 Writes are atomic: temp file in the same directory, fsync, rename, fsync of
 the directory. A truncated, bit-flipped, foreign or mismatched file is a clean
 miss (logged, and the bad file removed); a temp file left by a process killed
-mid-write is swept when the directory is opened.
+mid-write is swept when the directory is opened. Another process may still
+be writing there (a restart overlapping the old process's final flush):
+temp files carry their writer's pid and only the holder of the directory's
+lock (``DirLock``) sweeps and prunes; see ``temp_is_stale``.
 
 Runs on the engine's host thread (the state codec is the backend's, which
 for MLX must run on that thread). Every I/O failure is logged and reported
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -45,6 +49,7 @@ import queue
 import re
 import secrets
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,11 +58,15 @@ import attrs
 
 __all__ = [
     "FORMAT_VERSION",
+    "TEMP_MAX_AGE",
+    "DirLock",
     "DiskCache",
     "DiskEntry",
     "Loaded",
     "StateCodec",
     "safe_fingerprint",
+    "temp_is_stale",
+    "temp_name",
 ]
 
 log = logging.getLogger("gezel_trio.persist")
@@ -189,9 +198,17 @@ class DiskCache:
         self._landed: list[tuple[Any, bool]] = []
         # The current write trouble, logged once per cause (/health shows it).
         self.problem: str | None = None
+        # Another process may use the directory still (a restart overlapping
+        # the old one's final flush): only the lock's holder sweeps and
+        # prunes, and one that starts without it takes it (and reads the
+        # index again, the other's last writes with it) once it is free.
+        self.lock = DirLock(self.dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._sweep_temp_files()
+            if self.lock.acquire():
+                self._sweep_temp_files()
+            else:
+                log.info("persist dir %s in use by another process: not pruning", self.dir)
         except OSError as exc:
             self.writable = False
             self.problem = f"persist dir unusable: {exc}"
@@ -305,7 +322,7 @@ class DiskCache:
         if not self.writable:
             return None
         final = self.path_for(file_key)
-        tmp = self.dir / f".{final.stem}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        tmp = self.dir / temp_name(final.stem, _TMP_SUFFIX)
         tokens = tuple(tokens)
         meta = {
             "file_key": file_key,
@@ -444,7 +461,10 @@ class DiskCache:
     def prune(self, budget_bytes: int, protect: Iterable[str] = ()) -> list[str]:
         """Delete the oldest files until under 80% of ``budget_bytes``, never
         the newest file (the last save, maybe the shutdown flush) nor the files
-        of ``protect``ed file keys. Returns the deleted file names."""
+        of ``protect``ed file keys. Returns the deleted file names. Nothing
+        is deleted unless this process holds the directory's lock."""
+        if not self._lock_held():
+            return []
         files = self.files()
         total = sum(size for _, size, _ in files)
         if budget_bytes <= 0 or total <= budget_bytes or not files:
@@ -568,8 +588,20 @@ class DiskCache:
             mtime,
         )
 
+    def _lock_held(self) -> bool:
+        if self.lock.held:
+            return True
+        if not self.lock.acquire():
+            return False
+        # The other process is gone: what it wrote last is ours to find.
+        self._sweep_temp_files()
+        self._read_index()
+        return True
+
     def _sweep_temp_files(self) -> None:
         for p in self.dir.glob(".*" + _TMP_SUFFIX):
+            if not temp_is_stale(p):
+                continue
             p.unlink(missing_ok=True)
             log.info("removed a temp file left by an interrupted write: %s", p.name)
 
@@ -619,3 +651,75 @@ def _tokens(meta: dict[str, Any]) -> tuple[int, ...] | None:
 
 def _short(cache_id: str) -> str:
     return cache_id if len(cache_id) <= 80 else cache_id[:77] + "..."
+
+
+# A temp file is named ``.<stem>.<pid>.<random><suffix>``: a process that
+# opens the directory while another still writes there (a supervisor's
+# restart overlapping the old process's shutdown flush) leaves the other's
+# temp files alone while that pid lives. One older than this is swept
+# whatever its pid says (the pid may have been reused).
+TEMP_MAX_AGE = 3600.0
+
+
+def temp_name(stem: str, suffix: str) -> str:
+    """A temp file's name for ``stem``, carrying this process's pid."""
+    return f".{stem}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+
+
+def temp_is_stale(path: Path) -> bool:
+    """A temp file no live process is writing: its pid is gone (or it has
+    none: an older layout's), or it is older than ``TEMP_MAX_AGE``."""
+    try:
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return False  # gone already
+    parts = path.name.split(".")
+    pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
+    if pid is None or age > TEMP_MAX_AGE:
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive, another user's
+    return False
+
+
+class DirLock:
+    """An advisory lock (``flock``) on the directory itself (no file of its
+    own in it), held from a successful ``acquire`` until the process exits
+    (the kernel releases it then, however the process ended). Only its holder removes files it did
+    not write: the sweep of temp files and pruning by budget. Per open file
+    description: two holders in one process exclude each other too."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> bool:
+        """Take the lock if it is free, without waiting; whether held."""
+        if self._fd is not None:
+            return True
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None
