@@ -6,6 +6,8 @@ profile runs the parent-death watchdog and refuses to start as an orphan."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import select
@@ -236,3 +238,59 @@ def test_the_seed_profile_refuses_to_start_as_an_orphan(dense_model: Path) -> No
     middle.stderr.close()
     assert b"the parent process is already gone" in err, err
     assert b"Loading model" not in out
+
+
+# Linux's F_SETPIPE_SZ: a one-page pipe fills with a few lines.
+_F_SETPIPE_SZ = 1031
+
+
+def test_sigterm_exits_in_time_while_nobody_reads_stdout(dense_model: Path) -> None:
+    """A supervisor that stopped reading (alive, its pipe full) does not
+    hold the exit: SIGTERM ends the process within ``--shutdown-timeout``
+    plus a second, the lines stdout cannot take dropped."""
+    shutdown_timeout = 3.0
+    r, w = os.pipe()
+    fcntl.fcntl(w, _F_SETPIPE_SZ, 4096)
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "gezel_trio", "serve", "--model", str(dense_model)),
+            *("--port", "0", "--log-level", "WARNING", "--graceful-timeout", "3"),
+            *("--shutdown-timeout", str(shutdown_timeout)),
+            # A marker per prefill chunk: every request below has lines to print.
+            *("--prefill-marker-min-tokens", "0", "--prefill-marker-interval", "0"),
+        ],
+        stdout=w,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        out = b""
+        while not (out.endswith(b"\n") and b"gezel-trio listening on " in out):
+            byte = os.read(r, 1)  # one byte at a time: nothing read ahead
+            assert byte, "the server exited before listening"
+            out += byte
+        url = out.decode().split()[-1]
+        # From here on nobody reads: fill what is left of the pipe.
+        os.set_blocking(w, False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(w, b".")
+        os.set_blocking(w, True)
+        for i in range(3):
+            body = {"messages": [{"role": "user", "content": f"{i} hello " * 1500}]}
+            answer = httpx.post(
+                f"{url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60
+            )
+            assert answer.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        try:
+            status = proc.wait(timeout=shutdown_timeout + 1)
+        except subprocess.TimeoutExpired:
+            pytest.fail("still running a second past --shutdown-timeout with stdout full")
+        assert status == 0
+    finally:
+        os.close(w)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(r)

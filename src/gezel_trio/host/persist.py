@@ -17,7 +17,10 @@ can find the longest cached prefix on disk without loading any state.
 Writes are atomic: temp file in the same directory, fsync, rename, fsync of
 the directory. A truncated, bit-flipped, foreign or mismatched file is a clean
 miss (logged, and the bad file removed); a temp file left by a process killed
-mid-write is swept when the directory is opened.
+mid-write is swept when the directory is opened. Another process may still
+be writing there (a restart overlapping the old process's final flush):
+temp files carry their writer's pid and only the holder of the directory's
+lock (``DirLock``) sweeps and prunes; see ``temp_is_stale``.
 
 Runs on the engine's host thread (the state codec is the backend's, which
 for MLX must run on that thread). Every I/O failure is logged and reported
@@ -43,7 +46,6 @@ import logging
 import os
 import queue
 import re
-import secrets
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,13 +53,19 @@ from typing import Any, Protocol
 
 import attrs
 
+from ..core.shared_dir import TEMP_MAX_AGE, DirLock, temp_is_stale, temp_name
+
 __all__ = [
     "FORMAT_VERSION",
+    "TEMP_MAX_AGE",
+    "DirLock",
     "DiskCache",
     "DiskEntry",
     "Loaded",
     "StateCodec",
     "safe_fingerprint",
+    "temp_is_stale",
+    "temp_name",
 ]
 
 log = logging.getLogger("gezel_trio.persist")
@@ -189,9 +197,17 @@ class DiskCache:
         self._landed: list[tuple[Any, bool]] = []
         # The current write trouble, logged once per cause (/health shows it).
         self.problem: str | None = None
+        # Another process may use the directory still (a restart overlapping
+        # the old one's final flush): only the lock's holder sweeps and
+        # prunes, and one that starts without it takes it (and reads the
+        # index again, the other's last writes with it) once it is free.
+        self.lock = DirLock(self.dir)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._sweep_temp_files()
+            if self.lock.acquire():
+                self._sweep_temp_files()
+            else:
+                log.info("persist dir %s in use by another process: not pruning", self.dir)
         except OSError as exc:
             self.writable = False
             self.problem = f"persist dir unusable: {exc}"
@@ -305,7 +321,7 @@ class DiskCache:
         if not self.writable:
             return None
         final = self.path_for(file_key)
-        tmp = self.dir / f".{final.stem}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        tmp = self.dir / temp_name(final.stem, _TMP_SUFFIX)
         tokens = tuple(tokens)
         meta = {
             "file_key": file_key,
@@ -444,7 +460,10 @@ class DiskCache:
     def prune(self, budget_bytes: int, protect: Iterable[str] = ()) -> list[str]:
         """Delete the oldest files until under 80% of ``budget_bytes``, never
         the newest file (the last save, maybe the shutdown flush) nor the files
-        of ``protect``ed file keys. Returns the deleted file names."""
+        of ``protect``ed file keys. Returns the deleted file names. Nothing
+        is deleted unless this process holds the directory's lock."""
+        if not self._lock_held():
+            return []
         files = self.files()
         total = sum(size for _, size, _ in files)
         if budget_bytes <= 0 or total <= budget_bytes or not files:
@@ -509,49 +528,79 @@ class DiskCache:
 
     def _read_index(self) -> None:
         """Every file's metadata, read from its end; checksums are verified
-        when a file is loaded, so a damaged one costs a miss then."""
+        when a file is loaded, so a damaged one costs a miss then. A file
+        whose metadata is malformed (not JSON, not an object, fields of the
+        wrong type) is removed with one log line: one bad file never stops
+        the server from starting."""
         for path in self.dir.glob("*" + _SUFFIX):
             try:
-                with path.open("rb") as f:
-                    size = f.seek(0, os.SEEK_END)
-                    if size < _TAIL + 8:
-                        continue
-                    f.seek(size - _TAIL)
-                    tail = f.read(_TAIL)
-                    n = int.from_bytes(tail[:4], "big")
-                    if tail[4 : 4 + len(MAGIC)] != MAGIC or not 0 < n <= min(
-                        _MAX_META, size - _TAIL
-                    ):
-                        continue
-                    f.seek(size - _TAIL - n)
-                    meta = json.loads(f.read(n))
-                mtime = path.stat().st_mtime
-            except (OSError, ValueError) as exc:
+                entry = self._index_entry(path)
+            except OSError as exc:
                 log.warning("cache file %s unreadable (%s): skipped", path.name, exc)
                 continue
-            key, tokens = meta.get("file_key"), _tokens(meta)
-            if (
-                not isinstance(key, str)
-                or tokens is None
-                or meta.get("fingerprint") != self.fingerprint
-                or path.name != _file_key(key) + _SUFFIX
-            ):
-                continue
-            owner = meta.get("owner")
-            self.index[key] = DiskEntry(
-                key,
-                tokens,
-                str(meta.get("kind", "session")),
-                str(meta.get("roster", "")),
-                owner if isinstance(owner, str) else None,
-                size,
-                mtime,
-            )
+            if isinstance(entry, str):
+                log.warning("cache file %s malformed (%s): removed", path.name, entry)
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            elif entry is not None:
+                self.index[entry.file_key] = entry
         if self.index:
             log.info("disk cache %s: %d entries indexed", self.dir, len(self.index))
 
+    def _index_entry(self, path: Path) -> DiskEntry | str | None:
+        """``path``'s index entry; ``None`` for a file this index skips (too
+        short to be sealed, or another layout's), the reason for one whose
+        metadata is malformed. Raises ``OSError``."""
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size < _TAIL + 8:
+                return None
+            f.seek(size - _TAIL)
+            tail = f.read(_TAIL)
+            n = int.from_bytes(tail[:4], "big")
+            if tail[4 : 4 + len(MAGIC)] != MAGIC or not 0 < n <= min(_MAX_META, size - _TAIL):
+                return None
+            f.seek(size - _TAIL - n)
+            raw = f.read(n)
+        mtime = path.stat().st_mtime
+        try:
+            meta = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
+            return f"metadata is not JSON: {type(exc).__name__}"
+        if not isinstance(meta, dict):
+            return f"metadata is a JSON {type(meta).__name__}, not an object"
+        key, tokens = meta.get("file_key"), _tokens(meta)
+        if not isinstance(key, str):
+            return "file key missing or not a string"
+        if tokens is None:
+            return "token list malformed"
+        if meta.get("fingerprint") != self.fingerprint or path.name != _file_key(key) + _SUFFIX:
+            return None  # another model's or another key's: load() rejects it if asked
+        owner = meta.get("owner")
+        return DiskEntry(
+            key,
+            tokens,
+            str(meta.get("kind", "session")),
+            str(meta.get("roster", "")),
+            owner if isinstance(owner, str) else None,
+            size,
+            mtime,
+        )
+
+    def _lock_held(self) -> bool:
+        if self.lock.held:
+            return True
+        if not self.lock.acquire():
+            return False
+        # The other process is gone: what it wrote last is ours to find.
+        self._sweep_temp_files()
+        self._read_index()
+        return True
+
     def _sweep_temp_files(self) -> None:
         for p in self.dir.glob(".*" + _TMP_SUFFIX):
+            if not temp_is_stale(p):
+                continue
             p.unlink(missing_ok=True)
             log.info("removed a temp file left by an interrupted write: %s", p.name)
 

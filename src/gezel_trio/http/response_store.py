@@ -21,7 +21,10 @@ background response, nor the one just stored). With a ``directory``
 written atomically (a temp file, fsync, rename, fsync of the directory, as
 the prompt cache's files); at start the newest files within the budget are
 read back, so after a restart ``GET`` and ``previous_response_id`` still
-find them. A file that does not parse is removed; a failed write is logged
+find them. Only the holder of the directory's lock (``persist.DirLock``)
+removes temp files of dead writers and records beyond the budget, so a
+restart overlapping the old process's final flush loses none of it. A file
+that does not parse, or holds fields of the wrong shapes, is removed; a failed write is logged
 once per cause and costs the record its persistence, never the request.
 """
 
@@ -32,7 +35,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -41,6 +43,7 @@ from typing import Any
 import attrs
 import trio
 
+from ..core.shared_dir import DirLock, temp_is_stale, temp_name
 from .strict import dump_json
 
 __all__ = ["FORMAT_VERSION", "ResponseStore", "StoredResponse"]
@@ -80,10 +83,20 @@ class StoredResponse:
 
     @classmethod
     def from_json(cls, raw: bytes) -> StoredResponse:
-        data = json.loads(raw)
+        """Raises ``ValueError`` for anything but a record of this format
+        with fields of the right shapes."""
+        try:
+            data = json.loads(raw)
+        except RecursionError:  # nesting too deep to parse
+            raise ValueError("nested too deeply") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
             raise ValueError("not a stored response of this format")
-        rec = cls(str(data["id"]), dict(data["body"]), list(data["messages"]), str(data["root"]))
+        rid, body, messages, root = (data.get(k) for k in ("id", "body", "messages", "root"))
+        if not (isinstance(rid, str) and isinstance(root, str) and isinstance(body, dict)):
+            raise ValueError("id, root or body malformed")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages malformed")
+        rec = cls(rid, body, messages, root)
         rec.size = len(raw)
         return rec
 
@@ -106,6 +119,7 @@ class ResponseStore:
         self._pending: dict[str, bytes | None] = {}
         self._wake = trio.Event()
         self.problem: str | None = None
+        self._lock = DirLock(self.directory) if self.directory is not None else None
 
     # --- the task -----------------------------------------------------------
 
@@ -263,7 +277,7 @@ class ResponseStore:
 
     def _write(self, path: Path, raw: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+        tmp = path.with_name(temp_name(path.stem, _TMP_SUFFIX))
         try:
             with tmp.open("wb") as f:
                 f.write(raw)
@@ -287,6 +301,10 @@ class ResponseStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             paths = list(self.directory.iterdir())
+            # Another process may still write here (a restart overlapping
+            # the old one's final flush): without the directory's lock
+            # nothing is removed but a file that does not parse.
+            owner = self._lock is not None and self._lock.acquire()
         except OSError as exc:
             self.problem = f"{type(exc).__name__}: {exc.strerror or exc}"
             log.warning("stored responses directory unusable: %s", self.problem)
@@ -295,7 +313,8 @@ class ResponseStore:
         for path in paths:
             try:
                 if path.name.endswith(_TMP_SUFFIX):
-                    path.unlink()  # a write cut short by a crash
+                    if owner and temp_is_stale(path):
+                        path.unlink()  # a write cut short by a crash
                 elif path.suffix == _SUFFIX:
                     files.append((path.stat().st_mtime, path))
             except OSError:
@@ -322,8 +341,9 @@ class ResponseStore:
                     "message": "the server stopped before this response finished",
                 }
             if total + rec.size > self.budget_bytes:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                if owner:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
                 continue
             total += rec.size
             kept.append(rec)
