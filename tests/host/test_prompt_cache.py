@@ -18,6 +18,7 @@ import pytest
 
 from gezel_trio.core.backend import Captured
 from gezel_trio.core.request import CacheRequest, GenerationRequest, Pin
+from gezel_trio.host import prompt_cache
 from gezel_trio.host.persist import DiskCache
 from gezel_trio.host.prompt_cache import PromptCache
 from tests.support.fakes import FakeOps, FakeState
@@ -253,6 +254,18 @@ def test_prefix_entry_is_never_replaced_by_a_longer_one() -> None:
     h.cache._seeded_prefixes.clear()  # a new process would try again
     h.run(request(P1, cache_id="b", prefix_ids=("p",)))
     assert h.named("p") == first
+
+
+def test_the_seeded_prefix_ids_a_process_remembers_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prompt_cache, "SEEDED_PREFIXES_KEPT", 3)
+    h = Harness(trimmable=True)
+    for i in range(6):
+        h.run(request(P1[:40], cache_id=f"s{i}", prefix_ids=(f"p{i}",)))
+    # The oldest are forgotten, the newest kept, and each prefix was seeded.
+    assert list(h.cache._seeded_prefixes) == ["p3", "p4", "p5"]
+    assert all(h.named(f"p{i}") is not None for i in range(6))
 
 
 def test_band_snapshot_is_published_as_the_prefix() -> None:

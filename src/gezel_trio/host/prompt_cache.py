@@ -147,6 +147,8 @@ BEHIND_BACKOFF = 5.0
 # Writes behind staged and not yet landed, at most: one being sealed, the
 # next one staged, so a slow disk never piles temp files up.
 BEHIND_IN_FLIGHT = 2
+# How many seeded prefix ids a process remembers (``_publish_prefix``).
+SEEDED_PREFIXES_KEPT = 4096
 
 
 def _reaching(node: Node, pos: int) -> Entry | None:
@@ -266,7 +268,11 @@ class PromptCache:
         self.disk = disk
         self._disk_budget = disk_budget_bytes
         self._seqs: dict[int, _Seq] = {}
-        self._seeded_prefixes: set[str] = set()
+        # Prefix ids seeded in this process, oldest first, at most
+        # ``SEEDED_PREFIXES_KEPT``: one forgotten is only seeded again (its
+        # entry is kept unless the new one is shorter), so the set need not
+        # grow with every id a client ever sent.
+        self._seeded_prefixes: dict[str, None] = {}
         # Token decoder for divergence previews in logs (optional).
         self._decode = decode
         self._counts = {"lookups": 0, "hits": 0, "prompt": 0, "cached": 0, "evictions": 0}
@@ -669,7 +675,9 @@ class PromptCache:
         pid = cr.prefix_ids[0]
         if pid in self._seeded_prefixes:
             return
-        self._seeded_prefixes.add(pid)
+        self._seeded_prefixes[pid] = None
+        if len(self._seeded_prefixes) > SEEDED_PREFIXES_KEPT:
+            del self._seeded_prefixes[next(iter(self._seeded_prefixes))]
         existing = self._named_tokens(pid)
         if existing is not None and len(existing) <= len(tokens):
             log.info(
@@ -1019,7 +1027,7 @@ class PromptCache:
             for found in list(self.disk.index.values()):
                 if found.owner == key:
                     self.disk.delete(found.file_key)
-        self._seeded_prefixes.discard(key)
+        self._seeded_prefixes.pop(key, None)
         if mem or on_disk:
             self.version += 1
             log.info("deleted cache_id=%s memory=%s disk=%s", _short(key), mem, on_disk)
