@@ -667,15 +667,16 @@ class HostLink:
         """Tell the watcher of each queued or parked request at once, then
         every ``waiting_every`` seconds while it waits: between two steps,
         so that a note says the engine is alive and busy with others."""
-        if self._watcher is None:
+        # Every step comes here: nothing waiting (the common case) costs
+        # nothing, and who is ahead is worked out only when a note is due.
+        if self._watcher is None or not (self._scheduler.queued or self._scheduler.parked):
             return
         parked = set(self._scheduler.parked)
-        stepping = [r for r in self._scheduler.running if r not in parked]
-        behind = tuple(dict.fromkeys(_cache_ids(self._live.get(r) for r in stepping)))
         waiting: list[tuple[int, Queued | Parked]] = [
             (rid, Queued(i)) for i, rid in enumerate(self._scheduler.queued)
         ]
         waiting += [(rid, Parked()) for rid in parked]
+        behind: tuple[str, ...] | None = None
         for rid, event in waiting:
             live = self._live.get(rid)
             if live is None or live.index != 0:  # once per request, not per member
@@ -683,6 +684,9 @@ class HostLink:
             if now - live.waiting_noted_at < self._waiting_every:
                 continue
             live.waiting_noted_at = now
+            if behind is None:
+                stepping = [r for r in self._scheduler.running if r not in parked]
+                behind = tuple(dict.fromkeys(_cache_ids(self._live.get(r) for r in stepping)))
             self._note(rid, event, behind=behind)
 
     def _announce_queue(self) -> None:
