@@ -21,6 +21,7 @@ CPU holds quantized and half-precision weights as float32, is started with
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
 import socket
@@ -125,6 +126,24 @@ def tail(path: Path, n: int = 40) -> str:
         return "(no log)"
 
 
+def _fill_pipe(proc: subprocess.Popen[Any]) -> None:
+    """Shrink ``proc``'s stdout pipe to one page and fill it, so its very next
+    write finds the pipe full (Linux: the write end, opened again through
+    /proc, takes filler lines nobody reads)."""
+    import fcntl
+
+    assert proc.stdout is not None
+    fcntl.fcntl(proc.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ
+    fd = os.open(f"/proc/{proc.pid}/fd/1", os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        while True:
+            os.write(fd, b"filler: the supervisor stopped reading\n")
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def _log_on_error(name: str, log: Path) -> Iterator[None]:
     """On an error while a server is up, show its log tail (the log may be
@@ -161,12 +180,15 @@ def gezel_server(
     stop_signal: signal.Signals = signal.SIGINT,
     stop_timeout: float = STOP_TIMEOUT_S,
     stored_weights: bool = True,
+    read_stdout: bool = True,
 ) -> Iterator[Server]:
     """Start ``gezel-trio serve`` with ``flags`` on a free port, its stderr in
     ``log``; yield once it says it is listening; always stop it with
     ``stop_signal`` (SIGKILL after ``stop_timeout``). ``label`` is the
     server's ``system`` name. ``stored_weights``: ``--keep-quantized``, the
-    weights the other systems load (see the module docstring)."""
+    weights the other systems load (see the module docstring).
+    ``read_stdout=False``: once listening, its stdout is never read again (a
+    supervisor that stopped reading: the pipe fills and stays full)."""
     cmd = [
         sys.executable, "-m", "gezel_trio", "serve",
         "--model", str(model_dir),
@@ -183,6 +205,9 @@ def gezel_server(
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.put(line)
+            if not read_stdout and _LISTENING in line:
+                _fill_pipe(proc)
+                return  # the pipe stays open, unread
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
