@@ -461,8 +461,8 @@ class PromptCache:
         seconds = max(p.seconds for p in seq.pins if p.end == end)
         salt = seq.cache.salt
         held = self.store.exact(tokens[:end], salt)
-        entry = held[0] if held else self._save(
-            tokens[:end], state, roster=seq.cache.roster, salt=salt
+        entry = (
+            held[0] if held else self._save(tokens[:end], state, roster=seq.cache.roster, salt=salt)
         )
         if entry is not None:
             entry.held_until = max(entry.held_until, self._clock() + seconds)
@@ -489,9 +489,7 @@ class PromptCache:
                 self._log_divergence(cr.cache_id, named.tokens, prompt)
         return seed, where
 
-    def _disk_best(
-        self, prompt: tuple[int, ...], beat: int, salt: str = ""
-    ) -> DiskEntry | None:
+    def _disk_best(self, prompt: tuple[int, ...], beat: int, salt: str = "") -> DiskEntry | None:
         """The disk entry of ``salt`` that would seed ``prompt`` deeper than ``beat``."""
         if self.disk is None:
             return None
