@@ -363,3 +363,50 @@ async def test_a_key_file_key_is_a_tenant(tmp_path: Path) -> None:
         client = served.test_client()
         assert (await Caller(client, ALICE).call("GET", "/v1/models"))[0] == 200
         assert (await Caller(client, BOB).call("GET", "/v1/models"))[0] == 401
+
+
+# --- the real SDK, the real server ---------------------------------------------------
+
+
+async def test_two_openai_sdk_clients_with_their_own_keys(dense_model: Path) -> None:
+    """The official SDK, one client per key, against hypercorn over the MLX
+    engine: one's stored response is another's NotFoundError, and one's
+    prompt is not in the other's cached_tokens."""
+    import openai
+
+    from tests.support.inprocess import served
+
+    system = "You are the lighthouse keeper. The lamp's code word is " + "BRIGHTWATER " * 20
+
+    def sdk(url: str, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+    def cached(client: openai.OpenAI) -> int:
+        r = client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            temperature=0,
+        )
+        assert r.usage is not None
+        assert r.usage.prompt_tokens_details is not None
+        return r.usage.prompt_tokens_details.cached_tokens or 0
+
+    def scenario(url: str) -> None:
+        alice, bob = sdk(url, ALICE), sdk(url, BOB)
+        stored = alice.responses.create(model="demo", input=SECRET, max_output_tokens=3)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(stored.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.delete(stored.id)
+        assert alice.responses.retrieve(stored.id).id == stored.id
+        with pytest.raises(openai.AuthenticationError):
+            sdk(url, "carol-key-3").models.list()
+        # Alice's earlier response may share her prompt's first tokens.
+        first = cached(alice)
+        assert cached(bob) == 0
+        assert cached(alice) > first + 100
+
+    with trio.fail_after(180):
+        async with served(dense_model, HttpSettings(api_key=(ALICE, BOB))) as (_engine, url):
+            await trio.to_thread.run_sync(scenario, url)
