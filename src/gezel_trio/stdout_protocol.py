@@ -63,6 +63,7 @@ from .core.errors import EngineFailure
 from .core.events import Failed, Parked, Progress, Queued
 from .core.settings import setting
 from .engine import WAITING_EVERY, Admitted, CacheWarmed, RequestNote, Seeded
+from .http.tenancy import public_name
 
 __all__ = [
     "PREFILL_INTERVAL",
@@ -414,6 +415,14 @@ class StdoutProtocol:
                 self.note_nowait(note, trio.current_time())
 
     def note_nowait(self, note: RequestNote, now: float) -> None:
+        if note.cache_id or note.behind:
+            # Cache ids as their clients sent them, not in their tenant's
+            # namespace (``http.tenancy``).
+            note = attrs.evolve(
+                note,
+                cache_id=public_name(note.cache_id) if note.cache_id else note.cache_id,
+                behind=tuple(map(public_name, note.behind)),
+            )
         cache_id = note.cache_id
         match note.event:
             case Progress(done=done, total=total):

@@ -231,3 +231,27 @@ def test_store_matches_a_brute_force_model(
         assert seeded_tokens(seed) == tuple(prompt[: seed.reuse])
         if not trimmable:
             assert seed.entry.rest == tuple(prompt[: seed.reuse])
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_salted_paths_never_share_a_node(trimmable: bool) -> None:
+    store = CacheStore(10**9, trimmable=trimmable, block_tokens=B)
+    prompt = tuple(range(30))
+    mine, _ = add(store, prompt[:20], salt="alice")
+    assert store.seed(prompt, salt="bob") is None
+    assert store.seed(prompt) is None  # nor the unsalted paths
+    assert store.exact(prompt[:20], salt="bob") == []
+    assert store.prefixes(prompt, salt="bob") == []
+    seed = store.seed(prompt, salt="alice")
+    assert seed is not None
+    assert (seed.entry, seed.reuse) == (mine, 20)
+    # The same tokens under another salt are stored again, not shared.
+    theirs, _ = add(store, prompt[:20], salt="bob")
+    assert theirs is not mine
+    assert store.block_count == 2 * 5
+    assert store.total_bytes == live_bytes(store)
+    # A salt's root goes with its last entry: client-chosen salts leave nothing.
+    store.remove(mine)
+    assert store.root_of("alice").children == {}
+    assert "alice" not in store._salted
+    assert store.seed(prompt, salt="bob") is not None

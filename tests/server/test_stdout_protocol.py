@@ -20,6 +20,7 @@ from gezel_trio import stdout_protocol
 from gezel_trio.core.errors import EngineFailure, RequestFailed
 from gezel_trio.core.events import Failed, Parked, Progress, Queued
 from gezel_trio.engine import Admitted, CacheWarmed, RequestNote, Seeded
+from gezel_trio.http.tenancy import Tenant, tenant_id
 from gezel_trio.stdout_protocol import StdoutProtocol, StdoutSettings, tagged_traceback
 from tests.support.seed import CACHE_HIT, CACHE_WARMED, LEAF, PREFILL, QUEUE, TAGGED
 
@@ -297,3 +298,23 @@ def test_a_pipe_whose_reader_left_drops_lines_quietly() -> None:
         protocol.close()
         protocol.say_nowait("nor this")
         protocol.death(EngineFailure("the engine died"))
+
+
+def test_cache_ids_are_printed_as_their_tenant_sent_them() -> None:
+    # Inside the server a tenant's names are namespaced (http.tenancy).
+    alice = Tenant(tenant_id("alice-key"))
+    own = alice.name("b")
+    assert own is not None
+    assert own != "b"
+    lines = _printed(
+        [
+            (0.0, RequestNote(1, own, Queued(1), behind=(alice.name("a") or "a", "c"))),
+            (0.0, RequestNote(2, own, Seeded(812, "memory:session"))),
+            (0.0, _progress(3, 100, 4000, cache_id=own)),
+        ]
+    )
+    assert lines[0] == "[batch] waiting cache=b ahead=1 behind=a,c"
+    assert "cache_id=b " in lines[1]
+    assert lines[2].endswith("cache=b")
+    assert "alice" not in "".join(lines)
+    assert alice.id not in "".join(lines)

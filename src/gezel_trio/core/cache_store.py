@@ -29,6 +29,11 @@ seeds a request; otherwise only entry ends do. An entry may carry a name (a
 cache id or prefix id: ``key``) or belong to one as an alternate
 (``owner``); most are anonymous.
 
+**Salts.** Every method that takes tokens takes a ``salt`` too (vLLM's
+``cache_salt``: a tenant, or a request's own). Each salt has its own root,
+so paths of different salts never share a node: no seed, pin, lookup or
+diagnosis crosses salts. The unsalted root is ``root``, as before salts.
+
 **Eviction.** Over ``budget_bytes``, entries go in ``(tier, last_use)``
 order down to 80% of the budget: tier 0 is anonymous and never reused,
 tier 1 anonymous and reused at least once, tier 2 named or owned by a name
@@ -98,6 +103,7 @@ class Entry:
     held_until: float = 0.0
     path: list[Node] = attrs.field(factory=list, repr=False)
     path_nbytes: int = 0  # the sum over ``path``, kept current (the view reads it often)
+    salt: str = ""  # the partition of the trie its path lies in
 
     @property
     def end(self) -> int:
@@ -146,6 +152,8 @@ class CacheStore:
         self.trimmable = trimmable
         self.block_tokens = block_tokens
         self.root = Node(None, 0, ())
+        # The roots of salted paths; a root goes with its last entry.
+        self._salted: dict[str, Node] = {}
         self._before_evict = before_evict
         # The owner's clock, read only to compare with ``Entry.held_until``
         # (the default, ``float()``, is always 0: nothing held expires).
@@ -181,11 +189,17 @@ class CacheStore:
         """The alternates that belong to the name ``key``."""
         return [e for e in self._entries if e.owner == key]
 
-    def walk(self, tokens: Sequence[int]) -> tuple[list[Node], int]:
+    def root_of(self, salt: str = "") -> Node:
+        """The root of ``salt``'s paths (an empty node where it has none)."""
+        if not salt:
+            return self.root
+        return self._salted.get(salt) or Node(None, 0, ())
+
+    def walk(self, tokens: Sequence[int], salt: str = "") -> tuple[list[Node], int]:
         """The nodes along the longest stored prefix of ``tokens`` and its
         length; the last node may be shared only in part."""
         path: list[Node] = []
-        node, pos, b = self.root, 0, self.block_tokens
+        node, pos, b = self.root_of(salt), 0, self.block_tokens
         while pos < len(tokens):
             chunk = tuple(tokens[pos : pos + b])
             child = node.children.get(chunk)
@@ -204,7 +218,7 @@ class CacheStore:
             node = child
         return path, pos
 
-    def seed(self, prompt: Sequence[int]) -> Seed | None:
+    def seed(self, prompt: Sequence[int], salt: str = "") -> Seed | None:
         """The deepest stored position a prompt can start from, leaving at
         least one token to prefill (the model must run on something to give
         the first token's logits)."""
@@ -212,7 +226,7 @@ class CacheStore:
         if usable <= 0:
             return None
         if self.trimmable:
-            path, lcp = self.walk(prompt)
+            path, lcp = self.walk(prompt, salt)
             usable = min(lcp, usable)
             if usable <= 0:
                 return None
@@ -222,21 +236,23 @@ class CacheStore:
                 return self._seed_short(prompt, path, usable)
             return Seed(entry, usable, tuple(cover))
         best: Entry | None = None
-        for e in self.prefixes(prompt, limit=usable):
+        for e in self.prefixes(prompt, limit=usable, salt=salt):
             if best is None or (e.end, e.last_use) > (best.end, best.last_use):
                 best = e
         if best is None:
             return None
         return Seed(best, best.end, tuple(best.path))
 
-    def prefixes(self, tokens: Sequence[int], limit: int | None = None) -> list[Entry]:
+    def prefixes(
+        self, tokens: Sequence[int], limit: int | None = None, salt: str = ""
+    ) -> list[Entry]:
         """Every entry whose tokens are a prefix of ``tokens`` (at most
         ``limit`` long). One may end in a sibling of the path (a partial block
         that is a prefix of the prompt's block, folded into a longer one), so
         every child that shares tokens with ``tokens`` is looked at."""
         limit = len(tokens) if limit is None else limit
         out: list[Entry] = []
-        node: Node | None = self.root
+        node: Node | None = self.root_of(salt)
         pos, b = 0, self.block_tokens
         while node is not None and pos < limit:
             chunk = tuple(tokens[pos : pos + b])
@@ -316,14 +332,15 @@ class CacheStore:
             stack.extend(n.children.values())
         return best
 
-    def exact(self, tokens: Sequence[int]) -> list[Entry]:
+    def exact(self, tokens: Sequence[int], salt: str = "") -> list[Entry]:
         """The entries holding exactly ``tokens``."""
-        node: Node | None = self.root
+        root = self.root_of(salt)
+        node: Node | None = root
         b = self.block_tokens
         for start in range(0, len(tokens), b):
             chunk = tuple(tokens[start : start + b])
             node = self._child(node, chunk) if node is not None else None
-        if node is None or node is self.root:
+        if node is None or node is root:
             return []
         return [e for e in node.ends if e.end == len(tokens)]
 
@@ -352,6 +369,7 @@ class CacheStore:
         rest_nbytes: int = 0,
         roster: str = "",
         dirty: bool = True,
+        salt: str = "",
     ) -> tuple[Entry, list[Entry]]:
         """Save a position; returns the entry and the entries evicted to stay
         in budget. ``make_blocks`` is asked only for the blocks the trie does
@@ -359,16 +377,18 @@ class CacheStore:
         tokens = tuple(tokens)
         if not tokens:
             raise ValueError("an entry holds at least one token")
-        same = self._same(tokens, key, kind, owner, roster)
+        same = self._same(tokens, key, kind, owner, roster, salt)
         if same is not None:
             same.dirty = same.dirty or dirty
             self.touch(same, hit=False)
             return same, []
-        missing = self._missing(tokens)
+        missing = self._missing(tokens, salt)
         made = list(make_blocks([(s, e) for _, s, e in missing])) if missing else []
         if len(made) != len(missing):
             raise ValueError("make_blocks returned the wrong number of blocks")
-        path = self._build(tokens, missing, made)
+        if salt and salt not in self._salted:
+            self._salted[salt] = Node(None, 0, ())
+        path = self._build(tokens, missing, made, self.root_of(salt))
         entry = Entry(
             tokens,
             key=key,
@@ -380,6 +400,7 @@ class CacheStore:
             dirty=dirty,
             path=path,
             path_nbytes=sum(n.nbytes for n in path),
+            salt=salt,
         )
         for node in path:
             node.refs += 1
@@ -403,11 +424,12 @@ class CacheStore:
         kind: EntryKind,
         owner: str | None,
         roster: str,
+        salt: str = "",
     ) -> Entry | None:
         """An entry that already holds exactly ``tokens`` and can stand for
         the one being saved: the same name, or (for a named save) an
         anonymous one, which takes the name."""
-        entries = self.exact(tokens)
+        entries = self.exact(tokens, salt)
         if key is None:
             if not entries:
                 return None
@@ -425,10 +447,12 @@ class CacheStore:
                 return e
         return None
 
-    def _missing(self, tokens: tuple[int, ...]) -> list[tuple[Node | None, int, int]]:
+    def _missing(
+        self, tokens: tuple[int, ...], salt: str = ""
+    ) -> list[tuple[Node | None, int, int]]:
         """``(None, start, end)`` for each block of ``tokens`` the trie lacks."""
         out: list[tuple[Node | None, int, int]] = []
-        node: Node | None = self.root
+        node: Node | None = self.root_of(salt)
         b = self.block_tokens
         for start in range(0, len(tokens), b):
             chunk = tokens[start : start + b]
@@ -443,10 +467,11 @@ class CacheStore:
         tokens: tuple[int, ...],
         missing: list[tuple[Node | None, int, int]],
         made: list[tuple[Any, int]],
+        root: Node,
     ) -> list[Node]:
         payload = {start: blk for (_, start, _), blk in zip(missing, made, strict=True)}
         path: list[Node] = []
-        node = self.root
+        node = root
         b = self.block_tokens
         for start in range(0, len(tokens), b):
             chunk = tokens[start : start + b]
@@ -515,6 +540,9 @@ class CacheStore:
                 node.block = None
         self._bytes -= entry.rest_nbytes
         entry.path = []
+        root = self._salted.get(entry.salt)
+        if root is not None and not root.children:
+            del self._salted[entry.salt]  # salts are the clients': none is kept empty
 
     def rename(self, entry: Entry, key: str, kind: EntryKind, roster: str) -> None:
         """Give an anonymous entry a name (replacing what had the name)."""

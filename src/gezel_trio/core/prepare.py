@@ -134,6 +134,9 @@ class ChatRequest:
     custom_tools: Mapping[str, Mapping[str, Any] | None] = attrs.field(factory=dict)
     # ``shaping.shaper.ReasoningFormat``.
     reasoning_format: Literal["auto", "none"] = "auto"
+    # The prompt cache's partition (``CacheRequest.salt``): the tenant's, and
+    # the request's own ``cache_salt``.
+    cache_salt: str = ""
 
     @property
     def parses_tools(self) -> bool:
@@ -238,6 +241,7 @@ def prepare(
             message_starts=rendered.message_starts,
             message_roles=rendered.message_roles,
             pins=_pins(chat.pins, rendered),
+            salt=chat.cache_salt,
         ),
         constraint=constraint,
         max_thinking_tokens=thinking,

@@ -111,7 +111,10 @@ class CacheRequest:
     the same prompt (``n > 1``): the first admitted computes it, the others
     wait for its state at ``len(prompt) - 1`` and seed from it.
     ``message_starts`` and ``message_roles`` are the rendered messages'
-    (``RenderedPrompt``), for naming where a cache miss falls.
+    (``RenderedPrompt``), for naming where a cache miss falls. ``salt``
+    partitions the content-addressed cache (vLLM's ``cache_salt``): a
+    prompt reuses only what prompts of the same salt left, so a tenant's
+    ``cached_tokens`` says nothing of another's prompts.
     """
 
     cache_id: str | None = None
@@ -125,6 +128,7 @@ class CacheRequest:
     message_starts: tuple[int, ...] = ()
     message_roles: tuple[str, ...] = ()
     pins: tuple[Pin, ...] = ()
+    salt: str = ""
 
 
 @attrs.frozen

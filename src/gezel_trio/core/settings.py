@@ -79,9 +79,11 @@ def setting(
     on_off: bool = False,
     choices: Sequence[str] | None = None,
     repeat: bool = False,
+    converter: Callable[[Any], Any] | None = None,
 ) -> _T:
-    """An ``attrs`` field with ``default`` and ``validator`` that carries a
-    ``Setting``: its help and, with ``flag``, how the CLI sets it."""
+    """An ``attrs`` field with ``default``, ``validator`` and ``converter``
+    that carries a ``Setting``: its help and, with ``flag``, how the CLI
+    sets it."""
     meta = Setting(
         help,
         flag,
@@ -94,7 +96,9 @@ def setting(
         repeat,
     )
     # attrs.field returns its own placeholder, typed as the default's type.
-    field: _T = attrs.field(default=default, validator=validator, metadata={_KEY: meta})
+    field: _T = attrs.field(
+        default=default, validator=validator, converter=converter, metadata={_KEY: meta}
+    )
     return field
 
 

@@ -149,7 +149,7 @@ class Engine:
     async def warm(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Warmed:
         """Build the named entry ``cache_id`` from ``messages`` at background
         priority (``options``: ``cache_id``, ``tools``, ``template_kwargs``,
-        ``template_override``, ``persist``); see ``engine._warm``.
+        ``template_override``, ``persist``, ``salt``); see ``engine._warm``.
         Cancellation withdraws it; the cache keeps what it computed."""
         return await warm(self, messages, **options)
 

@@ -57,8 +57,10 @@ async def warm(
     template_kwargs: Mapping[str, Any] | None = None,
     template_override: str | None = None,
     persist: bool = False,
+    salt: str = "",
 ) -> Warmed:
-    """Warm the entry ``cache_id`` with ``messages`` (text only). Raises
+    """Warm the entry ``cache_id`` with ``messages`` (text only), in the
+    cache's ``salt`` partition (``CacheRequest.salt``). Raises
     ``InvalidRequest`` when nothing in them is shared by a next turn.
     Cancellation withdraws the warming request; the cache keeps what it
     computed."""
@@ -117,7 +119,9 @@ async def warm(
         max_tokens=1,
         sampling=SamplingParams(temperature=0.0),
         priority="background",
-        cache=CacheRequest(cache_id=cache_id, snapshot_at=cut, persist=persist, roster=roster),
+        cache=CacheRequest(
+            cache_id=cache_id, snapshot_at=cut, persist=persist, roster=roster, salt=salt
+        ),
     )
     with engine.submit_nowait(request) as handle:
         async for _, event in handle:

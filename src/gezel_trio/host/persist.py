@@ -98,6 +98,9 @@ class DiskEntry:
     owner: str | None = None
     size: int = 0
     mtime: float = 0.0
+    # The entry's salt (``CacheRequest.salt``): only prompts of the same
+    # salt may seed from it.
+    salt: str = ""
 
 
 @attrs.frozen
@@ -124,6 +127,7 @@ class _Staged:
     meta: bytes
     # What the caller of save_behind gets back from collect.
     tag: Any = None
+    salt: str = ""
 
 
 class _Writer:
@@ -229,10 +233,13 @@ class DiskCache:
         kind: str,
         roster: str,
         owner: str | None = None,
+        salt: str = "",
     ) -> bool:
         """Write atomically; ``False`` (logged) on any failure."""
         self._settle(file_key)  # an older write behind must not land after this one
-        staged = self._stage(file_key, tokens, state, kind=kind, roster=roster, owner=owner)
+        staged = self._stage(
+            file_key, tokens, state, kind=kind, roster=roster, owner=owner, salt=salt
+        )
         if staged is None:
             return False
         try:
@@ -250,12 +257,15 @@ class DiskCache:
         kind: str,
         roster: str,
         owner: str | None = None,
+        salt: str = "",
         tag: Any = None,
     ) -> bool:
         """Write ``state`` to a temp file here (the codec's part) and leave
         the rest to the writer thread; ``False`` (logged) when even that
         failed. ``collect`` later reports ``(tag, saved)``."""
-        staged = self._stage(file_key, tokens, state, kind=kind, roster=roster, owner=owner)
+        staged = self._stage(
+            file_key, tokens, state, kind=kind, roster=roster, owner=owner, salt=salt
+        )
         if staged is None:
             return False
         if self._writer is None:
@@ -315,6 +325,7 @@ class DiskCache:
         kind: str,
         roster: str,
         owner: str | None,
+        salt: str = "",
     ) -> _Staged | None:
         """The state in a temp file beside its final one: the codec's part,
         on the calling (host) thread. ``None`` (logged) on a failure."""
@@ -332,6 +343,8 @@ class DiskCache:
             "roster": roster,
             "owner": owner,
         }
+        if salt:  # an unsalted file is written as before salts
+            meta["salt"] = salt
         try:
             self.dir.mkdir(parents=True, exist_ok=True)  # removed while serving: recreate
             self._codec.dump_state(state, {"gezel_file_key": file_key}, tmp)
@@ -341,7 +354,7 @@ class DiskCache:
                 tmp.unlink(missing_ok=True)
             return None
         blob = json.dumps(meta, separators=(",", ":")).encode()
-        return _Staged(file_key, tokens, kind, roster, owner, tmp, final, blob)
+        return _Staged(file_key, tokens, kind, roster, owner, tmp, final, blob, salt=salt)
 
     def _seal(self, staged: _Staged) -> os.stat_result:
         """The metadata, the checksum, fsync and the rename: no backend, any
@@ -379,6 +392,7 @@ class DiskCache:
             staged.owner,
             result.st_size,
             result.st_mtime,
+            staged.salt,
         )
         if self.problem is not None:
             log.warning("cache saves work again (after: %s)", self.problem)
@@ -576,7 +590,9 @@ class DiskCache:
             return "token list malformed"
         if meta.get("fingerprint") != self.fingerprint or path.name != _file_key(key) + _SUFFIX:
             return None  # another model's or another key's: load() rejects it if asked
-        owner = meta.get("owner")
+        owner, salt = meta.get("owner"), meta.get("salt", "")
+        if not isinstance(salt, str):
+            return "salt not a string"
         return DiskEntry(
             key,
             tokens,
@@ -585,6 +601,7 @@ class DiskCache:
             owner if isinstance(owner, str) else None,
             size,
             mtime,
+            salt,
         )
 
     def _lock_held(self) -> bool:

@@ -99,6 +99,8 @@ class CacheView:
     pin_expires_in: float | None = None
     # Named by a client (a cache id), not an anonymous entry.
     named: bool = True
+    # The entry's salt (``CacheRequest.salt``): whose it is, for the HTTP layer.
+    salt: str = ""
 
 
 @attrs.frozen
@@ -178,8 +180,15 @@ def _sound(cap: Captured, ops: CacheOps) -> bool:
 def _file_key(entry: Entry) -> str:
     if entry.key is not None:
         return "name:" + entry.key
-    digest = hashlib.sha256(b"".join(map(_token_bytes, entry.tokens)))
+    digest = hashlib.sha256(_salt_bytes(entry.salt))
+    digest.update(b"".join(map(_token_bytes, entry.tokens)))
     return "anon:" + digest.hexdigest()[:32]
+
+
+def _salt_bytes(salt: str) -> bytes:
+    # Unsalted entries keep their keys; a salted one's key starts with what
+    # no token's bytes can be (ids below 2**31, image keys start with 0xff).
+    return b"\xfe\xfe\xfe\xfe" + salt.encode("utf-8", "surrogatepass") + b"\0" if salt else b""
 
 
 # Pins up to 5 minutes count as Anthropic's 5m cache writes, longer as 1h.
@@ -213,27 +222,28 @@ class _EvictedTrail:
     def __bool__(self) -> bool:
         return bool(self._reach)
 
-    def _chain(self, tokens: Sequence[int]) -> Iterator[tuple[int, int]]:
+    def _chain(self, tokens: Sequence[int], salt: str = "") -> Iterator[tuple[int, int]]:
         # Python's tuple hash, chained: a third of what blake2b over the
         # packed tokens cost (0.5 ms for a 20k-token prompt), and a 64-bit
-        # collision only misnames a miss in this process.
-        digest = 0
+        # collision only misnames a miss in this process. A salt starts the
+        # chain, so one salt's evictions say nothing of another's prompts.
+        digest = hash(salt) if salt else 0
         tokens = tuple(tokens)
         for start in range(0, len(tokens) - self._block + 1, self._block):
             digest = hash((digest, tokens[start : start + self._block]))
             yield digest, start + self._block
 
-    def record(self, tokens: Sequence[int]) -> None:
-        for digest, depth in self._chain(tokens):
+    def record(self, tokens: Sequence[int], salt: str = "") -> None:
+        for digest, depth in self._chain(tokens, salt):
             self._reach[digest] = depth
             self._reach.move_to_end(digest)
         while len(self._reach) > self._limit:
             self._reach.popitem(last=False)
 
-    def reach(self, prompt: Sequence[int]) -> int:
+    def reach(self, prompt: Sequence[int], salt: str = "") -> int:
         """How far into ``prompt`` an evicted entry reached (block-aligned)."""
         best = 0
-        for digest, depth in self._chain(prompt):
+        for digest, depth in self._chain(prompt, salt):
             if digest not in self._reach:
                 break
             best = depth
@@ -358,12 +368,12 @@ class PromptCache:
         limit = len(prompt) - 1
         if reuse >= limit:
             return None
-        path, lcp = self.store.walk(prompt)
-        last = path[-1] if path else self.store.root
+        path, lcp = self.store.walk(prompt, cr.salt)
+        last = path[-1] if path else self.store.root_of(cr.salt)
         # Something cached goes on past the shared prefix: the last node is
         # shared only in part, or has children the prompt matched none of.
         continues = lcp < last.end or bool(last.children)
-        evicted = self._evicted.reach(prompt) if self._evicted else 0
+        evicted = self._evicted.reach(prompt, cr.salt) if self._evicted else 0
         reason: CacheMissReason
         if evicted > lcp:
             reason = "evicted"
@@ -430,7 +440,7 @@ class PromptCache:
                 continue
             # The store is content-addressed: the entry holding exactly this
             # prefix is the pin, whoever saved it.
-            held = self.store.exact(prompt[: pin.end])
+            held = self.store.exact(prompt[: pin.end], cr.salt)
             entry = held[0] if held else None
             if entry is not None:
                 entry.held_until = max(entry.held_until, now + pin.seconds)
@@ -449,8 +459,11 @@ class PromptCache:
         longest of the pins that end there. It has no name: once its ttl
         passes it is an ordinary entry, evicted in its turn."""
         seconds = max(p.seconds for p in seq.pins if p.end == end)
-        held = self.store.exact(tokens[:end])
-        entry = held[0] if held else self._save(tokens[:end], state, roster=seq.cache.roster)
+        salt = seq.cache.salt
+        held = self.store.exact(tokens[:end], salt)
+        entry = (
+            held[0] if held else self._save(tokens[:end], state, roster=seq.cache.roster, salt=salt)
+        )
         if entry is not None:
             entry.held_until = max(entry.held_until, self._clock() + seconds)
             log.info("pin-save tokens=%d for %.0fs", end, seconds)
@@ -463,11 +476,11 @@ class PromptCache:
 
     def _find_seed(self, cr: CacheRequest, prompt: tuple[int, ...]) -> tuple[Seed | None, str]:
         """The deepest seed in memory, or on disk when that reaches further."""
-        seed = self.store.seed(prompt)
+        seed = self.store.seed(prompt, cr.salt)
         where = "memory"
-        found = self._disk_best(prompt, seed.reuse if seed is not None else 0)
+        found = self._disk_best(prompt, seed.reuse if seed is not None else 0, cr.salt)
         if found is not None and self._load(found) is not None:
-            better = self.store.seed(prompt)
+            better = self.store.seed(prompt, cr.salt)
             if better is not None and (seed is None or better.reuse > seed.reuse):
                 seed, where = better, "disk"
         if cr.cache_id and not self._trimmable:
@@ -476,13 +489,15 @@ class PromptCache:
                 self._log_divergence(cr.cache_id, named.tokens, prompt)
         return seed, where
 
-    def _disk_best(self, prompt: tuple[int, ...], beat: int) -> DiskEntry | None:
-        """The disk entry that would seed ``prompt`` deeper than ``beat``."""
+    def _disk_best(self, prompt: tuple[int, ...], beat: int, salt: str = "") -> DiskEntry | None:
+        """The disk entry of ``salt`` that would seed ``prompt`` deeper than ``beat``."""
         if self.disk is None:
             return None
         limit = len(prompt) - 1
         best, reach = None, beat
         for entry in self.disk.index.values():
+            if entry.salt != salt:
+                continue  # another salt's: never shared
             if entry.file_key.startswith("name:") and self.store.named(entry.file_key[5:]):
                 continue  # memory holds that name's newer state
             n = len(entry.tokens)
@@ -516,6 +531,7 @@ class PromptCache:
             owner=loaded.owner,
             roster=loaded.roster,
             dirty=False,
+            salt=found.salt,
         )
         if entry is not None:
             log.info("disk-load %s tokens=%d", _short(found.file_key), len(loaded.tokens))
@@ -576,9 +592,10 @@ class PromptCache:
                 kind="session",
                 roster=cr.roster,
                 persist=cr.persist,
+                salt=cr.salt,
             )
         if roles & {"boundary", "retry"}:
-            entry = self._save(cap.tokens, cap.state, owner=cr.cache_id)
+            entry = self._save(cap.tokens, cap.state, owner=cr.cache_id, salt=cr.salt)
             if "boundary" in roles and entry is not None:
                 seq.snapshot = entry
         if "band" in roles:
@@ -607,6 +624,7 @@ class PromptCache:
                 kind="session" if cr.cache_id else "anonymous",
                 roster=cr.roster,
                 persist=cr.persist,
+                salt=cr.salt,
             )
             if self._trimmable:
                 # Any prefix of a state seeds on these models: each pinned
@@ -649,6 +667,7 @@ class PromptCache:
                 kind="session" if named else "anonymous",
                 owner=None if named else cr.cache_id,
                 roster=cr.roster,
+                salt=cr.salt,
             )
             log.info(
                 "saved cancelled cache_id=%s tokens=%d (was seeded with %d)",
@@ -692,7 +711,9 @@ class PromptCache:
             self.version += 1
             self._write(entry)
         else:
-            self._save(tokens, state, key=pid, kind="prefix", roster=cr.roster, persist=True)
+            self._save(
+                tokens, state, key=pid, kind="prefix", roster=cr.roster, persist=True, salt=cr.salt
+            )
         log.info("prefix-seeded %s tokens=%d", _short(pid), len(tokens))
 
     def _release(self, seq: _Seq) -> None:
@@ -732,7 +753,7 @@ class PromptCache:
             marks.add(cr.band_end - SNAPSHOT_MARGIN)
         if not (finished and any(retry - SNAPSHOT_MARGIN <= b < retry for b in marks)):
             marks.add(retry)
-        entries = self.store.prefixes(prompt, limit=retry)
+        entries = self.store.prefixes(prompt, limit=retry, salt=cr.salt)
         # For each mark, the checkpoint a prompt diverging there would use:
         # the deepest one at or before it (the mark itself may lie inside
         # what this turn reused, where no new checkpoint was cut).
@@ -741,7 +762,7 @@ class PromptCache:
         victims = [e for e in entries if e is not saved and e.end not in keep]
         seed = seq.seed
         if seed is not None and seed.end > min(cr.boundaries):
-            on_path = set(map(id, self.store.prefixes(saved.tokens)))
+            on_path = set(map(id, self.store.prefixes(saved.tokens, salt=cr.salt)))
             victims += [
                 e for e in self.store.extensions(seed) if id(e) not in on_path and e.hits == 0
             ]
@@ -769,9 +790,11 @@ class PromptCache:
         roster: str = "",
         persist: bool = False,
         dirty: bool = True,
+        salt: str = "",
     ) -> Entry | None:
-        """Put a state holding exactly ``tokens`` into the store; ``None``
-        (logged) when the backend could not copy it."""
+        """Put a state holding exactly ``tokens`` into the store (in
+        ``salt``'s part of it); ``None`` (logged) when the backend could not
+        copy it."""
         try:
             rest, rest_nbytes = self._ops.state_rest(state)
             entry, evicted = self.store.add(
@@ -784,6 +807,7 @@ class PromptCache:
                 rest_nbytes=rest_nbytes,
                 roster=roster,
                 dirty=dirty,
+                salt=salt,
             )
         except Exception:  # a state that cannot be copied is not saved, nothing else
             log.exception("cache save failed cache_id=%s", _short(key or owner or "-"))
@@ -807,7 +831,7 @@ class PromptCache:
         """The store is about to drop ``victim``: write it first if dirty."""
         if victim.dirty and self.disk is not None:
             self._write(victim)
-        self._evicted.record(victim.tokens)
+        self._evicted.record(victim.tokens, victim.salt)
         log.info(
             "evicted %s tokens=%d (memory budget)",
             _short(victim.key or "anonymous"),
@@ -833,6 +857,7 @@ class PromptCache:
             kind=entry.kind,
             roster=entry.roster,
             owner=entry.owner,
+            salt=entry.salt,
         ):
             entry.dirty = False
             self.version += 1
@@ -925,6 +950,7 @@ class PromptCache:
                 kind=entry.kind,
                 roster=entry.roster,
                 owner=entry.owner,
+                salt=entry.salt,
                 tag=entry,
             ):
                 self._behind_after = time.monotonic() + BEHIND_BACKOFF
@@ -1059,6 +1085,7 @@ class PromptCache:
                 hits=e.hits,
                 pin_expires_in=round(e.held_until - now, 3) if e.held_until > now else None,
                 named=e.key is not None,
+                salt=e.salt,
             )
             for e in entries
         )

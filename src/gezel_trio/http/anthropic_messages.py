@@ -65,6 +65,7 @@ from .edge import ProtocolBlueprint, json_body, refusal
 from .images import from_base64, from_data_url
 from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment, run_chat
 from .strict import dump_json, parse_json
+from .tenancy import current_tenant
 
 __all__ = [
     "MESSAGES_PATH",
@@ -691,8 +692,9 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     @bp.route("", methods=["POST"])
     async def messages() -> Response:
         req = await json_body(parse_messages_request)
+        tenant = current_tenant()
         chat = chat_request(req, default_temperature=engine.config.default_temperature)
-        prepared = await engine.prepare_chat(chat)
+        prepared = await engine.prepare_chat(tenant.chat(chat, req.cache_salt))
         mid = f"msg_{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         show = _show_thinking(req)
@@ -702,8 +704,10 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             # characters, kept off the thread that serves every stream.
             prompt_tokens = len(prepared.request.prompt)
             current = await trio.to_thread.run_sync(fingerprint, model, chat, prompt_tokens)
-            previous = req.diagnostics.previous_message_id
-            diagnostics = {"diagnostics": fingerprints.diagnose(mid, previous, current)}
+            # Fingerprints by the tenant's own ids: another's message is not found.
+            previous = tenant.name(req.diagnostics.previous_message_id)
+            own = tenant.name(mid) or mid
+            diagnostics = {"diagnostics": fingerprints.diagnose(own, previous, current)}
         system = system_texts(req)
         if req.stream:
             prompt = len(prepared.request.prompt)

@@ -26,7 +26,7 @@ import attrs
 import cattrs
 
 from ..core.errors import InvalidRequest, shown
-from .checks import MAX_TOOLS, check_messages, check_parameters, check_stops
+from .checks import MAX_TOOLS, check_cache_salt, check_messages, check_parameters, check_stops
 from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
 
 __all__ = [
@@ -371,6 +371,9 @@ class MessagesRequest(CountTokensRequest):
     billing_policy: dict[str, Any] | None = None
     fallback_credit_token: Any = None
     fallbacks: Any = None
+    # gezel (vLLM's, an extra body field): the prompt cache reuses only what
+    # requests of the same salt left.
+    cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
 
 
 def _tag(cls: type) -> str:

@@ -16,14 +16,14 @@ sequence leaves the batch at the next engine step.
 
 from __future__ import annotations
 
-import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -46,10 +46,23 @@ from .openapi import openapi_json
 from .origins import OriginPolicy, check_origins
 from .response_store import ResponseStore
 from .strict import StrictJSONProvider, dump_json
+from .tenancy import NO_TENANT, KeyRing, read_key_file
 
 __all__ = ["HttpSettings", "create_app"]
 
 log = logging.getLogger("gezel_trio.http")
+
+
+def _keys(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``api_key`` as given: one key, several, or none."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _check_keys(keys: tuple[str, ...]) -> None:
+    if any(not k for k in keys):
+        raise ValueError("--api-key must not be empty")
 
 
 @attrs.frozen
@@ -57,10 +70,21 @@ class HttpSettings:
     """The HTTP edge's settings, declared like ``EngineConfig``'s (``core.settings``)."""
 
     host: str = setting("127.0.0.1", flag="--host", help="the address to listen on")
-    api_key: str | None = setting(
-        None,
+    # Each key is a tenant (``http.tenancy``); one given as a string is one key.
+    api_key: tuple[str, ...] = setting(
+        (),
         flag="--api-key",
-        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+        repeat=True,
+        converter=_keys,
+        validator=lambda _i, _a, keys: _check_keys(keys),
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY'; repeat for more keys, "
+        "each a tenant with its own stored responses and cache entries",
+    )
+    api_key_file: Path | None = setting(
+        None,
+        flag="--api-key-file",
+        validator=lambda _i, _a, path: path is None or read_key_file(path),
+        help="more keys, one a line (blank lines and # comments skipped), as --api-key",
     )
     max_body_bytes: int = setting(
         8 * MIB, flag="--max-body-mb", flag_type=float, per_unit=MIB, help="largest request body"
@@ -121,16 +145,6 @@ class HttpSettings:
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
 
 
-def _key_matches(req: Any, key: str) -> bool:
-    """``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY``
-    (Anthropic clients); both compared in constant time, every time."""
-    bearer = req.headers.get("Authorization", "")
-    x_api_key = req.headers.get("x-api-key", "")
-    by_bearer = hmac.compare_digest(bearer.encode(), f"Bearer {key}".encode())
-    by_header = hmac.compare_digest(x_api_key.encode(), key.encode())
-    return by_bearer or (bool(x_api_key) and by_header)
-
-
 def _preflight(origin: str) -> Response:
     """A CORS preflight's answer for an allowed origin: any method the API
     has, and the headers the browser asked to send."""
@@ -158,8 +172,9 @@ def create_app(
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    keys = KeyRing.of(settings.api_key, settings.api_key_file)
     policy = OriginPolicy.of(
-        settings.host, settings.api_key, settings.allowed_hosts, settings.allowed_origins
+        settings.host, bool(keys), settings.allowed_hosts, settings.allowed_origins
     )
 
     protocols: list[ProtocolBlueprint] = [
@@ -204,9 +219,14 @@ def create_app(
             if request.method == "OPTIONS" and (allowed := policy.cors_origin(origin)):
                 # A preflight carries no key: answered before the key check.
                 return _preflight(allowed)
-            key = settings.api_key
-            if key is not None and request.path != "/health" and not _key_matches(request, key):
-                raise Unauthorized("missing or wrong API key")
+            # The key names the tenant; without keys, everyone is the one tenant.
+            tenant = NO_TENANT
+            if keys and request.path != "/health":
+                found = keys.tenant(request.headers)
+                if found is None:
+                    raise Unauthorized("missing or wrong API key")
+                tenant = found
+            g.gezel_tenant = tenant
         except GezelError as err:
             return refuse(err)
         return None

@@ -3,6 +3,12 @@
 Cache state lives on the engine's host thread; these handlers read the view
 the engine publishes after each step, or ask the engine for an operation
 (``evict``, ``flush``, ``warm``) that runs there between two steps.
+
+Each tenant (``http.tenancy``) sees and acts on its own entries only: its
+names are namespaced on the way to the engine and stripped on the way back,
+and stats list the entries of its names and salts. The entry counts in
+``totals`` are the caller's; bytes, the budget, the disk and the hit
+counters are the process's, as the budget is shared by every tenant.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from .checks import check_cache_id
 from .edge import ProtocolBlueprint, error_response, json_body, refusal
 from .openai_wire import WarmRequest, parse_warm_request, tool_dicts
 from .strict import dump_json
+from .tenancy import Tenant, current_tenant
 
 __all__ = ["blueprint"]
 
@@ -32,26 +39,26 @@ def blueprint(engine: Engine, *, stats_format: str = "object") -> ProtocolBluepr
 
     @bp.route("/v1/cache/stats")
     async def cache_stats() -> Response:
-        entries = engine.cache_view
+        entries = _own(current_tenant(), engine.cache_view)
         if stats_format == "array":
             # The seed listed its named entries only: every one a session or
             # prefix its client had named, and the client's controller sums
             # their bytes against its budget and evicts by id. Anonymous
             # entries are bounded by the engine's own budget.
-            named = [_entry(e) for e in entries if e.named]
+            named = [_entry(e, name) for e, name in entries if e.named]
             return Response(dump_json(named), mimetype="application/json")
         t = engine.cache_totals
         body = {
             "object": "list",
-            "data": [_entry(e) for e in entries],
+            "data": [_entry(e, name) for e, name in entries],
             # Bytes really held: blocks shared by several entries count once.
             "total_bytes": t.bytes,
             "totals": {
-                "entries": t.entries,
-                "named_entries": t.named,
+                "entries": len(entries),
+                "named_entries": sum(1 for e, _ in entries if e.named),
                 "blocks": t.blocks,
                 "bytes": t.bytes,
-                "logical_bytes": t.logical_bytes,
+                "logical_bytes": sum(e.bytes for e, _ in entries),
                 "budget_bytes": t.budget_bytes,
                 "disk_entries": t.disk_entries,
                 "disk_bytes": t.disk_bytes,
@@ -71,8 +78,17 @@ def blueprint(engine: Engine, *, stats_format: str = "object") -> ProtocolBluepr
     @bp.route("/v1/cache/<path:cache_id>", methods=["DELETE"])
     async def cache_delete(cache_id: str) -> dict[str, Any]:
         check_cache_id(cache_id, "cache_id")
-        evicted = await engine.evict(cache_id)
-        memory, disk = evicted.memory, evicted.disk
+        tenant = current_tenant()
+        name = tenant.name(cache_id)
+        if tenant.id and cache_id.startswith("anon:"):
+            # An anonymous entry's id is its content's: with keys, only the
+            # tenant whose stats list it may drop it.
+            listed = {n for _, n in _own(tenant, engine.cache_view)}
+            name = cache_id if cache_id in listed else None
+        memory = disk = False
+        if name is not None:
+            evicted = await engine.evict(name)
+            memory, disk = evicted.memory, evicted.disk
         # An absent id is not an error (the seed's answer, and DELETE is
         # idempotent): a controller evicting an entry our own LRU already
         # dropped gets "evicted": false, not a 404 to handle.
@@ -110,10 +126,23 @@ def blueprint(engine: Engine, *, stats_format: str = "object") -> ProtocolBluepr
     return bp
 
 
-def _entry(e: CacheView) -> dict[str, Any]:
-    """One entry of ``/v1/cache/stats``."""
+def _own(tenant: Tenant, view: tuple[CacheView, ...]) -> list[tuple[CacheView, str]]:
+    """The entries of ``tenant``'s names and salts, each with its id as the
+    tenant writes it."""
+    out = []
+    for e in view:
+        if not e.named:
+            if tenant.owns_salt(e.salt):
+                out.append((e, e.cache_id))
+        elif (name := tenant.own(e.cache_id)) is not None:
+            out.append((e, name))
+    return out
+
+
+def _entry(e: CacheView, cache_id: str) -> dict[str, Any]:
+    """One entry of ``/v1/cache/stats``, listed as ``cache_id``."""
     return {
-        "cache_id": e.cache_id,
+        "cache_id": cache_id,
         "tokens": e.tokens,
         "bytes": e.bytes,
         "kind": e.kind,
@@ -134,19 +163,22 @@ def _entry(e: CacheView) -> dict[str, Any]:
 
 async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
     """``Engine.warm``, in our shape and the seed's (``warmed``,
-    ``token_count``, ``persisted``; a refusal's ``skipped`` reason)."""
+    ``token_count``, ``persisted``; a refusal's ``skipped`` reason), in the
+    caller's namespace and salt."""
+    tenant = current_tenant()
     done = await engine.warm(
         [m.to_template() for m in warm.messages],
-        cache_id=warm.cache_id,
+        cache_id=tenant.name(warm.cache_id),
         tools=tool_dicts(warm.tools),
         template_kwargs=warm.chat_template_kwargs,
         template_override=warm.chat_template_override,
         persist=warm.persist,
+        salt=tenant.salt(warm.cache_salt),
     )
     if done.status == "skipped":
         return {
             "status": "skipped",
-            "cache_id": done.cache_id,
+            "cache_id": warm.cache_id,
             "reason": done.reason,
             "warmed": False,
             "token_count": done.tokens,
@@ -155,7 +187,7 @@ async def _warm(engine: Engine, warm: WarmRequest) -> dict[str, Any]:
         }
     return {
         "status": "warmed",
-        "cache_id": done.cache_id,
+        "cache_id": warm.cache_id,
         "tokens": done.tokens,
         "warmed": True,
         "token_count": done.tokens,

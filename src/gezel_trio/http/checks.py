@@ -28,6 +28,7 @@ from .strict import FieldInvalid
 __all__ = [
     "CACHE_ID_REFUSED",
     "MAX_CACHE_ID_CHARS",
+    "MAX_CACHE_SALT_CHARS",
     "MAX_MESSAGES",
     "MAX_METADATA",
     "MAX_STOP_CHARS",
@@ -39,6 +40,7 @@ __all__ = [
     "SEED_MIN",
     "TOOL_NAME",
     "check_cache_id",
+    "check_cache_salt",
     "check_custom_grammar",
     "check_messages",
     "check_metadata",
@@ -52,6 +54,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 4096
 MAX_CACHE_ID_CHARS = 4096
+# A request's ``cache_salt`` (vLLM's): any text, 1 to this many characters.
+MAX_CACHE_SALT_CHARS = 1024
 MAX_TOOLS = 128
 MAX_TEMPLATE_CHARS = 65_536
 MAX_TEMPLATE_KWARGS_CHARS = 16_384
@@ -89,6 +93,12 @@ def check_stops(stops: tuple[str, ...], param: str) -> None:
 # in Python's and ECMAScript's regexes).
 CACHE_ID_REFUSED = r"\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _REFUSED_IN_ID = re.compile(f"[{CACHE_ID_REFUSED}]")
+
+
+def check_cache_salt(_: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
+    """A field validator: ``cache_salt`` is a non-empty string, bounded."""
+    if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        raise FieldInvalid(attr.name, f"{attr.name} must be 1 to {MAX_CACHE_SALT_CHARS} characters")
 
 
 def check_cache_id(value: str | None, param: str) -> None:

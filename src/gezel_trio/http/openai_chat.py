@@ -50,6 +50,7 @@ from .sse import (
     run_choices,
 )
 from .strict import dump_json
+from .tenancy import current_tenant
 
 __all__ = ["blueprint", "chat_request", "logprobs_body"]
 
@@ -329,7 +330,7 @@ def blueprint(
             default_temperature=engine.config.default_temperature,
             reasoning_format=reasoning_format,
         )
-        prepared = await engine.prepare_chat(chat)
+        prepared = await engine.prepare_chat(current_tenant().chat(chat, req.cache_salt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
         logprobs = prepared.request.top_logprobs is not None

@@ -52,6 +52,7 @@ from .sse import (
     usage_body,
 )
 from .strict import dump_json
+from .tenancy import current_tenant
 
 __all__ = ["blueprint", "completion_request"]
 
@@ -223,7 +224,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     async def completions() -> Response:
         req = await json_body(parse_completion_request)
         chat = completion_request(req, default_temperature=engine.config.default_temperature)
-        prepared = await engine.prepare_chat(chat)
+        prepared = await engine.prepare_chat(current_tenant().chat(chat, req.cache_salt))
         echo = await _echo(engine, req, prepared.request.prompt)
         cid = f"cmpl-{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id

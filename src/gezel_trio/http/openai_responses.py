@@ -79,6 +79,7 @@ from .responses_wire import (
 )
 from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment
 from .strict import dump_json
+from .tenancy import current_tenant
 
 __all__ = ["IGNORED_TOOLS_HEADER", "RESPONSES_PATH", "blueprint", "items_to_messages"]
 
@@ -346,6 +347,7 @@ class _Context:
     created_at: int = attrs.field(factory=lambda: int(time.time()))
     seal: ReplySeal | None = None  # with include reasoning.encrypted_content
     temperature: float = 1.0  # what it samples with, echoed
+    owner: str = ""  # the tenant (``http.tenancy``)
 
     def sealer(self, choice: ChatChoice) -> Callable[[], str | None] | None:
         """What seals ``choice``'s reply so far, for its reasoning items."""
@@ -421,7 +423,7 @@ class _Context:
 
     def record(self, body: dict[str, Any]) -> StoredResponse:
         messages = self.history + _output_messages(body["output"])
-        return StoredResponse(self.rid, body, messages, self.root)
+        return StoredResponse(self.rid, body, messages, self.root, owner=self.owner)
 
 
 # --- output items and their stream events ---------------------------------------
@@ -892,9 +894,11 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
     @bp.route("", methods=["POST"])
     async def create_response() -> Response:
         req = await json_body(parse_responses_request)
+        tenant = current_tenant()
         prev: StoredResponse | None = None
         if req.previous_response_id is not None:
-            prev = store.get(req.previous_response_id)
+            # Another tenant's response is not found, as an unknown one.
+            prev = store.get(req.previous_response_id, owner=tenant.id)
             if prev is None:
                 raise InvalidRequest(
                     f"previous response {shown(req.previous_response_id)} not found",
@@ -926,7 +930,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
                 param="background",
             )
         asked = _chat_request(req, messages, cache_id, engine.config.default_temperature)
-        prepared = await engine.prepare_chat(asked)
+        prepared = await engine.prepare_chat(tenant.chat(asked, req.cache_salt))
         ctx = _Context(
             rid,
             req,
@@ -934,6 +938,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             history,
             root,
             temperature=asked.sampling.temperature,
+            owner=tenant.id,
         )
         if _ENCRYPTED_INCLUDE in (req.include or []) and engine.replies is not None:
             ctx.seal = engine.replies.seal
@@ -959,21 +964,21 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
 
     @bp.route("/<rid>", methods=["GET"])
     async def get_response(rid: str) -> Response:
-        rec = store.get(rid)
+        rec = store.get(rid, owner=current_tenant().id)
         if rec is None:
             raise _not_found(rid)
         return Response(dump_json(rec.body), mimetype="application/json")
 
     @bp.route("/<rid>", methods=["DELETE"])
     async def delete_response(rid: str) -> Response:
-        if not store.delete(rid):
+        if store.get(rid, owner=current_tenant().id) is None or not store.delete(rid):
             raise _not_found(rid)
         body = {"id": rid, "object": "response.deleted", "deleted": True}
         return Response(dump_json(body), mimetype="application/json")
 
     @bp.route("/<rid>/cancel", methods=["POST"])
     async def cancel_response(rid: str) -> Response:
-        rec = store.get(rid)
+        rec = store.get(rid, owner=current_tenant().id)
         if rec is None:
             raise _not_found(rid)
         if not rec.body.get("background"):

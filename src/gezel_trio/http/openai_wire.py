@@ -33,6 +33,7 @@ from .checks import (
     SEED_MIN,
     TOOL_NAME,
     check_cache_id,
+    check_cache_salt,
     check_custom_grammar,
     check_messages,
     check_metadata,
@@ -299,6 +300,8 @@ class WarmRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template_override: str | None = None
     persist: bool = False
+    # vLLM's: the prompt cache reuses only what requests of the same salt left.
+    cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
 
 
 @attrs.frozen
@@ -381,6 +384,8 @@ class ChatCompletionRequest:
     cache_id: str | None = None
     prefix_cache_id: str | None = None
     prefix_cache_ids: list[str] | None = None
+    # vLLM's: the prompt cache reuses only what requests of the same salt left.
+    cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
     stable_prefix_chars: int | None = attrs.field(default=None, validator=Range(0, None))
     priority: Literal["interactive", "background"] = "interactive"
     chat_template_override: str | None = None
@@ -475,6 +480,8 @@ class CompletionRequest:
     cache_id: str | None = None
     prefix_cache_id: str | None = None
     prefix_cache_ids: list[str] | None = None
+    # vLLM's: the prompt cache reuses only what requests of the same salt left.
+    cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
     priority: Literal["interactive", "background"] = "interactive"
 
     @property

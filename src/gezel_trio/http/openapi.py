@@ -19,7 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import attrs
 
 from . import anthropic_wire, openai_wire, responses_wire
-from .checks import CACHE_ID_REFUSED, MAX_CACHE_ID_CHARS, MAX_MESSAGES
+from .checks import CACHE_ID_REFUSED, MAX_CACHE_ID_CHARS, MAX_CACHE_SALT_CHARS, MAX_MESSAGES
 from .strict import Pattern, Range, dump_json
 
 __all__ = ["document", "openapi_json"]
@@ -38,6 +38,8 @@ _DOCS: dict[str, str] = {
     "cache_id": "gezel: the prompt-cache session entry to reuse and save.",
     "prefix_cache_id": "gezel: a shared prefix entry to seed from and publish to.",
     "prefix_cache_ids": "gezel: shared prefix entries, most specific first.",
+    "cache_salt": "vLLM: the prompt cache reuses only what requests of the same salt "
+    "(and the same API key) left.",
     "stable_prefix_chars": "gezel: characters of the system message that siblings share.",
     "priority": "gezel: interactive (default) or background; background requests "
     "are parked while interactive ones run.",
@@ -162,6 +164,8 @@ def _constrain(prop: dict[str, Any], field: attrs.Attribute[Any]) -> None:
         target["maxItems"] = MAX_MESSAGES
     if field.name in _CACHE_ID_FIELDS:
         target.update(_CACHE_ID)
+    if field.name == "cache_salt":
+        target.update({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS})
     if field.name == "prefix_cache_ids":
         target["items"] = dict(_CACHE_ID)
         target["maxItems"] = openai_wire.MAX_PREFIX_IDS

@@ -107,7 +107,7 @@ class OriginPolicy:
     def of(
         cls,
         bind_host: str,
-        api_key: str | None,
+        keyed: bool,
         allowed_hosts: Iterable[str],
         allowed_origins: Iterable[str],
     ) -> OriginPolicy:
@@ -115,7 +115,7 @@ class OriginPolicy:
         origins = tuple(allowed_origins)
         return cls(
             loopback_bound=loopback,
-            open_bind=not loopback and api_key is None,
+            open_bind=not loopback and not keyed,
             allowed_hosts=frozenset(host_name(h.strip()) for h in allowed_hosts),
             allowed_origins=frozenset(o for o in map(_origin, origins) if o is not None),
             any_origin="*" in origins,

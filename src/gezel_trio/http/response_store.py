@@ -63,13 +63,15 @@ class StoredResponse:
     ``messages`` the conversation through it in chat-template form (without
     its ``instructions``, which a continuation does not inherit); ``root``
     the first response of its chain (it names the chain's prompt-cache
-    entry)."""
+    entry); ``owner`` the tenant that made it (``http.tenancy``: ``""``
+    on a server without keys), kept in its file."""
 
     id: str
     body: dict[str, Any]
     messages: list[dict[str, Any]]
     root: str
     size: int = 0
+    owner: str = ""
 
     def to_json(self) -> bytes:
         data = {
@@ -79,6 +81,8 @@ class StoredResponse:
             "messages": self.messages,
             "root": self.root,
         }
+        if self.owner:  # a record of a server without keys is written as before
+            data["owner"] = self.owner
         return dump_json(data, compact=True).encode()
 
     @classmethod
@@ -96,7 +100,10 @@ class StoredResponse:
             raise ValueError("id, root or body malformed")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages malformed")
-        rec = cls(rid, body, messages, root)
+        owner = data.get("owner", "")
+        if not isinstance(owner, str):
+            raise ValueError("owner malformed")
+        rec = cls(rid, body, messages, root, owner=owner)
         rec.size = len(raw)
         return rec
 
@@ -151,10 +158,13 @@ class ResponseStore:
     def total_bytes(self) -> int:
         return self._bytes
 
-    def get(self, rid: str) -> StoredResponse | None:
+    def get(self, rid: str, owner: str | None = None) -> StoredResponse | None:
+        """The record ``rid``; with ``owner``, only if that tenant made it
+        (another's is ``None``, as an unknown id, and is not touched)."""
         rec = self._records.get(rid)
-        if rec is not None:
-            self._records.move_to_end(rid)
+        if rec is None or (owner is not None and rec.owner != owner):
+            return None
+        self._records.move_to_end(rid)
         return rec
 
     def put(self, rec: StoredResponse) -> None:

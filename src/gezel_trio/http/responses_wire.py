@@ -25,6 +25,7 @@ from .checks import (
     SEED_MIN,
     TOOL_NAME,
     check_cache_id,
+    check_cache_salt,
     check_custom_grammar,
     check_metadata,
     check_parameters,
@@ -395,6 +396,8 @@ class ResponsesRequest:
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = None
+    # vLLM's: the prompt cache reuses only what requests of the same salt left.
+    cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
     # Codex sends it (who is calling); recorded nowhere.
