@@ -35,6 +35,7 @@ from .core.errors import (
     InvalidRequest,
     ModelLoadError,
     QueueFull,
+    QueueTimeout,
     RequestFailed,
     SlowConsumer,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "Priority",
     "Progress",
     "QueueFull",
+    "QueueTimeout",
     "Queued",
     "ReasoningDelta",
     "RequestFailed",

@@ -197,6 +197,19 @@ class EngineConfig:
         help="a parked background wave resumes (taking turns) after this many seconds",
         validator=attrs.validators.gt(0),
     )
+    # A queued background request is admitted only while no interactive
+    # work runs or waits, so steady interactive traffic could hold it, and
+    # its --max-queue slot, for ever: past this it fails (503, Retry-After).
+    # Interactive requests need no bound: they wait only for the
+    # interactive work ahead of them, and their client can leave.
+    background_queue_timeout: float | None = setting(
+        600.0,
+        flag="--background-queue-timeout",
+        zero_is_none=True,
+        help="a background request still queued after this many seconds fails (503 with "
+        "Retry-After) and frees its queue slot (0: never)",
+        validator=_optional_positive,
+    )
     shutdown_timeout: float = setting(
         30.0,
         flag="--shutdown-timeout",

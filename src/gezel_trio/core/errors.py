@@ -17,6 +17,7 @@ __all__ = [
     "InvalidRequest",
     "ModelLoadError",
     "QueueFull",
+    "QueueTimeout",
     "RequestFailed",
     "SlowConsumer",
     "clipped",
@@ -87,6 +88,17 @@ class QueueFull(GezelError):
     error_type = "rate_limit_error"
     code = "queue_full"
     retry_after = 1
+
+
+class QueueTimeout(GezelError):
+    """The request waited in the admission queue longer than its bound
+    (``EngineConfig.background_queue_timeout``) and was dropped from it;
+    retry after ``retry_after`` s."""
+
+    status = 503
+    error_type = "server_error"
+    code = "queue_timeout"
+    retry_after = 30
 
 
 class EngineClosed(GezelError):

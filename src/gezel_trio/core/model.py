@@ -16,7 +16,7 @@ class ModelInfo:
     # False when some cache layer may be unable to rewind (linear attention,
     # sliding windows): the engine then plants prompt snapshots.
     trimmable: bool
-    # Identifies the model for on-disk cache files (persist.fingerprint_model_dir).
+    # Identifies the model for on-disk cache files (mlx.fingerprint).
     fingerprint: str = ""
     # Whether sequences may join a batch that is already decoding.
     continuous_batching: bool = True

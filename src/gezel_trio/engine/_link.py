@@ -30,6 +30,7 @@ from ..core.errors import (
     EngineClosed,
     EngineFailure,
     GezelError,
+    QueueTimeout,
     RequestFailed,
     SlowConsumer,
 )
@@ -542,6 +543,7 @@ class HostLink:
                 call.result = result
                 call.done.set()
         self._check_stalls(now)
+        self._expire_queued(now)
         for rid, reused, source in report.seeded:
             live = self._live.get(rid)
             if live is not None and live.index == 0:  # once per request, not per member
@@ -598,6 +600,27 @@ class HostLink:
                 )
                 self.metrics.requests.labels("failed", SlowConsumer.code).inc()
                 self.withdraw(rid)
+
+    def _expire_queued(self, now: float) -> None:
+        """Fail the background requests queued for longer than
+        ``background_queue_timeout`` (``EngineConfig``), freeing their slots."""
+        limit = self.config.background_queue_timeout
+        if limit is None:
+            return
+        for rid in self._scheduler.queued:
+            live = self._live.get(rid)
+            if live is None or live.request.priority != "background":
+                continue
+            if now - live.submitted_at < limit:
+                continue
+            self._scheduler.withdraw(rid)
+            log.warning("request %d: queued %.0f s behind interactive work; dropped", rid, limit)
+            error = QueueTimeout(
+                f"the request waited {limit:g} s in the queue behind interactive work "
+                "without starting; retry later"
+            )
+            self.metrics.requests.labels("failed", error.code or "").inc()
+            self._end(rid, Failed(error))
 
     def _observe(self, rid: int, event: Event, now: float) -> None:
         """Request timings for the latency histograms."""

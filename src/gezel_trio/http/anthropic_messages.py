@@ -30,7 +30,7 @@ from typing import Any
 import trio
 from quart import Response
 
-from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull, shown
+from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull, QueueTimeout, shown
 from ..core.events import Failed, Usage
 from ..core.images import ImagePart
 from ..core.request import MessagePin, SamplingParams
@@ -109,7 +109,7 @@ def error_body(err: GezelError) -> dict[str, Any]:
 def error_response(err: GezelError) -> Response:
     """Anthropic's envelope as a response (``error_body``)."""
     resp = Response(dump_json(error_body(err)), status=err.status, mimetype="application/json")
-    if isinstance(err, QueueFull | EngineClosed):
+    if isinstance(err, QueueFull | QueueTimeout | EngineClosed):
         resp.headers["Retry-After"] = str(err.retry_after)
     return resp
 

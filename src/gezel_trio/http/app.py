@@ -177,6 +177,7 @@ def create_app(
         settings.host, bool(keys), settings.allowed_hosts, settings.allowed_origins
     )
 
+    store = responses if responses is not None else ResponseStore()
     protocols: list[ProtocolBlueprint] = [
         cache_api.blueprint(engine, stats_format=settings.cache_stats_format),
         openai_chat.blueprint(
@@ -185,7 +186,7 @@ def create_app(
             reasoning_format=settings.reasoning_format,
         ),
         openai_completions.blueprint(engine),
-        openai_responses.blueprint(engine, responses if responses is not None else ResponseStore()),
+        openai_responses.blueprint(engine, store),
         anthropic_messages.blueprint(engine),
     ]
     refuse_openai = refusal(engine, error_response)
@@ -278,17 +279,25 @@ def create_app(
     async def health() -> Response:
         h = engine.health()
         state = engine.state()
+        status, reasons = h.status, list(h.reasons)
+        if store.problem is not None and status in ("ok", "degraded"):
+            # Serving still: only the stored responses' files are missing.
+            status = "degraded"
+            reasons.append(
+                f"stored responses not persisted: {store.problem} "
+                f"({store.failed_writes} failed writes)"
+            )
         body = {
-            "status": h.status,
-            "reasons": list(h.reasons),
+            "status": status,
+            "reasons": reasons,
             "model": engine.info.model_id,
             "queued": len(state.queued),
             "running": len(state.running),
             "live": state.live,
             "step": state.step,
         }
-        status = 503 if h.status in ("failed", "shutting_down") else 200
-        return Response(dump_json(body), status=status, mimetype="application/json")
+        code = 503 if status in ("failed", "shutting_down") else 200
+        return Response(dump_json(body), status=code, mimetype="application/json")
 
     @app.route("/metrics")
     async def metrics() -> Response:

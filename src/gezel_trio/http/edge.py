@@ -9,7 +9,7 @@ from typing import Any, TypeVar, cast
 import trio
 from quart import Blueprint, Response, current_app, request
 
-from ..core.errors import EngineClosed, GezelError, QueueFull
+from ..core.errors import EngineClosed, GezelError, QueueFull, QueueTimeout
 from ..engine import Engine
 from .sse import error_body
 from .strict import dump_json, parse_json
@@ -77,7 +77,7 @@ Envelope = Callable[[GezelError], Response]
 def error_response(err: GezelError) -> Response:
     """The OpenAI envelope: ``{"error": {"message", "type", "code", "param"}}``."""
     resp = Response(dump_json(error_body(err)), status=err.status, mimetype="application/json")
-    if isinstance(err, QueueFull | EngineClosed):
+    if isinstance(err, QueueFull | QueueTimeout | EngineClosed):
         resp.headers["Retry-After"] = str(err.retry_after)
     return resp
 

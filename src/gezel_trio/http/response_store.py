@@ -24,8 +24,12 @@ read back, so after a restart ``GET`` and ``previous_response_id`` still
 find them. Only the holder of the directory's lock (``persist.DirLock``)
 removes temp files of dead writers and records beyond the budget, so a
 restart overlapping the old process's final flush loses none of it. A file
-that does not parse, or holds fields of the wrong shapes, is removed; a failed write is logged
-once per cause and costs the record its persistence, never the request.
+that does not parse, or holds fields of the wrong shapes, is removed. A
+failed write or delete (a full disk, a read-only or vanished directory, any
+error of the writer) costs the record its persistence, never the request:
+it is logged once per kind of failure until a write works again, counted
+(``failed_writes``), and named in ``/health`` (``problem``: the server is
+"degraded" until a write works again).
 """
 
 from __future__ import annotations
@@ -125,7 +129,12 @@ class ResponseStore:
         # Disk work not yet done: record id -> its bytes, or None to delete.
         self._pending: dict[str, bytes | None] = {}
         self._wake = trio.Event()
+        # Why stored responses are not persisted now (``None``: they are),
+        # how many writes and deletes failed in all, and the kinds of
+        # failure warned of since the last write that worked.
         self.problem: str | None = None
+        self.failed_writes = 0
+        self._warned: set[str] = set()
         self._lock = DirLock(self.directory) if self.directory is not None else None
 
     # --- the task -----------------------------------------------------------
@@ -277,13 +286,24 @@ class ResponseStore:
                     path.unlink(missing_ok=True)
                 else:
                     self._write(path, raw)
-            except OSError as exc:
-                cause = f"{type(exc).__name__}: {exc.strerror or exc}"
-                if cause != self.problem:
-                    log.warning("stored responses are not persisted: %s", cause)
-                self.problem = cause
+            except Exception as exc:  # any writer error: this thread must not die of it
+                self._failed(exc)
                 continue
-            self.problem = None
+            if raw is not None and self.problem is not None:
+                log.warning("stored responses are persisted again (after: %s)", self.problem)
+                self.problem = None
+                self._warned.clear()
+
+    def _failed(self, exc: Exception) -> None:
+        """A failed write or delete: counted, shown in ``/health``, and
+        warned of once per kind until a write works again."""
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        cause = f"{type(exc).__name__}: {detail}"
+        self.failed_writes += 1
+        self.problem = cause
+        if cause not in self._warned:
+            self._warned.add(cause)
+            log.warning("stored responses are not persisted: %s", cause)
 
     def _write(self, path: Path, raw: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from typing import Any, Final, Literal, cast
 
 import attrs
 import mlx.core as mx
-from mlx.utils import tree_map, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -52,7 +52,8 @@ from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
-from .loading import fingerprint_model_dir, load_model
+from .fingerprint import DIGESTS_DIR, model_fingerprint
+from .loading import LoadedModel, load_model
 from .memory import (
     apply_buffer_cache_limit,
     apply_wired_limit,
@@ -104,6 +105,30 @@ def _copy_layer(layer: Any) -> Any:
 
 def _untrimmed(text: str) -> str:
     return text
+
+
+def _fingerprint(config: EngineConfig, loaded: LoadedModel) -> str:
+    """The model's fingerprint (``fingerprint``): the weights' bytes are read
+    for it only with a persist directory, where their digests are kept."""
+    digests = config.persist_dir / DIGESTS_DIR if config.persist_dir is not None else None
+    return model_fingerprint(loaded.path, held=loaded.held, digests=digests)
+
+
+def _layer_signature(layer: Any) -> tuple[Any, ...]:
+    """The shapes and dtypes of one cache layer's arrays, the sequence axis
+    of a KV layer's ``(batch, heads, tokens, head dim)`` arrays left out:
+    what a stored state must share with this model's to seed it."""
+    grows = not isinstance(layer, ArraysCache)
+    out: list[Any] = []
+    for _, a in tree_flatten(layer.state):
+        if not isinstance(a, mx.array):
+            out.append(None)
+            continue
+        shape: list[int | None] = list(a.shape)
+        if grows and a.ndim == 4:
+            shape[2] = None
+        out.append((tuple(shape), str(a.dtype).removeprefix("mlx.core.")))
+    return tuple(out)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -439,7 +464,7 @@ class MlxBackend:
             eos_ids=frozenset(eos),
             framing_markers=tuple(dict.fromkeys((*special, *COMMON_FRAMING_MARKERS))),
             trimmable=trimmable,
-            fingerprint=config.model_fingerprint or fingerprint_model_dir(model_dir),
+            fingerprint=config.model_fingerprint or _fingerprint(config, loaded),
             think_ids=_think_ids(tokenizer),
             think_markers=(
                 (tokenizer.think_start, tokenizer.think_end)
@@ -498,6 +523,9 @@ class MlxBackend:
         # prefill counted before the generator took over.
         self._keys: dict[int, tuple[int, ...]] = {}
         self._offset: dict[int, int] = {}
+        # What a stored state's layers must look like (``_signature``):
+        # False until first asked for.
+        self._layer_signatures: list[tuple[Any, ...]] | Literal[False] | None = False
 
     def _new_generator(self) -> BatchGenerator:
         n = self._config.max_concurrency
@@ -823,7 +851,39 @@ class MlxBackend:
         ref = make_prompt_cache(self._model)
         if [type(c) for c in layers] != [type(c) for c in ref]:
             raise ValueError("cache layers do not match this model's layout")
+        self._check_shapes(layers)
         return layers, dict(metadata)
+
+    def _check_shapes(self, layers: list[Any]) -> None:
+        """Raise ``ValueError`` naming the first layer whose arrays' shapes or
+        dtypes are not the ones this model's cache holds: a stored state of
+        another model (or one held in another dtype) would fail its lane, or
+        worse, seed it with nonsense."""
+        expected = self._signature()
+        if expected is None:
+            return
+        for i, (layer, want) in enumerate(zip(layers, expected, strict=True)):
+            got = _layer_signature(layer)
+            if got != want:
+                raise ValueError(f"layer {i} holds {got}, this model's cache {want}")
+
+    def _signature(self) -> list[tuple[Any, ...]] | None:
+        """The signature of every layer of this model's cache, from a
+        one-token forward pass made the first time it is asked for (a few
+        milliseconds on the tiny models, one decode step on any); ``None``
+        (warned once) where that pass fails: states are then checked by
+        layer type only."""
+        if self._layer_signatures is False:
+            try:
+                with mx.stream(self._stream):
+                    ref = make_prompt_cache(self._model)
+                    self._model(mx.array([[0]]), cache=ref)
+                    mx.eval([c.state for c in ref])
+                self._layer_signatures = [_layer_signature(c) for c in ref]
+            except Exception as exc:  # a model whose bare forward pass fails
+                log.warning("stored cache states are checked by layer type only: %s", exc)
+                self._layer_signatures = None
+        return self._layer_signatures
 
     def _step_images(
         self, lane_name: Priority

@@ -28,7 +28,6 @@ memory like any weight, with a warning.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -47,7 +46,7 @@ from .model_source import per_layer_embedding_table, resolve_model
 from .ple import MappedEmbedding, UnmappableTable, map_table
 from .vision import is_vision_model, load_vision
 
-__all__ = ["LoadedModel", "fingerprint_model_dir", "hold_float32", "load_model"]
+__all__ = ["LoadedModel", "hold_float32", "load_model"]
 
 log = logging.getLogger("gezel_trio.mlx")
 
@@ -63,6 +62,9 @@ class LoadedModel:
     # A vision-language model (``vision.VisionModel``): ``model`` is then its
     # language model, as mlx-lm's class.
     vision: Any = None
+    # The format the weights are held in, as loaded and adapted ("float32",
+    # "4-bit/float16"): part of the model fingerprint, since the KV differs.
+    held: str = ""
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -76,11 +78,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
         # text, on mlx-lm's class, which drops the towers' weights.
         log.info("%s: %s; serving it as a text model (images are refused)", path.name, ple)
     elif is_vision_model(path):
-        vision, tokenizer, weights = load_vision(
-            path, lambda vlm: _adapt_weights(vlm, keep=config.keep_quantized)
-        )
+        held: list[str] = []
+
+        def adapt(vlm: Any) -> str:
+            weights = _adapt_weights(vlm, keep=config.keep_quantized)
+            held.append(_stored_format(vlm))
+            return weights
+
+        vision, tokenizer, weights = load_vision(path, adapt)
         log.info("vision model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
-        return LoadedModel(vision.text, tokenizer, path, weights, vision)
+        return LoadedModel(vision.text, tokenizer, path, weights, vision, held=held[-1])
     mapped = config.map_per_layer_embeddings and ple is not None
     try:
         # A local directory, and the tokenizer told to stay local: nothing
@@ -93,7 +100,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         _map_table(model, path)
     weights = _adapt_weights(model, keep=config.keep_quantized)
     log.info("model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
-    return LoadedModel(model, tokenizer, path, weights)
+    return LoadedModel(model, tokenizer, path, weights, held=_stored_format(model))
 
 
 def _map_table(model: Any, path: Path) -> None:
@@ -197,18 +204,3 @@ def _as_float32(m: Any) -> Any:
             out.bias = m.bias.astype(mx.float32)
     out.weight = w
     return out
-
-
-def fingerprint_model_dir(model_dir: Path) -> str:
-    """A short, stable id for a model: its config, tokenizer and the names and
-    sizes of its weight files (hashing gigabytes of weights at every start
-    would cost more than it protects)."""
-    h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        p = model_dir / name
-        if p.is_file():
-            h.update(name.encode())
-            h.update(p.read_bytes())
-    for p in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{p.name}:{p.stat().st_size}".encode())
-    return h.hexdigest()[:16]
