@@ -10,10 +10,12 @@ host exchange, so no test waits for a figure by time.
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from gezel_trio.host import loop
 from gezel_trio.testing import ScriptedBackend, TestEngine, open_test_engine
 from tests.support.scenarios import drain, req
 
@@ -26,7 +28,12 @@ def _gauges(t: TestEngine) -> dict[str, float]:
     return out
 
 
-def test_the_buffer_cache_shows_and_is_given_back_when_the_engine_goes_idle() -> None:
+def test_the_buffer_cache_shows_and_is_given_back_when_the_engine_goes_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trims: list[None] = []
+    monkeypatch.setattr(loop, "_malloc_trim", lambda: trims.append(None))
+
     async def scenario() -> None:
         backend = ScriptedBackend(buffer_growth=4096)
         async with open_test_engine(backend) as t:
@@ -55,5 +62,6 @@ def test_the_buffer_cache_shows_and_is_given_back_when_the_engine_goes_idle() ->
             await t.engine.wait_until(lambda _: _gauges(t)["gezel_mlx_cache_memory_bytes"] == 0)
             assert backend.steps - steps >= 20
             assert backend.reclaims == 2
+            assert len(trims) == 2, "glibc's free pages go back with the buffer cache"
 
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))

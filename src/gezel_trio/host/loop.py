@@ -31,6 +31,7 @@ entries to disk within ``shutdown_timeout`` and closes the backend before
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -425,6 +426,7 @@ class _Host:
             return False
         self._untrimmed = False
         self.backend.reclaim()
+        _malloc_trim()
         return True
 
     def _capture(self, rid: int, done: int) -> None:
@@ -579,6 +581,27 @@ BUSY_LOOK_EVERY = 0.25
 # How long an idle host waits for a write behind in flight before it looks
 # for work again: the delay a request arriving meanwhile may see.
 BEHIND_POLL = 0.005
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)
+        trim: Callable[[int], int] = libc.malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _malloc_trim() -> None:
+    """Give glibc's free heap pages back to the system (every arena). The
+    host thread's arrays are malloc'ed on the CPU; freed, they stayed
+    resident in glibc's arenas: RSS rose 434 -> 534 MiB over a 5-minute
+    soak with 60-180 MB of live MLX memory. Elsewhere (macOS) nothing to do."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
