@@ -92,6 +92,7 @@ async def test_metrics_show_every_kind_of_memory(dense_model: Path) -> None:
             assert before["gezel_bookkeeping:stored_response_bytes"] == 0
             assert "gezel_bookkeeping:template_probe_entries" in before
             assert "gezel_bookkeeping:schema_check_chars" in before
+            assert before["gezel_bookkeeping:seeded_prefix_ids"] == 0
             r = await client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 8})
             assert r.status_code == 200, r.text
             # The engine goes idle after the turn and gives the buffer cache

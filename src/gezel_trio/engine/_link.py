@@ -426,7 +426,9 @@ class HostLink:
     def _bookkeeping(self) -> dict[str, int]:
         renderer = self.loaded.renderer if self.loaded is not None else None
         sizes = getattr(renderer, "bookkeeping", None)
-        return dict(sizes()) if sizes is not None else {}
+        out = dict(sizes()) if sizes is not None else {}
+        out["seeded_prefix_ids"] = self.cache.totals.seeded_prefixes
+        return out
 
     def _snapshot(self) -> Snapshot:
         totals = self.cache.totals
