@@ -38,11 +38,14 @@ def _limits(
 
 
 def test_quarter_caps_the_buffer_cache_at_a_quarter_of_the_ceiling_and_wires_the_plan() -> None:
-    assert _limits("quarter") == MemoryLimits(None, None, None)
+    # Without a ceiling the buffer cache is never unbounded: the seed's cap
+    # (1 GB; a sixteenth of Metal's working set within 256 MB-4 GB).
+    assert _limits("quarter") == MemoryLimits(None, None, 1 * GB)
     assert _limits("quarter", 8192) == MemoryLimits(8192 * MIB, None, 2048 * MIB)
     assert _limits("quarter", 8192, 4096) == MemoryLimits(8192 * MIB, 4096 * MIB, 2048 * MIB)
-    # Metal's recommended working set is not this policy's business.
-    assert _limits("quarter", recommended=96 * GB) == MemoryLimits(None, None, None)
+    # Metal's recommended working set sets no ceiling and wires nothing here.
+    assert _limits("quarter", recommended=96 * GB) == MemoryLimits(None, None, 4 * GB)
+    assert _limits("quarter", recommended=24 * GB) == MemoryLimits(None, None, 1536 * MIB)
 
 
 @pytest.mark.parametrize(

@@ -24,11 +24,24 @@ __all__ = [
     "ConstraintCompiler",
     "Detokenizer",
     "ImagePreparer",
+    "MemoryFigures",
     "PrefillOut",
     "PromptRenderer",
     "StepOutput",
     "TokenOut",
 ]
+
+
+@attrs.frozen
+class MemoryFigures:
+    """A backend's memory, in bytes, read on the host thread: live, the peak
+    of live since the start, the buffer cache (freed buffers kept for
+    reuse) and its cap (0: unknown)."""
+
+    active: int = 0
+    peak: int = 0
+    cache: int = 0
+    cache_limit: int = 0
 
 
 class Detokenizer(Protocol):
@@ -249,6 +262,10 @@ class Backend(Protocol):
 
     def reclaim(self) -> None:
         """Return cached buffers to the system (between turns, under pressure)."""
+        ...
+
+    def memory_figures(self) -> MemoryFigures:
+        """The figures ``/metrics`` shows (called once per step)."""
         ...
 
     def reset(self, lane: Priority) -> None:

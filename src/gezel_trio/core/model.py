@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["ModelInfo"]
+__all__ = ["KvFootprint", "ModelInfo"]
+
+
+@attrs.frozen
+class KvFootprint:
+    """What one sequence's KV cache takes, in bytes, as a function of its
+    length: ``per_token`` for the layers that keep every token, each
+    ``windowed`` ``(window, per_token)`` pair for layers that keep at most
+    ``window`` tokens (sliding windows, rotating caches), and ``fixed`` for
+    state whose size does not grow (linear attention, recurrent layers)."""
+
+    per_token: int
+    windowed: tuple[tuple[int, int], ...] = ()
+    fixed: int = 0
+
+    def bytes_for(self, tokens: int) -> int:
+        held = sum(per * min(tokens, window) for window, per in self.windowed)
+        return self.per_token * tokens + held + self.fixed
 
 
 @attrs.frozen
@@ -30,3 +47,8 @@ class ModelInfo:
     vocab_size: int = 0
     # Whether the model takes images (a vision-language model).
     vision: bool = False
+    # What a sequence's KV takes (``None``: unknown, nothing is estimated),
+    # and the bytes the memory limit (or the machine) leaves for the KV of
+    # running sequences once the weights are loaded (0: unknown).
+    kv: KvFootprint | None = None
+    kv_room: int = 0

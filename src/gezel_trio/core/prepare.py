@@ -170,16 +170,22 @@ def bound_max_tokens(
     info: ModelInfo, config: EngineConfig, prompt_len: int, requested: int | None
 ) -> int:
     """The ``max_tokens`` a request may have: at most what the context
-    window leaves (``None``: that, up to the configured default; more:
-    that, unless ``config.strict_max_tokens``). Raises ``InvalidRequest``
-    when the prompt leaves no room, or when strict and it does not fit."""
+    window and the KV room (``ModelInfo.kv_room``) leave (``None``: that,
+    up to the configured default; more: that, unless
+    ``config.strict_max_tokens``). Raises ``InvalidRequest`` when the prompt
+    leaves no room, or when strict and it does not fit."""
     if requested is None:
-        return min(_room(info, prompt_len), config.default_max_tokens)
-    if config.strict_max_tokens:
+        room = min(_room(info, prompt_len), config.default_max_tokens)
+    elif config.strict_max_tokens:
         _check_fits(info, prompt_len, requested)
+        _check_kv_fits(info, prompt_len, requested)
         return requested
-    # The answer then ends with finish "length" at the context's end.
-    return min(requested, _room(info, prompt_len))
+    else:
+        # The answer then ends with finish "length" at the context's end.
+        room = min(requested, _room(info, prompt_len))
+    # The same for the KV the memory limit leaves room for (at least one
+    # token: a prompt that alone does not fit is refused by name).
+    return max(1, _kv_tokens_left(info, prompt_len, room))
 
 
 def _room(info: ModelInfo, prompt_len: int) -> int:
@@ -202,6 +208,48 @@ def _check_fits(info: ModelInfo, prompt_len: int, max_tokens: int) -> None:
             f"the context window of {info.context_length}",
             param="max_tokens",
         )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _kv_tokens_left(info: ModelInfo, prompt_len: int, most: int) -> int:
+    """The most tokens (up to ``most``) a sequence may generate after a
+    ``prompt_len`` prompt within the KV room."""
+    kv = info.kv
+    if kv is None or info.kv_room <= 0 or kv.bytes_for(prompt_len + most) <= info.kv_room:
+        return most
+    lo, hi = 0, most  # bytes_for grows with the length: the last that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if kv.bytes_for(prompt_len + mid) <= info.kv_room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _check_kv_fits(info: ModelInfo, prompt_len: int, max_tokens: int) -> None:
+    """A sequence whose KV (prompt plus ``max_tokens``) would not fit in
+    what the memory limit leaves even with nothing else running is refused
+    now: admitted, its step would fail every sequence of its lane."""
+    if info.kv is None or info.kv_room <= 0:
+        return
+    tokens = prompt_len + max_tokens
+    need = info.kv.bytes_for(tokens)
+    if need <= info.kv_room:
+        return
+    alone = info.kv.bytes_for(prompt_len + 1) > info.kv_room
+    raise InvalidRequest(
+        f"needs {_size(need)} of KV for {tokens:,} tokens (the prompt's {prompt_len:,} plus "
+        f"max_tokens={max_tokens:,}); the memory limit leaves {_size(info.kv_room)} for KV "
+        "after the weights",
+        param="messages" if alone else "max_tokens",
+    )
 
 
 def prepare(
@@ -288,6 +336,7 @@ def check_request(
     # A request as the engine runs it must fit, whatever the setting: the
     # cut to fit is made before (``bound_max_tokens``).
     _check_fits(info, len(request.prompt), request.max_tokens)
+    _check_kv_fits(info, len(request.prompt), request.max_tokens)
     _check_prompt(request, info, image_token)
     _check_sampling(request.sampling, info.vocab_size)
     if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -27,11 +27,22 @@ Policy:
 * ``continuous`` admission lets a queued request join a running batch with
   free slots; without it a lane runs static waves and admission waits for it
   to drain.
+* KV-aware admission: given ``kv_bytes`` (a sequence's KV bytes for a
+  length) and ``kv_room``, a request is admitted only while the KV of every
+  running sequence, its own and what the prompt cache holds
+  (``plan(kv_held=...)``) fit in the room. A lane's generator pads its
+  sequences to the longest, so a lane costs its count times the KV of its
+  longest ``prompt + max_tokens``. One that does not fit now waits at the
+  head of its queue (those behind it wait too: it is never starved) until
+  running sequences end; into an engine with nothing running it is
+  admitted whatever the cache holds (it fits alone: the caller refused
+  what never can).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Literal
 
 import attrs
@@ -73,6 +84,11 @@ class Scheduler:
     # The wave parked longer than ``max_park``: lanes alternate until it drains.
     _starved: bool = False
     _last_lane: Priority | None = None
+    # KV-aware admission (see the policy): bytes for a sequence of a length,
+    # the room for all of them, and each request's length (prompt + max_tokens).
+    kv_bytes: Callable[[int], int] | None = None
+    kv_room: int = 0
+    _lengths: dict[int, int] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if self.max_running < 1:
@@ -108,9 +124,13 @@ class Scheduler:
         if len(self.queued) + count > self.max_queue + self._free_slots():
             raise QueueFull(f"the admission queue is full ({self.max_queue} waiting); retry later")
 
-    def enqueue(self, rid: int, priority: Priority) -> None:
+    def enqueue(self, rid: int, priority: Priority, length: int = 0) -> None:
+        """Queue ``rid``; ``length`` (its prompt plus ``max_tokens``) is what
+        KV-aware admission weighs."""
         self.check_room()
         self._queues[priority].append(rid)
+        if length:
+            self._lengths[rid] = length
 
     def withdraw(self, rid: int) -> Where:
         """The caller left. A queued request is dropped now; a running one is
@@ -118,6 +138,7 @@ class Scheduler:
         for q in self._queues.values():
             if rid in q:
                 q.remove(rid)
+                self._lengths.pop(rid, None)
                 return "queued"
         if rid in self._running:
             if rid not in self._to_remove:
@@ -128,6 +149,7 @@ class Scheduler:
     def finished(self, rid: int) -> None:
         """The backend ended the sequence by itself (stop, length, failure)."""
         self._running.pop(rid, None)
+        self._lengths.pop(rid, None)
         if rid in self._to_remove:
             self._to_remove.remove(rid)
 
@@ -137,6 +159,8 @@ class Scheduler:
         queued = self.queued
         for q in self._queues.values():
             q.clear()
+        for rid in queued:
+            self._lengths.pop(rid, None)
         running = self.running
         for rid in running:
             self.withdraw(rid)
@@ -144,12 +168,16 @@ class Scheduler:
 
     # --- the decision ------------------------------------------------------
 
-    def plan(self, *, memory_tight: bool = False, now: float | None = None) -> Plan:
+    def plan(
+        self, *, memory_tight: bool = False, now: float | None = None, kv_held: int = 0
+    ) -> Plan:
         """The next step's decisions. ``now`` (any monotonic clock) bounds how
-        long a background wave stays parked; without it, parking is unbounded."""
+        long a background wave stays parked; without it, parking is unbounded.
+        ``kv_held``: bytes the prompt cache holds, beside running sequences."""
         remove = tuple(self._to_remove)
         for rid in remove:
             del self._running[rid]
+            self._lengths.pop(rid, None)
         self._to_remove.clear()
         was_parked = set(self.parked)
 
@@ -163,9 +191,9 @@ class Scheduler:
             # it, which needs memory for a second generator.
             blocked = running["background"] > 0 and memory_tight
             if not blocked:
-                admit += self._admit("interactive", running["interactive"], memory_tight)
+                admit += self._admit("interactive", running["interactive"], memory_tight, kv_held)
         elif not wants_interactive and self._queues["background"]:
-            admit += self._admit("background", running["background"], memory_tight)
+            admit += self._admit("background", running["background"], memory_tight, kv_held)
 
         has_interactive = any(c == "interactive" for c in self._running.values())
         has_background = any(c == "background" for c in self._running.values())
@@ -196,17 +224,32 @@ class Scheduler:
         self._last_lane = lane
         return Plan(tuple(admit), remove, lane, parked, resumed)
 
-    def _admit(self, cls: Priority, running: int, memory_tight: bool) -> list[int]:
+    def _admit(self, cls: Priority, running: int, memory_tight: bool, kv_held: int) -> list[int]:
         if running and (memory_tight or not self.continuous):
             return []  # a static (or memory-collapsed) wave must drain first
         cap = 1 if memory_tight else self.max_running
         out: list[int] = []
         q = self._queues[cls]
         while q and running + len(out) < cap:
+            if self._running and not self._kv_fits(cls, q[0], kv_held):
+                break  # it waits for running sequences to end, first in line
             rid = q.popleft()
             self._running[rid] = cls
             out.append(rid)
         return out
+
+    def _kv_fits(self, cls: Priority, rid: int, held: int) -> bool:
+        """Whether ``rid`` joining lane ``cls`` keeps all KV within the room."""
+        kv = self.kv_bytes
+        if kv is None or self.kv_room <= 0:
+            return True
+        lanes: dict[Priority, list[int]] = {"interactive": [], "background": []}
+        for r, c in self._running.items():
+            lanes[c].append(self._lengths.get(r, 0))
+        lanes[cls].append(self._lengths.get(rid, 0))
+        # A lane's generator pads every sequence to its longest.
+        use = sum(len(ls) * kv(max(ls)) for ls in lanes.values() if ls)
+        return use + held <= self.kv_room
 
     def _free_slots(self) -> int:
         # Room counts the interactive lane: that is what a new arrival waits for.

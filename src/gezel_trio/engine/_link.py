@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..core.backend import ConstraintCompiler, ImagePreparer, PromptRenderer
+from ..core.backend import ConstraintCompiler, ImagePreparer, MemoryFigures, PromptRenderer
 from ..core.config import EngineConfig
 from ..core.errors import (
     EngineClosed,
@@ -41,7 +41,7 @@ from ..core.scheduler import Scheduler
 from ..host.exchange import CommandFailed, HostCommand, Orders, StepReport
 from ..host.prompt_cache import CacheSnapshot
 from ._handle import RequestHandle, Ticket
-from ._metrics import EngineMetrics, Snapshot
+from ._metrics import EngineMetrics, Snapshot, resident_bytes
 
 __all__ = [
     "WAITING_EVERY",
@@ -263,6 +263,7 @@ class HostLink:
         self._next_call = 0
         self.cache = CacheSnapshot()
         self._memory = 0
+        self._figures = MemoryFigures()
         # Consecutive failed model steps, and the last failure (time, reason).
         self._step_failures = 0
         self._last_step_failure: tuple[float, str] | None = None
@@ -273,6 +274,7 @@ class HostLink:
         self._watcher: trio.MemorySendChannel[RequestNote] | None = None
         self._waiting_every = WAITING_EVERY
         metrics.watch(self._snapshot)
+        metrics.sizes("engine", self._bookkeeping)
 
     # --- submission ----------------------------------------------------------
 
@@ -310,7 +312,9 @@ class HostLink:
                 rid = self._next_rid
                 self._next_rid += 1
                 tickets.append(Ticket())
-                self._scheduler.enqueue(rid, member.priority)
+                self._scheduler.enqueue(
+                    rid, member.priority, len(member.prompt) + member.max_tokens
+                )
                 self._live[rid] = _Live(member, send.clone(), i, tickets[-1], submitted_at=now)
                 rids.append(rid)
         self._wake.set()
@@ -420,6 +424,13 @@ class HostLink:
         limit = self.config.memory_limit_mb
         return limit is not None and self._memory > _TIGHT * limit * 1024 * 1024
 
+    def _bookkeeping(self) -> dict[str, int]:
+        renderer = self.loaded.renderer if self.loaded is not None else None
+        sizes = getattr(renderer, "bookkeeping", None)
+        out = dict(sizes()) if sizes is not None else {}
+        out["seeded_prefix_ids"] = self.cache.totals.seeded_prefixes
+        return out
+
     def _snapshot(self) -> Snapshot:
         totals = self.cache.totals
         return Snapshot(
@@ -433,6 +444,10 @@ class HostLink:
             cache_lookups=totals.lookups,
             cache_hits=totals.hits,
             memory_bytes=self._memory,
+            mlx_peak_bytes=self._figures.peak,
+            mlx_cache_bytes=self._figures.cache,
+            mlx_cache_limit_bytes=self._figures.cache_limit,
+            rss_bytes=resident_bytes(),
         )
 
     # --- ending --------------------------------------------------------------
@@ -474,6 +489,10 @@ class HostLink:
     ) -> None:
         """The model is loaded; the engine task reports ready."""
         self.loaded = Loaded(info, renderer, compiler, images)
+        if info.kv is not None and info.kv_room > 0:
+            # KV-aware admission: what each sequence's KV takes, and the room.
+            self._scheduler.kv_bytes = info.kv.bytes_for
+            self._scheduler.kv_room = info.kv_room
         self.is_loaded.set()
 
     async def wait_for_work(self) -> None:
@@ -489,7 +508,11 @@ class HostLink:
         self._wake = trio.Event()
         if report.memory is not None:
             self._memory = report.memory
-        plan = self._scheduler.plan(memory_tight=self.memory_tight, now=now)
+        if report.figures is not None:
+            self._figures = report.figures
+        plan = self._scheduler.plan(
+            memory_tight=self.memory_tight, now=now, kv_held=self.cache.totals.bytes
+        )
         for rid in plan.parked:
             self._deliver(rid, Parked())
         for rid in plan.resumed:

@@ -10,18 +10,30 @@ prefix.
 The engine records request timings in the Trio thread as it delivers
 events (``trio.current_time``, so ``MockClock`` tests see virtual time);
 gauges are read from the engine's state when ``/metrics`` is scraped.
+
+Every byte the process holds has a gauge: the prompt cache's KV
+(``gezel_cache_bytes``), MLX's live memory, its peak, its buffer cache and
+that cache's cap (read on the host thread after each step, so a scrape
+shows the last step's figures), the process's resident set, and the sizes
+of the bounded per-process caches (``gezel_bookkeeping``, one label per
+cache; the HTTP layer adds its stored responses and request checks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+import resource
+import sys
+from collections.abc import Callable, Iterator, Mapping
 
 import attrs
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["EngineMetrics", "Snapshot"]
+__all__ = ["EngineMetrics", "Snapshot", "resident_bytes"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 # Seconds; vLLM's TTFT buckets, trimmed to what a local sidecar sees.
 _LATENCY_BUCKETS = (
@@ -33,6 +45,17 @@ _TOKEN_BUCKETS = (
     0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 _RATE_BUCKETS = (10.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 50000.0)
+
+
+def resident_bytes() -> int:
+    """The process's resident set now (Linux: ``/proc/self/statm``; elsewhere
+    the peak, which is what ``getrusage`` knows)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 @attrs.frozen
@@ -49,6 +72,10 @@ class Snapshot:
     cache_blocks: int = 0
     cache_lookups: int = 0
     cache_hits: int = 0
+    mlx_peak_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    mlx_cache_limit_bytes: int = 0
+    rss_bytes: int = 0
 
 
 class _StateCollector(Collector):
@@ -69,6 +96,18 @@ class _StateCollector(Collector):
             ),
             ("gezel_cache_blocks", "Shared KV blocks in the prompt cache.", s.cache_blocks),
             ("gezel_mlx_active_memory_bytes", "Live MLX memory.", s.memory_bytes),
+            ("gezel_mlx_peak_memory_bytes", "The peak of live MLX memory.", s.mlx_peak_bytes),
+            (
+                "gezel_mlx_cache_memory_bytes",
+                "MLX's buffer cache: freed buffers kept for reuse, given back at idle.",
+                s.mlx_cache_bytes,
+            ),
+            (
+                "gezel_mlx_cache_limit_bytes",
+                "The cap on MLX's buffer cache (0: MLX's own, unknown).",
+                s.mlx_cache_limit_bytes,
+            ),
+            ("gezel_process_resident_memory_bytes", "The process's resident set.", s.rss_bytes),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("gezel_engine_steps", "Engine steps taken.", value=s.steps)
@@ -80,11 +119,28 @@ class _StateCollector(Collector):
         )
 
 
+class _SizesCollector(Collector):
+    def __init__(self) -> None:
+        self.sources: dict[str, Callable[[], Mapping[str, int]]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "gezel_bookkeeping",
+            "Sizes of the bounded per-process caches (entries, or bytes/chars as the name says).",
+            labels=["what"],
+        )
+        for read in self.sources.values():
+            for what, value in read().items():
+                family.add_metric([what], value)
+        yield family
+
+
 class EngineMetrics:
     """The metrics of one engine; ``exposition()`` is the ``/metrics`` body."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._sizes: _SizesCollector | None = None
         self.ttft = Histogram(
             "gezel_time_to_first_token_seconds",
             "Time from submission to the first generated token.",
@@ -158,6 +214,15 @@ class EngineMetrics:
             "gezel_step_failures", "Model steps that failed (their lane's sequences failed).",
             registry=r,
         )  # fmt: skip
+
+    def sizes(self, owner: str, read: Callable[[], Mapping[str, int]]) -> None:
+        """``gezel_bookkeeping`` shows ``read()``'s sizes at every scrape
+        (read on the Trio thread: they must be safe to read there); a later
+        call for the same ``owner`` replaces its source."""
+        if self._sizes is None:
+            self._sizes = _SizesCollector()
+            self.registry.register(self._sizes)
+        self._sizes.sources[owner] = read
 
     def watch(self, read: Callable[[], Snapshot]) -> None:
         """Gauges read ``read()`` at every scrape."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import attrs
 
+from ..core.backend import MemoryFigures
 from ..core.events import Event
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
@@ -123,6 +124,8 @@ class StepReport:
     step_failure: str | None = None
     persistence: str | None = None
     seeded: tuple[tuple[int, int, str], ...] = ()
+    # The backend's memory figures (for /metrics), read after the step.
+    figures: MemoryFigures | None = None
 
     @property
     def has_news(self) -> bool:

@@ -31,6 +31,7 @@ entries to disk within ``shutdown_timeout`` and closes the backend before
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -176,6 +177,8 @@ class _Host:
         # (rid, reused tokens, seed source) of each admission since the last report.
         self._seeded: list[tuple[int, int, str]] = []
         self._stepped = False
+        # A model step ran since the buffer cache was last given back.
+        self._untrimmed = False
         self._step_failure: str | None = None
         # Prefill sharing (n > 1): groups by id, and each prefiller's group.
         self._groups: dict[int, _Group] = {}
@@ -331,6 +334,7 @@ class _Host:
             self._reported_version = self.cache.version
             view = self.cache.view()
         replies, self._replies = tuple(self._replies), []
+        figures = self.backend.memory_figures()
         memory = self.backend.memory_in_use()
         if self.memory_limit and memory > 0.85 * self.memory_limit:
             self.backend.reclaim()  # under pressure: give cached buffers back now
@@ -350,6 +354,7 @@ class _Host:
             step_failure=failure,
             persistence=disk.problem if disk is not None else None,
             seeded=seeded,
+            figures=figures,
         )
 
     # --- one step -----------------------------------------------------------
@@ -361,6 +366,7 @@ class _Host:
             self._fail_lane(lane, exc)
             return self.report()
         self._stepped = True
+        self._untrimmed = True
         for rid, error in out.failed:
             if rid in self.seqs:
                 self._fail(
@@ -407,9 +413,21 @@ class _Host:
             states = self.backend.remove([rid for rid, _, _ in stopped_by_text])
             for rid, seq, reason in stopped_by_text:
                 self._finish(rid, seq, reason, states.get(rid))
-        if self._ended and not self.seqs:
-            self.backend.reclaim()  # a turn ended and nothing runs: give buffers back
         return self.report()
+
+    def trim_at_idle(self) -> bool:
+        """Nothing runs: MLX's buffer cache goes back to the system, once
+        per busy spell (never per step: reused buffers are what make a
+        busy engine's steps cheap). Called at the exchange after the last
+        sequence ended, when the step's own arrays are gone (trimmed in that
+        step, what they held came back to the cache as they were freed).
+        ``True`` if it trimmed: the figures after it are news."""
+        if not self._untrimmed or self.seqs:
+            return False
+        self._untrimmed = False
+        self.backend.reclaim()
+        _malloc_trim()
+        return True
 
     def _capture(self, rid: int, done: int) -> None:
         if self.cache.wants_capture(rid, done):
@@ -565,6 +583,27 @@ BUSY_LOOK_EVERY = 0.25
 BEHIND_POLL = 0.005
 
 
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)
+        trim: Callable[[int], int] = libc.malloc_trim  # glibc only
+    except (OSError, AttributeError):
+        return None
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _malloc_trim() -> None:
+    """Give glibc's free heap pages back to the system (every arena). The
+    host thread's arrays are malloc'ed on the CPU; freed, they stayed
+    resident in glibc's arenas: RSS rose 434 -> 534 MiB over a 5-minute
+    soak with 60-180 MB of live MLX memory. Elsewhere (macOS) nothing to do."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
     limit = config.memory_limit_mb
     return _Host(
@@ -605,10 +644,12 @@ def _drive(
                 report = host.step(orders.lane)
                 host.write_behind()
             else:
+                trimmed = host.trim_at_idle()
                 report = host.report()
                 # Only an empty report may wait: news (a request refused at
-                # insertion, a command's reply) is delivered first.
-                idle = not report.has_news
+                # insertion, a command's reply, the figures after a trim) is
+                # delivered first.
+                idle = not report.has_news and not trimmed
                 if idle and host.write_behind_on:
                     idle = host.may_sleep()
             if observed:

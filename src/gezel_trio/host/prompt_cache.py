@@ -122,6 +122,8 @@ class CacheTotals:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     evictions: int = 0
+    # The seeded prefix ids remembered (bounded: ``SEEDED_PREFIXES_KEPT``).
+    seeded_prefixes: int = 0
 
 
 @attrs.frozen
@@ -1104,6 +1106,7 @@ class PromptCache:
             prompt_tokens=c["prompt"],
             cached_tokens=c["cached"],
             evictions=c["evictions"],
+            seeded_prefixes=len(self._seeded_prefixes),
         )
         return CacheSnapshot(rows, totals)
 

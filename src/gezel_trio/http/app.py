@@ -31,7 +31,14 @@ from ..core.errors import GezelError
 from ..core.settings import MIB, setting
 from ..engine import Engine
 from ..shaping.shaper import REASONING_FORMATS, ReasoningFormat
-from . import anthropic_messages, cache_api, openai_chat, openai_completions, openai_responses
+from . import (
+    anthropic_messages,
+    cache_api,
+    checks,
+    openai_chat,
+    openai_completions,
+    openai_responses,
+)
 from .edge import (
     Forbidden,
     ForbiddenOrigin,
@@ -178,6 +185,9 @@ def create_app(
     )
 
     store = responses if responses is not None else ResponseStore()
+    engine.metrics.sizes(
+        "http", lambda: {"stored_response_bytes": store.total_bytes, **checks.bookkeeping()}
+    )
     protocols: list[ProtocolBlueprint] = [
         cache_api.blueprint(engine, stats_format=settings.cache_stats_format),
         openai_chat.blueprint(

@@ -222,6 +222,10 @@ class _ProblemMemo:
         self._problems: OrderedDict[str, str | None] = OrderedDict()
         self._lock = threading.Lock()  # parsing may run on worker threads
 
+    @property
+    def chars(self) -> int:
+        return self._chars
+
     def get(self, canonical: str) -> str | None:
         with self._lock:
             if canonical in self._problems:
@@ -280,6 +284,15 @@ def check_template(template: str | None) -> None:
         raise InvalidRequest(
             f"chat_template_override does not compile: {problem}", param="chat_template_override"
         )
+
+
+def bookkeeping() -> dict[str, int]:
+    """The sizes of the request checks' per-process caches, for ``/metrics``."""
+    return {
+        "schema_check_chars": _SCHEMA_PROBLEMS.chars,
+        "grammar_check_chars": _GRAMMAR_PROBLEMS.chars,
+        "template_check_entries": _template_problem.cache_info().currsize,
+    }
 
 
 @lru_cache(maxsize=32)

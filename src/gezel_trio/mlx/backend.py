@@ -39,7 +39,15 @@ from mlx_lm.sample_utils import (
     make_repetition_penalty,
 )
 
-from ..core.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
+from ..core.backend import (
+    Admission,
+    Captured,
+    Detokenizer,
+    MemoryFigures,
+    PrefillOut,
+    StepOutput,
+    TokenOut,
+)
 from ..core.config import EngineConfig
 from ..core.constraint import Constraint
 from ..core.errors import InvalidRequest
@@ -57,9 +65,13 @@ from .loading import LoadedModel, load_model
 from .memory import (
     apply_buffer_cache_limit,
     apply_wired_limit,
+    kv_footprint,
+    kv_room,
     log_limits,
+    memory_figures,
     memory_limits,
     recommended_working_set,
+    weight_bytes,
 )
 from .model_source import resolve_model
 from .vision import VisionModel, VisionPrefill, fresh_cache
@@ -431,7 +443,7 @@ class MlxBackend:
         self._stream = mx.new_stream(mx.default_device())
         # The buffer cache and wired limits of the configured policy (mlx.memory).
         self._memory_limits = memory_limits(config, recommended_working_set())
-        apply_buffer_cache_limit(self._memory_limits)
+        self._cache_limit = apply_buffer_cache_limit(self._memory_limits)
         apply_wired_limit(self._memory_limits)
         log_limits(config, self._memory_limits)
         model_cfg = _read_json(model_dir / "config.json")
@@ -457,6 +469,21 @@ class MlxBackend:
         self._blockable = [i for i, c in enumerate(layout) if type(c) is KVCache]
         self._rest = [i for i, c in enumerate(layout) if type(c) is not KVCache]
         trimmable = not self._rest
+        # KV-aware admission: each sequence's KV, and the room the memory
+        # limit (or the machine) leaves for it beside the weights.
+        weights = weight_bytes(model)
+        footprint = kv_footprint(model, self._stream)
+        room = kv_room(config, weights)
+        if footprint is not None:
+            log.info(
+                "KV: %d bytes per token (+%s windowed, %d fixed); %.0f MB of weights leave "
+                "%.0f MB for running sequences",
+                footprint.per_token,
+                list(footprint.windowed),
+                footprint.fixed,
+                weights / 2**20,
+                room / 2**20,
+            )
         self._vocab_width = int(text_cfg.get("vocab_size") or model_cfg.get("vocab_size") or 0)
         self._info = ModelInfo(
             model_id=model_dir.name,
@@ -474,6 +501,8 @@ class MlxBackend:
             tool_format=fmt.name if (fmt := resolve_format(tokenizer.chat_template)) else None,
             vocab_size=self._vocab_width or len(tokenizer.get_vocab()),
             vision=self._vision is not None,
+            kv=footprint,
+            kv_room=room,
         )
         self._renderer = ChatTemplateRenderer(
             tokenizer,
@@ -992,6 +1021,9 @@ class MlxBackend:
 
     def memory_in_use(self) -> int:
         return int(mx.get_active_memory())
+
+    def memory_figures(self) -> MemoryFigures:
+        return memory_figures(self._cache_limit)
 
     def reclaim(self) -> None:
         mx.clear_cache()

@@ -9,8 +9,11 @@ set in its constructor).
 Two policies (``EngineConfig.mlx_memory_policy``):
 
 * ``quarter`` (ours): the buffer cache at a quarter of the ceiling
-  (``memory_limit_mb``; MLX's own cap without one), so cached buffers never
-  crowd out live ones; the wired limit only where ``wired_limit_mb`` says.
+  (``memory_limit_mb``), so cached buffers never crowd out live ones;
+  without a ceiling, the seed's cap (a sixteenth of Metal's working set
+  within 256 MB-4 GB, else 1 GB; MLX's own where that is smaller: 32 MB on
+  the CPU), where MLX's own on Metal is its whole memory limit; the wired
+  limit only where ``wired_limit_mb`` says.
 * ``bounded`` (the seed sidecar's): the ceiling is the smaller of
   ``memory_limit_mb`` and Metal's recommended working set; the wired limit
   is ``wired_limit_mb`` (never above the ceiling) or, without one, the
@@ -25,20 +28,31 @@ Two policies (``EngineConfig.mlx_memory_policy``):
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any
 
 import attrs
 import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from ..core.backend import MemoryFigures
 from ..core.config import EngineConfig
+from ..core.model import KvFootprint
 from ..core.settings import MIB
 
 __all__ = [
     "MemoryLimits",
     "apply_buffer_cache_limit",
     "apply_wired_limit",
+    "kv_footprint",
+    "kv_room",
     "log_limits",
+    "machine_memory",
+    "memory_figures",
     "memory_limits",
     "recommended_working_set",
+    "weight_bytes",
 ]
 
 log = logging.getLogger("gezel_trio.mlx")
@@ -63,14 +77,22 @@ def memory_limits(config: EngineConfig, recommended: int = 0) -> MemoryLimits:
     ceiling = int(config.memory_limit_mb * MIB) if config.memory_limit_mb else None
     planned = int(config.wired_limit_mb * MIB) if config.wired_limit_mb else None
     if config.mlx_memory_policy == "quarter":
-        quarter = None if config.memory_limit_mb is None else int(config.memory_limit_mb * MIB / 4)
-        return MemoryLimits(ceiling, planned, quarter)
+        if config.memory_limit_mb is not None:
+            return MemoryLimits(ceiling, planned, int(config.memory_limit_mb * MIB / 4))
+        # Never unbounded: MLX's own cap on Metal is its whole memory limit,
+        # where freed buffers grew a second model-sized pool (see above).
+        # Without a ceiling the cap is the seed's, from Metal's working set.
+        return MemoryLimits(None, planned, _seed_cache(recommended))
     known = [b for b in (ceiling, recommended) if b]
     ceiling = min(known) if known else None
     wired = min(planned, ceiling) if planned and ceiling else planned or ceiling
     scale = wired or ceiling
-    cache = max(_CACHE_FLOOR, min(_CACHE_CEILING, scale // 16)) if scale else _CACHE_WITHOUT_CEILING
-    return MemoryLimits(ceiling, wired, cache)
+    return MemoryLimits(ceiling, wired, _seed_cache(scale))
+
+
+def _seed_cache(scale: int | None) -> int:
+    """The seed's buffer-cache cap: 1/16 of ``scale`` within 256 MB-4 GB, 1 GB without one."""
+    return max(_CACHE_FLOOR, min(_CACHE_CEILING, scale // 16)) if scale else _CACHE_WITHOUT_CEILING
 
 
 def recommended_working_set() -> int:
@@ -80,9 +102,82 @@ def recommended_working_set() -> int:
     return int(mx.device_info().get("max_recommended_working_set_size", 0) or 0)
 
 
-def apply_buffer_cache_limit(limits: MemoryLimits) -> None:
-    if limits.buffer_cache is not None:
-        mx.set_cache_limit(limits.buffer_cache)
+def apply_buffer_cache_limit(limits: MemoryLimits) -> int | None:
+    """Cap MLX's buffer cache; returns the cap in force (bytes; ``None``:
+    MLX's own, unknown). Without a ceiling the default cap never raises a
+    smaller one MLX already has (32 MB on the CPU)."""
+    if limits.buffer_cache is None:
+        return None
+    previous = int(mx.set_cache_limit(limits.buffer_cache))
+    if limits.ceiling is None and 0 < previous < limits.buffer_cache:
+        mx.set_cache_limit(previous)
+        return previous
+    return limits.buffer_cache
+
+
+def machine_memory() -> int:
+    """The memory MLX may use here, in bytes: Metal's recommended working
+    set, else the machine's physical memory (0: unknown)."""
+    recommended = recommended_working_set()
+    if recommended:
+        return recommended
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def weight_bytes(model: Any) -> int:
+    return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+
+
+def kv_room(config: EngineConfig, weights: int) -> int:
+    """Bytes left for running sequences' KV: the memory limit (or the
+    machine's memory) less the weights; 0 when that leaves nothing (then
+    nothing is estimated: the limit is below the weights)."""
+    limit = int(config.memory_limit_mb * MIB) if config.memory_limit_mb else machine_memory()
+    return max(0, limit - weights)
+
+
+def kv_footprint(model: Any, stream: Any) -> KvFootprint | None:
+    """What one sequence's KV takes, measured on the model's own cache
+    objects after a one-token forward: a plain layer's bytes per token are
+    its keys' and values' bytes over the length they hold (mlx-lm allocates
+    256 at a time), a rotating layer's are bounded by its window, and any
+    other state (linear attention, convolutions) counts as fixed. ``None``
+    when the model cannot be run this way (it is then not estimated)."""
+    cache = make_prompt_cache(model)
+    try:
+        with mx.stream(stream):
+            model(mx.array([[0]]), cache=cache)
+            mx.eval([c.state for c in cache])
+    except Exception as exc:  # an architecture this probe does not fit
+        log.warning("KV per token unknown (%s: %s); no KV-aware admission", type(exc).__name__, exc)
+        return None
+    per_token, fixed = 0, 0
+    windowed: dict[int, int] = {}
+    for c in cache:
+        arrays = [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+        nbytes = sum(a.nbytes for a in arrays)
+        if isinstance(c, KVCache | RotatingKVCache) and c.keys is not None:
+            per = nbytes // max(1, int(c.keys.shape[2]))
+            if isinstance(c, RotatingKVCache):
+                windowed[c.max_size] = windowed.get(c.max_size, 0) + per
+            else:
+                per_token += per
+        else:
+            fixed += nbytes
+    return KvFootprint(per_token, tuple(sorted(windowed.items())), fixed)
+
+
+def memory_figures(cache_limit: int | None) -> MemoryFigures:
+    """MLX's memory now (host thread): live, its peak, the buffer cache."""
+    return MemoryFigures(
+        active=int(mx.get_active_memory()),
+        peak=int(mx.get_peak_memory()),
+        cache=int(mx.get_cache_memory()),
+        cache_limit=cache_limit or 0,
+    )
 
 
 def apply_wired_limit(limits: MemoryLimits) -> None:

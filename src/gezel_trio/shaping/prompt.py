@@ -303,6 +303,16 @@ class ChatTemplateRenderer:
                 param="chat_template_override",
             ) from exc
 
+    def bookkeeping(self) -> dict[str, int]:
+        """The sizes of what this renderer keeps per process: the template
+        probes' answers (entries) and the compiled request templates
+        (characters of source)."""
+        probes = len(self._needs_linkage) + len(self._bare_results) + len(self._system_in_place)
+        return {
+            "template_probe_entries": probes,
+            "compiled_template_chars": self._templates.held_bytes(),
+        }
+
     def _render(
         self,
         messages: Sequence[dict[str, Any]],

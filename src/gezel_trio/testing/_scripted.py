@@ -21,9 +21,17 @@ from typing import Any
 
 import attrs
 
-from ..core.backend import Admission, Captured, Detokenizer, PrefillOut, StepOutput, TokenOut
+from ..core.backend import (
+    Admission,
+    Captured,
+    Detokenizer,
+    MemoryFigures,
+    PrefillOut,
+    StepOutput,
+    TokenOut,
+)
 from ..core.errors import InvalidRequest
-from ..core.model import ModelInfo
+from ..core.model import KvFootprint, ModelInfo
 from ..core.request import GenerationRequest, Priority, RenderedPrompt
 
 __all__ = ["EOS", "ScriptedBackend", "ScriptedState", "StepFailure"]
@@ -141,6 +149,12 @@ class ScriptedBackend:
     in ``StepOutput.failed``, as the MLX backend's guarded samplers do).
     ``crash_at`` makes the host's own code fail after that many steps
     (``memory_in_use`` raises), as a bug outside every boundary would.
+    ``kv_per_token`` and ``kv_room`` give the model a KV footprint and a
+    room for it: a step whose lane's KV (its count of sequences times the
+    longest prompt plus ``max_tokens``, as a padded batch holds it) is over
+    the room raises ``StepFailure``, as running out of memory would. Each
+    step leaves ``buffer_growth`` bytes in a simulated buffer cache that
+    ``reclaim`` empties.
     """
 
     def __init__(
@@ -153,6 +167,9 @@ class ScriptedBackend:
         fail_at: Sequence[int] = (),
         poison: Callable[[GenerationRequest], bool] | None = None,
         crash_at: int | None = None,
+        kv_per_token: int = 0,
+        kv_room: int = 0,
+        buffer_growth: int = 0,
     ) -> None:
         self.trimmable = trimmable
         self.prefill_step = prefill_step
@@ -165,6 +182,11 @@ class ScriptedBackend:
         # What ``memory_in_use`` reports; tests set it to simulate pressure.
         self.memory_bytes = 0
         self.reclaims = 0
+        self.kv_per_token = kv_per_token
+        self.kv_room = kv_room
+        self.buffer_growth = buffer_growth
+        self.buffer_bytes = 0
+        self.peak_bytes = 0
         self._seqs: dict[int, _Seq] = {}
         self._info = ModelInfo(
             model_id="scripted",
@@ -174,6 +196,8 @@ class ScriptedBackend:
             trimmable=trimmable,
             fingerprint="scripted-" + ("trim" if trimmable else "notrim"),
             vocab_size=0x110000,  # a token is a code point
+            kv=KvFootprint(kv_per_token) if kv_per_token else None,
+            kv_room=kv_room,
         )
         self._renderer = CharRenderer()
 
@@ -244,6 +268,16 @@ class ScriptedBackend:
         self.steps += 1
         if self.steps in self.fail_at:
             raise StepFailure(f"scripted failure at step {self.steps}")
+        lengths = [
+            len(s.request.prompt) + s.request.max_tokens
+            for s in self._seqs.values()
+            if s.request.priority == lane
+        ]
+        if self.kv_per_token and lengths:
+            need = len(lengths) * max(lengths) * self.kv_per_token
+            if need > self.kv_room:
+                raise StepFailure(f"out of memory: {need} bytes of KV, room for {self.kv_room}")
+        self.buffer_bytes += self.buffer_growth
         prefill: list[PrefillOut] = []
         tokens: list[TokenOut] = []
         failed: list[tuple[int, Exception]] = []
@@ -265,6 +299,16 @@ class ScriptedBackend:
 
     def reclaim(self) -> None:
         self.reclaims += 1
+        self.buffer_bytes = 0
+
+    def memory_figures(self) -> MemoryFigures:
+        self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
+        return MemoryFigures(
+            active=self.memory_bytes,
+            peak=self.peak_bytes,
+            cache=self.buffer_bytes,
+            cache_limit=1 << 30,
+        )
 
     def reset(self, lane: Priority) -> None:
         for rid in [r for r, seq in self._seqs.items() if seq.request.priority == lane]:
