@@ -101,6 +101,9 @@ class ChatRequest:
     ``images`` fill the ``{"type": "image"}`` content parts, in order.
     ``reasoning_format`` ``none`` leaves the think block in the answer text
     as the model wrote it (``auto``: split out as reasoning).
+    ``max_tool_calls`` bounds the calls a reply carries: generation stops
+    at the end of the last one allowed (chat's ``parallel_tool_calls:
+    false`` is 1).
     """
 
     messages: Sequence[Mapping[str, Any]] = ()
@@ -134,6 +137,7 @@ class ChatRequest:
     custom_tools: Mapping[str, Mapping[str, Any] | None] = attrs.field(factory=dict)
     # ``shaping.shaper.ReasoningFormat``.
     reasoning_format: Literal["auto", "none"] = "auto"
+    max_tool_calls: int | None = None
 
     @property
     def parses_tools(self) -> bool:
