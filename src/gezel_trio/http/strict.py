@@ -127,6 +127,12 @@ def parse_json(raw: str | bytes) -> Any:
 # under a millisecond, and between pieces (a Python-level read) the Trio
 # thread can run. ``json.loads`` is one C call: 8 MB held the GIL ~150 ms.
 _PIECE = 64 * 1024
+# The C backend only: its reading is what the guards below were written
+# against (and the pure-Python one is slower than json.loads by far).
+try:
+    _YAJL: Any = ijson.get_backend("yajl2_c")
+except ImportError:  # no compiled backend on this platform: json.loads
+    _YAJL = None
 # What yajl (ijson's parser) reads otherwise than Python's json: \f and \v
 # as whitespace, a NUL after the value, a lone UTF-16 surrogate escape (made
 # "?"; any surrogate escape is looked for, pairs too), a surrogate written in
@@ -173,13 +179,13 @@ def parse_json_yielding(raw: str | bytes) -> Any:
 
     The checks for what yajl reads differently scan the body in pieces too;
     a body with any of them is parsed by ``parse_json`` in one call."""
-    if isinstance(raw, str) or raw.count(b",") < _FEW_VALUES:
+    if _YAJL is None or isinstance(raw, str) or raw.count(b",") < _FEW_VALUES:
         return parse_json(raw)
     if json.detect_encoding(raw) != "utf-8" or _differs(raw):
         return parse_json(raw)
     try:
         # To the end: what follows the value is a fault too.
-        values = list(ijson.items(_Pieces(raw), "", buf_size=_PIECE))
+        values = list(_YAJL.items(_Pieces(raw), "", buf_size=_PIECE))
     except (ijson.JSONError, ValueError, UnicodeDecodeError):
         values = []
     if len(values) != 1:
