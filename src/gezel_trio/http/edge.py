@@ -152,7 +152,14 @@ async def json_body(parse: Callable[[Any], T]) -> T:
 def _parse_body(parse: Callable[[Any], T], raw: str | bytes) -> T:
     # Parsed a piece at a time: json.loads held the GIL, and so the Trio
     # thread, ~150 ms for an 8 MB body even here.
-    return parse(parse_json_yielding(raw))
+    try:
+        return parse(parse_json_yielding(raw))
+    except GezelError as err:
+        # A refusal leaves without the frames it was raised through: they
+        # hold the parsed body (4M ids: two lists of 4M), which would
+        # otherwise be freed on the Trio thread with the error, ~50 ms.
+        err.__context__ = err.__cause__ = None
+        raise err.with_traceback(None) from None
 
 
 def _body_parsers() -> trio.CapacityLimiter:
