@@ -154,11 +154,9 @@ def _types(value: Any) -> Any:
     return type(value).__name__
 
 
-def test_the_piecewise_parse_lets_other_threads_run() -> None:
-    # While a worker thread parses 8 MB, this thread runs between its
-    # pieces: the longest wait for the GIL is a small part of the parse
-    # (json.loads in one call made it all of it: a ratio near 1).
-    body = _ids_body("prompt", 4_000_000, max_tokens=1)
+def _longest_wait(body: bytes) -> tuple[float, float]:
+    """The longest this thread waited to run while a worker thread parsed
+    ``body``, and how long the parse took."""
     done = threading.Event()
     took: list[float] = []
 
@@ -177,7 +175,18 @@ def test_the_piecewise_parse_lets_other_threads_run() -> None:
         now = time.perf_counter()
         longest, last = max(longest, now - last), now
     worker.join()
-    assert longest < took[0] / 3, f"waited {longest:.3f} s of a {took[0]:.3f} s parse"
+    return longest, took[0]
+
+
+def test_the_piecewise_parse_lets_other_threads_run() -> None:
+    # While a worker thread parses 8 MB, this thread runs between its
+    # pieces: the longest wait for the GIL is a small part of the parse
+    # (json.loads in one call made it all of it: a ratio near 1). The best
+    # of three, so that a loaded machine's own pauses do not decide it.
+    body = _ids_body("prompt", 4_000_000, max_tokens=1)
+    runs = [_longest_wait(body) for _ in range(3)]
+    longest, took = min(runs, key=lambda run: run[0] / run[1])
+    assert longest < took / 3, f"waited {longest:.3f} s of a {took:.3f} s parse"
 
 
 _LEAVES = (
