@@ -50,6 +50,7 @@ from .core.errors import EngineFailure, GezelError
 from .core.settings import setting
 from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app
+from .http.connections import bound_requests
 from .http.response_store import ResponseStore
 from .mlx import mlx_backend
 from .stdout_protocol import StdoutProtocol, StdoutSettings
@@ -262,7 +263,8 @@ async def serve(
         )
         await nursery.start(responses.run)
         app = create_app(engine, http, responses)
-        binds = await nursery.start(_serve_http, app, hc, shutdown, nursery.cancel_scope)
+        bounded = bound_requests(app, http.max_connections)
+        binds = await nursery.start(_serve_http, bounded, hc, shutdown, nursery.cancel_scope)
         stdout.say_nowait("Application startup complete.")
         for bind in binds:
             # The seed printed its server's line by hand; a supervisor may key on it.

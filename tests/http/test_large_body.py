@@ -9,12 +9,20 @@ bound, which is far above a normal step (well under 10 ms)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
+import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from gezel_trio.core.errors import InvalidRequest
+from gezel_trio.http import strict
+from gezel_trio.http.strict import parse_json, parse_json_yielding
 from tests.support.inprocess import served
 
 HANG = 120
@@ -79,3 +87,135 @@ async def test_a_large_valid_body_still_runs(dense_model: Path) -> None:
             )
             assert r.status_code == 200
             assert isinstance(r.json()["prompt"], str)
+
+
+# Bodies yajl reads otherwise than Python's json, or that only Python reads:
+# each must come out of the piecewise parse exactly as out of parse_json.
+TRICKY = [
+    b'{"a": 1, "a": 2, "b": 3}',
+    b'{"x": [1.5, 1e400, -1e400, 1e-400, -0.0, -0, 1E5, 0.1, 123456789012345678901234567890]}',
+    b'{"x": NaN}',
+    b'{"x": [Infinity]}',
+    b'{"x": -Infinity}',
+    b'{"x": "\\ud800"}',
+    b'{"x": "\\udc00 low first"}',
+    b'{"x": "\\ud83d\\ude00"}',
+    b'{"x": "\xed\xa0\x80"}',
+    b'{"x": "\xff"}',
+    b'\xef\xbb\xbf{"bom": 1}',
+    '{"utf16": "é"}'.encode("utf-16"),
+    b'{"x": 1} trailing',
+    b'{"x": 1}\x00',
+    b'{"x": 1}\x0c',
+    b'\x0b{"x": 1}',
+    b'{"x": 1}\r\n\t ',
+    b'{"x": [' + b"9" * 5000 + b"]}",
+    b'{"x": "' + b"9" * 5000 + b'"}',
+    b'{"x": ' + b"[" * 400 + b"]" * 400 + b"}",
+    b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"x": ' + b"[" * 100 + b"1.5" + b"]" * 100 + b"}",
+    b'{"x": "a\x01b"}',
+    b'{"x": "\\u0000\\/\\n"}',
+    b'{"x": [1, 2,]}',
+    b"",
+    b"1.5",
+    b'"text"',
+    b'{"x": [true, false, null, "s", 1, 2.5, {"y": [0.25]}]}',
+]
+
+
+def _outcome(parse: Any, raw: bytes) -> tuple[str, Any]:
+    try:
+        return "value", parse(raw)
+    except InvalidRequest as err:
+        return "refused", err.param
+
+
+@pytest.fixture(autouse=True)
+def _piecewise_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Short bodies, of few values, are parsed in one call: these must not be.
+    monkeypatch.setattr(strict, "_FEW_VALUES", 0)
+
+
+@pytest.mark.parametrize("raw", TRICKY)
+def test_the_piecewise_parse_gives_what_parse_json_gives(raw: bytes) -> None:
+    got = _outcome(parse_json_yielding, raw)
+    want = _outcome(parse_json, raw)
+    assert repr(got) == repr(want)  # repr: NaN-free, -0.0 and 0 told apart
+    if got[0] == "value":
+        assert _types(got[1]) == _types(want[1])
+
+
+def _types(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _types(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_types(v) for v in value]
+    return type(value).__name__
+
+
+def _longest_wait(body: bytes) -> tuple[float, float]:
+    """The longest this thread waited to run while a worker thread parsed
+    ``body``, and how long the parse took."""
+    done = threading.Event()
+    took: list[float] = []
+
+    def parse() -> None:
+        done.wait(0.05)  # this thread is looping first
+        began = time.perf_counter()
+        parse_json_yielding(body)
+        took.append(time.perf_counter() - began)
+        done.set()
+
+    worker = threading.Thread(target=parse)
+    worker.start()
+    longest, last = 0.0, time.perf_counter()
+    while not done.is_set():
+        time.sleep(0.0005)
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    worker.join()
+    return longest, took[0]
+
+
+def test_the_piecewise_parse_lets_other_threads_run() -> None:
+    # While a worker thread parses 8 MB, this thread runs between its
+    # pieces: the longest wait for the GIL is a small part of the parse
+    # (json.loads in one call made it all of it: a ratio near 1). The best
+    # of three, so that a loaded machine's own pauses do not decide it.
+    body = _ids_body("prompt", 4_000_000, max_tokens=1)
+    runs = [_longest_wait(body) for _ in range(3)]
+    longest, took = min(runs, key=lambda run: run[0] / run[1])
+    assert longest < took / 3, f"waited {longest:.3f} s of a {took:.3f} s parse"
+
+
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+    # Lone surrogates too (JSON escapes can carry them; Python's writer
+    # escapes them, or writes their bytes with surrogatepass).
+    | st.text(st.characters(exclude_categories=()))
+    | st.sampled_from(["\ud800", "a\udfff", "\ud83d\ude00", "\U0001f600"])
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_VALUES, ascii_only=st.booleans(), spaced=st.booleans())
+def test_the_piecewise_parse_agrees_on_any_json(value: Any, ascii_only: bool, spaced: bool) -> None:
+    separators = (", ", ": ") if spaced else (",", ":")
+    raw = json.dumps(value, ensure_ascii=ascii_only, separators=separators).encode(
+        "utf-8", "surrogatepass"
+    )
+    got = _outcome(parse_json_yielding, raw)
+    want = _outcome(parse_json, raw)
+    assert repr(got) == repr(want)
+    if got[0] == "value":
+        assert _types(got[1]) == _types(want[1])

@@ -101,6 +101,9 @@ class ChatRequest:
     ``images`` fill the ``{"type": "image"}`` content parts, in order.
     ``reasoning_format`` ``none`` leaves the think block in the answer text
     as the model wrote it (``auto``: split out as reasoning).
+    ``max_tool_calls`` bounds the calls a reply carries: generation stops
+    at the end of the last one allowed (chat's ``parallel_tool_calls:
+    false`` is 1).
     """
 
     messages: Sequence[Mapping[str, Any]] = ()
@@ -137,6 +140,9 @@ class ChatRequest:
     # The prompt cache's partition (``CacheRequest.salt``): the tenant's, and
     # the request's own ``cache_salt``.
     cache_salt: str = ""
+    # At most this many tool calls per choice: the choice ends at the end of
+    # the last one (``parallel_tool_calls: false`` is 1; None: no bound).
+    max_tool_calls: int | None = None
 
     @property
     def parses_tools(self) -> bool:

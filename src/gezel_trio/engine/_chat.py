@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any, Literal
 
@@ -57,6 +58,7 @@ from ..core.prepare import PreparedChat
 from ..shaping.replies import ReplyLedger
 from ..shaping.shaper import (
     ReasoningDelta,
+    ShapedEvent,
     Shaper,
     TextDelta,
     ToolCallDelta,
@@ -127,6 +129,11 @@ class ChatChoice:
         self._tokens: list[int] = []
         self._pending: deque[ChatEvent] = deque()
         self._done = False
+        # Withdraws this choice from the engine: set by ``open_chat``.
+        self._end: Callable[[], None] = _nothing
+        # The calls a reply may carry, and how many it has carried.
+        self._cap = prepared.chat.max_tool_calls
+        self._called = 0
         self.prepared = prepared
         self.index = index
         self.usage: Usage | None = None
@@ -157,8 +164,40 @@ class ChatChoice:
             return False
         return isinstance(value, dict | list)
 
+    def _capped(self, events: list[ShapedEvent]) -> list[ShapedEvent]:
+        """``events`` up to the end of the last tool call allowed; nothing
+        of a further call, nor anything after it, is passed on."""
+        if self._cap is None:
+            return events
+        kept: list[ShapedEvent] = []
+        for event in events:
+            if self._called >= self._cap:
+                break
+            kept.append(event)
+            if isinstance(event, ToolCallDone):
+                self._called += 1
+        return kept
+
+    def _message(self) -> dict[str, Any]:
+        message = self._shaper.message()
+        if self._cap is not None and len(message.get("tool_calls") or ()) > self._cap:
+            message["tool_calls"] = message["tool_calls"][: self._cap]
+        return message
+
+    def _end_at_cap(self) -> None:
+        """The reply carries all the calls it may: the choice ends here,
+        finished ``tool_calls``, and leaves the batch (what the model would
+        write next is never generated). Its reply is not recorded for the
+        next turn: the tokens generated may run past the call."""
+        self._end()
+        assert self.usage is not None  # a Delta came first
+        self._pending.append(ChatFinished("tool_calls", self.usage, self._message()))
+        self._done = True
+
     def _take(self, event: Event) -> None:
         """Shape one engine event into chat events (queued in ``_pending``)."""
+        if self._done:
+            return  # ended at its last allowed tool call; the rest was in flight
         match event:
             case Delta(text=text, tokens=tokens, usage=usage, logprobs=logprobs):
                 self.usage = usage
@@ -166,15 +205,20 @@ class ChatChoice:
                     self._tokens += tokens
                 if logprobs:
                     self._pending.append(ChatLogprobs(logprobs))
-                self._pending.extend(self._shaper.feed(text))
+                self._pending.extend(self._capped(self._shaper.feed(text)))
+                if self._cap is not None and self._called >= self._cap:
+                    self._end_at_cap()
             case Finished(reason=reason, usage=usage, stop_sequence=stop_sequence):
                 self.usage = usage
-                self._pending.extend(self._shaper.finish())
+                self._pending.extend(self._capped(self._shaper.finish()))
                 called = self._shaper.finish_reason(reason) == "tool_calls"
+                if self._cap is not None:
+                    kept = self._shaper.calls[: self._cap]
+                    called = bool(kept) and all(c.complete for c in kept)
                 final: ChatFinishReason = "tool_calls" if called else reason
                 if final == "length" and self._json_complete():
                     final = "stop"  # the grammar closed on the budget's last token
-                message = self._shaper.message()
+                message = self._message()
                 if self._replies is not None and self.prepared.chat.prompt is None:
                     # The next turn's history carries this reply back.
                     self._replies.record(
@@ -269,6 +313,10 @@ class ChatHandle:
             self.choices[index]._take(event)
 
 
+def _nothing() -> None:
+    pass
+
+
 def open_chat(
     handle: RequestHandle,
     prepared: PreparedChat,
@@ -295,4 +343,6 @@ def open_chat(
         )
         for i in range(handle.n)
     ]
+    for choice in choices:
+        choice._end = partial(handle.end, choice.index)
     return ChatHandle(handle, choices)

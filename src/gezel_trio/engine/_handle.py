@@ -78,6 +78,12 @@ class RequestHandle:
         for rid in self.rids:
             self._withdraw(rid)
 
+    def end(self, index: int) -> None:
+        """Withdraw member ``index`` as if it had finished: its reader has
+        all it wants of it (a chat choice at its last allowed tool call)."""
+        self._done[index] = True
+        self._withdraw(self.rids[index])
+
     def __aiter__(self) -> RequestHandle:
         return self
 

@@ -53,6 +53,7 @@ from .anthropic_wire import (
     ThinkingConfigDisabledParam,
     ThinkingConfigEnabledParam,
     ToolChoiceAnyParam,
+    ToolChoiceAutoParam,
     ToolChoiceNoneParam,
     ToolChoiceToolParam,
     ToolResultBlockParam,
@@ -326,8 +327,7 @@ def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
 def _tool_choice(req: CountTokensRequest) -> str | dict[str, Any] | None:
     """Anthropic's choice as the engine's: ``any`` is ``required``; a named
     tool is forced. A forced call is always one call (the grammar allows
-    one), so ``disable_parallel_tool_use`` holds there; under ``auto`` it is
-    not enforced."""
+    one); ``disable_parallel_tool_use`` is ``_one_call``."""
     match req.tool_choice:
         case None:
             return None
@@ -443,7 +443,17 @@ def chat_request(req: MessagesRequest, *, default_temperature: float = 1.0) -> C
         max_thinking_tokens=budget,
         images=tuple(images),
         pins=_pins(req, messages),
+        max_tool_calls=1 if _one_call(req) else None,
     )
+
+
+def _one_call(req: MessagesRequest) -> bool:
+    """``disable_parallel_tool_use``: at most one ``tool_use`` block, the
+    answer ending at the first call's end."""
+    match req.tool_choice:
+        case ToolChoiceAutoParam() | ToolChoiceAnyParam() | ToolChoiceToolParam() as choice:
+            return choice.disable_parallel_tool_use is True
+    return False
 
 
 # --- engine -> response -----------------------------------------------------------

@@ -96,6 +96,15 @@ class HttpSettings:
     max_body_bytes: int = setting(
         8 * MIB, flag="--max-body-mb", flag_type=float, per_unit=MIB, help="largest request body"
     )
+    # Each request in progress holds its body, its parse and its stream;
+    # hypercorn bounds none of it (``http.connections``).
+    max_connections: int = setting(
+        256,
+        flag="--max-connections",
+        validator=attrs.validators.gt(0),
+        help="HTTP requests served at once; past it a request is answered 503 at once "
+        "(Retry-After, its connection closed, its body unread); /health is always answered",
+    )
     # A browser page's state-changing requests (POST, DELETE) are refused
     # unless its Origin is the server's own, a loopback one, or one of these
     # (``http.origins``); these also get CORS headers, so such a page can call
@@ -150,6 +159,15 @@ class HttpSettings:
     # Told of every bug a route survived (answered 500): the server's stdout
     # protocol prints it tagged, so a supervisor never reads it as a death.
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
+
+
+def _closing_unread(resp: Response) -> Response:
+    """``resp``, answering a request whose body was not read: when one may
+    follow the headers, the connection closes after ``resp``, so the body is
+    never read nor waited for (nor taken for the next request's start)."""
+    if request.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in request.headers:
+        resp.headers["Connection"] = "close"
+    return resp
 
 
 def _preflight(origin: str) -> Response:
@@ -212,10 +230,8 @@ def create_app(
 
     @app.before_request
     async def guard() -> Response | None:
-        # Every body is read, whatever the route does with it: hypercorn can
-        # stall the next request on a keep-alive connection when a response
-        # goes out before the body was received (a GET with a body, a 404).
-        await request.get_data(cache=True)
+        # Nothing of the body is read before the checks below: a 500 MB
+        # upload with a wrong key gets its 401 at once (``_closing_unread``).
         host = request.host or ""
         origin = request.headers.get("Origin")
         try:
@@ -229,7 +245,7 @@ def create_app(
                 raise ForbiddenOrigin(problem)
             if request.method == "OPTIONS" and (allowed := policy.cors_origin(origin)):
                 # A preflight carries no key: answered before the key check.
-                return _preflight(allowed)
+                return _closing_unread(_preflight(allowed))
             # The key names the tenant; without keys, everyone is the one tenant.
             tenant = NO_TENANT
             if keys and request.path != "/health":
@@ -239,7 +255,11 @@ def create_app(
                 tenant = found
             g.gezel_tenant = tenant
         except GezelError as err:
-            return refuse(err)
+            return _closing_unread(refuse(err))
+        # Every body is read, whatever the route does with it: hypercorn can
+        # stall the next request on a keep-alive connection when a response
+        # goes out before the body was received (a GET with a body, a 404).
+        await request.get_data(cache=True)
         return None
 
     @app.after_request

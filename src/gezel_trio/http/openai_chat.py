@@ -105,6 +105,8 @@ def chat_request(
         images=images,
         n=req.n,
         reasoning_format=_reasoning_format(req.reasoning_format, reasoning_format),
+        # At most one call: generation stops at the first call's end.
+        max_tool_calls=1 if req.parallel_tool_calls is False else None,
     )
 
 

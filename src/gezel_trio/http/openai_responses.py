@@ -864,7 +864,16 @@ def _chat_request(
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
         images=_images(messages),
         custom_tools=custom,
+        max_tool_calls=_max_tool_calls(req),
     )
+
+
+def _max_tool_calls(req: ResponsesRequest) -> int | None:
+    """``max_tool_calls``, and one call without ``parallel_tool_calls``: a
+    call past them is never generated (OpenAI ignores further calls)."""
+    if req.parallel_tool_calls is False:
+        return 1
+    return req.max_tool_calls
 
 
 IGNORED_TOOLS_HEADER = "x-gezel-ignored-tools"

@@ -44,7 +44,15 @@ from .checks import (
 )
 from .images import from_base64, from_data_url
 from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_thinking_budget
-from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
+from .strict import (
+    FieldInvalid,
+    Pattern,
+    Range,
+    only,
+    register_union,
+    strict_converter,
+    structure,
+)
 
 __all__ = [
     "MAX_LOGIT_BIAS",
@@ -589,8 +597,8 @@ def _converter() -> cattrs.Converter:
 
     def prompt_hook(value: Any, _: Any) -> Any:
         def ints(v: Any) -> bool:
-            # One C pass over the element types: a prompt may be 4M ids.
-            return isinstance(v, list) and _INTS.issuperset(map(type, v))
+            # C passes over the element types: a prompt may be 4M ids.
+            return isinstance(v, list) and only(_INTS, v)
 
         if isinstance(value, str) or ints(value):
             return value

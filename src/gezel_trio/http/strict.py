@@ -24,11 +24,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import attrs
 import cattrs
+import ijson
 from cattrs.cols import list_structure_factory
 from cattrs.errors import (
     ClassValidationError,
@@ -49,6 +52,7 @@ __all__ = [
     "check_text",
     "dump_json",
     "parse_json",
+    "parse_json_yielding",
     "register_union",
     "strict_converter",
     "structure",
@@ -99,6 +103,10 @@ class Pattern:
 
 # --- JSON -----------------------------------------------------------------------
 
+# What a JSON value can be besides text and containers: nothing to check in it.
+_SCALARS = frozenset({int, float, bool, type(None)})
+_TEXT = frozenset({str})
+
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
@@ -113,6 +121,138 @@ def parse_json(raw: str | bytes) -> Any:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # JSONDecodeError is a ValueError; so are int-length limits.
         raise InvalidRequest(f"the body is not valid JSON: {str(exc)[:200]}") from None
+
+
+# A large body is parsed this much at a time: each piece holds the GIL well
+# under a millisecond, and between pieces (a Python-level read) the Trio
+# thread can run. ``json.loads`` is one C call: 8 MB held the GIL ~150 ms.
+_PIECE = 64 * 1024
+# The C backend only: its reading is what the guards below were written
+# against (and the pure-Python one is slower than json.loads by far).
+try:
+    _YAJL: Any = ijson.get_backend("yajl2_c")
+except ImportError:  # no compiled backend on this platform: json.loads
+    _YAJL = None
+# What yajl (ijson's parser) reads otherwise than Python's json: \f and \v
+# as whitespace, a NUL after the value, a lone UTF-16 surrogate escape (made
+# "?"; any surrogate escape is looked for, pairs too), a surrogate written in
+# UTF-8 bytes, an integer longer than Python converts (ijson 3.6 crashes the
+# process on one). A body with any of them, or not in UTF-8, takes
+# ``parse_json`` itself, in one call.
+_DIGITS = sys.get_int_max_str_digits()
+# ``json.loads`` costs per value (~0.1-0.3 us), and a long string is one
+# fast copy: a body of fewer values than this (commas counted) is parsed in
+# one call within a few ms; yajl would take longer over an 8 MB string.
+_FEW_VALUES = 10_000
+# The bytes yajl may read otherwise, each found by a fast search; only a
+# body holding one is searched for the whole sequence.
+_ODD_BYTES = (b"\x00", b"\x0b", b"\x0c")
+_UTF8_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Every digit as 0, every other byte as a space: a digit run is a run of 0s.
+_DIGIT_RUNS = bytes.maketrans(
+    bytes(range(256)), bytes(48 if 48 <= b <= 57 else 32 for b in range(256))
+)
+# ``json.loads`` fails a body nested deeper than its recursion budget (~1000
+# on a worker thread); yajl has no such limit. Deeper than this, the body
+# takes ``parse_json``, so the error is the same.
+_DEEPEST_YIELDING = 900
+
+
+class _Pieces:
+    """A body as a file that yajl reads ``_PIECE`` bytes at a time."""
+
+    def __init__(self, raw: bytes) -> None:
+        self._raw = memoryview(raw)
+        self._at = 0
+
+    def read(self, size: int) -> bytes:
+        piece = self._raw[self._at : self._at + size]
+        self._at += len(piece)
+        return bytes(piece)
+
+
+def parse_json_yielding(raw: str | bytes) -> Any:
+    """``parse_json(raw)``, the same value or the same ``InvalidRequest``,
+    built ``_PIECE`` bytes at a time so that other threads run in between
+    (for a worker thread: the Trio thread never waits long for the GIL).
+
+    The checks for what yajl reads differently scan the body in pieces too;
+    a body with any of them is parsed by ``parse_json`` in one call."""
+    if _YAJL is None or isinstance(raw, str) or raw.count(b",") < _FEW_VALUES:
+        return parse_json(raw)
+    if json.detect_encoding(raw) != "utf-8" or _differs(raw):
+        return parse_json(raw)
+    try:
+        # To the end: what follows the value is a fault too.
+        values = list(_YAJL.items(_Pieces(raw), "", buf_size=_PIECE))
+    except (ijson.JSONError, ValueError, UnicodeDecodeError):
+        values = []
+    if len(values) != 1:
+        # Invalid JSON; ``parse_json`` names what, as it always has.
+        return parse_json(raw)
+    value = values[0]
+    if type(value) is Decimal:
+        return float(value)
+    if not _as_python_json(value):
+        return parse_json(raw)
+    return value
+
+
+def _differs(raw: bytes) -> bool:
+    """Whether ``raw`` holds something yajl reads otherwise than Python,
+    looked for ``_PIECE`` bytes at a time."""
+    if any(odd in raw for odd in _ODD_BYTES):
+        return True
+    if b"\xed" in raw and _search(_UTF8_SURROGATE, raw, 2):
+        return True
+    if b"\\u" in raw and _search(_SURROGATE_ESCAPE, raw, 4):
+        return True
+    if _DIGITS:
+        run = b"0" * (_DIGITS + 1)
+        for start in range(0, len(raw), _PIECE):
+            piece = raw[max(0, start - _DIGITS) : start + _PIECE]
+            if run in piece.translate(_DIGIT_RUNS):
+                return True
+    return False
+
+
+def _search(pattern: re.Pattern[bytes], raw: bytes, width: int) -> bool:
+    return any(
+        pattern.search(raw, max(0, start - width), start + _PIECE)
+        for start in range(0, len(raw), _PIECE)
+    )
+
+
+def _as_python_json(value: Any) -> bool:
+    """Makes ``value`` (yajl's) what ``json.loads`` returns: numbers with a
+    fraction or an exponent ijson gives as ``Decimal`` become floats (both
+    round correctly: the same float, ``1e400`` infinite as in Python).
+    False when it is nested deeper than ``_DEEPEST_YIELDING``."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > _DEEPEST_YIELDING:
+            return False
+        if isinstance(node, dict):
+            for k, v in node.items():
+                kind = type(v)
+                if kind is Decimal:
+                    node[k] = float(v)
+                elif kind is dict or kind is list:
+                    stack.append((v, depth + 1))
+        elif isinstance(node, list):
+            for start in range(0, len(node), _PIECE):
+                part = node[start : start + _PIECE]
+                if only(_SCALARS, part) or only(_TEXT, part):
+                    continue
+                for i, v in enumerate(part, start):
+                    kind = type(v)
+                    if kind is Decimal:
+                        node[i] = float(v)
+                    elif kind is dict or kind is list:
+                        stack.append((v, depth + 1))
+    return True
 
 
 def dump_json(value: Any, *, compact: bool = False) -> str:
@@ -131,10 +271,6 @@ class StrictJSONProvider(DefaultJSONProvider):
     def dumps(self, obj: Any, **kwargs: Any) -> str:
         kwargs.setdefault("allow_nan", False)
         return super().dumps(obj, **kwargs)
-
-
-# What a JSON value can be besides text and containers: nothing to check in it.
-_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def check_text(body: Any) -> None:
@@ -167,11 +303,28 @@ def check_text(body: Any) -> None:
                 if not (shallow and _plain(v)):
                     stack.append((v, (*path, k)))
         elif isinstance(value, list):
-            if shallow and _SCALARS.issuperset(map(type, value)):
+            if shallow and only(_SCALARS, value):
                 continue
             stack.extend(
                 (v, (*path, i)) for i, v in enumerate(value) if not (shallow and _plain(v))
             )
+
+
+def only(kinds: frozenset[Any], values: list[Any]) -> bool:
+    """Whether every element of ``values`` is of exactly one of ``kinds``:
+    C passes of ``_PIECE`` elements, so that a 4M-element list does not
+    hold the GIL through one."""
+    return all(
+        kinds.issuperset(map(type, values[i : i + _PIECE])) for i in range(0, len(values), _PIECE)
+    )
+
+
+def _copy(values: list[Any]) -> list[Any]:
+    """``list(values)``, a piece at a time (``only``)."""
+    out: list[Any] = []
+    for i in range(0, len(values), _PIECE):
+        out += values[i : i + _PIECE]
+    return out
 
 
 def _plain(value: Any) -> bool:
@@ -260,8 +413,8 @@ def strict_converter() -> cattrs.Converter:
             # A string is iterable; without this "abc" would become ["a", "b", "c"].
             if not isinstance(value, list):
                 raise TypeError(f"expected a list, got {type(value).__name__}")
-            if ints and _INTS.issuperset(map(type, value)):
-                return list(value)
+            if ints and only(_INTS, value):
+                return _copy(value)
             return inner(value, tt)
 
         return hook

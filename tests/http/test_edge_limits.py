@@ -1,0 +1,147 @@
+"""What a request costs the server before it is known to be wanted: with
+``--api-key`` a request without the key gets its 401 before its body is
+read, and at most ``--max-connections`` requests are served at once.
+
+Over a real hypercorn socket on the scripted backend, the request written by
+hand: a client announcing a 500 MB body and sending a few bytes of it must
+get its answer without the server waiting for the rest (before, the server
+read the whole body first, and waited for it until its 60 s body timeout)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+import trio
+
+from gezel_trio import cli
+from gezel_trio.http.app import HttpSettings
+from gezel_trio.http.connections import bound_requests
+from gezel_trio.server import ServerConfig, serve
+from gezel_trio.testing import ScriptedBackend
+
+# A hang bound, far below the server's 60 s body timeout.
+HANG = 20
+KEY = "sk-right"
+
+
+@asynccontextmanager
+async def _served(settings: HttpSettings) -> AsyncIterator[tuple[str, int]]:
+    config = ServerConfig(http=settings, port=0)
+    async with trio.open_nursery() as nursery:
+        scripted = partial(serve, config, backend_factory=lambda _: ScriptedBackend())
+        binds = await nursery.start(scripted)
+        host, port = binds[0].removeprefix("http://").rsplit(":", 1)
+        yield host, int(port)
+        nursery.cancel_scope.cancel()
+
+
+async def _head_of_response(stream: trio.SocketStream) -> tuple[int, dict[str, str], bytes]:
+    """The status line, headers and whatever body came, read until the
+    server closes the connection."""
+    data = b""
+    while chunk := await stream.receive_some(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+# Past --max-body-mb (once a 413, the key never looked at) and within it
+# (once waited for until the body timeout).
+@pytest.mark.parametrize("announced", [500_000_000, 5_000_000])
+async def test_a_wrong_key_is_refused_before_the_body_is_read(announced: int) -> None:
+    with trio.fail_after(HANG):
+        async with _served(HttpSettings(api_key=KEY)) as (host, port):
+            async with await trio.open_tcp_stream(host, port) as stream:
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\n"
+                    b"Host: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\n"
+                    b"Authorization: Bearer sk-wrong\r\n"
+                    b"Content-Length: %d\r\n\r\n"
+                    b'{"messages": [' % announced
+                )
+                status, headers, body = await _head_of_response(stream)
+                assert status == 401
+                assert headers["connection"] == "close"
+                assert json.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+async def test_the_right_key_still_reads_the_body() -> None:
+    with trio.fail_after(HANG):
+        async with (
+            _served(HttpSettings(api_key=KEY)) as (host, port),
+            httpx.AsyncClient(base_url=f"http://{host}:{port}") as client,
+        ):
+            auth = {"Authorization": f"Bearer {KEY}"}
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            ok = await client.post("/v1/chat/completions", json=body, headers=auth)
+            assert ok.status_code == 200
+            # Keep-alive holds after a refusal without a body.
+            assert (await client.get("/v1/models")).status_code == 401
+            assert (await client.get("/v1/models", headers=auth)).status_code == 200
+
+
+async def test_requests_past_the_bound_get_a_503_at_once() -> None:
+    release = trio.Event()
+    entered: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        entered.append(scope["path"])
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    bounded = bound_requests(app, 2)
+    sent: list[dict[str, Any]] = []
+
+    async def record(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def nothing() -> dict[str, Any]:
+        raise AssertionError("a refused request's body is never read")
+
+    def scope(path: str) -> dict[str, Any]:
+        return {"type": "http", "path": path, "method": "POST"}
+
+    with trio.fail_after(HANG):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bounded, scope("/v1/chat/completions"), nothing, record)
+            nursery.start_soon(bounded, scope("/v1/messages"), nothing, record)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(entered) == 2
+            # The third, on Anthropic's path: refused in its envelope, at once.
+            await bounded(scope("/v1/messages"), nothing, record)
+            start, end = sent
+            assert start["status"] == 503
+            headers = dict(start["headers"])
+            assert headers[b"connection"] == b"close"
+            assert headers[b"retry-after"] == b"1"
+            error = json.loads(end["body"])
+            assert error["type"] == "error"
+            assert "--max-connections" in error["error"]["message"]
+            # A probe is answered whatever the load; on OpenAI's paths, its envelope.
+            sent.clear()
+            nursery.start_soon(bounded, scope("/health"), nothing, record)
+            await bounded(scope("/v1/completions"), nothing, record)
+            assert json.loads(sent[1]["body"])["error"]["code"] == "too_many_connections"
+            await trio.testing.wait_all_tasks_blocked()
+            assert entered[-1] == "/health"
+            release.set()
+        # Slots come back as requests end.
+        sent.clear()
+        await bounded(scope("/v1/completions"), nothing, record)
+        assert sent[0]["status"] == 200
+
+
+def test_the_flag_sets_the_bound() -> None:
+    args = cli._parser().parse_args(["serve", "--model", "m", "--max-connections", "12"])
+    assert cli._from_flags(HttpSettings, args).max_connections == 12
+    assert HttpSettings().max_connections == 256
