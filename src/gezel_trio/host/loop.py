@@ -329,7 +329,7 @@ class _Host:
         view = None
         if self.cache.version != self._reported_version:
             self._reported_version = self.cache.version
-            view = self.cache.view()
+            view = self.cache.delta()
         replies, self._replies = tuple(self._replies), []
         memory = self.backend.memory_in_use()
         if self.memory_limit and memory > 0.85 * self.memory_limit:
