@@ -910,14 +910,14 @@ class PromptCache:
         assert self.disk is not None
         if not entry.path:
             return
-        if entry in self._behind:
+        key = self._file_key(entry)
+        if self._behind.get(entry) == key:
             return  # its write behind is the write
         try:
             state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
         except Exception:
             log.exception("cache write failed: the state could not be assembled")
             return
-        key = self._file_key(entry)
         if self.disk.save_behind(
             key,
             entry.tokens,
