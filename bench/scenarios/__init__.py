@@ -17,6 +17,7 @@ from bench._scenario import Scenario
 _ORDER = (
     "decode",
     "cache_blocks",
+    "host_cache",
     "toolcall_parsing",
     "grammar",
     "scheduler",

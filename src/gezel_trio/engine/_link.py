@@ -39,7 +39,7 @@ from ..core.model import ModelInfo
 from ..core.request import CacheRequest, GenerationRequest
 from ..core.scheduler import Scheduler
 from ..host.exchange import CommandFailed, HostCommand, Orders, StepReport
-from ..host.prompt_cache import CacheSnapshot
+from ..host.prompt_cache import CacheBook
 from ._handle import RequestHandle, Ticket
 from ._metrics import EngineMetrics, Snapshot, resident_bytes
 
@@ -261,7 +261,7 @@ class HostLink:
         self._commands: list[tuple[int, HostCommand[Any]]] = []
         self._calls: dict[int, _Call] = {}
         self._next_call = 0
-        self.cache = CacheSnapshot()
+        self.cache = CacheBook()
         self._memory = 0
         self._figures = MemoryFigures()
         # Consecutive failed model steps, and the last failure (time, reason).
@@ -558,7 +558,7 @@ class HostLink:
     def _take(self, report: StepReport, now: float) -> None:
         """Deliver what the last step produced."""
         if report.cache_view is not None:
-            self.cache = report.cache_view
+            self.cache.apply(report.cache_view)
         self._persistence = report.persistence
         for cid, result in report.replies:
             call = self._calls.pop(cid, None)

@@ -21,7 +21,7 @@ from ..core.request import GenerationRequest, Priority
 
 if TYPE_CHECKING:
     from ..core.backend import ConstraintCompiler, ImagePreparer, PromptRenderer
-    from .prompt_cache import CacheSnapshot, PromptCache
+    from .prompt_cache import CacheDelta, PromptCache
 
 __all__ = [
     "CacheEvict",
@@ -107,7 +107,8 @@ class CommandFailed:
 class StepReport:
     """What one step produced, per request id; ``ended`` lists sequences that
     left the backend by themselves (their last event is in ``events``).
-    ``cache_view`` is set when the prompt cache changed; ``replies`` answer
+    ``cache_view`` is set when the prompt cache changed: what changed since
+    the last one (every one must reach the Trio side's ``CacheBook``); ``replies`` answer
     the previous orders' commands. ``stepped`` says a model step ran and
     ``step_failure`` why it failed, if it did; ``persistence`` names the
     disk cache's current trouble (``None``: fine, or no disk cache).
@@ -118,7 +119,7 @@ class StepReport:
     events: tuple[tuple[int, Event], ...] = ()
     ended: tuple[int, ...] = ()
     replies: tuple[tuple[int, Any], ...] = ()
-    cache_view: CacheSnapshot | None = None
+    cache_view: CacheDelta | None = None
     memory: int | None = None
     stepped: bool = False
     step_failure: str | None = None

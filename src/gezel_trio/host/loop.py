@@ -332,7 +332,7 @@ class _Host:
         view = None
         if self.cache.version != self._reported_version:
             self._reported_version = self.cache.version
-            view = self.cache.view()
+            view = self.cache.delta()
         replies, self._replies = tuple(self._replies), []
         figures = self.backend.memory_figures()
         memory = self.backend.memory_in_use()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -48,7 +49,17 @@ from ..core.events import CacheMiss, CacheMissReason
 from ..core.request import CacheRequest, GenerationRequest, Pin
 from .persist import DiskCache, DiskEntry
 
-__all__ = ["CacheOps", "CacheSnapshot", "CacheTotals", "CacheView", "PromptCache", "SeedInfo"]
+__all__ = [
+    "CacheBook",
+    "CacheDelta",
+    "CacheOps",
+    "CacheRow",
+    "CacheSnapshot",
+    "CacheTotals",
+    "CacheView",
+    "PromptCache",
+    "SeedInfo",
+]
 
 log = logging.getLogger("gezel_trio.cache")
 
@@ -132,6 +143,86 @@ class CacheSnapshot:
     totals: CacheTotals = CacheTotals()
 
 
+@attrs.frozen
+class CacheRow:
+    """One entry's view as the host last saw it changed: what ``CacheView``
+    shows, with what depends on the time (a pin's ``held_until``, read
+    against the delta's ``now``) and its place in the order (``last_use``)."""
+
+    serial: int
+    cache_id: str
+    tokens: int
+    bytes: int
+    kind: str
+    last_used: float
+    dirty: bool
+    pinned: bool
+    hits: int
+    held_until: float
+    named: bool
+    last_use: int
+    salt: str = ""
+
+    def view(self, now: float) -> CacheView:
+        held = self.held_until > now
+        return CacheView(
+            cache_id=self.cache_id,
+            tokens=self.tokens,
+            bytes=self.bytes,
+            kind="pin" if held else self.kind,
+            last_used=self.last_used,
+            dirty=self.dirty,
+            pinned=self.pinned,
+            hits=self.hits,
+            pin_expires_in=round(self.held_until - now, 3) if held else None,
+            named=self.named,
+            salt=self.salt,
+        )
+
+
+@attrs.frozen
+class CacheDelta:
+    """What changed in the prompt cache since the last delta: the rows of
+    the entries changed, the serials of those removed, the totals, and the
+    host clock's time (what a pin's remaining seconds are read against)."""
+
+    rows: tuple[CacheRow, ...] = ()
+    removed: tuple[int, ...] = ()
+    totals: CacheTotals = CacheTotals()
+    now: float = 0.0
+
+
+class CacheBook:
+    """The Trio side's copy of the prompt cache's view, kept from the
+    host's deltas (``PromptCache.delta``): a delta costs what changed, and
+    the ordered entries are built when someone reads them (``/v1/cache/stats``,
+    a test), not at every admission and end. It shows what
+    ``PromptCache.view`` would have shown when the delta was taken."""
+
+    def __init__(self) -> None:
+        self._rows: dict[int, CacheRow] = {}
+        self._now = 0.0
+        self._entries: tuple[CacheView, ...] | None = ()
+        self.totals = CacheTotals()
+
+    def apply(self, delta: CacheDelta) -> None:
+        for serial in delta.removed:
+            self._rows.pop(serial, None)
+        for row in delta.rows:
+            self._rows[row.serial] = row
+        self.totals = delta.totals
+        self._now = delta.now
+        self._entries = None
+
+    @property
+    def entries(self) -> tuple[CacheView, ...]:
+        """Named entries first, then the rest, each most recently used first."""
+        if self._entries is None:
+            rows = sorted(self._rows.values(), key=lambda r: (not r.named, -r.last_use))
+            self._entries = tuple(r.view(self._now) for r in rows)
+        return self._entries
+
+
 @attrs.define
 class _Seq:
     prompt: tuple[int, ...]
@@ -158,15 +249,7 @@ SEEDED_PREFIXES_KEPT = 4096
 def _reaching(node: Node, pos: int) -> Entry | None:
     """The most recently used entry through ``node`` that holds tokens past
     ``pos``: the cached side of a divergence there."""
-    best: Entry | None = None
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for e in n.ends:
-            if e.end > pos and (best is None or e.last_use > best.last_use):
-                best = e
-        stack.extend(n.children.values())
-    return best
+    return CacheStore.recent_through(node, pos, past=True)
 
 
 def _short(key: str) -> str:
@@ -277,6 +360,9 @@ class PromptCache:
             now=clock,
             **extra,
         )
+        # An anonymous entry's file key (a digest of all its tokens), worked
+        # out once: the view and the writers ask for it again and again.
+        self._anon_keys: dict[Entry, str] = {}
         self.disk = disk
         self._disk_budget = disk_budget_bytes
         self._seqs: dict[int, _Seq] = {}
@@ -295,6 +381,14 @@ class PromptCache:
         # No write behind is tried before this time (time.monotonic()): a
         # failing disk is not retried in a loop (its cause is logged once).
         self._behind_after = 0.0
+
+    def _file_key(self, entry: Entry) -> str:
+        if entry.key is not None:
+            return "name:" + entry.key
+        key = self._anon_keys.get(entry)
+        if key is None:
+            key = self._anon_keys[entry] = _file_key(entry)
+        return key
 
     # --- admission ---------------------------------------------------------
 
@@ -468,6 +562,7 @@ class PromptCache:
         )
         if entry is not None:
             entry.held_until = max(entry.held_until, self._clock() + seconds)
+            self.store.mark(entry)
             log.info("pin-save tokens=%d for %.0fs", end, seconds)
 
     @staticmethod
@@ -495,21 +590,14 @@ class PromptCache:
         """The disk entry of ``salt`` that would seed ``prompt`` deeper than ``beat``."""
         if self.disk is None:
             return None
-        limit = len(prompt) - 1
-        best, reach = None, beat
-        for entry in self.disk.index.values():
-            if entry.salt != salt:
-                continue  # another salt's: never shared
-            if entry.file_key.startswith("name:") and self.store.named(entry.file_key[5:]):
-                continue  # memory holds that name's newer state
-            n = len(entry.tokens)
-            if self._trimmable:
-                usable = min(limit, common_prefix(entry.tokens, prompt))
-            else:
-                usable = n if n <= limit and prompt[:n] == entry.tokens else 0
-            if usable > reach:
-                best, reach = entry, usable
-        return best
+
+        def newer_in_memory(file_key: str) -> bool:
+            # Memory holds that name's newer state.
+            return file_key.startswith("name:") and self.store.named(file_key[5:]) is not None
+
+        return self.disk.index.best(
+            prompt, beat=beat, trimmable=self._trimmable, skip=newer_in_memory, salt=salt
+        )
 
     def _load(self, found: DiskEntry) -> Entry | None:
         assert self.disk is not None
@@ -830,15 +918,45 @@ class PromptCache:
         return entry
 
     def _before_evict(self, victim: Entry) -> None:
-        """The store is about to drop ``victim``: write it first if dirty."""
+        """The store is about to drop ``victim``: if dirty, its state is
+        serialized here (the backend's part, on this thread) and the writer
+        thread seals the file, so no file write or fsync holds the host
+        thread; the disk index lists it at once, and a load of it waits for
+        that write (``DiskCache.save_behind``, ``provisional``)."""
         if victim.dirty and self.disk is not None:
-            self._write(victim)
+            self._write_evicted(victim)
         self._evicted.record(victim.tokens, victim.salt)
         log.info(
             "evicted %s tokens=%d (memory budget)",
             _short(victim.key or "anonymous"),
             len(victim.tokens),
         )
+
+    def _write_evicted(self, entry: Entry) -> None:
+        assert self.disk is not None
+        if not entry.path:
+            return
+        key = self._file_key(entry)
+        if self._behind.get(entry) == key:
+            return  # its write behind is the write
+        try:
+            state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
+        except Exception:
+            log.exception("cache write failed: the state could not be assembled")
+            return
+        if self.disk.save_behind(
+            key,
+            entry.tokens,
+            state,
+            kind=entry.kind,
+            roster=entry.roster,
+            owner=entry.owner,
+            salt=entry.salt,
+            tag=entry,
+            provisional=True,
+        ):
+            self._behind[entry] = key
+            self.version += 1
 
     def _write(self, entry: Entry) -> None:
         if self.disk is None or not entry.path:
@@ -853,7 +971,7 @@ class PromptCache:
             log.exception("cache write failed: the state could not be assembled")
             return
         if self.disk.save(
-            _file_key(entry),
+            self._file_key(entry),
             entry.tokens,
             state,
             kind=entry.kind,
@@ -861,14 +979,14 @@ class PromptCache:
             owner=entry.owner,
             salt=entry.salt,
         ):
-            entry.dirty = False
+            self.store.clean(entry)
             self.version += 1
             self._prune_disk()
 
     def _prune_disk(self) -> None:
         if self.disk is None or self._disk_budget <= 0:
             return
-        protect = [_file_key(e) for e in self.store if e.pins or (e.key and self.pinned(e.key))]
+        protect = [self._file_key(e) for e in self.store.pinned_entries()]
         for name in self.disk.prune(self._disk_budget, protect=protect):
             log.info("disk-evicted %s (disk budget)", name)
 
@@ -904,13 +1022,16 @@ class PromptCache:
 
     # --- write-behind ------------------------------------------------------
 
-    def _to_write(self, min_age: float = 0.0) -> Iterator[Entry]:
+    def _to_write(self, min_age: float = 0.0, *, settled: bool = False) -> Iterator[Entry]:
         """The dirty entries a flush writes, in its order: every named one,
         then anonymous ones from the most recently used while the disk
         budget has room; with ``min_age``, only those saved that many
-        seconds ago or more."""
+        seconds ago or more. From the store's dirty sets, never a pass over
+        every entry; ``settled``: the order is taken first, so the caller
+        may write (and clean) entries as it goes."""
         assert self.disk is not None
-        order = sorted(self.store, key=lambda e: (e.key is None, -e.last_use))
+        named, anonymous = self.store.dirty_entries()
+        order: Iterator[Entry] = itertools.chain(named, list(anonymous) if settled else anonymous)
         now = time.time()
         for entry in order:
             if not entry.dirty or now - entry.used_at < min_age:
@@ -944,7 +1065,7 @@ class PromptCache:
                 log.exception("cache write failed: the state could not be assembled")
                 self._behind_after = time.monotonic() + BEHIND_BACKOFF
                 return False
-            key = _file_key(entry)
+            key = self._file_key(entry)
             if not self.disk.save_behind(
                 key,
                 entry.tokens,
@@ -978,8 +1099,8 @@ class PromptCache:
             key = self._behind.pop(entry, None)
             if not saved:
                 self._behind_after = time.monotonic() + BEHIND_BACKOFF
-            elif entry.path and key == _file_key(entry):
-                entry.dirty = False
+            elif entry.path and key == self._file_key(entry):
+                self.store.clean(entry)
                 cleaned += 1
         if cleaned:
             self.version += 1
@@ -1010,7 +1131,7 @@ class PromptCache:
         written = self.collect_behind(left if self._behind else 0.0)
         behind = written
         nbytes = 0
-        for entry in self._to_write():
+        for entry in self._to_write(settled=True):
             if deadline is not None and time.monotonic() > deadline:
                 log.warning("flush stopped at its deadline; dirty entries left unwritten")
                 break
@@ -1041,7 +1162,7 @@ class PromptCache:
         victims = [entry, *self.store.owned(key)]
         if key.startswith("anon:"):
             # The id stats shows for an anonymous entry is its file key.
-            unnamed = [e for e in self.store if e.key is None and _file_key(e) == key]
+            unnamed = [e for e in self.store if e.key is None and self._file_key(e) == key]
             mem = mem or bool(unnamed)
             victims += unnamed
         for victim in victims:
@@ -1073,11 +1194,14 @@ class PromptCache:
         return self.store.name_pinned(key)
 
     def view(self) -> CacheSnapshot:
+        """Every entry and the totals, built from the whole store: what the
+        Trio side's ``CacheBook`` shows from the deltas (tests compare the
+        two). Costs every entry: never called per step."""
         entries = sorted(self.store, key=lambda e: (e.key is None, -e.last_use))
         now = self._clock()
         rows = tuple(
             CacheView(
-                cache_id=e.key if e.key is not None else _file_key(e),
+                cache_id=self._file_key(e) if e.key is None else e.key,
                 tokens=len(e.tokens),
                 bytes=e.nbytes,
                 kind="pin" if e.held_until > now else e.kind,
@@ -1091,13 +1215,49 @@ class PromptCache:
             )
             for e in entries
         )
-        c = self._counts
-        totals = CacheTotals(
+        totals = attrs.evolve(
+            self._totals(logical_bytes=sum(r.bytes for r in rows)),
             entries=len(rows),
             named=sum(1 for e in entries if e.key is not None),
+        )
+        return CacheSnapshot(rows, totals)
+
+    def delta(self) -> CacheDelta:
+        """What changed since the last delta, for the Trio side's
+        ``CacheBook``: the rows of the entries changed and the totals, all
+        kept current as entries change, so it costs what changed and never
+        what the store holds."""
+        changed, removed = self.store.take_changes()
+        for entry in removed:
+            self._anon_keys.pop(entry, None)
+        rows = tuple(
+            CacheRow(
+                serial=e.serial,
+                cache_id=self._file_key(e) if e.key is None else e.key,
+                tokens=len(e.tokens),
+                bytes=e.nbytes,
+                kind=e.kind,
+                last_used=e.used_at,
+                dirty=e.dirty,
+                pinned=bool(e.pins) or (e.key is not None and self.pinned(e.key)),
+                hits=e.hits,
+                held_until=e.held_until,
+                named=e.key is not None,
+                last_use=e.last_use,
+                salt=e.salt,
+            )
+            for e in changed
+        )
+        return CacheDelta(rows, tuple(e.serial for e in removed), self._totals(), self._clock())
+
+    def _totals(self, logical_bytes: int | None = None) -> CacheTotals:
+        c = self._counts
+        return CacheTotals(
+            entries=len(self.store),
+            named=self.store.named_count,
             blocks=self.store.block_count,
             bytes=self.store.total_bytes,
-            logical_bytes=sum(r.bytes for r in rows),
+            logical_bytes=self.store.logical_bytes if logical_bytes is None else logical_bytes,
             budget_bytes=self.store.budget_bytes,
             disk_entries=len(self.disk.index) if self.disk is not None else 0,
             disk_bytes=self.disk.total_bytes if self.disk is not None else 0,
@@ -1108,7 +1268,6 @@ class PromptCache:
             evictions=c["evictions"],
             seeded_prefixes=len(self._seeded_prefixes),
         )
-        return CacheSnapshot(rows, totals)
 
     @property
     def live_sequences(self) -> int:
