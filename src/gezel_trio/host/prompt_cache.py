@@ -939,24 +939,37 @@ class PromptCache:
         key = self._file_key(entry)
         if self._behind.get(entry) == key:
             return  # its write behind is the write
-        try:
-            state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
-        except Exception:
-            log.exception("cache write failed: the state could not be assembled")
+        if (state := self._assembled(entry)) is None:
             return
         if self.disk.save_behind(
             key,
             entry.tokens,
             state,
-            kind=entry.kind,
-            roster=entry.roster,
-            owner=entry.owner,
-            salt=entry.salt,
+            **self._described(entry),
             tag=entry,
             provisional=True,
         ):
             self._behind[entry] = key
             self.version += 1
+
+    def _assembled(self, entry: Entry) -> Any | None:
+        """The whole state of ``entry``, to write; ``None`` (logged) when
+        the backend could not join its blocks."""
+        try:
+            return self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
+        except Exception:
+            log.exception("cache write failed: the state could not be assembled")
+            return None
+
+    @staticmethod
+    def _described(entry: Entry) -> dict[str, Any]:
+        """What a file records of ``entry`` besides its tokens and state."""
+        return {
+            "kind": entry.kind,
+            "roster": entry.roster,
+            "owner": entry.owner,
+            "salt": entry.salt,
+        }
 
     def _write(self, entry: Entry) -> None:
         if self.disk is None or not entry.path:
@@ -965,19 +978,13 @@ class PromptCache:
             self.collect_behind(None)  # its write behind may already be the write
             if not entry.dirty:
                 return
-        try:
-            state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
-        except Exception:
-            log.exception("cache write failed: the state could not be assembled")
+        if (state := self._assembled(entry)) is None:
             return
         if self.disk.save(
             self._file_key(entry),
             entry.tokens,
             state,
-            kind=entry.kind,
-            roster=entry.roster,
-            owner=entry.owner,
-            salt=entry.salt,
+            **self._described(entry),
         ):
             self.store.clean(entry)
             self.version += 1
@@ -1059,10 +1066,7 @@ class PromptCache:
         for entry in self._to_write(min_age):
             if entry in self._behind or not entry.path:
                 continue
-            try:
-                state = self._ops.join_state([n.block for n in entry.path], entry.end, entry.rest)
-            except Exception:
-                log.exception("cache write failed: the state could not be assembled")
+            if (state := self._assembled(entry)) is None:
                 self._behind_after = time.monotonic() + BEHIND_BACKOFF
                 return False
             key = self._file_key(entry)
@@ -1070,10 +1074,7 @@ class PromptCache:
                 key,
                 entry.tokens,
                 state,
-                kind=entry.kind,
-                roster=entry.roster,
-                owner=entry.owner,
-                salt=entry.salt,
+                **self._described(entry),
                 tag=entry,
             ):
                 self._behind_after = time.monotonic() + BEHIND_BACKOFF
