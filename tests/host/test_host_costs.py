@@ -256,7 +256,7 @@ def test_the_disk_index_keeps_each_salt_to_itself() -> None:
     index["anon:n"] = DiskEntry("anon:n", tokens[:3], "x")
 
     def best(salt: str) -> str | None:
-        found = index.best(tokens + (10,), beat=0, trimmable=True, skip=lambda k: False, salt=salt)
+        found = index.best((*tokens, 10), beat=0, trimmable=True, skip=lambda k: False, salt=salt)
         return None if found is None else found.file_key
 
     assert (best("tenant-a"), best("tenant-b"), best(""), best("other")) == (
