@@ -64,7 +64,11 @@ def test_write_behind_makes_the_flush_find_nothing(tmp_path: Path) -> None:
     assert h.cache.write_behind()  # the named entry first
     assert h.cache.write_behind()  # then the anonymous one
     assert not h.cache.write_behind()  # nothing more, or two in flight
-    assert h.cache.collect_behind(None) == 2
+    # Each hand-over first collects the writes that landed already (a race
+    # with the writer thread), so how many this last collect counts varies:
+    # what matters is that none is left in flight and both entries are clean.
+    h.cache.collect_behind(None)
+    assert h.cache.writes_behind == 0
     assert not h.cache.write_behind()
     assert all(not e.dirty for e in h.cache.store)
     assert h.cache.flush() == 0
