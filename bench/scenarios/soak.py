@@ -32,12 +32,14 @@ failed healthy requests (an error, an error frame, or different text), bad
 requests not refused with a 4xx, and at the end, once idle: running/queued
 sequences, live request channels, pinned cache entries (all must be 0), the
 server's resident memory after warm-up (the first fifth of the run) and at
-the end, with the drift, the exit code on SIGTERM and how long the stop took
-with the stdout pipe full (it must be within ``--shutdown-timeout`` plus a
-second). Resident memory and ``/health``'s running/queued/live counts are
-sampled every 10 s (every hundredth of the run when that is shorter) for the
-curves. A run with a failure, a leak, an unclean or slow exit says ``FAIL`` in
-its notes and ``"passed": false`` in its JSON.
+the end, with the drift; the loaded trend (the mean RSS of the last fifth
+of the samples taken under load against their second fifth); the exit code
+on SIGTERM and how long the stop took with the stdout pipe full (it must be
+within ``--shutdown-timeout`` plus a second). Resident memory and
+``/health``'s running/queued/live counts are sampled every 10 s (every
+hundredth of the run when that is shorter) for the curves. A run with a
+failure, a leak, an unclean or slow exit says ``FAIL`` in its notes and
+``"passed": false`` in its JSON.
 
 Not in the default run (30 minutes); ``--quick`` soaks for half a minute with
 2 clients.
@@ -500,6 +502,14 @@ def _result(
         warm = [samples[0]["rss_kb"], samples[-1]["rss_kb"]]
     after_warmup, at_end = warm[0], warm[-1]
     drift = (at_end - after_warmup) / after_warmup * 100 if after_warmup else 0.0
+    # Under load RSS saws up and down with what is running (an 8 MB body, a
+    # batch of images): single samples are noisy, so the trend is the mean of
+    # the loaded samples' last fifth against their second fifth.
+    loaded = [s["rss_kb"] for s in samples[:-1]]
+    fifth = max(1, len(loaded) // 5)
+    early = statistics.mean(loaded[fifth : 2 * fifth] or loaded[:1])
+    late = statistics.mean(loaded[-fifth:] or loaded[-1:])
+    trend = (late - early) / early * 100 if early else 0.0
     leaked = bool(health["running"] or health["queued"] or health["live"] or pinned)
     passed = not soak.failures and not leaked and exit_code == 0 and stop_ok
     data: dict[str, Any] = {
@@ -519,7 +529,16 @@ def _result(
             "live_channels": health["live"],
             "pinned": pinned,
         },
-        "rss_kb": {"after_warmup": after_warmup, "end": at_end, "drift_pct": round(drift, 2)},
+        "rss_kb": {
+            "after_warmup": after_warmup,
+            "end": at_end,
+            "drift_pct": round(drift, 2),
+            "loaded_second_fifth_mean": round(early),
+            "loaded_last_fifth_mean": round(late),
+            "loaded_trend_pct": round(trend, 2),
+            "loaded_min": min(loaded, default=0),
+            "loaded_max": max(loaded, default=0),
+        },
         "exit_code": exit_code,
         "passed": passed,
         "samples": samples,
@@ -548,7 +567,7 @@ def _result(
         table(
             "At the end, once idle",
             "running:d | queued:d | live channels:d | pinned:d | RSS after warm-up MiB:.0f"
-            " | RSS at end MiB:.0f | drift %:.2f | exit code | stop s:.2f",
+            " | RSS at end MiB:.0f | drift %:.2f | loaded trend %:.2f | exit code | stop s:.2f",
             [
                 (
                     health["running"],
@@ -558,6 +577,7 @@ def _result(
                     after_warmup / 1024,
                     at_end / 1024,
                     drift,
+                    trend,
                     "killed" if exit_code is None else str(exit_code),
                     server.stop_s,
                 )
