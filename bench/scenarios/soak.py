@@ -56,6 +56,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,10 +193,7 @@ def _messages_stream(client: httpx.Client, prompt: str) -> tuple[str, str | None
     with client.stream("POST", "/v1/messages", json=body, headers=headers) as r:
         if r.status_code != 200:
             return "", f"status {r.status_code}: {r.read()[:200]!r}"
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+        for event in _events(r):
             kind = event.get("type")
             if kind == "error":
                 return "", json.dumps(event)[:300]
@@ -231,6 +229,13 @@ _ASK = {
 }
 
 
+def _events(r: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a server-sent event stream's ``data:`` lines."""
+    for line in r.iter_lines():
+        if line.startswith("data: {"):
+            yield json.loads(line[6:])
+
+
 def _stream_text(client: httpx.Client, body: dict[str, Any]) -> tuple[str, str | None]:
     """The streamed content and the first error frame, if any."""
     parts: list[str] = []
@@ -238,10 +243,7 @@ def _stream_text(client: httpx.Client, body: dict[str, Any]) -> tuple[str, str |
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         if r.status_code != 200:
             return "", f"status {r.status_code}: {r.read()[:200]!r}"
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+        for event in _events(r):
             if "error" in event:
                 error = json.dumps(event["error"])[:300]
                 continue
