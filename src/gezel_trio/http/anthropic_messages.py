@@ -25,6 +25,7 @@ import hashlib
 import re
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import trio
@@ -62,7 +63,7 @@ from .anthropic_wire import (
     parse_messages_request,
 )
 from .cache_diagnostics import FingerprintStore, fingerprint, system_block
-from .edge import ProtocolBlueprint, json_body, refusal
+from .edge import ProtocolBlueprint, json_view, refusal
 from .images import from_base64, from_data_url
 from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment, run_chat
 from .strict import dump_json, parse_json
@@ -701,9 +702,11 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("", methods=["POST"])
     async def messages() -> Response:
-        req = await json_body(parse_messages_request)
+        req, chat = await json_view(
+            parse_messages_request,
+            partial(chat_request, default_temperature=engine.config.default_temperature),
+        )
         tenant = current_tenant()
-        chat = chat_request(req, default_temperature=engine.config.default_temperature)
         prepared = await engine.prepare_chat(tenant.chat(chat, req.cache_salt))
         mid = f"msg_{uuid.uuid4().hex}"
         model = req.model or engine.info.model_id
@@ -731,9 +734,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
 
     @bp.route("/count_tokens", methods=["POST"])
     async def count_tokens() -> Response:
-        req = await json_body(parse_count_tokens_request)
-        images: list[ImagePart] = []
-        messages = chat_messages(req.system, req.messages, images)
+        req, (messages, images) = await json_view(parse_count_tokens_request, _counted)
         if images:
             # An image is as many tokens as its processor makes of it: the
             # engine prepares the whole request (decoding on a worker thread).
@@ -754,3 +755,9 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         return Response(dump_json(body), mimetype="application/json")
 
     return bp
+
+
+def _counted(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[ImagePart]]:
+    """``count_tokens``'s conversation in the template's roles, and its images."""
+    images: list[ImagePart] = []
+    return chat_messages(req.system, req.messages, images), images

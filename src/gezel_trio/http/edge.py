@@ -7,12 +7,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import trio
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, after_this_request, current_app, request
 
 from ..core.errors import EngineClosed, GezelError, QueueFull, QueueTimeout
 from ..engine import Engine
 from .sse import error_body
-from .strict import dump_json, parse_json, parse_json_yielding
+from .strict import dismantle, dump_json, parse_json, parse_json_yielding
 
 __all__ = [
     "Envelope",
@@ -25,10 +25,12 @@ __all__ = [
     "UnsupportedMedia",
     "error_response",
     "json_body",
+    "json_view",
     "refusal",
 ]
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 
 class Unauthorized(GezelError):
@@ -136,6 +138,23 @@ async def json_body(parse: Callable[[Any], T]) -> T:
 
     Cancellation while a worker parses leaves the parse to finish on its
     thread, its result dropped (a parse is bounded by the body's size)."""
+    return await _from_body(parse)
+
+
+async def json_view(parse: Callable[[Any], T], view: Callable[[T], V]) -> tuple[T, V]:
+    """``json_body(parse)`` and ``view`` of it (the engine's request a
+    protocol builds from its wire request), a large body's on the same
+    worker thread: building the engine's view of 4,096 messages of 50 parts
+    each held the loop 40-73 ms on every protocol."""
+
+    def both(body: Any) -> tuple[T, V]:
+        req = parse(body)
+        return req, view(req)
+
+    return await _from_body(both)
+
+
+async def _from_body(parse: Callable[[Any], T]) -> T:
     ctype = (request.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
     if ctype != "application/json":
         # A web page's text/plain form post (which a browser sends to any
@@ -144,9 +163,25 @@ async def json_body(parse: Callable[[Any], T]) -> T:
     raw = await request.get_data(as_text=False)
     if len(raw) < _INLINE_BODY_BYTES:
         return parse(parse_json(raw))
-    return await trio.to_thread.run_sync(
+    parsed = await trio.to_thread.run_sync(
         _parse_body, parse, raw, limiter=_body_parsers(), abandon_on_cancel=True
     )
+    _free_off_loop(parsed)
+    return parsed
+
+
+def _free_off_loop(parsed: object) -> None:
+    """Have ``parsed`` freed on a worker thread, a slice at a time, when the
+    request has its response (unless something else, a running stream,
+    still holds it): freeing 200k content parts where the route dropped
+    them held the loop 15-21 ms."""
+    held = [parsed]
+
+    async def free(response: Any) -> Any:  # quart's or werkzeug's Response
+        await trio.to_thread.run_sync(dismantle, held, limiter=_body_parsers())
+        return response
+
+    after_this_request(free)
 
 
 def _parse_body(parse: Callable[[Any], T], raw: str | bytes) -> T:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 import attrs
@@ -30,7 +31,7 @@ from ..engine import (
 )
 from ..shaping.custom_tools import RawInput, custom_input
 from ..shaping.shaper import ReasoningDelta, ReasoningFormat, TextDelta, ToolCallDelta
-from .edge import ProtocolBlueprint, error_response, json_body, refusal
+from .edge import ProtocolBlueprint, error_response, json_view, refusal
 from .openai_wire import (
     ChatCompletionRequest,
     custom_formats,
@@ -325,12 +326,14 @@ def blueprint(
     @bp.route("/v1/chat/completions", methods=["POST"])
     @bp.route("/chat/completions", methods=["POST"])
     async def chat_completions() -> Response:
-        req = await json_body(parse_chat_request)
-        chat = chat_request(
-            req,
-            vision=engine.info.vision,
-            default_temperature=engine.config.default_temperature,
-            reasoning_format=reasoning_format,
+        req, chat = await json_view(
+            parse_chat_request,
+            partial(
+                chat_request,
+                vision=engine.info.vision,
+                default_temperature=engine.config.default_temperature,
+                reasoning_format=reasoning_format,
+            ),
         )
         prepared = await engine.prepare_chat(current_tenant().chat(chat, req.cache_salt))
         cid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 from quart import Response
@@ -32,7 +33,7 @@ from ..engine import (
     combined_usage,
 )
 from ..shaping.shaper import TextDelta
-from .edge import ProtocolBlueprint, error_response, json_body, refusal
+from .edge import ProtocolBlueprint, error_response, json_body, json_view, refusal
 from .openai_wire import (
     CompletionRequest,
     parse_completion_request,
@@ -222,8 +223,10 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     @bp.route("/v1/completions", methods=["POST"])
     @bp.route("/completions", methods=["POST"])
     async def completions() -> Response:
-        req = await json_body(parse_completion_request)
-        chat = completion_request(req, default_temperature=engine.config.default_temperature)
+        req, chat = await json_view(
+            parse_completion_request,
+            partial(completion_request, default_temperature=engine.config.default_temperature),
+        )
         prepared = await engine.prepare_chat(current_tenant().chat(chat, req.cache_salt))
         echo = await _echo(engine, req, prepared.request.prompt)
         cid = f"cmpl-{uuid.uuid4().hex}"

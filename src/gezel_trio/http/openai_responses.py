@@ -57,7 +57,7 @@ from ..engine import (
 from ..shaping.custom_tools import RawInput, as_function, custom_input, input_arguments
 from ..shaping.replies import TAIL_TOKENS, GeneratedReply, ReplyLedger, ReplySeal
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
-from .edge import NotFound, ProtocolBlueprint, error_response, json_body, refusal
+from .edge import NotFound, ProtocolBlueprint, error_response, json_view, refusal
 from .images import from_data_url
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
@@ -219,6 +219,11 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict
                     msg = assistant()
                     msg["reasoning_content"] = msg.get("reasoning_content", "") + text
     return out
+
+
+def _input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input items as chat messages (``items_to_messages``)."""
+    return items_to_messages(req.items)
 
 
 def _restore_sealed(
@@ -902,7 +907,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
 
     @bp.route("", methods=["POST"])
     async def create_response() -> Response:
-        req = await json_body(parse_responses_request)
+        req, new = await json_view(parse_responses_request, _input_messages)
         tenant = current_tenant()
         prev: StoredResponse | None = None
         if req.previous_response_id is not None:
@@ -918,7 +923,6 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
                     f"previous response {shown(prev.id)} has not finished",
                     param="previous_response_id",
                 )
-        new = items_to_messages(req.items)
         _restore_sealed(engine.replies, req.items, new)
         history = (prev.messages if prev is not None else []) + new
         if not history:
