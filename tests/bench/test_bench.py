@@ -142,3 +142,45 @@ def test_plots_become_one_png(tmp_path: Path) -> None:
     ]
     assert _report.write_png(tmp_path / "p.png", "title", plots)
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_puts_each_sample_in_the_innermost_named_category() -> None:
+    from bench.scenarios.profile import tally
+
+    host = (
+        "thread (61): gezel-mlx-host;Thread.run (threading.py:982);"
+        "_in_thread (gezel_trio/host/loop.py:727);_Host.step (gezel_trio/host/loop.py:364);"
+        "MlxBackend.step (gezel_trio/mlx/backend.py:965);"
+        "GenerationBatch._step (mlx_lm/generate.py:1434)"
+    )
+    graph = host + ";Model.__call__ (mlx_lm/models/llama.py:215)"
+    exchange = (
+        "thread (61): gezel-mlx-host;_in_thread (gezel_trio/host/loop.py:727);"
+        "from_thread_run_sync (trio/_threads.py:590);"
+        "_send_message_to_trio (trio/_threads.py:528)"
+    )
+    idle = (
+        "thread (56): MainThread;run (trio/_core/_run.py:2535);"
+        "EpollIOManager.get_events (trio/_core/_io_epoll.py:243)"
+    )
+    write = (
+        "thread (56): MainThread;HTTPStream.app_send (hypercorn/protocol/http_stream.py:196);"
+        "SocketStream.send_all (trio/_highlevel_socket.py:120)"
+    )
+    raw = "\n".join(
+        [
+            f"{host} 7",
+            f"{graph} 2",
+            f"{exchange} 3",
+            f"{idle} 5",
+            f"{write} 1",
+            "thread (9): other 4",
+        ]
+    )
+    got = tally(raw)
+    assert got["host"] == {
+        "waiting for MLX (the step computing)": 7,
+        "building the model graph": 2,
+        "exchange with the Trio thread": 3,
+    }
+    assert got["trio"] == {"idle (epoll)": 5, "socket write": 1}
