@@ -18,9 +18,11 @@ One run measures, side by side and on the same model, prompt and token budget:
 ``gezel-q4`` (``--default-model`` only)
     gezel-trio on the quantized weights with ``--keep-quantized``.
 
-All systems run on the same OpenBLAS (``bench/_servers.py``). The default
-model is the dense demo model of ``--size``; ``--model DIR`` measures another
-one; ``--default-model`` measures SmolLM2-135M-Instruct, what ``gezel-trio
+All systems run on the same OpenBLAS (``bench/_servers.py``) and the same
+float32 weights, as gezel-trio computes on the CPU (a float32 copy of the
+model, made once: the demo models are bf16 on disk, and bf16 matmuls skip
+BLAS, which doubled a bench model's step). The default model is the dense
+demo model of ``--size``; ``--model DIR`` measures another one; ``--default-model`` measures SmolLM2-135M-Instruct, what ``gezel-trio
 serve`` serves by default. On the CPU gezel-trio holds its Q4_1 weights as
 float32, so every system gets the same float32 copy, and ``gezel-q4`` shows
 what holding float32 buys.
@@ -247,7 +249,10 @@ def run(ctx: Context) -> Result:
         quantized = _servers.default_model()
         model_dir = _servers.float32_copy(quantized, quantized.parents[2] / "bench-float32")
     else:
-        model_dir = a.model if a.model is not None else ctx.demo_model("dense")
+        # The demo models are bf16 on disk; gezel-trio computes in float32 on
+        # the CPU (OpenBLAS), so every system gets the same float32 copy.
+        stored = a.model if a.model is not None else ctx.demo_model("dense")
+        model_dir = _servers.float32_copy(stored, stored.parent / "bench-float32")
     systems = list(a.systems or [s for s in SYSTEMS if s != "gezel-q4" or quantized is not None])
     if "gezel-q4" in systems and quantized is None:
         raise ValueError("gezel-q4 needs --default-model")

@@ -142,7 +142,9 @@ def run(ctx: Context) -> Result:
             _servers.default_model(), _servers.default_model().parents[2] / "bench-float32"
         )
     else:
-        model_dir = a.model if a.model is not None else ctx.demo_model("dense")
+        # float32, as gezel-trio computes on the CPU (see ``decode``).
+        stored = a.model if a.model is not None else ctx.demo_model("dense")
+        model_dir = _servers.float32_copy(stored, stored.parent / "bench-float32")
     streams = sorted(set(a.streams))
     flags = ["--max-concurrency", str(max(streams)), "--log-level", "WARNING"]
     rounds = []
