@@ -22,7 +22,8 @@ All systems run on the same OpenBLAS (``bench/_servers.py``) and the same
 float32 weights, as gezel-trio computes on the CPU (a float32 copy of the
 model, made once: the demo models are bf16 on disk, and bf16 matmuls skip
 BLAS, which doubled a bench model's step). The default model is the dense
-demo model of ``--size``; ``--model DIR`` measures another one; ``--default-model`` measures SmolLM2-135M-Instruct, what ``gezel-trio
+demo model of ``--size``; ``--model DIR`` measures another one;
+``--default-model`` measures SmolLM2-135M-Instruct, what ``gezel-trio
 serve`` serves by default. On the CPU gezel-trio holds its Q4_1 weights as
 float32, so every system gets the same float32 copy, and ``gezel-q4`` shows
 what holding float32 buys.
