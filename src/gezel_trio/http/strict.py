@@ -227,12 +227,10 @@ def _empty_list(items: list[Any]) -> None:
         chunk = items[-size:]
         del items[-size:]
         kinds = set(map(type, chunk))
-        if kinds <= _LEAVES:
-            size = _LEAF_SLICE  # nothing inside to free: larger slices
-        elif len(kinds) == 1 and _leaves_only(chunk, kinds.pop()):
-            size = _SLICE  # instances of numbers and strings: freed whole
-        else:
-            size = _SLICE
+        # Numbers and strings hold nothing: the next slice may be larger.
+        size = _LEAF_SLICE if kinds <= _LEAVES else _SLICE
+        # Instances of one attrs class that hold only those are freed whole.
+        if size == _SLICE and not (len(kinds) == 1 and _leaves_only(chunk, kinds.pop())):
             for i in range(len(chunk)):
                 _hollow(chunk[i])
         del chunk
