@@ -498,6 +498,13 @@ class HostLink:
     async def wait_for_work(self) -> None:
         await self._wake.wait()
 
+    @property
+    def wants_answer(self) -> bool:
+        """Read by the host thread between two steps (``EngineLink``): work
+        arrived since the last orders were made. A plain flag read; a stale
+        ``False`` costs that work one step."""
+        return self._wake.is_set()
+
     def exchange(self, report: StepReport) -> Orders:
         """Take one step's report; return the orders for the next."""
         now = trio.current_time()

@@ -157,8 +157,15 @@ class Orders:
 
 class EngineLink(Protocol):
     """The Trio side, as the host loop sees it; every method runs in the
-    Trio thread (the threaded host reaches them through ``trio.from_thread``)."""
+    Trio thread (the threaded host reaches them through its Trio token).
 
+    ``wants_answer`` is the one thing the host thread reads itself, without
+    the Trio thread: ``True`` when something arrived since the last orders
+    (a request, a withdrawal, a command, the close) that the next orders
+    must answer before the host steps on."""
+
+    @property
+    def wants_answer(self) -> bool: ...
     def ready(
         self,
         info: ModelInfo,
