@@ -312,6 +312,20 @@ class ChatHandle:
             index, event = await self._handle.__anext__()
             self.choices[index]._take(event)
 
+    def next_nowait(self) -> tuple[ChatChoice, ChatEvent] | None:
+        """The next choice's event if one is already there, else ``None``
+        (also after the last); never blocks. A stream that fell behind its
+        sequence takes what waits this way and writes it at once."""
+        while True:
+            for choice in self.choices:
+                if choice._pending:
+                    return choice, choice._pending.popleft()
+            got = self._handle.next_nowait()
+            if got is None:
+                return None
+            index, event = got
+            self.choices[index]._take(event)
+
 
 def _nothing() -> None:
     pass

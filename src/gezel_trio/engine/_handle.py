@@ -95,11 +95,30 @@ class RequestHandle:
         try:
             index, event = await self.events.receive()
         except trio.EndOfChannel:
-            # Every sender closed without a terminal event for this member:
-            # the engine stopped, or dropped a reader that fell behind.
-            index = self._done.index(False)
-            self._done[index] = True
-            return index, Failed(self._tickets[index].error or EngineClosed("the engine stopped"))
+            return self._cut_short()
+        return self._took(index, event)
+
+    def next_nowait(self) -> tuple[int, Event] | None:
+        """The next member's event if one is already waiting, else ``None``
+        (also once every member ended); never blocks, never checkpoints."""
+        if all(self._done):
+            return None
+        try:
+            index, event = self.events.receive_nowait()
+        except trio.WouldBlock:
+            return None
+        except trio.EndOfChannel:
+            return self._cut_short()
+        return self._took(index, event)
+
+    def _took(self, index: int, event: Event) -> tuple[int, Event]:
         if isinstance(event, Finished | Failed):
             self._done[index] = True
         return index, event
+
+    def _cut_short(self) -> tuple[int, Event]:
+        """Every sender closed without a terminal event for a member: the
+        engine stopped, or dropped a reader that fell behind."""
+        index = self._done.index(False)
+        self._done[index] = True
+        return index, Failed(self._tickets[index].error or EngineClosed("the engine stopped"))
