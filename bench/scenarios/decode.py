@@ -5,8 +5,7 @@ One run measures, side by side and on the same model, prompt and token budget:
 ``raw``
     mlx-lm's ``BatchGenerator`` driven in-process by a tight ``next()`` loop,
     with no stop sequences (so every sequence runs exactly ``--tokens``). It
-    runs in a child process that exits before any server starts, so it never
-    shares the CPU with a server.
+    runs in a child process that waits, idle, while a server is measured.
 ``gezel``
     ``python -m gezel_trio serve --max-concurrency MAX(streams)`` over HTTP
     SSE, with ``ignore_eos: true``.
@@ -28,8 +27,13 @@ serve`` serves by default. On the CPU gezel-trio holds its Q4_1 weights as
 float32, so every system gets the same float32 copy, and ``gezel-q4`` shows
 what holding float32 buys.
 
-The systems run one after another, never together. Each gets one warm-up
-request first (a 32-token reply to the short prompt below). All requests are
+Every system is started first (raw as a ``bench._worker.Session``, a child
+that waits for each round) and stays up for the run, idle while another is
+measured; the decode rounds then interleave: for each repeat and stream
+count, one round of every system, in an order that turns each repeat, so a
+slow spell of a shared machine falls on all of them alike. Only one system
+computes at a time. Each gets one warm-up request first (a 32-token reply to
+the short prompt below) and its prefill rows right after it. All requests are
 greedy (``temperature: 0``), carry the same single short user message
 rendered with ``enable_thinking=False``, and ask for ``max_tokens =
 --tokens``. N concurrent streams are N identical requests released together
@@ -63,7 +67,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,10 +112,12 @@ def chat_body(system: str, max_tokens: int) -> dict[str, Any]:
 # --- raw mlx-lm (in a child process, bench._worker) ---------------------------
 
 
-def raw_worker(
-    model_dir: str, streams: list[int], max_tokens: int, repeats: int, prefill: list[int]
+def raw_session(
+    model_dir: str, width: int, requests: Iterator[dict[str, Any]]
 ) -> Iterator[dict[str, Any]]:
-    """Measure ``BatchGenerator``: prefill rows, then one row per round."""
+    """Measure ``BatchGenerator`` (a ``bench._worker.Session``): for each
+    request, ``{"prefill": N}`` (one cold prefill row) or ``{"streams": n,
+    "tokens": t}`` (one decode round), one dict back."""
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.utils import load
 
@@ -119,7 +125,6 @@ def raw_worker(
     prompt: list[int] = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, enable_thinking=False
     )
-    width = max(streams)
 
     def one_round(n: int, tokens: int) -> list[StreamTiming]:
         # Fresh generator per round, sized like gezel's (batch = max streams);
@@ -150,8 +155,7 @@ def raw_worker(
         finally:
             gen.close()
 
-    one_round(1, min(max_tokens, 32))  # warm-up
-    for part, n_tokens in enumerate(prefill):
+    def prefill(part: int, n_tokens: int) -> dict[str, Any]:
         long: list[int] = tokenizer.apply_chat_template(
             [{"role": "user", "content": long_prompt(n_tokens, part)}],
             add_generation_prompt=True,
@@ -166,27 +170,15 @@ def raw_worker(
             ttft = time.perf_counter() - t0
         finally:
             gen.close()
-        yield {"prefill": {"system": "raw", "prompt_tokens": len(long), "cold_s": ttft}}
-    for n in streams:
-        for _ in range(repeats):
-            m = aggregate("raw", max_tokens, one_round(n, max_tokens))
-            yield {"round": attrs.asdict(m)}
+        return {"system": "raw", "prompt_tokens": len(long), "cold_s": ttft, "warm_s": None}
 
-
-def run_raw(
-    model_dir: Path, streams: list[int], max_tokens: int, repeats: int, prefill: list[int]
-) -> tuple[list[Measurement], list[dict[str, Any]]]:
-    rows = _worker.run(
-        f"{__name__}:raw_worker",
-        model_dir=str(model_dir),
-        streams=streams,
-        max_tokens=max_tokens,
-        repeats=repeats,
-        prefill=prefill,
-    )
-    rounds = [Measurement(**r["round"]) for r in rows if "round" in r]
-    pre = [{**r["prefill"], "warm_s": None} for r in rows if "prefill" in r]
-    return rounds, pre
+    one_round(1, 32)  # warm-up
+    for req in requests:
+        if "prefill" in req:
+            yield prefill(req["part"], req["prefill"])
+        else:
+            n, tokens = req["streams"], req["tokens"]
+            yield attrs.asdict(aggregate("raw", tokens, one_round(n, tokens)))
 
 
 # --- HTTP systems ---------------------------------------------------------------
@@ -214,6 +206,33 @@ def prefill_http(url: str, system: str, prompt: str) -> dict[str, Any]:
 def http_round(url: str, system: str, n: int, max_tokens: int) -> Measurement:
     logs = _sse.streams_together(url, chat_body(system, max_tokens), n, system)
     return aggregate(system, max_tokens, [StreamTiming.of(log) for log in logs])
+
+
+def _start(
+    stack: contextlib.ExitStack,
+    system: str,
+    model_dir: Path,
+    quantized: Path | None,
+    width: int,
+    ctx: Context,
+    prefill: list[int],
+    pre: list[dict[str, Any]],
+) -> Callable[[int], Measurement]:
+    """Start ``system`` on ``stack``, warm it up, measure its prefill rows
+    into ``pre``; returns how to measure one decode round of n streams."""
+    tokens = ctx.args.tokens
+    if system == "raw":
+        session = stack.enter_context(
+            _worker.Session(f"{__name__}:raw_session", model_dir=str(model_dir), width=width)
+        )
+        for part, n_tokens in enumerate(prefill):
+            pre.append(session.ask({"prefill": n_tokens, "part": part}))
+        return lambda n: Measurement(**session.ask({"streams": n, "tokens": tokens}))
+    url = stack.enter_context(_serve(system, model_dir, quantized, width, ctx.workdir))
+    http_round(url, system, 1, min(tokens, 32))  # warm-up
+    for part, n_tokens in enumerate(prefill):
+        pre.append(prefill_http(url, system, long_prompt(n_tokens, part)))
+    return lambda n: http_round(url, system, n, tokens)
 
 
 @contextlib.contextmanager
@@ -261,20 +280,23 @@ def run(ctx: Context) -> Result:
     width = max(streams)
     results: list[Measurement] = []
     pre: list[dict[str, Any]] = []
-    for system in systems:
-        with ctx.phase(system):
-            if system == "raw":
-                got, rows = run_raw(model_dir, streams, a.tokens, a.repeats, prefill)
-                results += got
-                pre += rows
-                continue
-            with _serve(system, model_dir, quantized, width, ctx.workdir) as url:
-                http_round(url, system, 1, min(a.tokens, 32))  # warm-up
-                for part, n_tokens in enumerate(prefill):
-                    pre.append(prefill_http(url, system, long_prompt(n_tokens, part)))
+    with contextlib.ExitStack() as stack:
+        # Every system stays up for the whole run, idle while another is
+        # measured, so the rounds interleave and a slow spell of the machine
+        # (a shared host) falls on every system alike.
+        rounds: dict[str, Callable[[int], Measurement]] = {}
+        for system in systems:
+            with ctx.phase(f"{system}: start, warm up, prefill"):
+                rounds[system] = _start(
+                    stack, system, model_dir, quantized, width, ctx, prefill, pre
+                )
+        with ctx.phase(f"decode rounds, interleaved, {a.repeats} each"):
+            for r in range(a.repeats):
                 for n in streams:
-                    for _ in range(a.repeats):
-                        results.append(http_round(url, system, n, a.tokens))
+                    # The order turns each round: no system always goes first.
+                    turn = r % len(systems)
+                    for system in systems[turn:] + systems[:turn]:
+                        results.append(rounds[system](n))
 
     data = {
         "model": str(model_dir),

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -184,3 +185,24 @@ def test_profile_puts_each_sample_in_the_innermost_named_category() -> None:
         "exchange with the Trio thread": 3,
     }
     assert got["trio"] == {"idle (epoll)": 5, "socket write": 1}
+
+
+def counting_session(start: int, requests: Any) -> Any:
+    """A ``bench._worker.Session`` target: answers each request with a running count."""
+    total = start
+    for req in requests:
+        if req.get("fail"):
+            raise ValueError("asked to fail")
+        total += req["add"]
+        yield {"total": total}
+
+
+def test_a_worker_session_answers_each_request_in_turn_and_reports_its_death() -> None:
+    from bench import _worker
+
+    target = f"{__name__}:counting_session"
+    with _worker.Session(target, start=10) as session:
+        assert session.ask({"add": 1}) == {"total": 11}
+        assert session.ask({"add": 5}) == {"total": 16}  # the same child: its state kept
+        with pytest.raises(RuntimeError, match="asked to fail"):
+            session.ask({"fail": True})
