@@ -181,6 +181,7 @@ def gezel_server(
     stop_timeout: float = STOP_TIMEOUT_S,
     stored_weights: bool = True,
     read_stdout: bool = True,
+    stalls: Path | None = None,
 ) -> Iterator[Server]:
     """Start ``gezel-trio serve`` with ``flags`` on a free port, its stderr in
     ``log``; yield once it says it is listening; always stop it with
@@ -188,9 +189,16 @@ def gezel_server(
     server's ``system`` name. ``stored_weights``: ``--keep-quantized``, the
     weights the other systems load (see the module docstring).
     ``read_stdout=False``: once listening, its stdout is never read again (a
-    supervisor that stopped reading: the pipe fills and stays full)."""
+    supervisor that stopped reading: the pipe fills and stays full).
+    ``stalls``: run it through ``bench/_gezel_stalls.py``, which records the
+    Trio thread's stalls in that file."""
+    launcher = (
+        [str(Path(__file__).with_name("_gezel_stalls.py")), str(stalls)]
+        if stalls is not None
+        else ["-m", "gezel_trio"]
+    )
     cmd = [
-        sys.executable, "-m", "gezel_trio", "serve",
+        sys.executable, *launcher, "serve",
         "--model", str(model_dir),
         "--host", HOST,
         "--port", "0",

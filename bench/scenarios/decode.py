@@ -73,7 +73,7 @@ from typing import Any
 
 import attrs
 
-from bench import _servers, _sse, _worker
+from bench import _gezel_stalls, _servers, _sse, _worker
 from bench._report import ratio
 from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
 from bench._sse import Measurement, StreamTiming, aggregate
@@ -217,9 +217,11 @@ def _start(
     ctx: Context,
     prefill: list[int],
     pre: list[dict[str, Any]],
+    stalls: list[dict[str, Any]],
 ) -> Callable[[int], Measurement]:
     """Start ``system`` on ``stack``, warm it up, measure its prefill rows
-    into ``pre``; returns how to measure one decode round of n streams."""
+    into ``pre``; returns how to measure one decode round of n streams
+    (for gezel, with its Trio thread's stalls during the round in ``stalls``)."""
     tokens = ctx.args.tokens
     if system == "raw":
         session = stack.enter_context(
@@ -228,16 +230,32 @@ def _start(
         for part, n_tokens in enumerate(prefill):
             pre.append(session.ask({"prefill": n_tokens, "part": part}))
         return lambda n: Measurement(**session.ask({"streams": n, "tokens": tokens}))
-    url = stack.enter_context(_serve(system, model_dir, quantized, width, ctx.workdir))
+    watch = ctx.workdir / f"{system}-stalls.json" if system.startswith("gezel") else None
+    url = stack.enter_context(_serve(system, model_dir, quantized, width, ctx.workdir, watch))
     http_round(url, system, 1, min(tokens, 32))  # warm-up
     for part, n_tokens in enumerate(prefill):
         pre.append(prefill_http(url, system, long_prompt(n_tokens, part)))
-    return lambda n: http_round(url, system, n, tokens)
+    if watch is None:
+        return lambda n: http_round(url, system, n, tokens)
+
+    def watched(n: int) -> Measurement:
+        _gezel_stalls.mark(watch)
+        m = http_round(url, system, n, tokens)
+        seen = _gezel_stalls.read_stalls(watch, after=time.time())
+        stalls.append({"system": system, "streams": n, **seen})
+        return m
+
+    return watched
 
 
 @contextlib.contextmanager
 def _serve(
-    system: str, model_dir: Path, quantized: Path | None, width: int, workdir: Path
+    system: str,
+    model_dir: Path,
+    quantized: Path | None,
+    width: int,
+    workdir: Path,
+    stalls: Path | None = None,
 ) -> Iterator[str]:
     log = workdir / f"{system}.log"
     if system == "mlx_lm.server":
@@ -246,7 +264,7 @@ def _serve(
         return
     flags = ["--max-concurrency", str(width), "--log-level", "WARNING"]
     model = quantized if system == "gezel-q4" and quantized is not None else model_dir
-    with _servers.gezel_server(model, log, flags, label=system) as srv:
+    with _servers.gezel_server(model, log, flags, label=system, stalls=stalls) as srv:
         yield srv.url
 
 
@@ -280,6 +298,7 @@ def run(ctx: Context) -> Result:
     width = max(streams)
     results: list[Measurement] = []
     pre: list[dict[str, Any]] = []
+    stalls: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         # Every system stays up for the whole run, idle while another is
         # measured, so the rounds interleave and a slow spell of the machine
@@ -288,7 +307,7 @@ def run(ctx: Context) -> Result:
         for system in systems:
             with ctx.phase(f"{system}: start, warm up, prefill"):
                 rounds[system] = _start(
-                    stack, system, model_dir, quantized, width, ctx, prefill, pre
+                    stack, system, model_dir, quantized, width, ctx, prefill, pre, stalls
                 )
         with ctx.phase(f"decode rounds, interleaved, {a.repeats} each"):
             for r in range(a.repeats):
@@ -310,10 +329,11 @@ def run(ctx: Context) -> Result:
         "median_tok_s": {s: {str(n): median_by(results, s, n) for n in streams} for s in systems},
         "runs": results,
         "prefill": pre,
+        "stalls": stalls,
     }
     return Result(
         data=data,
-        tables=_tables(results, pre, streams, systems),
+        tables=[*_tables(results, pre, streams, systems), *_stall_tables(stalls, streams)],
         plots=_plots(results, pre, streams, systems),
         notes=(
             ["SHORT: some stream ended before max_tokens (EOS); its tokens are still counted."]
@@ -322,6 +342,49 @@ def run(ctx: Context) -> Result:
         ),
         title=f"model {model_dir.name}, {a.tokens} tokens per stream, median of {a.repeats}",
     )
+
+
+def _cost_ms(results: list[Measurement], system: str, n: int) -> float | None:
+    """What ``system`` adds to each generated token over raw, in ms: the
+    difference of the medians' time per token (aggregate tok/s)."""
+    got, raw = median_by(results, system, n), median_by(results, "raw", n)
+    if got is None or raw is None or got <= 0 or raw <= 0:
+        return None
+    return 1e3 / got - 1e3 / raw
+
+
+def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Table]:
+    """The Trio thread during the decode rounds (``bench/_gezel_stalls.py``):
+    a 5 ms heartbeat's lateness and the task steps of 8 ms or more."""
+    rows = []
+    for system in sorted({r["system"] for r in stalls}):
+        for n in streams:
+            got = [r for r in stalls if r["system"] == system and r["streams"] == n and r]
+            if not got:
+                continue
+            worst = [r["long_steps"][0][0] for r in got if r.get("long_steps")]
+            rows.append(
+                (
+                    system,
+                    n,
+                    statistics.median(r["late_p99_ms"] or 0.0 for r in got),
+                    max(r["late_max_ms"] or 0.0 for r in got),
+                    sum(r.get("long_step_count", 0) for r in got),
+                    max(worst) if worst else 0.0,
+                )
+            )
+    if not rows:
+        return []
+    return [
+        table(
+            "The Trio thread while streams decode",
+            "system | streams:d | heartbeat late p99 ms:.2f | late max ms:.2f"
+            " | task steps >= 8 ms:d | longest step ms:.1f",
+            rows,
+            "a task sleeping 5 ms, how late it woke (median over rounds of each round's p99;"
+            " max over all); task steps timed by a Trio instrument",
+        )
+    ]
 
 
 def _tables(
@@ -351,11 +414,18 @@ def _tables(
         )
     ]
     pairs = [(x, y) for x, y in _RATIOS if x in systems and y in systems]
+    costs = [x for x in systems if x != "raw"] if "raw" in systems else []
     if pairs:
         out.append(
             table(
                 "Ratios of the medians",
-                " | ".join(["streams:d", *(f"{x} / {y}:.3f" for x, y in pairs)]),
+                " | ".join(
+                    [
+                        "streams:d",
+                        *(f"{x} / {y}:.3f" for x, y in pairs),
+                        *(f"{x} ms/token over raw:.3f" for x in costs),
+                    ]
+                ),
                 [
                     (
                         n,
@@ -363,9 +433,12 @@ def _tables(
                             ratio(median_by(results, x, n), median_by(results, y, n))
                             for x, y in pairs
                         ),
+                        *(_cost_ms(results, x, n) for x in costs),
                     )
                     for n in streams
                 ],
+                "ms/token over raw: 1000/tok_s - 1000/raw_tok_s, what a system adds per"
+                " generated token (all streams together)",
             )
         )
     if pre:

@@ -483,7 +483,10 @@ def run(ctx: Context) -> Result:
     a = ctx.args
     if a.repeats < 1 or a.admission_repeats < 1 or a.settle < 1:
         raise ValueError("--repeats, --admission-repeats and --settle must be >= 1")
-    model_dir: Path = a.model if a.model is not None else ctx.demo_model("dense")
+    stored: Path = a.model if a.model is not None else ctx.demo_model("dense")
+    # The demo models are bf16 on disk; every system gets the float32 copy
+    # gezel-trio computes with on the CPU (bf16 matmuls skip OpenBLAS).
+    model_dir = _servers.float32_copy(stored, stored.parent / "bench-float32")
     sections = set(a.sections)
     r = _Run(a, ctx)
     base = ["--max-concurrency", str(a.max_concurrency), "--prefill-step-size", "512"]
