@@ -124,12 +124,14 @@ def main() -> None:
 
     def watched(fn: Any, *args: Any, **kwargs: Any) -> Any:
         async def both() -> Any:
+            got: list[Any] = []
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_heartbeat, out, steps)
                 try:
-                    return await fn(*args)
+                    got.append(await fn(*args))
                 finally:
                     nursery.cancel_scope.cancel()
+            return got[0]
 
         return run(both, instruments=[steps], **kwargs)
 
