@@ -27,11 +27,15 @@ print(2 * 512**3 * 5 / (time.perf_counter() - t) / 1e9)
 """
 
 
-def _python(code: str, *, preload: bool = True, warnings_as_errors: bool = False) -> str:
+def _python(
+    code: str, *, preload: bool = True, warnings_as_errors: bool = False, threads: str | None = None
+) -> str:
     unset = ("GEZEL_TRIO_PRELOAD_BLAS", "OPENBLAS_NUM_THREADS")
     env = {k: v for k, v in os.environ.items() if k not in unset}
     if not preload:
         env["GEZEL_TRIO_PRELOAD_BLAS"] = "0"
+    if threads is not None:
+        env["OPENBLAS_NUM_THREADS"] = threads
     flags = ["-W", "error::RuntimeWarning"] if warnings_as_errors else []
     out = subprocess.run(
         [sys.executable, *flags, "-c", code],
@@ -43,10 +47,27 @@ def _python(code: str, *, preload: bool = True, warnings_as_errors: bool = False
     return out.stdout + out.stderr
 
 
-def test_importing_gezel_trio_first_binds_mlx_to_openblas() -> None:
-    said = _python("import gezel_trio.mlx.blas as b, mlx.core; print(b.describe())")
-    assert "OpenBLAS (ngsolve-openblas, preloaded, 1 thread)" in said
+def test_importing_gezel_trio_first_binds_mlx_to_openblas_on_the_usable_cores() -> None:
+    code = (
+        "import gezel_trio.mlx.blas as b, mlx.core, ctypes; print(b.describe()); "
+        "print('threads', ctypes.CDLL(None).openblas_get_num_threads())"
+    )
+    said = _python(code)
+    cores = len(os.sched_getaffinity(0))
+    threads = "1 thread" if cores == 1 else f"{cores} threads (the usable cores)"
+    assert f"OpenBLAS (ngsolve-openblas, preloaded, {threads})" in said
     assert "cblas_sgemm from libopenblas" in said
+    assert f"threads {cores}" in said  # what OpenBLAS itself says
+
+
+def test_the_thread_count_is_the_environments_when_it_names_one() -> None:
+    code = (
+        "import gezel_trio.mlx.blas as b, mlx.core, ctypes; print(b.describe()); "
+        "print('threads', ctypes.CDLL(None).openblas_get_num_threads())"
+    )
+    said = _python(code, threads="1")
+    assert "OpenBLAS (ngsolve-openblas, preloaded, 1 threads (OPENBLAS_NUM_THREADS))" in said
+    assert "threads 1" in said
 
 
 def test_the_preload_makes_mlx_matmuls_many_times_faster() -> None:
