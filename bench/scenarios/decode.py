@@ -54,8 +54,9 @@ stream admitted after another has started, is included. ``spread`` is
 
 Prefill (``--prefill-tokens N ...``, after the warm-up and before any decode
 round): for each N, one greedy request whose user message is about N tokens
-of English (``demo_data/corpus.txt``, each length from its own place in the
-text, so no length shares a cached prefix with another) and ``max_tokens:
+of English (``src/gezel_trio/mlx/demo_data/corpus.txt``, each length from
+its own place in the text, so no length shares a cached prefix with
+another) and ``max_tokens:
 1``. TTFT cold is its time to the first token, prefill tok/s its prompt
 tokens over that time (raw: time to the first token of a fresh
 ``BatchGenerator``); the same request again gives TTFT warm, the prompt
@@ -80,7 +81,7 @@ from bench._sse import Measurement, StreamTiming, aggregate
 
 PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
 SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4")
-_CORPUS = Path(__file__).resolve().parents[2] / "src/gezel_trio/demo_data/corpus.txt"
+_CORPUS = Path(__file__).resolve().parents[2] / "src/gezel_trio/mlx/demo_data/corpus.txt"
 _CHARS_PER_TOKEN = 4.4  # English BPE, measured on the corpus with SmolLM2's tokenizer
 _METRIC = "tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i"
 _RATIOS = (("gezel", "raw"), ("mlx_lm.server", "raw"), ("gezel", "mlx_lm.server"))
@@ -494,7 +495,7 @@ SCENARIO = Scenario(
     doc=__doc__ or "",
     run=run,
     options=(
-        Option("streams", [1, 4], "concurrent streams to measure", int, "+", quick=[1, 2]),
+        Option("streams", [1, 4, 8], "concurrent streams to measure", int, "+", quick=[1, 2]),
         Option("tokens", 128, "max_tokens per stream", int, quick=32),
         Option("repeats", 3, "rounds per stream count (the median is reported)", int, quick=1),
         Option(
