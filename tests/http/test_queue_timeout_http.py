@@ -39,8 +39,12 @@ async def _post(app: Any, stream: bool) -> tuple[int, dict[str, str], Any]:
             chunk = await conn.receive()
             assert chunk, "the stream ended without an error frame"
             data += chunk
+        # The error frame and [DONE] may come in one write (a stream writes
+        # what waits together): the JSON frames, as a client reads them.
         frames = [
-            json.loads(line[6:]) for line in data.decode().splitlines() if line[:6] == "data: "
+            json.loads(line[6:])
+            for line in data.decode().splitlines()
+            if line[:6] == "data: " and line != "data: [DONE]"
         ]
         return conn.status_code or 0, dict(conn.headers or {}), frames
 
