@@ -124,9 +124,16 @@ def _forced_patch(server: Server, *, stream: bool) -> tuple[Any, list[Any]]:
     return events[-1].response, events
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_forced_apply_patch_parses_with_its_grammar(any_server: Server, stream: bool) -> None:
-    r, events = _forced_patch(any_server, stream=stream)
+# Both ways on the demo models; SmolLM2 (30 s a reply on CI's CPUs) streamed only.
+@pytest.mark.parametrize(
+    ("model", "stream"),
+    [("dense", False), ("dense", True), ("hybrid", False), ("hybrid", True), ("smollm2", True)],
+)
+def test_forced_apply_patch_parses_with_its_grammar(
+    request: pytest.FixtureRequest, model: str, stream: bool
+) -> None:
+    server: Server = request.getfixturevalue(f"{model}_server")
+    r, events = _forced_patch(server, stream=stream)
     calls = [item for item in r.output if item.type == "custom_tool_call"]
     assert len(calls) == 1
     call = calls[0]

@@ -277,7 +277,7 @@ def test_sigterm_exits_in_time_while_nobody_reads_stdout(dense_model: Path) -> N
                 os.write(w, b".")
         os.set_blocking(w, True)
         for i in range(3):
-            body = {"messages": [{"role": "user", "content": f"{i} hello " * 1500}]}
+            body = {"messages": [{"role": "user", "content": f"{i} hello " * 500}]}
             answer = httpx.post(
                 f"{url}/v1/chat/completions", json={**body, "max_tokens": 1}, timeout=60
             )
