@@ -1,9 +1,10 @@
 """Fuzz every route of the real server on the real MLX backend (issue 9).
 
 A bounded number of hypothesis examples (``GEZEL_FUZZ_EXAMPLES``, 500 by
-default, which keeps CI in its time; ``python -m bench fuzz`` runs 50,000) against one server process on the
-tiny dense demo model, while a healthy greedy stream loops beside the
-fuzzer. The strategies and invariants are in ``tests/support/fuzzing.py``.
+default, which keeps CI in its time; ``python -m bench fuzz`` runs 50,000)
+against one server process on the tiny dense demo model, while a healthy
+greedy stream loops beside the fuzzer. The strategies and invariants are in
+``tests/support/fuzzing.py``.
 """
 
 from __future__ import annotations
