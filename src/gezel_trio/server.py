@@ -49,7 +49,7 @@ from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
 from .core.settings import setting
 from .engine import Engine, run_engine
-from .http.app import HttpSettings, create_app
+from .http.app import HttpSettings, create_app, served
 from .http.connections import bound_requests
 from .http.response_store import ResponseStore
 from .mlx import mlx_backend
@@ -263,7 +263,7 @@ async def serve(
         )
         await nursery.start(responses.run)
         app = create_app(engine, http, responses)
-        bounded = bound_requests(app, http.max_connections)
+        bounded = bound_requests(served(app), http.max_connections)
         binds = await nursery.start(_serve_http, bounded, hc, shutdown, nursery.cancel_scope)
         stdout.say_nowait("Application startup complete.")
         for bind in binds:

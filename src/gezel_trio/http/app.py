@@ -51,11 +51,12 @@ from .edge import (
 )
 from .openapi import openapi_json
 from .origins import OriginPolicy, check_origins
+from .probe import HEALTH_PATH, Asgi, HealthProbe, health_first
 from .response_store import ResponseStore
-from .strict import StrictJSONProvider, dump_json
+from .strict import StrictJSONProvider
 from .tenancy import NO_TENANT, KeyRing, read_key_file
 
-__all__ = ["HttpSettings", "create_app"]
+__all__ = ["HttpSettings", "create_app", "served"]
 
 log = logging.getLogger("gezel_trio.http")
 
@@ -218,6 +219,8 @@ def create_app(
         anthropic_messages.blueprint(engine),
     ]
     refuse_openai = refusal(engine, error_response)
+    probe = HealthProbe(engine, store, policy)
+    app.extensions[_PROBE] = probe
 
     def refuse(err: GezelError) -> Response:
         # Each protocol's errors in its own envelope, whatever raised them:
@@ -248,7 +251,7 @@ def create_app(
                 return _closing_unread(_preflight(allowed))
             # The key names the tenant; without keys, everyone is the one tenant.
             tenant = NO_TENANT
-            if keys and request.path != "/health":
+            if keys and request.path != HEALTH_PATH:
                 found = keys.tenant(request.headers)
                 if found is None:
                     raise Unauthorized("missing or wrong API key")
@@ -305,29 +308,10 @@ def create_app(
     for protocol in protocols:
         app.register_blueprint(protocol)
 
-    @app.route("/health")
+    @app.route(HEALTH_PATH)
     async def health() -> Response:
-        h = engine.health()
-        state = engine.state()
-        status, reasons = h.status, list(h.reasons)
-        if store.problem is not None and status in ("ok", "degraded"):
-            # Serving still: only the stored responses' files are missing.
-            status = "degraded"
-            reasons.append(
-                f"stored responses not persisted: {store.problem} "
-                f"({store.failed_writes} failed writes)"
-            )
-        body = {
-            "status": status,
-            "reasons": reasons,
-            "model": engine.info.model_id,
-            "queued": len(state.queued),
-            "running": len(state.running),
-            "live": state.live,
-            "step": state.step,
-        }
-        code = 503 if status in ("failed", "shutting_down") else 200
-        return Response(dump_json(body), status=code, mimetype="application/json")
+        code, body = probe.answer()
+        return Response(body, status=code, mimetype="application/json")
 
     @app.route("/metrics")
     async def metrics() -> Response:
@@ -353,3 +337,13 @@ def create_app(
         }
 
     return app
+
+
+_PROBE = "gezel_trio.health_probe"
+
+
+def served(app: QuartTrio) -> Asgi:
+    """The ASGI callable to serve ``app`` (made by ``create_app``) with: a
+    plain ``GET /health`` is answered before Quart runs (``http.probe``)."""
+    probe: HealthProbe = app.extensions[_PROBE]
+    return health_first(app, probe)
