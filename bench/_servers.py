@@ -107,6 +107,21 @@ def stop(
         return None
 
 
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User plus system CPU seconds process ``pid`` has used, all its threads
+    or only ``thread`` (a thread id; the main thread's is ``pid``) (Linux
+    ``/proc``; 0 where unknown)."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    try:
+        stat = Path(path).read_text()
+    except OSError:
+        return 0.0
+    # The fields after the command name, which may hold spaces: utime, stime
+    # are the 14th and 15th of the line.
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_kb(pid: int) -> int:
     """A process's resident memory in kB (Linux ``/proc``; 0 where unknown)."""
     try:

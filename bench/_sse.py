@@ -300,6 +300,12 @@ class Measurement:
     per_stream_tokens: list[int]
     server_tps: list[float] = attrs.Factory(list)
     tokens_at_first: list[int] = attrs.Factory(list)
+    # CPU seconds the round cost the serving process (all its threads) and
+    # the bench's client threads; None where not measured.
+    server_cpu_s: float | None = None
+    client_cpu_s: float | None = None
+    # gezel-trio's Trio thread (its main thread) alone.
+    trio_cpu_s: float | None = None
 
     @property
     def short(self) -> bool:

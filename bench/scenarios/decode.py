@@ -179,7 +179,9 @@ def raw_session(
             yield prefill(req["part"], req["prefill"])
         else:
             n, tokens = req["streams"], req["tokens"]
-            yield attrs.asdict(aggregate("raw", tokens, one_round(n, tokens)))
+            cpu = time.process_time()  # this worker's threads: the engine's CPU
+            m = aggregate("raw", tokens, one_round(n, tokens))
+            yield attrs.asdict(attrs.evolve(m, server_cpu_s=time.process_time() - cpu))
 
 
 # --- HTTP systems ---------------------------------------------------------------
@@ -204,9 +206,19 @@ def prefill_http(url: str, system: str, prompt: str) -> dict[str, Any]:
     return {"system": system, "prompt_tokens": tokens, "cold_s": times[0], "warm_s": times[1]}
 
 
-def http_round(url: str, system: str, n: int, max_tokens: int) -> Measurement:
+def http_round(url: str, system: str, n: int, max_tokens: int, pid: int) -> Measurement:
+    """One round of ``n`` streams, with the CPU it cost the server (process
+    ``pid``) and this process (the client's threads)."""
+    server, client = _servers.cpu_seconds(pid), time.process_time()
+    main = _servers.cpu_seconds(pid, pid)
     logs = _sse.streams_together(url, chat_body(system, max_tokens), n, system)
-    return aggregate(system, max_tokens, [StreamTiming.of(log) for log in logs])
+    m = aggregate(system, max_tokens, [StreamTiming.of(log) for log in logs])
+    return attrs.evolve(
+        m,
+        server_cpu_s=_servers.cpu_seconds(pid) - server,
+        client_cpu_s=time.process_time() - client,
+        trio_cpu_s=_servers.cpu_seconds(pid, pid) - main if system.startswith("gezel") else None,
+    )
 
 
 def _start(
@@ -232,16 +244,16 @@ def _start(
             pre.append(session.ask({"prefill": n_tokens, "part": part}))
         return lambda n: Measurement(**session.ask({"streams": n, "tokens": tokens}))
     watch = ctx.workdir / f"{system}-stalls.json" if system.startswith("gezel") else None
-    url = stack.enter_context(_serve(system, model_dir, quantized, width, ctx.workdir, watch))
-    http_round(url, system, 1, min(tokens, 32))  # warm-up
+    url, pid = stack.enter_context(_serve(system, model_dir, quantized, width, ctx.workdir, watch))
+    http_round(url, system, 1, min(tokens, 32), pid)  # warm-up
     for part, n_tokens in enumerate(prefill):
         pre.append(prefill_http(url, system, long_prompt(n_tokens, part)))
     if watch is None:
-        return lambda n: http_round(url, system, n, tokens)
+        return lambda n: http_round(url, system, n, tokens, pid)
 
     def watched(n: int) -> Measurement:
         _gezel_stalls.mark(watch)
-        m = http_round(url, system, n, tokens)
+        m = http_round(url, system, n, tokens, pid)
         seen = _gezel_stalls.read_stalls(watch, after=time.time())
         stalls.append({"system": system, "streams": n, **seen})
         return m
@@ -257,16 +269,16 @@ def _serve(
     width: int,
     workdir: Path,
     stalls: Path | None = None,
-) -> Iterator[str]:
+) -> Iterator[tuple[str, int]]:
     log = workdir / f"{system}.log"
     if system == "mlx_lm.server":
         with _servers.mlx_server(model_dir, log, _servers.mlx_decode_flags(width)) as srv:
-            yield srv.url
+            yield srv.url, srv.proc.pid
         return
     flags = ["--max-concurrency", str(width), "--log-level", "WARNING"]
     model = quantized if system == "gezel-q4" and quantized is not None else model_dir
     with _servers.gezel_server(model, log, flags, label=system, stalls=stalls) as srv:
-        yield srv.url
+        yield srv.url, srv.proc.pid
 
 
 # --- the run ----------------------------------------------------------------------
@@ -352,6 +364,37 @@ def _cost_ms(results: list[Measurement], system: str, n: int) -> float | None:
     if got is None or raw is None or got <= 0 or raw <= 0:
         return None
     return 1e3 / got - 1e3 / raw
+
+
+def _cpu_ms(results: list[Measurement], system: str, n: int, which: str) -> float | None:
+    """The median over the rounds of CPU ms per generated token."""
+    vals = []
+    for m in results:
+        cpu = getattr(m, which)
+        if m.system == system and m.streams == n and cpu is not None:
+            vals.append(1e3 * cpu / max(1, sum(m.per_stream_tokens)))
+    return statistics.median(vals) if vals else None
+
+
+def _cpu_rows(
+    results: list[Measurement], streams: list[int], systems: list[str]
+) -> list[tuple[Any, ...]]:
+    rows: list[tuple[Any, ...]] = []
+    for system in systems:
+        for n in streams:
+            server = _cpu_ms(results, system, n, "server_cpu_s")
+            if server is None:
+                continue
+            rows.append(
+                (
+                    system,
+                    n,
+                    server,
+                    _cpu_ms(results, system, n, "trio_cpu_s"),
+                    _cpu_ms(results, system, n, "client_cpu_s"),
+                )
+            )
+    return rows
 
 
 def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Table]:
@@ -440,6 +483,23 @@ def _tables(
                 ],
                 "ms/token over raw: 1000/tok_s - 1000/raw_tok_s, what a system adds per"
                 " generated token (all streams together)",
+            )
+        )
+    cpu_rows = _cpu_rows(results, streams, systems)
+    if cpu_rows:
+        out.append(
+            table(
+                "CPU per generated token",
+                "system | streams:d | server ms/token:.3f | gezel Trio thread ms/token:.3f"
+                " | client ms/token:.3f",
+                cpu_rows,
+                "CPU seconds of the round (user + system) over the tokens it generated,"
+                " median of the rounds: the serving process, all its threads (raw: the"
+                " engine alone; OpenBLAS's workers spin while they wait, so where the"
+                " compute fills the cores this follows wall time), gezel-trio's Trio"
+                " thread alone (HTTP, shaping, SSE), and the bench's HTTP client"
+                " threads, which share these cores with the server. Where the compute"
+                " takes every core, CPU spent beside it is decode time lost.",
             )
         )
     if pre:
