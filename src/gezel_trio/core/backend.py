@@ -27,6 +27,7 @@ __all__ = [
     "MemoryFigures",
     "PrefillOut",
     "PromptRenderer",
+    "SpecFigures",
     "StepOutput",
     "TokenOut",
 ]
@@ -42,6 +43,18 @@ class MemoryFigures:
     peak: int = 0
     cache: int = 0
     cache_limit: int = 0
+
+
+@attrs.frozen
+class SpecFigures:
+    """What speculative decoding did since the start (``mlx.speculative``),
+    as vLLM counts it: sequences that verified a proposal (summed over
+    steps), tokens proposed, tokens accepted; and the steps that verified."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 class Detokenizer(Protocol):
@@ -266,6 +279,10 @@ class Backend(Protocol):
 
     def memory_figures(self) -> MemoryFigures:
         """The figures ``/metrics`` shows (called once per step)."""
+        ...
+
+    def speculation_figures(self) -> SpecFigures:
+        """Speculation's counts so far, for ``/metrics`` (once per step)."""
         ...
 
     def reset(self, lane: Priority) -> None:

@@ -14,7 +14,7 @@ import attrs
 
 from .settings import MIB, setting
 
-__all__ = ["MLX_MEMORY_POLICIES", "EngineConfig"]
+__all__ = ["MLX_MEMORY_POLICIES", "SPECULATION_MODES", "EngineConfig"]
 
 
 def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -24,6 +24,8 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 
 # ``EngineConfig.mlx_memory_policy``'s values (``mlx.memory``).
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
+# ``EngineConfig.speculation``'s values (``mlx.speculative``).
+SPECULATION_MODES = ("lookup", "off")
 
 
 def _one_of(values: tuple[str, ...]) -> Any:
@@ -164,6 +166,21 @@ class EngineConfig:
         flag="--model-fingerprint",
         help="override the model id (otherwise computed from the model directory) that "
         "segments on-disk cache entries",
+    )
+    speculation: str = setting(
+        "lookup",
+        flag="--speculation",
+        help="speculative decoding of greedy requests: lookup proposes what followed the "
+        "sequence's last tokens where they occurred before (no draft model), verified in "
+        "the batched step and kept only where it pays; off: never",
+        choices=SPECULATION_MODES,
+        validator=_one_of(SPECULATION_MODES),
+    )
+    num_draft_tokens: int = setting(
+        3,
+        flag="--num-draft-tokens",
+        help="most tokens proposed per sequence per step (0: no speculation)",
+        validator=attrs.validators.ge(0),
     )
     keep_quantized: bool = setting(
         False,

@@ -124,6 +124,8 @@ class ChatRequest:
     template_override: str | None = None
     max_thinking_tokens: int | None = None
     top_logprobs: int | None = None
+    # False: never speculate for this request (``disable_speculation``).
+    speculate: bool = True
     # The images, in the order their ``{"type": "image"}`` parts appear in
     # ``messages``; each protocol maps its own image blocks onto these.
     images: tuple[ImagePart, ...] = ()
@@ -300,6 +302,7 @@ def prepare(
         constraint=constraint,
         max_thinking_tokens=thinking,
         top_logprobs=chat.top_logprobs,
+        speculate=chat.speculate,
         vision=vision,
         continues_text=chat.prompt is not None,
     )

@@ -24,7 +24,13 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..core.backend import ConstraintCompiler, ImagePreparer, MemoryFigures, PromptRenderer
+from ..core.backend import (
+    ConstraintCompiler,
+    ImagePreparer,
+    MemoryFigures,
+    PromptRenderer,
+    SpecFigures,
+)
 from ..core.config import EngineConfig
 from ..core.errors import (
     EngineClosed,
@@ -264,6 +270,7 @@ class HostLink:
         self.cache = CacheBook()
         self._memory = 0
         self._figures = MemoryFigures()
+        self._speculation = SpecFigures()
         # Consecutive failed model steps, and the last failure (time, reason).
         self._step_failures = 0
         self._last_step_failure: tuple[float, str] | None = None
@@ -448,6 +455,9 @@ class HostLink:
             mlx_cache_bytes=self._figures.cache,
             mlx_cache_limit_bytes=self._figures.cache_limit,
             rss_bytes=resident_bytes(),
+            spec_drafts=self._speculation.num_drafts,
+            spec_draft_tokens=self._speculation.num_draft_tokens,
+            spec_accepted_tokens=self._speculation.num_accepted_tokens,
         )
 
     # --- ending --------------------------------------------------------------
@@ -517,6 +527,8 @@ class HostLink:
             self._memory = report.memory
         if report.figures is not None:
             self._figures = report.figures
+        if report.speculation is not None:
+            self._speculation = report.speculation
         plan = self._scheduler.plan(
             memory_tight=self.memory_tight, now=now, kv_held=self.cache.totals.bytes
         )

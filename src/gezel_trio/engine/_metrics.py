@@ -76,6 +76,9 @@ class Snapshot:
     mlx_cache_bytes: int = 0
     mlx_cache_limit_bytes: int = 0
     rss_bytes: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class _StateCollector(Collector):
@@ -117,6 +120,17 @@ class _StateCollector(Collector):
         yield CounterMetricFamily(
             "gezel_prefix_cache_hits", "Requests that reused a cached prefix.", s.cache_hits
         )
+        # vLLM's spec_decode counters (vllm:spec_decode_num_drafts ...).
+        for name, doc, value in (
+            (
+                "drafts",
+                "Sequences that verified proposed tokens, summed over steps.",
+                s.spec_drafts,
+            ),
+            ("draft_tokens", "Tokens proposed for verification.", s.spec_draft_tokens),
+            ("accepted_tokens", "Proposed tokens the model accepted.", s.spec_accepted_tokens),
+        ):
+            yield CounterMetricFamily(f"gezel_spec_decode_num_{name}", doc, value=value)
 
 
 class _SizesCollector(Collector):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import attrs
 
-from ..core.backend import MemoryFigures
+from ..core.backend import MemoryFigures, SpecFigures
 from ..core.events import Event
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
@@ -127,6 +127,8 @@ class StepReport:
     seeded: tuple[tuple[int, int, str], ...] = ()
     # The backend's memory figures (for /metrics), read after the step.
     figures: MemoryFigures | None = None
+    # Speculation's counts so far (for /metrics).
+    speculation: SpecFigures | None = None
 
     @property
     def has_news(self) -> bool:

@@ -369,6 +369,7 @@ class _Host:
             persistence=disk.problem if disk is not None else None,
             seeded=seeded,
             figures=figures,
+            speculation=self.backend.speculation_figures(),
         )
 
     # --- one step -----------------------------------------------------------

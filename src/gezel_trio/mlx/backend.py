@@ -45,6 +45,7 @@ from ..core.backend import (
     Detokenizer,
     MemoryFigures,
     PrefillOut,
+    SpecFigures,
     StepOutput,
     TokenOut,
 )
@@ -74,6 +75,7 @@ from .memory import (
     weight_bytes,
 )
 from .model_source import resolve_model
+from .speculative import SpecStats, install, speculation_blocker
 from .vision import VisionModel, VisionPrefill, fresh_cache
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
@@ -424,10 +426,12 @@ class _Compiler:
 class _Lane:
     """One BatchGenerator and its request-id <-> uid maps."""
 
-    def __init__(self, gen: BatchGenerator) -> None:
+    def __init__(self, gen: BatchGenerator, opted_out: set[int]) -> None:
         self.gen = gen
         self.uid_of: dict[int, int] = {}
         self.rid_of: dict[int, int] = {}
+        # The uids of sequences never speculated (``mlx.speculative``).
+        self.opted_out = opted_out
 
 
 class MlxBackend:
@@ -469,6 +473,8 @@ class MlxBackend:
         self._blockable = [i for i, c in enumerate(layout) if type(c) is KVCache]
         self._rest = [i for i, c in enumerate(layout) if type(c) is not KVCache]
         trimmable = not self._rest
+        self.spec_stats = SpecStats()
+        self._speculate = self._speculation(config, layout)
         # KV-aware admission: each sequence's KV, and the room the memory
         # limit (or the machine) leaves for it beside the weights.
         weights = weight_bytes(model)
@@ -556,7 +562,27 @@ class MlxBackend:
         # False until first asked for.
         self._layer_signatures: list[tuple[Any, ...]] | Literal[False] | None = False
 
-    def _new_generator(self) -> BatchGenerator:
+    def _speculation(self, config: EngineConfig, layout: Sequence[Any]) -> bool:
+        """Whether the lanes speculate; says so, and why not, once."""
+        if config.speculation == "off" or config.num_draft_tokens == 0:
+            log.info("speculation: off")
+            return False
+        blocker = (
+            "an image model's generator is not speculated yet"
+            if self._vision is not None
+            else speculation_blocker(layout)
+        )
+        if blocker is not None:
+            log.info("speculation: off for this model (%s)", blocker)
+            return False
+        log.info(
+            "speculation: %s, up to %d tokens per step, greedy requests",
+            config.speculation,
+            config.num_draft_tokens,
+        )
+        return True
+
+    def _new_generator(self, opted_out: set[int]) -> BatchGenerator:
         n = self._config.max_concurrency
         gen = BatchGenerator(
             self._model,
@@ -569,6 +595,8 @@ class MlxBackend:
         # pages never come back under pressure (the seed saw a 27B wire 96 GiB
         # for a ~45 GB working set), so the planned limit is put back.
         apply_wired_limit(self._memory_limits)
+        if self._speculate:
+            install(gen, self._config.num_draft_tokens, _greedy, opted_out, self.spec_stats)
         return gen
 
     @property
@@ -608,7 +636,8 @@ class MlxBackend:
     def _lane(self, priority: Priority) -> _Lane:
         lane = self._lanes.get(priority)
         if lane is None:
-            lane = self._lanes[priority] = _Lane(self._new_generator())
+            opted_out: set[int] = set()
+            lane = self._lanes[priority] = _Lane(self._new_generator(opted_out), opted_out)
         return lane
 
     def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:
@@ -729,6 +758,8 @@ class MlxBackend:
         )
         lane.uid_of[rid] = uid
         lane.rid_of[uid] = rid
+        if not r.speculate:
+            lane.opted_out.add(uid)
         self._lane_of[rid] = lane
         if r.top_logprobs is not None:
             self._logprobs[rid] = r.top_logprobs
@@ -776,6 +807,7 @@ class MlxBackend:
                 got = lane.gen.remove(uids, return_prompt_caches=True)
             for uid in uids:
                 rid = lane.rid_of.pop(uid)
+                lane.opted_out.discard(uid)
                 self._lane_of.pop(rid, None)
                 self._logprobs.pop(rid, None)
                 self._faults.failed.pop(rid, None)
@@ -996,6 +1028,7 @@ class MlxBackend:
             self._forget(rid)
             del rid_of[r.uid]
             del lane.uid_of[rid]
+            lane.opted_out.discard(r.uid)
             self._lane_of.pop(rid, None)
         return StepOutput(prefill, tuple(tokens), failed)
 
@@ -1024,6 +1057,10 @@ class MlxBackend:
 
     def memory_figures(self) -> MemoryFigures:
         return memory_figures(self._cache_limit)
+
+    def speculation_figures(self) -> SpecFigures:
+        s = self.spec_stats
+        return SpecFigures(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.verify_steps)
 
     def reclaim(self) -> None:
         mx.clear_cache()

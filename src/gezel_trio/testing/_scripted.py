@@ -27,6 +27,7 @@ from ..core.backend import (
     Detokenizer,
     MemoryFigures,
     PrefillOut,
+    SpecFigures,
     StepOutput,
     TokenOut,
 )
@@ -300,6 +301,9 @@ class ScriptedBackend:
     def reclaim(self) -> None:
         self.reclaims += 1
         self.buffer_bytes = 0
+
+    def speculation_figures(self) -> SpecFigures:
+        return SpecFigures()  # the scripted backend never speculates
 
     def memory_figures(self) -> MemoryFigures:
         self.peak_bytes = max(self.peak_bytes, self.memory_bytes)

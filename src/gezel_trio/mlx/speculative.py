@@ -1,0 +1,516 @@
+"""Speculation inside the batched decode step: each sequence's proposed
+tokens are verified in the same forward pass as everyone's next token, and
+each sequence keeps its own accepted prefix.
+
+mlx-lm's ``GenerationBatch`` feeds one token per sequence per step.
+``SpeculativeBatch`` (the lane's generation batch, ``install``) feeds
+``k + 1`` when some sequence has a proposal (``mlx.lookup``): its pending
+next token and up to ``k`` proposed tokens; a sequence with a shorter
+proposal (or none) is padded, and its padding is rejected. The target's
+greedy choice at every position decides how many proposed tokens each
+sequence accepts (``m``); it emits its pending token and those ``m``, and
+the target's choice after them is its next pending token, exactly what
+plain decoding would have emitted at each position. A step with no
+proposal anywhere is mlx-lm's own, pipelined step.
+
+**The cache.** mlx-lm's ``BatchKVCache`` keeps every sequence's keys in one
+array ending at the same slot, so sequences cannot drop different numbers
+of rejected positions. The cache drops the rejections all share (``trim``)
+and marks each sequence's other rejected slots as holes (``HoleyKVCache``):
+attention masks them, and the sequence's RoPE offset goes back by as many,
+so positions stay contiguous. Holes cost memory until the sequence ends or
+is extracted (``extract`` gathers the valid slots, so the prompt cache
+stores a plain, dense entry). Only models whose every layer is a plain
+``KVCache`` speculate: a sliding window or a recurrent state cannot take
+holes (``speculation_blocker`` names the layer).
+
+**Who speculates.** A sequence sampled greedily, with no logits processor
+(no grammar, bias, ``min_tokens``, thinking budget), not opted out
+(``disable_speculation``), with at least two tokens of budget left. Its
+proposals go through a gate: a sequence whose proposals were all rejected
+waits a growing number of steps before it proposes again, and a step
+speculates only while the measured cost of a verify step against a plain
+one is paid by the tokens the batch is expected to accept.
+
+**Greedy identity.** Verifying ``k + 1`` positions in one pass computes
+each position's logits in a larger matmul than decoding does, so float
+summation may differ in the last bits and a near tie may flip. The tests
+check identity where it holds (the demo models at float32) and docs say
+what was measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .lookup import NgramLookup
+
+__all__ = [
+    "HoleyKVCache",
+    "SpecStats",
+    "SpeculativeBatch",
+    "install",
+    "speculation_blocker",
+]
+
+
+def speculation_blocker(layout: Sequence[Any]) -> str | None:
+    """Why a model whose per-layer caches look like ``layout`` cannot
+    speculate; ``None``: it can."""
+    for i, c in enumerate(layout):
+        if type(c) is not KVCache:
+            return f"layer {i} keeps a {type(c).__name__}, which cannot drop rejected tokens"
+    return None
+
+
+def _ints(a: mx.array) -> list[int]:
+    out: list[int] = a.tolist()  # type: ignore[assignment]
+    return out
+
+
+# --- the cache ----------------------------------------------------------------------
+
+
+class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
+    """A ``BatchKVCache`` whose sequences may have masked slots (holes):
+    rejected proposals that other sequences' accepted tokens sit beside.
+    A plain ``BatchKVCache`` becomes one in place (``of``)."""
+
+    holes: mx.array | None = None  # (batch, slots) bool, as wide as ``keys``
+
+    @classmethod
+    def of(cls, cache: BatchKVCache) -> HoleyKVCache:
+        if type(cache) is not cls:
+            cache.__class__ = cls
+        holey: HoleyKVCache = cache
+        return holey
+
+    def _fit(self) -> None:
+        """Holes as wide as the keys' slots (new slots are not holes)."""
+        if self.holes is None or self.keys is None:
+            return
+        width, slots = self.holes.shape[1], self.keys.shape[2]
+        if width < slots:
+            pad = mx.zeros((self.holes.shape[0], slots - width), dtype=mx.bool_)
+            self.holes = mx.concatenate([self.holes, pad], axis=1)
+        elif width > slots:
+            self.holes = self.holes[:, :slots]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
+        prev = self._idx
+        out = super().update_and_fetch(keys, values)
+        if self.holes is not None:
+            self._fit()
+            assert self.holes is not None
+            # The slots just written hold real tokens, whatever they held before.
+            self.holes[:, prev : self._idx] = False
+        return out
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
+        mask = super().make_mask(N, return_array=return_array, **kwargs)
+        if self.holes is None or self._idx == 0:
+            return mask
+        B = self.holes.shape[0]
+        # Slots at and past the end are about to be written: never holes.
+        holes = mx.concatenate(
+            [self.holes[:, : self._idx], mx.zeros((B, N), dtype=mx.bool_)], axis=1
+        )
+        return mask & ~holes[:, None, None, :]
+
+    def reject(self, extra: Sequence[int]) -> None:
+        """Sequence ``i``'s last ``extra[i]`` slots are holes now; its RoPE
+        offset goes back by as many."""
+        width = max(extra)
+        if width == 0:
+            return
+        B = len(extra)
+        if self.holes is None:
+            slots = self.keys.shape[2] if self.keys is not None else self._idx
+            self.holes = mx.zeros((B, slots), dtype=mx.bool_)
+        self._fit()
+        assert self.holes is not None
+        cols = mx.arange(width)[None, :]
+        starts = mx.array([width - e for e in extra])[:, None]
+        seg = cols >= starts
+        lo = self._idx - width
+        self.holes[:, lo : self._idx] = self.holes[:, lo : self._idx] | seg
+        back: mx.array = mx.array(list(extra))
+        self.offset: mx.array = self.offset - back
+
+    def filter(self, batch_indices: Any) -> None:
+        if self.holes is not None:
+            holes = self.holes[batch_indices]
+            shift = min(self.left_padding[batch_indices].tolist())
+            super().filter(batch_indices)
+            self.holes = holes[:, shift:] if shift > 0 else holes
+        else:
+            super().filter(batch_indices)
+
+    def extend(self, other: Any) -> None:
+        mine, theirs = self.holes, getattr(other, "holes", None)
+        if mine is None and theirs is None:
+            super().extend(other)
+            return
+        # The same right-justification BatchKVCache.extend gives the keys.
+        max_idx = max(self._idx, other._idx)
+        sizes = [c.keys.shape[2] for c in (self, other) if c.keys is not None]
+        max_size = max(sizes) if sizes else 0
+
+        def padded(c: Any, holes: mx.array | None) -> mx.array:
+            B = c.offset.shape[0]
+            width = c.keys.shape[2] if c.keys is not None else 0
+            h = holes if holes is not None else mx.zeros((B, width), dtype=mx.bool_)
+            h = h[:, :width]
+            if h.shape[1] < width:
+                h = mx.concatenate([h, mx.zeros((B, width - h.shape[1]), dtype=mx.bool_)], 1)
+            left = max_idx - c._idx
+            right = max_size - width - left
+            if right < 0:
+                h = h[:, :right]
+                right = 0
+            return mx.pad(h, [(0, 0), (left, right)]) if left or right else h
+
+        joined = mx.concatenate([padded(self, mine), padded(other, theirs)], axis=0)
+        super().extend(other)
+        self.holes = joined
+
+    def extract(self, idx: int) -> KVCache:
+        if self.holes is None:
+            return super().extract(idx)
+        padding = self.left_padding.tolist()[idx]
+        row: list[bool] = self.holes[idx, padding : self._idx].tolist()  # type: ignore[assignment]
+        valid = mx.array([padding + s for s, hole in enumerate(row) if not hole])
+        cache = KVCache()
+        cache.keys = mx.contiguous(mx.take(self.keys[idx : idx + 1], valid, axis=2))
+        cache.values = mx.contiguous(mx.take(self.values[idx : idx + 1], valid, axis=2))
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+
+# --- the gate and the figures ----------------------------------------------------------
+
+
+@attrs.define
+class SpecStats:
+    """What speculation did, for usage and ``/metrics``: vLLM's names."""
+
+    num_drafts: int = 0  # sequences that verified a proposal, summed over steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    verify_steps: int = 0
+    plain_steps: int = 0
+
+
+# What a sequence's proposals are expected to get accepted at before any
+# was verified: accepted tokens per proposed token.
+_PRIOR_RATE = 0.5
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else 0.8 * old + 0.2 * new
+
+
+@attrs.define
+class _Gate:
+    """When a verify step pays, from measured wall times: of a plain step
+    per batch size, and of a verify step per batch size and width (tokens
+    fed per sequence), exponential averages. A shape never verified is
+    tried once."""
+
+    plain_s: dict[int, float] = attrs.Factory(dict)
+    verify_s: dict[tuple[int, int], float] = attrs.Factory(dict)
+
+    def note_plain(self, batch: int, seconds: float) -> None:
+        self.plain_s[batch] = _ema(self.plain_s.get(batch), seconds)
+
+    def note_verify(self, batch: int, width: int, seconds: float) -> None:
+        self.verify_s[batch, width] = _ema(self.verify_s.get((batch, width)), seconds)
+
+    def pays(self, batch: int, width: int, expected: float) -> bool:
+        """Whether a verify step of ``width`` over ``batch`` sequences,
+        expected to accept ``expected`` proposed tokens, yields more tokens
+        per second than plain steps."""
+        plain = self.plain_s.get(batch)
+        if plain is None:
+            return False  # plain steps come first: measure one
+        verify = self.verify_s.get((batch, width))
+        if verify is None:
+            return True
+        return (batch + expected) / verify > batch / plain
+
+
+# --- the batch ----------------------------------------------------------------------
+
+
+class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is untyped
+    """The lane's generation batch, verifying proposals in the step. Its
+    class attributes are set per generator by ``install``."""
+
+    num_draft: int = 0
+    greedy: Callable[..., Any] | None = None
+    opted_out: set[int] = set()  # noqa: RUF012  # replaced per generator
+    stats: SpecStats
+    gate: _Gate
+    # GenerationBatch's, set in its __init__.
+    _next_tokens: Any
+    _next_logprobs: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._after_verify = False
+        self._lookups: list[NgramLookup | None] = []
+        self._cooldown: list[tuple[int, int]] = []  # (steps to wait, next wait)
+        self._rate: list[float] = []  # accepted per proposed token, recent
+        super().__init__(*args, **kwargs)
+        self._lookups = [None] * len(self.uids)
+        self._cooldown = [(0, 1)] * len(self.uids)
+        self._rate = [_PRIOR_RATE] * len(self.uids)
+
+    def extend(self, batch: Any) -> None:
+        super().extend(batch)
+        self._lookups.extend([None] * len(batch.uids))
+        self._cooldown.extend([(0, 1)] * len(batch.uids))
+        self._rate.extend([_PRIOR_RATE] * len(batch.uids))
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self._lookups = [self._lookups[i] for i in keep]
+        self._cooldown = [self._cooldown[i] for i in keep]
+        self._rate = [self._rate[i] for i in keep]
+
+    def extract_cache(self, idx: int, drop: int = 0) -> list[Any]:
+        """Sequence ``idx``'s cache, dense, without its last ``drop`` tokens."""
+        layers = [c.extract(idx) for c in self.prompt_cache]
+        if drop:
+            for c in layers:
+                c.keys = c.keys[..., : c.offset - drop, :]
+                c.values = c.values[..., : c.offset - drop, :]
+                c.offset -= drop
+        return layers
+
+    # -- proposals ------------------------------------------------------------------
+
+    def _eligible(self, i: int) -> bool:
+        return (
+            self.samplers[i] is self.greedy
+            and not self.logits_processors[i]
+            and self.uids[i] not in self.opted_out
+            and self.max_tokens[i] - self._num_tokens[i] >= 2
+        )
+
+    def _proposals(self, pending: list[int]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i in range(len(self.uids)):
+            wait, span = self._cooldown[i]
+            if wait > 0:
+                self._cooldown[i] = (wait - 1, span)
+                out.append([])
+                continue
+            if not self._eligible(i):
+                out.append([])
+                continue
+            lookup = self._lookups[i]
+            if lookup is None:
+                lookup = self._lookups[i] = NgramLookup()
+            lookup.extend(self.tokens[i][len(lookup.tokens) :])
+            budget = min(self.num_draft, self.max_tokens[i] - self._num_tokens[i] - 1)
+            lookup.tokens.append(pending[i])  # the pending token, emitted this step
+            try:
+                out.append(lookup.propose(budget))
+            finally:
+                lookup.tokens.pop()
+        return out
+
+    # -- the step -------------------------------------------------------------------
+
+    def next(self) -> list[Any]:
+        if not self.uids:
+            return []
+        emitted: list[list[int]]
+        logprobs: list[list[mx.array]]
+        start = time.perf_counter()
+        pending: list[int] = []
+        proposals: list[list[int]] = []
+        if self.num_draft > 0 and any(self._eligible(i) for i in range(len(self.uids))):
+            mx.eval(self._next_tokens)
+            pending = _ints(self._next_tokens)
+            proposals = self._proposals(pending)
+        drafted = sum(len(p) for p in proposals)
+        B = len(self.uids)
+        width = 1 + max((len(p) for p in proposals), default=0)
+        expected = sum(r * len(p) for r, p in zip(self._rate, proposals, strict=False))
+        if drafted and self.gate.pays(B, width, expected):
+            emitted, logprobs = self._verify(pending, proposals)
+            self.gate.note_verify(B, width, time.perf_counter() - start)
+            self._after_verify = True
+        else:
+            if drafted:
+                # Refused: each proposer's remembered rate drifts back to
+                # the prior, so a bad spell is not refused forever.
+                for i, p in enumerate(proposals):
+                    if p:
+                        self._rate[i] = 0.98 * self._rate[i] + 0.02 * _PRIOR_RATE
+            tokens, lps = self._step()
+            emitted, logprobs = [[t] for t in tokens], [[lp] for lp in lps]
+            self.stats.plain_steps += 1
+            # A plain step right after a verify one did not wait for a step
+            # (its input was already computed): not a step's time.
+            if not self._after_verify:
+                self.gate.note_plain(B, time.perf_counter() - start)
+            self._after_verify = False
+        return self._responses(emitted, logprobs)
+
+    def _verify(
+        self, pending: list[int], proposals: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[mx.array]]]:
+        B = len(self.uids)
+        k = max(len(p) for p in proposals)
+        rows = [[pending[i], *p, *([pending[i]] * (k - len(p)))] for i, p in enumerate(proposals)]
+        inputs = mx.array(rows, dtype=self._next_tokens.dtype)
+        logits = self.model(inputs, cache=self.prompt_cache)
+
+        # Position 0 is every sequence's plain step: its processors and sampler.
+        first = logits[:, 0, :]
+        context = []
+        if any(self.logits_processors):
+            processed = []
+            for e in range(B):
+                row = first[e : e + 1]
+                processors = self.logits_processors[e] or ()
+                if processors:
+                    ctx = self._token_context[e].update_and_fetch(inputs[e : e + 1, 0])
+                    context.append(ctx)
+                    for processor in processors:
+                        row = processor(ctx, row)
+                processed.append(row)
+            first = mx.concatenate(processed, axis=0)
+        first_lp = first - mx.logsumexp(first, axis=-1, keepdims=True)
+        samplers = [self.fallback_sampler if s is None else s for s in self.samplers]
+        if all(s is samplers[0] for s in samplers):
+            sampled = samplers[0](first_lp)
+        else:
+            sampled = mx.concatenate([s(first_lp[e : e + 1]) for e, s in enumerate(samplers)], 0)
+        # The later positions, for the greedy sequences that proposed.
+        rest_lp = logits[:, 1:, :] - mx.logsumexp(logits[:, 1:, :], axis=-1, keepdims=True)
+        targets = mx.argmax(rest_lp, axis=-1)
+        mx.eval(sampled, targets, self._next_logprobs, context)
+        firsts = _ints(sampled)
+        chosen: list[list[int]] = targets.tolist()  # type: ignore[assignment]
+
+        emitted: list[list[int]] = []
+        logprobs: list[list[mx.array]] = []
+        next_tokens: list[int] = []
+        next_logprobs: list[mx.array] = []
+        valid: list[int] = []
+        for i, p in enumerate(proposals):
+            # targets: the choice after pending (firsts), then after each proposal.
+            after = [firsts[i], *chosen[i]]
+            m = NgramLookup.accepted(p, after)
+            emitted.append([pending[i], *p[:m]])
+            logprobs.append(
+                [
+                    self._next_logprobs[i],
+                    *(rest_lp[i, j - 1] if j else first_lp[i] for j in range(m)),
+                ]
+            )
+            next_tokens.append(after[m])
+            next_logprobs.append(first_lp[i] if m == 0 else rest_lp[i, m - 1])
+            valid.append(1 + m)
+            self.tokens[i].extend(emitted[-1])
+            if p:
+                self.stats.num_drafts += 1
+                self.stats.num_draft_tokens += len(p)
+                self.stats.num_accepted_tokens += m
+                self._rate[i] = _ema(self._rate[i], m / len(p))
+                # All rejected: wait, longer each time in a row.
+                span = self._cooldown[i][1]
+                self._cooldown[i] = (span, min(2 * span, 32)) if m == 0 else (0, 1)
+        self.stats.verify_steps += 1
+
+        # Every sequence wrote k + 1 slots; keep each one's valid ones.
+        extra = [k + 1 - v for v in valid]
+        shared = min(extra)
+        rest = [e - shared for e in extra]
+        for c in self.prompt_cache:
+            if shared:
+                c.trim(shared)
+            if any(rest):
+                HoleyKVCache.of(c).reject(rest)
+        self._current_tokens = inputs[:, 0]
+        self._current_logprobs = list(self._next_logprobs)
+        self._next_tokens = mx.array(next_tokens, dtype=inputs.dtype)
+        self._next_logprobs = next_logprobs
+        return emitted, logprobs
+
+    def _responses(self, emitted: list[list[int]], logprobs: list[list[mx.array]]) -> list[Any]:
+        """mlx-lm's ``next`` over several tokens per sequence: each counts
+        against ``max_tokens`` and the stop matcher, and a sequence that
+        finishes drops what it fed past its last token."""
+        keep: list[int] = []
+        responses: list[Any] = []
+        for i in range(len(self.uids)):
+            finished = False
+            toks = emitted[i]
+            for j, token in enumerate(toks):
+                finish = None
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(token):
+                    finish = "stop"
+                if finish is None:
+                    responses.append(
+                        self.Response(self.uids[i], token, logprobs[i][j], None, None, None)
+                    )
+                    continue
+                drop = len(toks) - 1 - j
+                if drop:
+                    del self.tokens[i][-drop:]
+                responses.append(
+                    self.Response(
+                        self.uids[i],
+                        token,
+                        logprobs[i][j],
+                        finish,
+                        self.extract_cache(i, drop),
+                        self.tokens[i],
+                    )
+                )
+                finished = True
+                break
+            if not finished:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def install(
+    gen: BatchGenerator,
+    num_draft: int,
+    greedy: Callable[..., Any],
+    opted_out: set[int],
+    stats: SpecStats,
+) -> None:
+    """Make ``gen``'s generation batch a ``SpeculativeBatch`` proposing up to
+    ``num_draft`` tokens for its greedy sequences (uids in ``opted_out``
+    never). Call before anything was inserted."""
+    cls = type(
+        "LaneSpeculativeBatch",
+        (SpeculativeBatch,),
+        {
+            "num_draft": num_draft,
+            "greedy": staticmethod(greedy),
+            "opted_out": opted_out,
+            "stats": stats,
+            "gate": _Gate(),
+        },
+    )
+    empty: Any = cls
+    gen._generation_batch = empty.empty(gen.model, gen.sampler)

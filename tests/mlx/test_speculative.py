@@ -1,0 +1,242 @@
+"""Speculation inside the batched step (``mlx.speculative``) on the real MLX
+backend: greedy outputs are token for token what plain decoding gives, with
+proposals verified and accepted (so the test could fail), in batches where
+sequences accept different numbers of tokens (holes in the shared cache),
+beside sequences that cannot speculate (sampled, processed, opted out); a
+finished sequence's cache entry is the dense cache plain decoding leaves.
+
+On the dense tiny demo model held as float32, as the CPU backend holds it.
+Its random weights loop, so its own outputs recur and the lookup proposes.
+A gate that always pays makes every proposal verified: the measured gate
+would refuse some on this model, and the test is about correctness.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import trio
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from gezel_trio import (
+    Delta,
+    EngineConfig,
+    Failed,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    open_engine,
+)
+from gezel_trio.mlx import speculative
+from gezel_trio.mlx.backend import _greedy, _make_sampler
+from gezel_trio.mlx.loading import hold_float32
+from gezel_trio.mlx.lookup import NgramLookup
+
+TOKENS = 48
+HANG = 60
+
+
+class _AlwaysPays(speculative._Gate):
+    def pays(self, batch: int, width: int, expected: float) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def model(dense_model: Path) -> tuple[Any, Any]:
+    m, tok = load(str(dense_model))
+    hold_float32(m)
+    mx.eval(m.parameters())
+    return m, tok
+
+
+def _prompts(tok: Any) -> list[list[int]]:
+    text = Path(speculative.__file__).read_text()[:600]
+    return [
+        tok.encode("Repeat:\n" + text + "\nAgain:\n" + text[:120]),
+        tok.encode("one two three four one two three four one two"),
+        tok.encode("a fox"),
+    ]
+
+
+def _run(
+    model: Any,
+    prompts: list[list[int]],
+    *,
+    spec: bool,
+    samplers: list[Any] | None = None,
+    processors: list[list[Any]] | None = None,
+    opted_out: set[int] | None = None,
+    max_tokens: list[int] | None = None,
+) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
+    stats = speculative.SpecStats()
+    holey: list[bool] = []
+    if spec:
+        speculative.install(gen, 3, _greedy, opted_out if opted_out is not None else set(), stats)
+        type(gen._generation_batch).gate = _AlwaysPays()
+    n = len(prompts)
+    uids = gen.insert(
+        prompts,
+        max_tokens=max_tokens or [TOKENS] * n,
+        samplers=samplers or [_greedy] * n,
+        logits_processors=processors,
+    )
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    finals: dict[int, Any] = {}
+    try:
+        while len(finals) < n:
+            _, responses = gen.next()
+            for r in responses:
+                out[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    finals[r.uid] = r
+            cache = gen._generation_batch.prompt_cache
+            holey.append(bool(cache) and getattr(cache[0], "holes", None) is not None)
+    finally:
+        gen.close()
+    return [out[u] for u in uids], [finals[u] for u in uids], stats, holey
+
+
+def test_lookup_proposes_what_followed_the_latest_occurrence() -> None:
+    lookup = NgramLookup(max_n=3, min_n=2)
+    lookup.extend([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3])
+    # The suffix (1, 2, 3) last occurred before 7, 8 (not before 9).
+    assert lookup.propose(2) == [7, 8]
+    assert lookup.propose(0) == []
+    # The longest recurring suffix wins; a single token never proposes.
+    lookup.extend([7, 4])
+    assert lookup.propose(3) == []  # (7, 4) never occurred; 1-grams are not used
+    lookup.extend([1, 2])
+    assert lookup.propose(3) == [3, 7, 4]
+    assert NgramLookup.accepted([3, 7, 9], [3, 7, 4]) == 2
+    assert NgramLookup.accepted([5], [3]) == 0
+    with pytest.raises(ValueError, match="min_n"):
+        NgramLookup(max_n=1, min_n=2)
+
+
+def test_greedy_speculation_is_plain_decoding_token_for_token(model: tuple[Any, Any]) -> None:
+    m, tok = model
+    prompts = _prompts(tok)
+    for batch in ([prompts[0]], prompts):
+        plain, _, _, _ = _run(m, batch, spec=False)
+        spec, _, stats, holey = _run(m, batch, spec=True)
+        assert spec == plain
+        # Proposals were verified and some accepted: the comparison could fail.
+        assert stats.verify_steps > 0
+        assert stats.num_accepted_tokens > 0
+        assert stats.num_accepted_tokens < stats.num_draft_tokens or len(batch) == 1
+    # In the batch, sequences accepted different counts: holes were made.
+    assert any(holey)
+
+
+def test_a_finished_sequence_leaves_the_dense_cache_plain_decoding_leaves(
+    model: tuple[Any, Any],
+) -> None:
+    m, tok = model
+    prompts = _prompts(tok)
+    # Budgets that end sequences inside an accepted run of tokens.
+    budgets = [TOKENS - 1, TOKENS // 2 + 1, TOKENS - 5]
+    plain, plain_end, _, _ = _run(m, prompts, spec=False, max_tokens=budgets)
+    spec, spec_end, stats, _ = _run(m, prompts, spec=True, max_tokens=budgets)
+    assert stats.num_accepted_tokens > 0
+    assert spec == plain
+    for a, b in zip(plain_end, spec_end, strict=True):
+        assert a.all_tokens == b.all_tokens
+        for ca, cb in zip(a.prompt_cache, b.prompt_cache, strict=True):
+            assert cb.offset == ca.offset == len(b.all_tokens)
+            assert ca.keys.shape == cb.keys.shape
+            assert mx.allclose(ca.keys[..., : ca.offset, :], cb.keys, atol=1e-4).item()
+            assert mx.allclose(ca.values[..., : ca.offset, :], cb.values, atol=1e-4).item()
+
+
+def test_only_greedy_unprocessed_sequences_that_did_not_opt_out_propose(
+    model: tuple[Any, Any],
+) -> None:
+    m, tok = model
+    prompts = _prompts(tok)
+    seen: list[int] = []
+
+    def processor(tokens: mx.array, logits: mx.array) -> mx.array:
+        seen.append(int(tokens.size))
+        return logits
+
+    def samplers() -> list[Any]:
+        # A seeded sampler keeps its key stream: a new one per run.
+        return [_greedy, _make_sampler(SamplingParams(temperature=0.8, seed=7), 0), _greedy]
+
+    processors: list[list[Any]] = [[], [], [processor]]
+    plain, _, _, _ = _run(m, prompts, spec=False, samplers=samplers(), processors=processors)
+    plain_seen = list(seen)
+    seen.clear()
+    spec, _, stats, _ = _run(m, prompts, spec=True, samplers=samplers(), processors=processors)
+    # The sampled sequence keeps its seeded stream, the processed one sees
+    # the same contexts, the greedy one speculates: all three as plain.
+    assert spec == plain
+    assert seen == plain_seen
+    assert stats.num_drafts > 0
+    # Opted out, the only speculating sequence makes nothing verified.
+    first_uid = 0  # BatchGenerator numbers uids from 0 in each generator
+    _, _, none, _ = _run(
+        m, prompts, spec=True, samplers=samplers(), processors=processors, opted_out={first_uid}
+    )
+    assert none.num_drafts == 0
+    assert none.verify_steps == 0
+
+
+def test_a_model_with_recurrent_layers_is_refused_by_name(hybrid_model: Path) -> None:
+    m, _ = load(str(hybrid_model))
+    why = speculative.speculation_blocker(make_prompt_cache(m))
+    assert why is not None
+    assert "cannot drop rejected tokens" in why
+    assert speculative.speculation_blocker([c for c in make_prompt_cache(m) if False]) is None
+
+
+_SOURCE = Path(speculative.__file__).read_text()
+
+
+def _counter(engine: Any, name: str) -> float:
+    for line in engine.metrics.exposition().decode().splitlines():
+        if line.startswith(f"gezel_spec_decode_num_{name}_total "):
+            return float(line.split()[1])
+    raise AssertionError(f"no gezel_spec_decode_num_{name}_total in /metrics")
+
+
+async def _greedy_text(engine: Any, prompt: tuple[int, ...], *, speculate: bool = True) -> str:
+    parts: list[str] = []
+    greedy = SamplingParams(temperature=0.0)
+    request = GenerationRequest(prompt, TOKENS, greedy, ignore_eos=True, speculate=speculate)
+    with engine.submit_nowait(request) as h:
+        async for _, event in h:
+            if isinstance(event, Delta):
+                parts.append(event.text)
+            if isinstance(event, Failed):
+                raise AssertionError(event.error)
+            if isinstance(event, Finished):
+                return "".join(parts)
+    raise AssertionError("no terminal event")
+
+
+async def test_the_engine_speculates_by_default_and_counts_it(dense_model: Path) -> None:
+    text = _SOURCE[:400]
+    messages = [{"role": "user", "content": f"{text}\nAgain:\n{text}"}]
+    with trio.fail_after(HANG):
+        async with open_engine(EngineConfig(model=dense_model, speculation="off")) as engine:
+            prompt = (await engine.render_chat(messages)).tokens
+            plain = await _greedy_text(engine, prompt)
+            assert _counter(engine, "draft_tokens") == 0
+        async with open_engine(EngineConfig(model=dense_model)) as engine:
+            # Opted out: the same text, nothing proposed.
+            assert await _greedy_text(engine, prompt, speculate=False) == plain
+            assert _counter(engine, "draft_tokens") == 0
+            # Cached prompt now; with speculation, the same text again.
+            assert await _greedy_text(engine, prompt) == plain
+            drafted = _counter(engine, "draft_tokens")
+            accepted = _counter(engine, "accepted_tokens")
+            assert drafted > 0
+            assert 0 < accepted <= drafted
+            assert 0 < _counter(engine, "drafts") <= drafted
