@@ -113,6 +113,10 @@ def test_lookup_proposes_what_followed_the_latest_occurrence() -> None:
     assert lookup.propose(3) == []  # (7, 4) never occurred; 1-grams are not used
     lookup.extend([1, 2])
     assert lookup.propose(3) == [3, 7, 4]
+    # A copy that reaches the end continues with what it proposed: a loop.
+    loop = NgramLookup(max_n=3, min_n=2)
+    loop.extend([5, 1, 2, 3, 1, 2, 3, 1, 2])
+    assert loop.propose(5) == [3, 1, 2, 3, 1]
     assert NgramLookup.accepted([3, 7, 9], [3, 7, 4]) == 2
     assert NgramLookup.accepted([5], [3]) == 0
     with pytest.raises(ValueError, match="min_n"):
@@ -129,8 +133,28 @@ def test_greedy_speculation_is_plain_decoding_token_for_token(model: tuple[Any, 
         # Proposals were verified and some accepted: the comparison could fail.
         assert stats.verify_steps > 0
         assert stats.num_accepted_tokens > 0
-        assert stats.num_accepted_tokens < stats.num_draft_tokens or len(batch) == 1
     # In the batch, sequences accepted different counts: holes were made.
+    assert any(holey)
+
+
+def test_rejected_proposals_leave_plain_decoding_untouched(
+    model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every proposal of two or more tokens has its last one wrong: each
+    verify rejects part of what it was given, and the text is plain's."""
+    m, tok = model
+    prompts = _prompts(tok)
+    plain, _, _, _ = _run(m, prompts, spec=False)
+    real = NgramLookup.propose
+
+    def spoiled(self: NgramLookup, k: int) -> list[int]:
+        out = real(self, k)
+        return [*out[:-1], (out[-1] + 1) % 1000] if len(out) >= 2 else out
+
+    monkeypatch.setattr(NgramLookup, "propose", spoiled)
+    spec, _, stats, holey = _run(m, prompts, spec=True)
+    assert spec == plain
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert any(holey)
 
 

@@ -12,8 +12,9 @@ n-gram to where it last ended.
 ``NgramLookup`` indexes one sequence incrementally (O(``max_n``) per token)
 and proposes from the longest n-gram, ``max_n`` down to ``min_n``, that
 occurred before; the most recent occurrence wins (what recurs in agent
-traffic is usually the latest version). Pure Python, no MLX: it runs on the
-host thread between steps.
+traffic is usually the latest version). A copy that reaches the sequence's
+end continues with what it proposed, so a run or a loop is proposed whole.
+Pure Python, no MLX: it runs on the host thread between steps.
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ class NgramLookup:
         for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
             end = self._ends.get(tuple(toks[len(toks) - n :]))
             if end is not None:
-                return toks[end : end + k]
+                # Copy on from there; a copy that reaches the end goes on
+                # copying what it just proposed (a run or loop continues).
+                out: list[int] = []
+                for src in range(end, end + k):
+                    out.append(toks[src] if src < len(toks) else out[src - len(toks)])
+                return out
         return []
 
     @staticmethod

@@ -264,6 +264,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._after_verify = False
+        # The pending next tokens as host ints, where a verify step chose them.
+        self._known: list[int] | None = None
         self._lookups: list[NgramLookup | None] = []
         self._cooldown: list[tuple[int, int]] = []  # (steps to wait, next wait)
         self._rate: list[float] = []  # accepted per proposed token, recent
@@ -274,12 +276,15 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
 
     def extend(self, batch: Any) -> None:
         super().extend(batch)
+        self._known = None  # the new sequences' are still computing
         self._lookups.extend([None] * len(batch.uids))
         self._cooldown.extend([(0, 1)] * len(batch.uids))
         self._rate.extend([_PRIOR_RATE] * len(batch.uids))
 
     def filter(self, keep: list[int]) -> None:
         super().filter(keep)
+        if self._known is not None:
+            self._known = [self._known[i] for i in keep]
         self._lookups = [self._lookups[i] for i in keep]
         self._cooldown = [self._cooldown[i] for i in keep]
         self._rate = [self._rate[i] for i in keep]
@@ -304,7 +309,11 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             and self.max_tokens[i] - self._num_tokens[i] >= 2
         )
 
-    def _proposals(self, pending: list[int]) -> list[list[int]]:
+    def _proposals(self, pending: list[int] | None) -> list[list[int]]:
+        """Each sequence's proposal. With ``pending`` (its next tokens, known
+        after a verify step) up to K tokens to follow it; without (a plain
+        step computes them still) up to K + 1, the first a guess of the
+        pending token, so that nothing waits for the step in flight."""
         out: list[list[int]] = []
         for i in range(len(self.uids)):
             wait, span = self._cooldown[i]
@@ -320,7 +329,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 lookup = self._lookups[i] = NgramLookup()
             lookup.extend(self.tokens[i][len(lookup.tokens) :])
             budget = min(self.num_draft, self.max_tokens[i] - self._num_tokens[i] - 1)
-            lookup.tokens.append(pending[i])  # the pending token, emitted this step
+            if pending is None:
+                out.append(lookup.propose(budget + 1))
+                continue
+            lookup.tokens.append(pending[i])
             try:
                 out.append(lookup.propose(budget))
             finally:
@@ -335,35 +347,49 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         emitted: list[list[int]]
         logprobs: list[list[mx.array]]
         start = time.perf_counter()
-        pending: list[int] = []
+        known, self._known = self._known, None
         proposals: list[list[int]] = []
         if self.num_draft > 0 and any(self._eligible(i) for i in range(len(self.uids))):
-            mx.eval(self._next_tokens)
-            pending = _ints(self._next_tokens)
-            proposals = self._proposals(pending)
-        drafted = sum(len(p) for p in proposals)
+            proposals = self._proposals(known)
+        guessed = 0 if known is not None else 1  # a guess of the pending token leads
+        drafted = sum(max(0, len(p) - guessed) for p in proposals)
         B = len(self.uids)
-        width = 1 + max((len(p) for p in proposals), default=0)
-        expected = sum(r * len(p) for r, p in zip(self._rate, proposals, strict=False))
+        width = 1 + max((len(p) - guessed for p in proposals), default=0)
+        expected = sum(
+            r * max(0, len(p) - guessed) for r, p in zip(self._rate, proposals, strict=False)
+        )
+        pending: list[int] | None = known
+        synced = False
         if drafted and self.gate.pays(B, width, expected):
-            emitted, logprobs = self._verify(pending, proposals)
-            self.gate.note_verify(B, width, time.perf_counter() - start)
-            self._after_verify = True
-        else:
-            if drafted:
-                # Refused: each proposer's remembered rate drifts back to
-                # the prior, so a bad spell is not refused forever.
-                for i, p in enumerate(proposals):
-                    if p:
-                        self._rate[i] = 0.98 * self._rate[i] + 0.02 * _PRIOR_RATE
-            tokens, lps = self._step()
-            emitted, logprobs = [[t] for t in tokens], [[lp] for lp in lps]
-            self.stats.plain_steps += 1
-            # A plain step right after a verify one did not wait for a step
-            # (its input was already computed): not a step's time.
-            if not self._after_verify:
-                self.gate.note_plain(B, time.perf_counter() - start)
-            self._after_verify = False
+            if pending is None:
+                # Wait for the step in flight; keep the proposals whose
+                # guess of its token was right.
+                mx.eval(self._next_tokens)
+                pending, synced = _ints(self._next_tokens), True
+                proposals = [
+                    p[1:] if len(p) > 1 and p[0] == pending[i] else []
+                    for i, p in enumerate(proposals)
+                ]
+            if any(proposals):
+                width = 1 + max(len(p) for p in proposals)
+                emitted, logprobs = self._verify(pending, proposals)
+                self.gate.note_verify(B, width, time.perf_counter() - start)
+                self._after_verify = True
+                return self._responses(emitted, logprobs)
+        elif drafted:
+            # Refused: each proposer's remembered rate drifts back to the
+            # prior, so a bad spell is not refused forever.
+            for i, p in enumerate(proposals):
+                if p:
+                    self._rate[i] = 0.98 * self._rate[i] + 0.02 * _PRIOR_RATE
+        tokens, lps = self._step()
+        emitted, logprobs = [[t] for t in tokens], [[lp] for lp in lps]
+        self.stats.plain_steps += 1
+        # A plain step right after a verify one (its input already computed)
+        # or after waiting here did not take a step's time.
+        if not self._after_verify and not synced:
+            self.gate.note_plain(B, time.perf_counter() - start)
+        self._after_verify = False
         return self._responses(emitted, logprobs)
 
     def _verify(
@@ -446,6 +472,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         self._current_logprobs = list(self._next_logprobs)
         self._next_tokens = mx.array(next_tokens, dtype=inputs.dtype)
         self._next_logprobs = next_logprobs
+        self._known = next_tokens
         return emitted, logprobs
 
     def _responses(self, emitted: list[list[int]], logprobs: list[list[mx.array]]) -> list[Any]:
