@@ -173,6 +173,9 @@ def run(ctx: Context) -> Result:
         vals = [m.tok_s for m in results if m.system == system and m.streams == n]
         return statistics.median(vals) if vals else None
 
+    def runs(system: str, n: int) -> list[float]:
+        return [m.tok_s for m in results if m.system == system and m.streams == n]
+
     def acc(w: str, n: int, f: Callable[[dict[str, Any]], float]) -> float | None:
         rows = [x for x in accept if x["workload"] == w and x["streams"] == n]
         vals = [f(x) for x in rows]
@@ -182,6 +185,7 @@ def run(ctx: Context) -> Result:
     for w in a.workloads:
         for n in streams:
             on, off = med(f"{w}/lookup", n), med(f"{w}/off", n)
+            pairs = zip(runs(f"{w}/lookup", n), runs(f"{w}/off", n), strict=False)
             rows.append(
                 (
                     w,
@@ -189,6 +193,7 @@ def run(ctx: Context) -> Result:
                     off,
                     on,
                     ratio(on, off),
+                    " ".join(f"{x / y:.2f}" for x, y in pairs),
                     acc(
                         w,
                         n,
@@ -212,9 +217,11 @@ def run(ctx: Context) -> Result:
             table(
                 "Decode tok/s, lookup speculation against none",
                 "workload | streams:d | off tok/s:.1f | lookup tok/s:.1f | lookup / off:.3f"
-                " | accepted / proposed:.2f | proposed tokens:.0f | accepted tokens:.0f",
+                " | each repeat | accepted / proposed:.2f | proposed tokens:.0f"
+                " | accepted tokens:.0f",
                 rows,
-                "medians over the repeats; proposed and accepted: the lookup server's"
+                "medians over the repeats (each repeat: that repeat's lookup / off, the"
+                " machine's noise); proposed and accepted: the lookup server's"
                 " gezel_spec_decode_num_* counters over one round (all streams)",
             )
         ],
