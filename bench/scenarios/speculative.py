@@ -133,6 +133,9 @@ def run(ctx: Context) -> Result:
     width = max(streams)
     results: list[Measurement] = []
     accept: list[dict[str, Any]] = []
+    # Every stream's text, per workload, stream count and mode: greedy, so
+    # one text each, the same with and without speculation.
+    texts: dict[tuple[str, int, str], set[str]] = {}
     with contextlib.ExitStack() as stack:
         urls: dict[str, str] = {}
         for mode in MODES:
@@ -159,6 +162,7 @@ def run(ctx: Context) -> Result:
                     logs = _sse.streams_together(url, body(w, a.tokens), n, f"{w}/{mode}")
                     m = aggregate(f"{w}/{mode}", a.tokens, [StreamTiming.of(x) for x in logs])
                     results.append(m)
+                    texts.setdefault((w, n, mode), set()).update(x.text for x in logs)
                     if mode == "lookup":
                         after = _counters(url)
                         accept.append(
@@ -194,6 +198,7 @@ def run(ctx: Context) -> Result:
                     on,
                     ratio(on, off),
                     " ".join(f"{x / y:.2f}" for x, y in pairs),
+                    "yes" if texts.get((w, n, "lookup")) == texts.get((w, n, "off")) else "NO",
                     acc(
                         w,
                         n,
@@ -212,17 +217,20 @@ def run(ctx: Context) -> Result:
             "streams": streams,
             "runs": results,
             "acceptance": accept,
+            "texts": {f"{w}/{n}/{m}": sorted(v) for (w, n, m), v in texts.items()},
         },
         tables=[
             table(
                 "Decode tok/s, lookup speculation against none",
                 "workload | streams:d | off tok/s:.1f | lookup tok/s:.1f | lookup / off:.3f"
-                " | each repeat | accepted / proposed:.2f | proposed tokens:.0f"
+                " | each repeat | same text | accepted / proposed:.2f | proposed tokens:.0f"
                 " | accepted tokens:.0f",
                 rows,
                 "medians over the repeats (each repeat: that repeat's lookup / off, the"
-                " machine's noise); proposed and accepted: the lookup server's"
-                " gezel_spec_decode_num_* counters over one round (all streams)",
+                " machine's noise); same text: every stream of every repeat wrote one and"
+                " the same text with and without speculation; proposed and accepted: the"
+                " lookup server's gezel_spec_decode_num_* counters over one round (all"
+                " streams)",
             )
         ],
         title=f"model {model_dir.name}, {a.tokens} tokens per stream, median of {a.repeats}",

@@ -442,6 +442,7 @@ def chat_request(req: MessagesRequest, *, default_temperature: float = 1.0) -> C
         stop=tuple(req.stop_sequences or ()),
         template_kwargs=_template_kwargs(req),
         max_thinking_tokens=budget,
+        speculate=req.speculation,
         images=tuple(images),
         pins=_pins(req, messages),
         max_tool_calls=1 if _one_call(req) else None,

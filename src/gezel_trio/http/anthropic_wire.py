@@ -374,6 +374,8 @@ class MessagesRequest(CountTokensRequest):
     # gezel (vLLM's, an extra body field): the prompt cache reuses only what
     # requests of the same salt left.
     cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
+    # gezel: false opts this request out of speculative decoding.
+    speculation: bool = True
 
 
 def _tag(cls: type) -> str:

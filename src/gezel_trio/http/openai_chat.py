@@ -103,7 +103,7 @@ def chat_request(
         template_override=req.chat_template_override,
         max_thinking_tokens=req.thinking_budget,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        speculate=not req.disable_speculation,
+        speculate=req.speculation and not req.disable_speculation,
         images=images,
         n=req.n,
         reasoning_format=_reasoning_format(req.reasoning_format, reasoning_format),

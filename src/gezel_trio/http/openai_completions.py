@@ -72,6 +72,7 @@ def completion_request(req: CompletionRequest, *, default_temperature: float = 1
         cache_id=req.cache_id,
         prefix_ids=req.prefix_ids,
         top_logprobs=req.logprobs,
+        speculate=req.speculation,
         n=req.n,
     )
 

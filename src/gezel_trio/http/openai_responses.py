@@ -867,6 +867,7 @@ def _chat_request(
         template_kwargs=req.template_kwargs,
         max_thinking_tokens=req.thinking_budget,
         top_logprobs=(req.top_logprobs or 0) if logprobs else None,
+        speculate=req.speculation,
         images=_images(messages),
         custom_tools=custom,
         max_tool_calls=_max_tool_calls(req),

@@ -401,6 +401,7 @@ class ChatCompletionRequest:
     max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
     tool_grammar: ToolGrammar | None = None
     disable_speculation: bool = False
+    speculation: bool = True
     # llama.cpp's per-request field: ``none`` leaves the think block in
     # content as written; ``auto`` and ``deepseek`` (llama.cpp's name for
     # the same split) send it as ``reasoning_content``; absent: the
@@ -491,6 +492,7 @@ class CompletionRequest:
     # vLLM's: the prompt cache reuses only what requests of the same salt left.
     cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
     priority: Literal["interactive", "background"] = "interactive"
+    speculation: bool = True
 
     @property
     def stop_list(self) -> tuple[str, ...]:

@@ -48,7 +48,9 @@ _DOCS: dict[str, str] = {
     "max_thinking_tokens": "gezel: close the think block after this many tokens.",
     "tool_grammar": "gezel: constrain tool calls with a grammar; mode name-only (names) or "
     "name-and-params (the whole call, by schema); format hermes, gemma, glm or qwen3_coder.",
-    "disable_speculation": "gezel: opt out of speculative decoding.",
+    "disable_speculation": "gezel (the seed's): opt out of speculative decoding.",
+    "speculation": "gezel: false opts this request out of speculative decoding "
+    "(docs/speculation.md).",
     "ignore_eos": "vLLM: generate exactly max_tokens tokens.",
     "min_tokens": "vLLM: hold end-of-sequence back for this many tokens.",
     "top_k": "Sample from the k most likely tokens; at or above the vocabulary: no filter.",

@@ -417,6 +417,7 @@ class ResponsesRequest:
     priority: Literal["interactive", "background"] = "interactive"
     chat_template_kwargs: dict[str, Any] | None = None
     max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
+    speculation: bool = True
 
     @property
     def served_tools(self) -> list[FunctionTool | CustomTool]:
