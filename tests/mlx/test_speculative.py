@@ -230,7 +230,9 @@ def _counter(engine: Any, name: str) -> float:
     raise AssertionError(f"no gezel_spec_decode_num_{name}_total in /metrics")
 
 
-async def _greedy_text(engine: Any, prompt: tuple[int, ...], *, speculate: bool = True) -> str:
+async def _greedy_text(
+    engine: Any, prompt: tuple[int, ...], *, speculate: bool = True
+) -> tuple[str, Any]:
     parts: list[str] = []
     greedy = SamplingParams(temperature=0.0)
     request = GenerationRequest(prompt, TOKENS, greedy, ignore_eos=True, speculate=speculate)
@@ -241,7 +243,7 @@ async def _greedy_text(engine: Any, prompt: tuple[int, ...], *, speculate: bool 
             if isinstance(event, Failed):
                 raise AssertionError(event.error)
             if isinstance(event, Finished):
-                return "".join(parts)
+                return "".join(parts), event.usage
     raise AssertionError("no terminal event")
 
 
@@ -251,16 +253,21 @@ async def test_the_engine_speculates_by_default_and_counts_it(dense_model: Path)
     with trio.fail_after(HANG):
         async with open_engine(EngineConfig(model=dense_model, speculation="off")) as engine:
             prompt = (await engine.render_chat(messages)).tokens
-            plain = await _greedy_text(engine, prompt)
+            plain, usage = await _greedy_text(engine, prompt)
             assert _counter(engine, "draft_tokens") == 0
+            assert usage.draft_tokens == 0
         async with open_engine(EngineConfig(model=dense_model)) as engine:
             # Opted out: the same text, nothing proposed.
-            assert await _greedy_text(engine, prompt, speculate=False) == plain
-            assert _counter(engine, "draft_tokens") == 0
+            text, usage = await _greedy_text(engine, prompt, speculate=False)
+            assert text == plain
+            assert _counter(engine, "draft_tokens") == usage.draft_tokens == 0
             # Cached prompt now; with speculation, the same text again.
-            assert await _greedy_text(engine, prompt) == plain
+            text, usage = await _greedy_text(engine, prompt)
+            assert text == plain
             drafted = _counter(engine, "draft_tokens")
             accepted = _counter(engine, "accepted_tokens")
             assert drafted > 0
             assert 0 < accepted <= drafted
             assert 0 < _counter(engine, "drafts") <= drafted
+            # The request's own usage counts what was proposed for it.
+            assert (usage.draft_tokens, usage.accepted_draft_tokens) == (drafted, accepted)

@@ -137,6 +137,10 @@ class TokenOut:
     state_tokens: tuple[int, ...] = ()
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+    # Speculation in this step, on the sequence's first token of the step:
+    # the tokens proposed for it and how many the model accepted.
+    drafted: int = 0
+    accepted: int = 0
 
 
 @attrs.frozen

@@ -114,6 +114,10 @@ class Usage:
     # ``cache_creation``), by how long the pin holds them.
     pinned_5m_tokens: int = 0
     pinned_1h_tokens: int = 0
+    # Speculative decoding: tokens proposed for this sequence, and those the
+    # model accepted (each accepted one is also an output token).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

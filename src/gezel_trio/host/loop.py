@@ -93,6 +93,8 @@ class _Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     generated: int = 0
+    drafted: int = 0  # tokens proposed by speculation, and accepted
+    accepted: int = 0
     miss: CacheMiss | None = None
     pinned: tuple[int, int] = (0, 0)  # prompt tokens written into pins: 5m, 1h
 
@@ -113,6 +115,8 @@ class _Sequence:
             cache_miss=self.miss,
             pinned_5m_tokens=self.pinned[0],
             pinned_1h_tokens=self.pinned[1],
+            draft_tokens=self.drafted,
+            accepted_draft_tokens=self.accepted,
         )
 
 
@@ -464,6 +468,8 @@ class _Host:
 
     def _advance(self, seq: _Sequence, tok: TokenOut, now: float) -> FinishReason | None:
         seq.generated += 1
+        seq.drafted += tok.drafted
+        seq.accepted += tok.accepted
         if seq.first_token_at is None:
             seq.first_token_at = now
         seq.last_token_at = now

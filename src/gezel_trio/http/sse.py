@@ -98,6 +98,11 @@ def usage_body(u: Usage) -> dict[str, Any]:
         "prompt_tokens": u.input_tokens,
         "completion_tokens": u.output_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        # OpenAI's predicted-output counts, for what speculation proposed.
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_draft_tokens,
+            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens,
+        },
         "cache_miss": cache_miss_body(u.cache_miss),
     }
 

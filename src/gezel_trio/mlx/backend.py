@@ -1018,12 +1018,17 @@ class MlxBackend:
                 continue
             finish: Literal["stop", "length"] | None = r.finish_reason
             logprob, top = self._token_logprobs(rid, int(r.token), r.logprobs)
+            drafted, accepted = getattr(r, "drafted", 0), getattr(r, "accepted", 0)
             if finish is None:
-                tokens.append(TokenOut(rid, int(r.token), None, logprob=logprob, top=top))
+                tokens.append(
+                    TokenOut(rid, int(r.token), None, None, (), logprob, top, drafted, accepted)
+                )
                 continue
             state = list(r.prompt_cache) if r.prompt_cache is not None else None
             held = self._key(rid, r.all_tokens or ())
-            tokens.append(TokenOut(rid, int(r.token), finish, state, held, logprob, top))
+            tokens.append(
+                TokenOut(rid, int(r.token), finish, state, held, logprob, top, drafted, accepted)
+            )
             self._logprobs.pop(rid, None)
             self._forget(rid)
             del rid_of[r.uid]

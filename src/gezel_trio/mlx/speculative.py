@@ -264,6 +264,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._after_verify = False
+        # Each sequence's (proposed, accepted) in the verify step just taken.
+        self._drafts: list[tuple[int, int]] = []
         # The pending next tokens as host ints, where a verify step chose them.
         self._known: list[int] | None = None
         self._lookups: list[NgramLookup | None] = []
@@ -366,10 +368,18 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 # guess of its token was right.
                 mx.eval(self._next_tokens)
                 pending, synced = _ints(self._next_tokens), True
-                proposals = [
-                    p[1:] if len(p) > 1 and p[0] == pending[i] else []
-                    for i, p in enumerate(proposals)
-                ]
+                held = []
+                for i, p in enumerate(proposals):
+                    if len(p) > 1 and p[0] == pending[i]:
+                        held.append(p[1:])
+                        continue
+                    held.append([])
+                    if p:
+                        # A wrong guess cost this wait: back off as from a
+                        # rejection, so misses do not wait every step.
+                        span = self._cooldown[i][1]
+                        self._cooldown[i] = (span, min(2 * span, 32))
+                proposals = held
             if any(proposals):
                 width = 1 + max(len(p) for p in proposals)
                 emitted, logprobs = self._verify(pending, proposals)
@@ -384,6 +394,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                     self._rate[i] = 0.98 * self._rate[i] + 0.02 * _PRIOR_RATE
         tokens, lps = self._step()
         emitted, logprobs = [[t] for t in tokens], [[lp] for lp in lps]
+        self._drafts = []
         self.stats.plain_steps += 1
         # A plain step right after a verify one (its input already computed)
         # or after waiting here did not take a step's time.
@@ -434,6 +445,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         next_tokens: list[int] = []
         next_logprobs: list[mx.array] = []
         valid: list[int] = []
+        self._drafts = [(0, 0)] * B
         for i, p in enumerate(proposals):
             # targets: the choice after pending (firsts), then after each proposal.
             after = [firsts[i], *chosen[i]]
@@ -449,6 +461,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             next_logprobs.append(first_lp[i] if m == 0 else rest_lp[i, m - 1])
             valid.append(1 + m)
             self.tokens[i].extend(emitted[-1])
+            self._drafts[i] = (len(p), m)
             if p:
                 self.stats.num_drafts += 1
                 self.stats.num_draft_tokens += len(p)
@@ -484,6 +497,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         for i in range(len(self.uids)):
             finished = False
             toks = emitted[i]
+            first = len(responses)
             for j, token in enumerate(toks):
                 finish = None
                 self._num_tokens[i] += 1
@@ -511,6 +525,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 )
                 finished = True
                 break
+            if self._drafts and self._drafts[i][0]:
+                # What this step proposed and accepted, on its first token.
+                responses[first].drafted, responses[first].accepted = self._drafts[i]
             if not finished:
                 keep.append(i)
         if len(keep) < len(self.uids):
