@@ -203,10 +203,17 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
             default=default,
             help="accepted; this build keeps the KV cache unquantized",
         )
-    g.add_argument("--spec-draft-model", default=None, help="accepted; no speculative decoding")
-    g.add_argument("--spec-draft-kind", default=None, help="accepted; no speculative decoding")
     g.add_argument(
-        "--spec-block-size", type=int, default=None, help="accepted; no speculative decoding"
+        "--spec-draft-model", default=None, help="accepted; no draft model (see --speculation)"
+    )
+    g.add_argument(
+        "--spec-draft-kind", default=None, help="accepted; no draft model (see --speculation)"
+    )
+    g.add_argument(
+        "--spec-block-size",
+        type=int,
+        default=None,
+        help="accepted; no draft model (see --speculation)",
     )
     g.add_argument(
         "--external-ple-dir",
@@ -247,7 +254,8 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
     ]
     if spec:
         notes.append(
-            f"{' '.join(spec)}: this build decodes without a drafter (same output, slower)"
+            f"{' '.join(spec)}: this build has no draft model; greedy requests speculate "
+            "with draft-free lookup (--speculation) instead, same output"
         )
     if args.vision:
         notes.append(
