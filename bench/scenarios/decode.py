@@ -7,8 +7,9 @@ One run measures, side by side and on the same model, prompt and token budget:
     with no stop sequences (so every sequence runs exactly ``--tokens``). It
     runs in a child process that waits, idle, while a server is measured.
 ``gezel``
-    ``python -m gezel_trio serve --max-concurrency MAX(streams)`` over HTTP
-    SSE, with ``ignore_eos: true``.
+    ``python -m gezel_trio serve --max-concurrency MAX(streams) --speculation
+    off`` over HTTP SSE, with ``ignore_eos: true`` (speculation changes what
+    is decoded per step; ``bench speculative`` measures it).
 ``mlx_lm.server``
     ``python -m mlx_lm server --decode-concurrency N --prompt-concurrency N
     --temp 0.0 --chat-template-args '{"enable_thinking": false}'`` over HTTP
@@ -275,7 +276,9 @@ def _serve(
         with _servers.mlx_server(model_dir, log, _servers.mlx_decode_flags(width)) as srv:
             yield srv.url, srv.proc.pid
         return
-    flags = ["--max-concurrency", str(width), "--log-level", "WARNING"]
+    # Speculation off: this compares what serving costs per token against
+    # the same decoding; what speculation gains is `bench speculative`'s.
+    flags = ["--max-concurrency", str(width), "--log-level", "WARNING", "--speculation", "off"]
     model = quantized if system == "gezel-q4" and quantized is not None else model_dir
     with _servers.gezel_server(model, log, flags, label=system, stalls=stalls) as srv:
         yield srv.url, srv.proc.pid
