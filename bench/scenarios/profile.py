@@ -146,7 +146,14 @@ def run(ctx: Context) -> Result:
         stored = a.model if a.model is not None else ctx.demo_model("dense")
         model_dir = _servers.float32_copy(stored, stored.parent / "bench-float32")
     streams = sorted(set(a.streams))
-    flags = ["--max-concurrency", str(max(streams)), "--log-level", "WARNING"]
+    flags = [
+        "--max-concurrency",
+        str(max(streams)),
+        "--log-level",
+        "WARNING",
+        "--speculation",
+        "off",
+    ]
     rounds = []
     with (
         ctx.phase("gezel"),
