@@ -271,3 +271,25 @@ async def test_the_engine_speculates_by_default_and_counts_it(dense_model: Path)
             assert 0 < _counter(engine, "drafts") <= drafted
             # The request's own usage counts what was proposed for it.
             assert (usage.draft_tokens, usage.accepted_draft_tokens) == (drafted, accepted)
+
+
+def test_a_failing_lookup_costs_its_sequence_only_speculation(
+    model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    m, tok = model
+    prompts = _prompts(tok)
+    plain, _, _, _ = _run(m, prompts, spec=False)
+    real = NgramLookup.propose
+    broken = prompts[1][:4]
+
+    def failing(self: NgramLookup, k: int) -> list[int]:
+        if self.tokens[:4] == broken:
+            raise RuntimeError("a proposer bug")
+        return real(self, k)
+
+    monkeypatch.setattr(NgramLookup, "propose", failing)
+    spec, _, stats, _ = _run(m, prompts, spec=True)
+    # Every sequence wrote plain's text; the others still speculated.
+    assert spec == plain
+    assert stats.num_accepted_tokens > 0
+    assert [r for r in caplog.records if "the lookup of uid" in r.getMessage()]

@@ -41,6 +41,7 @@ what was measured.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,8 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .lookup import NgramLookup
+
+log = logging.getLogger("gezel_trio.mlx")
 
 __all__ = [
     "HoleyKVCache",
@@ -326,20 +329,31 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             if not self._eligible(i):
                 out.append([])
                 continue
-            lookup = self._lookups[i]
-            if lookup is None:
-                lookup = self._lookups[i] = NgramLookup()
-            lookup.extend(self.tokens[i][len(lookup.tokens) :])
-            budget = min(self.num_draft, self.max_tokens[i] - self._num_tokens[i] - 1)
-            if pending is None:
-                out.append(lookup.propose(budget + 1))
-                continue
-            lookup.tokens.append(pending[i])
             try:
-                out.append(lookup.propose(budget))
-            finally:
-                lookup.tokens.pop()
+                out.append(self._propose(i, pending))
+            except Exception:
+                # A proposer's fault is this sequence's alone, and costs it
+                # only speculation: it decodes on, plainly.
+                log.exception(
+                    "speculation: the lookup of uid %d failed; it decodes plainly", self.uids[i]
+                )
+                self.opted_out.add(self.uids[i])
+                out.append([])
         return out
+
+    def _propose(self, i: int, pending: list[int] | None) -> list[int]:
+        lookup = self._lookups[i]
+        if lookup is None:
+            lookup = self._lookups[i] = NgramLookup()
+        lookup.extend(self.tokens[i][len(lookup.tokens) :])
+        budget = min(self.num_draft, self.max_tokens[i] - self._num_tokens[i] - 1)
+        if pending is None:
+            return lookup.propose(budget + 1)
+        lookup.tokens.append(pending[i])
+        try:
+            return lookup.propose(budget)
+        finally:
+            lookup.tokens.pop()
 
     # -- the step -------------------------------------------------------------------
 
