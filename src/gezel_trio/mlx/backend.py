@@ -1064,8 +1064,7 @@ class MlxBackend:
         return memory_figures(self._cache_limit)
 
     def speculation_figures(self) -> SpecFigures:
-        s = self.spec_stats
-        return SpecFigures(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.verify_steps)
+        return self.spec_stats.figures()
 
     def reclaim(self) -> None:
         mx.clear_cache()

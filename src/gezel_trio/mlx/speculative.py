@@ -51,6 +51,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ..core.backend import SpecFigures
 from .lookup import NgramLookup
 
 log = logging.getLogger("gezel_trio.mlx")
@@ -202,13 +203,19 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
 
 @attrs.define
 class SpecStats:
-    """What speculation did, for usage and ``/metrics``: vLLM's names."""
+    """What speculation did, counted as it goes (vLLM's names);
+    ``figures()`` is the frozen copy a step's report carries to ``/metrics``."""
 
     num_drafts: int = 0  # sequences that verified a proposal, summed over steps
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     verify_steps: int = 0
     plain_steps: int = 0
+
+    def figures(self) -> SpecFigures:
+        return SpecFigures(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.verify_steps
+        )
 
 
 # What a sequence's proposals are expected to get accepted at before any
