@@ -254,7 +254,7 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
     ]
     if spec:
         notes.append(
-            f"{' '.join(spec)}: this build has no draft model; greedy requests speculate "
+            f"{' '.join(spec)}: this build has no draft model; requests speculate "
             "with draft-free lookup (--speculation) instead, same output"
         )
     if args.vision:

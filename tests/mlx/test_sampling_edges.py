@@ -28,7 +28,7 @@ from gezel_trio import (
     SamplingParams,
     open_engine,
 )
-from gezel_trio.mlx.backend import _make_sampler
+from gezel_trio.mlx.sampling import make_sampler
 
 HANG = 60
 TOKENS = 16
@@ -71,7 +71,7 @@ def test_a_low_temperature_does_not_overflow_float16_logprobs() -> None:
     logits = mx.zeros((1, 1000)).at[0, 500].add(0.5)
     logprobs = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.float16)
     for seed in range(4):
-        sample = _make_sampler(SamplingParams(temperature=1e-5, seed=seed), 1000)
+        sample = make_sampler(SamplingParams(temperature=1e-5, seed=seed), 1000)
         assert sample(logprobs).item() == 500
 
 

@@ -33,9 +33,9 @@ from gezel_trio import (
     open_engine,
 )
 from gezel_trio.mlx import speculative
-from gezel_trio.mlx.backend import _greedy, _make_sampler
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
+from gezel_trio.mlx.sampling import Sampling, greedy, make_sampler
 
 TOKENS = 48
 HANG = 60
@@ -73,19 +73,26 @@ def _run(
     opted_out: set[int] | None = None,
     max_tokens: list[int] | None = None,
 ) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
+    """Decode ``prompts`` to the end; an unseeded ``Sampling`` among
+    ``samplers`` speculates, as the backend's roster says."""
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
     stats = speculative.SpecStats()
     holey: list[bool] = []
+    roster = speculative.Roster(opted_out if opted_out is not None else set())
     if spec:
-        speculative.install(gen, 3, _greedy, opted_out if opted_out is not None else set(), stats)
+        speculative.install(gen, 3, roster, stats)
         type(gen._generation_batch).gate = _AlwaysPays()
     n = len(prompts)
+    samplers = samplers or [greedy] * n
     uids = gen.insert(
         prompts,
         max_tokens=max_tokens or [TOKENS] * n,
-        samplers=samplers or [_greedy] * n,
+        samplers=samplers,
         logits_processors=processors,
     )
+    for uid, s in zip(uids, samplers, strict=True):
+        if isinstance(s, Sampling) and not s.seeded:
+            roster.sampled[uid] = s
     out: dict[int, list[int]] = {u: [] for u in uids}
     finals: dict[int, Any] = {}
     try:
@@ -191,7 +198,7 @@ def test_only_greedy_unprocessed_sequences_that_did_not_opt_out_propose(
 
     def samplers() -> list[Any]:
         # A seeded sampler keeps its key stream: a new one per run.
-        return [_greedy, _make_sampler(SamplingParams(temperature=0.8, seed=7), 0), _greedy]
+        return [greedy, make_sampler(SamplingParams(temperature=0.8, seed=7), 0), greedy]
 
     processors: list[list[Any]] = [[], [], [processor]]
     plain, _, _, _ = _run(m, prompts, spec=False, samplers=samplers(), processors=processors)
@@ -210,6 +217,35 @@ def test_only_greedy_unprocessed_sequences_that_did_not_opt_out_propose(
     )
     assert none.num_drafts == 0
     assert none.verify_steps == 0
+
+
+def test_sampled_sequences_speculate_by_rejection_sampling(model: tuple[Any, Any]) -> None:
+    """An unseeded sampled sequence verifies its proposals too. Near
+    temperature 0 its distribution is the greedy choice, so it must write
+    greedy decoding's text (wrong positions or verdicts would not); warmer,
+    the cache it leaves is the one its tokens give. (The random weights'
+    logits are flat: above ~0.1 their samples never recur.)"""
+    m, tok = model
+    prompts = _prompts(tok)
+    mx.random.seed(3)
+    plain, _, _, _ = _run(m, prompts, spec=False)
+    cold = [make_sampler(SamplingParams(temperature=1e-4), 0) for _ in prompts]
+    assert all(isinstance(s, Sampling) for s in cold)
+    spec, _, stats, _ = _run(m, prompts, spec=True, samplers=cold)
+    assert spec == plain
+    assert stats.num_drafts > 0
+    assert stats.num_accepted_tokens > 0
+
+    warm = [make_sampler(SamplingParams(temperature=0.03), 0) for _ in prompts]
+    _, ends, stats, holey = _run(m, prompts, spec=True, samplers=warm)
+    assert stats.num_drafts > 0
+    assert any(holey)
+    for end in ends:
+        fresh = make_prompt_cache(m)
+        m(mx.array(end.all_tokens)[None], cache=fresh)
+        for want, got in zip(fresh, end.prompt_cache, strict=True):
+            assert got.offset == want.offset == len(end.all_tokens)
+            assert mx.allclose(want.keys[..., : want.offset, :], got.keys, atol=1e-4).item()
 
 
 def test_a_model_with_recurrent_layers_is_refused_by_name(hybrid_model: Path) -> None:
@@ -231,11 +267,15 @@ def _counter(engine: Any, name: str) -> float:
 
 
 async def _greedy_text(
-    engine: Any, prompt: tuple[int, ...], *, speculate: bool = True
+    engine: Any,
+    prompt: tuple[int, ...],
+    *,
+    speculate: bool = True,
+    sampling: SamplingParams | None = None,
 ) -> tuple[str, Any]:
     parts: list[str] = []
-    greedy = SamplingParams(temperature=0.0)
-    request = GenerationRequest(prompt, TOKENS, greedy, ignore_eos=True, speculate=speculate)
+    sampling = sampling or SamplingParams(temperature=0.0)
+    request = GenerationRequest(prompt, TOKENS, sampling, ignore_eos=True, speculate=speculate)
     with engine.submit_nowait(request) as h:
         async for _, event in h:
             if isinstance(event, Delta):
@@ -271,6 +311,15 @@ async def test_the_engine_speculates_by_default_and_counts_it(dense_model: Path)
             assert 0 < _counter(engine, "drafts") <= drafted
             # The request's own usage counts what was proposed for it.
             assert (usage.draft_tokens, usage.accepted_draft_tokens) == (drafted, accepted)
+            # An unseeded sampled request speculates (near temperature 0 it
+            # is the greedy text); a seeded one does not.
+            cold = SamplingParams(temperature=1e-4)
+            text, usage = await _greedy_text(engine, prompt, sampling=cold)
+            assert text == plain
+            assert usage.accepted_draft_tokens > 0
+            seeded = SamplingParams(temperature=1e-4, seed=5)
+            text, usage = await _greedy_text(engine, prompt, sampling=seeded)
+            assert usage.draft_tokens == 0
 
 
 def test_a_failing_lookup_costs_its_sequence_only_speculation(

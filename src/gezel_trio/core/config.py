@@ -170,9 +170,9 @@ class EngineConfig:
     speculation: str = setting(
         "lookup",
         flag="--speculation",
-        help="speculative decoding of greedy requests: lookup proposes what followed the "
-        "sequence's last tokens where they occurred before (no draft model), verified in "
-        "the batched step and kept only where it pays; off: never",
+        help="speculative decoding of greedy and unseeded sampled requests: lookup "
+        "proposes what followed the sequence's last tokens where they occurred before "
+        "(no draft model), verified in the batched step and kept only where it pays; off: never",
         choices=SPECULATION_MODES,
         validator=_one_of(SPECULATION_MODES),
     )

@@ -31,9 +31,6 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
     make_frequency_penalty,
     make_presence_penalty,
     make_repetition_penalty,
@@ -75,7 +72,8 @@ from .memory import (
     weight_bytes,
 )
 from .model_source import resolve_model
-from .speculative import SpecStats, install, speculation_blocker
+from .sampling import Sampling, greedy, make_sampler
+from .speculative import Roster, SpecStats, install, speculation_blocker
 from .vision import VisionModel, VisionPrefill, fresh_cache
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
@@ -185,20 +183,6 @@ def _added_tokens(tokenizer: Any) -> dict[int, str]:
     return {int(i): str(getattr(t, "content", t)) for i, t in decoder.items()}
 
 
-_SEED_MASK = (1 << 64) - 1
-
-# A temperature or a top_p below this samples greedily (vLLM's
-# _SAMPLING_EPS). Temperature: 1/1e-40 is infinite in float32, and every
-# logprob times it is -inf or NaN, so the draw was noise. top_p: the most
-# likely token alone holds at least 1/vocab of the mass (1e-5 for 100k
-# tokens), so a smaller nucleus is that token; and mlx-lm's apply_top_p,
-# given a top_p that rounds to 0 in float32 (1e-300), indexes past the
-# vocabulary and draws noise.
-_GREEDY_BELOW: Final = 1e-5
-# Below this temperature the scaled logprobs are float32: in float16 (max
-# 65504) the best token's logprob, down to -ln(262144) = -12.5, times
-# 1/1e-5 overflows to -inf with every other token's, and the draw is noise.
-_FLOAT32_BELOW: Final = 1e-3
 # What a non-finite logprob (a masked token's -inf; NaN if logits broke) is
 # reported as: JSON has no -Infinity. vLLM's OpenAI server floors every
 # logprob at this value.
@@ -239,8 +223,8 @@ class _Faults:
                     return sampled
                 except Exception as exc:
                     self.failed[rid] = exc
-            greedy: mx.array = mx.argmax(logprobs, axis=-1)
-            return greedy
+            fallback: mx.array = mx.argmax(logprobs, axis=-1)
+            return fallback
 
         return guarded_sampler
 
@@ -255,42 +239,6 @@ class _Faults:
             return logits
 
         return guarded_processor
-
-
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
-
-
-def _make_sampler(p: SamplingParams, vocab: int) -> Sampler:
-    if p.temperature < _GREEDY_BELOW or p.top_p < _GREEDY_BELOW:
-        # One shared function object: BatchGenerator batches the sampling of
-        # sequences whose sampler is the same object.
-        return _greedy
-    # Any integer seeds: its low 64 bits are the key (OpenAI's negative
-    # int64 seeds included).
-    key = [mx.random.key(p.seed & _SEED_MASK)] if p.seed is not None else None
-    inv_temp = 1.0 / p.temperature
-    # top_k at or above the vocabulary keeps every token: no filter at all.
-    top_k = p.top_k if 0 < p.top_k < vocab or not vocab else 0
-    float32 = p.temperature < _FLOAT32_BELOW
-
-    def sample(logprobs: mx.array) -> mx.array:
-        if top_k > 0:
-            logprobs = apply_top_k(logprobs, top_k)
-        if p.top_p < 1:
-            logprobs = apply_top_p(logprobs, p.top_p)
-        if p.min_p > 0:
-            logprobs = apply_min_p(logprobs, p.min_p)
-        if float32:
-            logprobs = logprobs.astype(mx.float32)
-        if key is None:
-            return mx.random.categorical(logprobs * inv_temp)
-        # A private key stream per sequence: the same seed gives the same
-        # tokens whatever else is in the batch.
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
-
-    return sample
 
 
 def _last_token(tokens: mx.array) -> int | None:
@@ -426,12 +374,12 @@ class _Compiler:
 class _Lane:
     """One BatchGenerator and its request-id <-> uid maps."""
 
-    def __init__(self, gen: BatchGenerator, opted_out: set[int]) -> None:
+    def __init__(self, gen: BatchGenerator, roster: Roster) -> None:
         self.gen = gen
         self.uid_of: dict[int, int] = {}
         self.rid_of: dict[int, int] = {}
-        # The uids of sequences never speculated (``mlx.speculative``).
-        self.opted_out = opted_out
+        # How its sequences speculate (``mlx.speculative``).
+        self.roster = roster
 
 
 class MlxBackend:
@@ -576,13 +524,13 @@ class MlxBackend:
             log.info("speculation: off for this model (%s)", blocker)
             return False
         log.info(
-            "speculation: %s, up to %d tokens per step, greedy requests",
+            "speculation: %s, up to %d tokens per step, greedy and unseeded sampled requests",
             config.speculation,
             config.num_draft_tokens,
         )
         return True
 
-    def _new_generator(self, opted_out: set[int]) -> BatchGenerator:
+    def _new_generator(self, roster: Roster) -> BatchGenerator:
         n = self._config.max_concurrency
         gen = BatchGenerator(
             self._model,
@@ -596,7 +544,7 @@ class MlxBackend:
         # for a ~45 GB working set), so the planned limit is put back.
         apply_wired_limit(self._memory_limits)
         if self._speculate:
-            install(gen, self._config.num_draft_tokens, _greedy, opted_out, self.spec_stats)
+            install(gen, self._config.num_draft_tokens, roster, self.spec_stats)
         return gen
 
     @property
@@ -636,8 +584,8 @@ class MlxBackend:
     def _lane(self, priority: Priority) -> _Lane:
         lane = self._lanes.get(priority)
         if lane is None:
-            opted_out: set[int] = set()
-            lane = self._lanes[priority] = _Lane(self._new_generator(opted_out), opted_out)
+            roster = Roster()
+            lane = self._lanes[priority] = _Lane(self._new_generator(roster), roster)
         return lane
 
     def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:
@@ -739,9 +687,10 @@ class MlxBackend:
         if r.vision is not None:
             # The generator sees the model's ids, never the cache key's.
             seed_tokens = list(r.vision.model_tokens[: len(seed_tokens)])
-        sampler = _make_sampler(r.sampling, self._info.vocab_size)
-        if sampler is not _greedy:  # the shared greedy sampler cannot fail per sequence
-            sampler = self._faults.sampler(rid, sampler)
+        sampling = make_sampler(r.sampling, self._info.vocab_size)
+        sampler = sampling
+        if sampling is not greedy:  # the shared greedy sampler cannot fail per sequence
+            sampler = self._faults.sampler(rid, sampling)
         procs = [self._faults.processor(rid, p) for p in self._processors(r)]
         (uid,) = lane.gen.insert_segments(
             [[list(seg) for seg in adm.segments]],
@@ -759,7 +708,9 @@ class MlxBackend:
         lane.uid_of[rid] = uid
         lane.rid_of[uid] = rid
         if not r.speculate:
-            lane.opted_out.add(uid)
+            lane.roster.opted_out.add(uid)
+        elif isinstance(sampling, Sampling) and not sampling.seeded:
+            lane.roster.sampled[uid] = sampling
         self._lane_of[rid] = lane
         if r.top_logprobs is not None:
             self._logprobs[rid] = r.top_logprobs
@@ -807,7 +758,7 @@ class MlxBackend:
                 got = lane.gen.remove(uids, return_prompt_caches=True)
             for uid in uids:
                 rid = lane.rid_of.pop(uid)
-                lane.opted_out.discard(uid)
+                lane.roster.forget(uid)
                 self._lane_of.pop(rid, None)
                 self._logprobs.pop(rid, None)
                 self._faults.failed.pop(rid, None)
@@ -1033,7 +984,7 @@ class MlxBackend:
             self._forget(rid)
             del rid_of[r.uid]
             del lane.uid_of[rid]
-            lane.opted_out.discard(r.uid)
+            lane.roster.forget(r.uid)
             self._lane_of.pop(rid, None)
         return StepOutput(prefill, tuple(tokens), failed)
 

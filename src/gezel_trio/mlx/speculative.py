@@ -24,9 +24,15 @@ stores a plain, dense entry). Only models whose every layer is a plain
 ``KVCache`` speculate: a sliding window or a recurrent state cannot take
 holes (``speculation_blocker`` names the layer).
 
-**Who speculates.** A sequence sampled greedily, with no logits processor
-(no grammar, bias, ``min_tokens``, thinking budget), not opted out
-(``disable_speculation``), with at least two tokens of budget left. Its
+**Who speculates.** A sequence sampled greedily, or sampled with no seed
+(``Roster.sampled``), with no logits processor (no grammar, bias,
+``min_tokens``, thinking budget), not opted out (``disable_speculation``),
+with at least two tokens of budget left. A sampled sequence's proposals
+are rejection-sampled against its own sampler's distribution at each
+position (``rejection_sample``), so its tokens are distributed as plain
+sampling's; a seeded one does not speculate, since how many draws its key
+stream gives would depend on the gate, and its seed promises the same
+tokens whatever else is in the batch. Its
 proposals go through a gate: a sequence whose proposals were all rejected
 waits a growing number of steps before it proposes again, and a step
 speculates only while the measured cost of a verify step against a plain
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -53,14 +59,17 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..core.backend import SpecFigures
 from .lookup import NgramLookup
+from .sampling import Sampling, greedy
 
 log = logging.getLogger("gezel_trio.mlx")
 
 __all__ = [
     "HoleyKVCache",
+    "Roster",
     "SpecStats",
     "SpeculativeBatch",
     "install",
+    "rejection_sample",
     "speculation_blocker",
 ]
 
@@ -198,6 +207,55 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         return cache
 
 
+# --- sampled sequences ------------------------------------------------------------
+
+
+@attrs.define
+class Roster:
+    """How a lane's sequences speculate, by uid: the opted-out never; a
+    sampled one against its ``Sampling`` (unseeded ones only)."""
+
+    opted_out: set[int] = attrs.Factory(set)
+    sampled: dict[int, Sampling] = attrs.Factory(dict)
+
+    def forget(self, uid: int) -> None:
+        self.opted_out.discard(uid)
+        self.sampled.pop(uid, None)
+
+
+def rejection_sample(
+    logits: mx.array, drafts: mx.array, draft_probs: mx.array | None = None
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Speculative sampling (Leviathan et al., Chen et al., 2023) of ``R``
+    rows' drafts of ``k`` tokens.
+
+    ``logits`` (R, k + 1, V) is the distribution each row's sampler draws
+    from at each position, ``drafts`` (R, k) the proposed tokens, and
+    ``draft_probs`` (R, k, V) the distribution a draft model drew them from;
+    ``None``: each was certain (a lookup). Position ``j``'s draft ``d`` is
+    accepted with probability ``min(1, p(d) / q(d))``; at a row's first
+    rejection its token is drawn from ``max(p - q, 0)`` normalised, and after
+    all its drafts from ``p``. The tokens a row emits are then distributed
+    as drawing each from ``p`` would be. Returns ``accepted`` (R, k) bool,
+    ``resampled`` (R, k): the token after a rejection at ``j``, and
+    ``fresh`` (R, k + 1): a draw from ``p`` at each position.
+    """
+    logits = logits.astype(mx.float32)
+    probs = mx.softmax(logits, axis=-1)
+    k = drafts.shape[1]
+    at = drafts[..., None]
+    p_d = mx.take_along_axis(probs[:, :k], at, axis=-1)[..., 0]
+    if draft_probs is None:
+        ratio = p_d
+        residual = mx.put_along_axis(logits[:, :k], at, mx.array(-mx.inf, mx.float32), axis=-1)
+    else:
+        q = draft_probs.astype(mx.float32)
+        ratio = p_d / mx.take_along_axis(q, at, axis=-1)[..., 0]
+        residual = mx.log(mx.maximum(probs[:, :k] - q, 0.0))
+    accepted = mx.random.uniform(shape=p_d.shape) < ratio
+    return accepted, mx.random.categorical(residual), mx.random.categorical(logits)
+
+
 # --- the gate and the figures ----------------------------------------------------------
 
 
@@ -264,8 +322,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
     class attributes are set per generator by ``install``."""
 
     num_draft: int = 0
-    greedy: Callable[..., Any] | None = None
-    opted_out: set[int] = set()  # noqa: RUF012  # replaced per generator
+    roster: Roster
     stats: SpecStats
     gate: _Gate
     # GenerationBatch's, set in its __init__.
@@ -315,9 +372,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
 
     def _eligible(self, i: int) -> bool:
         return (
-            self.samplers[i] is self.greedy
+            (self.samplers[i] is greedy or self.uids[i] in self.roster.sampled)
             and not self.logits_processors[i]
-            and self.uids[i] not in self.opted_out
+            and self.uids[i] not in self.roster.opted_out
             and self.max_tokens[i] - self._num_tokens[i] >= 2
         )
 
@@ -344,7 +401,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 log.exception(
                     "speculation: the lookup of uid %d failed; it decodes plainly", self.uids[i]
                 )
-                self.opted_out.add(self.uids[i])
+                self.roster.opted_out.add(self.uids[i])
                 out.append([])
         return out
 
@@ -457,9 +514,15 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         # The later positions, for the greedy sequences that proposed.
         rest_lp = logits[:, 1:, :] - mx.logsumexp(logits[:, 1:, :], axis=-1, keepdims=True)
         targets = mx.argmax(rest_lp, axis=-1)
-        mx.eval(sampled, targets, self._next_logprobs, context)
+        # The sampled ones' proposals are rejection-sampled.
+        drawn_rows, drawn = self._draws(first_lp, rest_lp, proposals)
+        mx.eval(sampled, targets, self._next_logprobs, context, drawn)
         firsts = _ints(sampled)
         chosen: list[list[int]] = targets.tolist()  # type: ignore[assignment]
+        draws = {row: r for r, row in enumerate(drawn_rows)}
+        accepted: list[list[bool]] = drawn[0].tolist() if drawn_rows else []  # type: ignore[assignment]
+        resampled: list[list[int]] = drawn[1].tolist() if drawn_rows else []  # type: ignore[assignment]
+        fresh: list[list[int]] = drawn[2].tolist() if drawn_rows else []  # type: ignore[assignment]
 
         emitted: list[list[int]] = []
         logprobs: list[list[mx.array]] = []
@@ -468,9 +531,16 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         valid: list[int] = []
         self._drafts = [(0, 0)] * B
         for i, p in enumerate(proposals):
-            # targets: the choice after pending (firsts), then after each proposal.
-            after = [firsts[i], *chosen[i]]
-            m = NgramLookup.accepted(p, after)
+            r = draws.get(i)
+            if r is None:
+                # The greedy choice after pending (firsts), then after each proposal.
+                after = [firsts[i], *chosen[i]]
+                m = NgramLookup.accepted(p, after)
+                follow = after[m]
+            else:
+                verdicts = accepted[r][: len(p)]
+                m = verdicts.index(False) if False in verdicts else len(p)
+                follow = resampled[r][m] if m < len(p) else fresh[r][m]
             emitted.append([pending[i], *p[:m]])
             logprobs.append(
                 [
@@ -478,7 +548,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                     *(rest_lp[i, j - 1] if j else first_lp[i] for j in range(m)),
                 ]
             )
-            next_tokens.append(after[m])
+            next_tokens.append(follow)
             next_logprobs.append(first_lp[i] if m == 0 else rest_lp[i, m - 1])
             valid.append(1 + m)
             self.tokens[i].extend(emitted[-1])
@@ -508,6 +578,36 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         self._next_logprobs = next_logprobs
         self._known = next_tokens
         return emitted, logprobs
+
+    def _draws(
+        self, first_lp: mx.array, rest_lp: mx.array, proposals: list[list[int]]
+    ) -> tuple[list[int], tuple[mx.array, ...]]:
+        """The rows of the sampled sequences that proposed, and
+        ``rejection_sample``'s verdicts on them. A sequence whose sampler
+        cannot give its distribution loses its proposal (it emits what its
+        own sampler draws after the pending token) and is opted out."""
+        rows: list[int] = []
+        logits: list[mx.array] = []
+        for i, p in enumerate(proposals):
+            sampling = self.roster.sampled.get(self.uids[i]) if p else None
+            if sampling is None:
+                continue
+            try:
+                lp = mx.concatenate([first_lp[i : i + 1], rest_lp[i]], axis=0)
+                logits.append(sampling.logits(lp)[None])
+            except Exception:
+                log.exception(
+                    "speculation: the sampler of uid %d failed; it decodes plainly", self.uids[i]
+                )
+                self.roster.opted_out.add(self.uids[i])
+                proposals[i] = []
+                continue
+            rows.append(i)
+        if not rows:
+            return [], ()
+        k = rest_lp.shape[1]
+        drafts = mx.array([proposals[i] + [0] * (k - len(proposals[i])) for i in rows])
+        return rows, rejection_sample(mx.concatenate(logits, axis=0), drafts)
 
     def _responses(self, emitted: list[list[int]], logprobs: list[list[mx.array]]) -> list[Any]:
         """mlx-lm's ``next`` over several tokens per sequence: each counts
@@ -556,23 +656,16 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         return responses
 
 
-def install(
-    gen: BatchGenerator,
-    num_draft: int,
-    greedy: Callable[..., Any],
-    opted_out: set[int],
-    stats: SpecStats,
-) -> None:
+def install(gen: BatchGenerator, num_draft: int, roster: Roster, stats: SpecStats) -> None:
     """Make ``gen``'s generation batch a ``SpeculativeBatch`` proposing up to
-    ``num_draft`` tokens for its greedy sequences (uids in ``opted_out``
-    never). Call before anything was inserted."""
+    ``num_draft`` tokens for its greedy sequences and the sampled ones in
+    ``roster`` (its opted-out never). Call before anything was inserted."""
     cls = type(
         "LaneSpeculativeBatch",
         (SpeculativeBatch,),
         {
             "num_draft": num_draft,
-            "greedy": staticmethod(greedy),
-            "opted_out": opted_out,
+            "roster": roster,
             "stats": stats,
             "gate": _Gate(),
         },

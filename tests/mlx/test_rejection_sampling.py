@@ -1,0 +1,116 @@
+"""Rejection sampling of proposals (``mlx.speculative.rejection_sample``)
+keeps the target's distribution: a chi-square test on a small vocabulary.
+
+The target here is a model whose distribution at each position does not
+depend on the tokens before it, so two emitted tokens must be distributed
+as ``p0 x p1``. Each of 40,000 rows runs one verify step over a proposal of
+two tokens; a row whose first proposed token was rejected draws its second
+token in the next step, from ``p1`` alone (``fresh``), as decoding would.
+A draw that broke the distribution (a rejection followed by a draw from
+``p`` instead of the residual) is run through the same test and must fail
+it: the test can tell.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from gezel_trio.mlx.speculative import rejection_sample
+
+ROWS = 40_000
+NEG = -math.inf
+# Position 0's and 1's target logits over a 5-token vocabulary; token 4 at
+# position 1 is filtered out (a top-k's -inf).
+P0 = [1.2, 0.3, -0.5, 0.9, -1.0]
+P1 = [0.1, 1.5, -0.2, 0.4, NEG]
+
+
+def _probs(logits: list[float]) -> np.ndarray:
+    z = np.exp(np.array(logits) - max(logits))
+    out: np.ndarray = z / z.sum()
+    return out
+
+
+def _chi2_limit(df: int) -> float:
+    """The chi-square quantile at p = 0.001 (Wilson-Hilferty)."""
+    z, h = 3.0902, 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * math.sqrt(h)) ** 3
+
+
+def _chi2(counts: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
+    # A cell the target gives no mass to must stay empty.
+    assert counts[expected == 0].sum() == 0
+    live = expected > 0
+    stat = float((((counts - expected) ** 2)[live] / expected[live]).sum())
+    return stat, int(live.sum()) - 1
+
+
+def _emitted(
+    drafts: np.ndarray, draft_probs: np.ndarray | None, *, broken: bool = False
+) -> np.ndarray:
+    """The (first, second) tokens each row emits."""
+    logits = mx.array(np.array([P0, P1, P1], dtype=np.float32))
+    target = mx.broadcast_to(logits[None], (ROWS, 3, 5))
+    q = None if draft_probs is None else mx.array(draft_probs.astype(np.float32))
+    acc_, res_, fresh_ = rejection_sample(target, mx.array(drafts), q)
+    mx.eval(acc_, res_, fresh_)
+    accepted, resampled, fresh = np.array(acc_), np.array(res_), np.array(fresh_)
+    if broken:
+        resampled = fresh[:, :2]
+    first = np.where(accepted[:, 0], drafts[:, 0], resampled[:, 0])
+    second_here = np.where(accepted[:, 1], drafts[:, 1], resampled[:, 1])
+    # Rejected at 0: the next step draws the second token from p1.
+    second = np.where(accepted[:, 0], second_here, fresh[:, 1])
+    return np.stack([first, second], axis=1)
+
+
+def _joint(tokens: np.ndarray) -> np.ndarray:
+    counts = np.zeros((5, 5))
+    np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+    return counts.ravel()
+
+
+EXPECTED = ROWS * np.outer(_probs(P0), _probs(P1)).ravel()
+
+
+@pytest.mark.parametrize(
+    "drafts",
+    [
+        [0, 1],  # each position's likeliest token
+        [2, 4],  # an unlikely one, then one the filter removed
+        [4, 3],
+    ],
+)
+def test_a_certain_proposal_a_lookup_keeps_the_distribution(drafts: list[int]) -> None:
+    mx.random.seed(11)
+    rows = np.tile(np.array(drafts, dtype=np.int32), (ROWS, 1))
+    tokens = _emitted(rows, None)
+    stat, df = _chi2(_joint(tokens), EXPECTED)
+    assert stat < _chi2_limit(df), (stat, df)
+    # A proposal the filter removed is never accepted.
+    if drafts[1] == 4:
+        assert not (tokens[:, 1] == 4).any()
+    broken, df = _chi2(_joint(_emitted(rows, None, broken=True)), EXPECTED)
+    assert broken > 3 * _chi2_limit(df), broken
+
+
+def test_a_draft_models_proposals_keep_the_distribution() -> None:
+    """Drafts drawn from another distribution ``q`` (a draft model's),
+    per row, and accepted with probability min(1, p/q)."""
+    rng = np.random.default_rng(5)
+    q0 = _probs([0.0, 1.0, 0.5, -0.5, 0.2])
+    q1 = _probs([1.0, 0.0, 0.0, 0.3, 0.8])  # gives mass to the filtered token
+    drafts = np.stack(
+        [rng.choice(5, size=ROWS, p=q0), rng.choice(5, size=ROWS, p=q1)], axis=1
+    ).astype(np.int32)
+    q = np.broadcast_to(np.stack([q0, q1])[None], (ROWS, 2, 5))
+    mx.random.seed(12)
+    tokens = _emitted(drafts, q)
+    stat, df = _chi2(_joint(tokens), EXPECTED)
+    assert stat < _chi2_limit(df), (stat, df)
+    broken, df = _chi2(_joint(_emitted(drafts, q, broken=True)), EXPECTED)
+    assert broken > 3 * _chi2_limit(df), broken
