@@ -6,8 +6,11 @@ Two ``gezel-trio serve`` processes on the same float32 weights (default:
 SmolLM2-135M-Instruct, the default model: a trained model, so its outputs
 repeat what it read as a real one's do), both up for the whole run, their
 rounds interleaved in an order that turns each repeat. Greedy requests
-(``temperature: 0``), N identical streams released together, ``max_tokens
-= --tokens``; the decode metric is ``bench/_sse.py``'s.
+(``temperature: 0``; ``--temperature`` samples, unseeded, with
+``ignore_eos`` so every stream writes its budget, and a sampled sequence's
+proposals are rejection-sampled), N identical streams released
+together, ``max_tokens = --tokens``; the decode metric is
+``bench/_sse.py``'s.
 
 Workloads:
 
@@ -102,14 +105,19 @@ def messages(workload: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": "Write a short poem about the sea at night."}]
 
 
-def body(workload: str, tokens: int) -> dict[str, Any]:
-    return {
+def body(workload: str, tokens: int, temperature: float = 0.0) -> dict[str, Any]:
+    out = {
         "messages": messages(workload),
         "max_tokens": tokens,
-        "temperature": 0,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if temperature > 0:
+        # Sampled streams would end at different lengths, each run its own:
+        # every stream writes its whole budget.
+        out["ignore_eos"] = True
+    return out
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -159,7 +167,9 @@ def run(ctx: Context) -> Result:
                 for w, n, mode in rounds if r % 2 == 0 else rounds[::-1]:
                     url = urls[mode]
                     before = _counters(url) if mode == "lookup" else {}
-                    logs = _sse.streams_together(url, body(w, a.tokens), n, f"{w}/{mode}")
+                    logs = _sse.streams_together(
+                        url, body(w, a.tokens, a.temperature), n, f"{w}/{mode}"
+                    )
                     m = aggregate(f"{w}/{mode}", a.tokens, [StreamTiming.of(x) for x in logs])
                     results.append(m)
                     texts.setdefault((w, n, mode), set()).update(x.text for x in logs)
@@ -198,7 +208,11 @@ def run(ctx: Context) -> Result:
                     on,
                     ratio(on, off),
                     " ".join(f"{x / y:.2f}" for x, y in pairs),
-                    "yes" if texts.get((w, n, "lookup")) == texts.get((w, n, "off")) else "NO",
+                    "sampled"
+                    if a.temperature > 0
+                    else "yes"
+                    if texts.get((w, n, "lookup")) == texts.get((w, n, "off"))
+                    else "NO",
                     acc(
                         w,
                         n,
@@ -214,6 +228,7 @@ def run(ctx: Context) -> Result:
         data={
             "model": str(model_dir),
             "tokens_per_stream": a.tokens,
+            "temperature": a.temperature,
             "streams": streams,
             "runs": results,
             "acceptance": accept,
@@ -233,7 +248,10 @@ def run(ctx: Context) -> Result:
                 " streams)",
             )
         ],
-        title=f"model {model_dir.name}, {a.tokens} tokens per stream, median of {a.repeats}",
+        title=(
+            f"model {model_dir.name}, {a.tokens} tokens per stream, temperature"
+            f" {a.temperature:g}, median of {a.repeats}"
+        ),
     )
 
 
@@ -249,5 +267,6 @@ SCENARIO = Scenario(
             "workloads", list(WORKLOADS), "workloads", str, "+", choices=WORKLOADS, quick=["code"]
         ),
         Option("model", None, "a model directory (default: the default model)", Path),
+        Option("temperature", 0.0, "sampling temperature (0: greedy)", float),
     ),
 )

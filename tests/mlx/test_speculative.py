@@ -42,7 +42,7 @@ HANG = 60
 
 
 class _AlwaysPays(speculative._Gate):
-    def pays(self, batch: int, width: int, expected: float) -> bool:
+    def pays(self, batch: int, width: int, expected: float, proposing: int) -> bool:
         return True
 
 
