@@ -167,13 +167,17 @@ def seed_server_path() -> Path:
     return Path(str(script)).resolve()
 
 
-# The seed's KV-cache quantization flags, which this build only parses:
-# their types and defaults (a value other than the default is noticed).
+# The seed's KV-cache quantization flags beyond --kv-bits and
+# --kv-group-size (settings): their types and defaults (a value other than
+# the default is noticed).
 _KV_FLAGS: dict[str, tuple[Callable[[str], object], object]] = {
-    "--kv-bits": (int, 0),
-    "--kv-group-size": (int, 64),
     "--kv-quant-scheme": (str, "uniform"),
     "--quantized-kv-start": (int, 0),
+}
+_KV_HELP = {
+    "--kv-quant-scheme": "accepted; the KV cache is quantized uniformly (affine), as 'uniform'",
+    "--quantized-kv-start": "accepted; with --kv-bits the KV cache is quantized from its first "
+    "token (one batch holds one format)",
 }
 
 
@@ -201,7 +205,7 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
             flag,
             type=kind,
             default=default,
-            help="accepted; this build keeps the KV cache unquantized",
+            help=_KV_HELP[flag],
         )
     g.add_argument(
         "--spec-draft-model", default=None, help="accepted; no draft model (see --speculation)"
@@ -234,15 +238,21 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
     """One line per seed flag that asked for something this build does not
     do, saying what it does instead. Output is never changed by them."""
     notes = []
-    if args.kv_bits:
+    start = args.quantized_kv_start
+    if start:
         notes.append(
-            f"--kv-bits {args.kv_bits}: this build keeps the KV cache unquantized "
-            "(same output, more memory)"
+            f"--quantized-kv-start {start}: no effect; "
+            + (
+                "the KV cache is quantized from its first token (one batch holds one format)"
+                if args.kv_bits
+                else "the KV cache is not quantized (no --kv-bits)"
+            )
         )
-    for flag, (_, default) in _KV_FLAGS.items():
-        value = getattr(args, _dest(flag))
-        if flag != "--kv-bits" and value != default:
-            notes.append(f"{flag} {value}: no effect, the KV cache is not quantized")
+    if args.kv_quant_scheme != "uniform":
+        notes.append(
+            f"--kv-quant-scheme {args.kv_quant_scheme}: no effect, the KV cache is "
+            "quantized uniformly (affine)"
+        )
     spec = [
         f"{flag} {value}"
         for flag, value in [

@@ -14,7 +14,7 @@ import attrs
 
 from .settings import MIB, setting
 
-__all__ = ["MLX_MEMORY_POLICIES", "SPECULATION_MODES", "EngineConfig"]
+__all__ = ["KV_BITS", "MLX_MEMORY_POLICIES", "SPECULATION_MODES", "EngineConfig"]
 
 
 def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
@@ -26,6 +26,8 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
 # ``EngineConfig.speculation``'s values (``mlx.speculative``).
 SPECULATION_MODES = ("lookup", "off")
+# ``EngineConfig.kv_bits``'s quantized widths (what ``mx.quantize`` packs).
+KV_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def _one_of(values: tuple[str, ...]) -> Any:
@@ -34,6 +36,17 @@ def _one_of(values: tuple[str, ...]) -> Any:
             raise ValueError(f"{attr.name} must be one of {', '.join(values)}, not {value!r}")
 
     return check
+
+
+def _kv_bits(_: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value != 0 and value not in KV_BITS:
+        widths = ", ".join(map(str, KV_BITS))
+        raise ValueError(f"{attr.name} must be 0 (unquantized) or one of {widths}, not {value}")
+
+
+def _kv_group(_: object, attr: attrs.Attribute[int], value: int) -> None:
+    if value not in (32, 64, 128):
+        raise ValueError(f"{attr.name} must be 32, 64 or 128, not {value}")
 
 
 def _optional_positive(_: object, attr: attrs.Attribute[Any], value: float | None) -> None:
@@ -181,6 +194,21 @@ class EngineConfig:
         flag="--num-draft-tokens",
         help="most tokens proposed per sequence per step (0: no speculation)",
         validator=attrs.validators.ge(0),
+    )
+    kv_bits: int = setting(
+        0,
+        flag="--kv-bits",
+        help="quantize the attention layers' KV cache to this many bits (4 or 8; 2, 3, 5, 6 "
+        "also pack), in the batch, the prompt cache and on disk, from the first token; "
+        "0: unquantized",
+        validator=_kv_bits,
+    )
+    kv_group_size: int = setting(
+        64,
+        flag="--kv-group-size",
+        help="elements per quantization group of the KV cache (32, 64 or 128; it must divide "
+        "the model's head size)",
+        validator=_kv_group,
     )
     keep_quantized: bool = setting(
         False,

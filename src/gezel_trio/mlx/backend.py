@@ -27,7 +27,6 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    make_prompt_cache,
     save_prompt_cache,
 )
 from mlx_lm.sample_utils import (
@@ -59,6 +58,9 @@ from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .fingerprint import DIGESTS_DIR, model_fingerprint
+from .kv_quant import KvPlan, QuantizedKV, kv_format
+from .kv_quant import layout as kv_layout
+from .kv_quant import plan as kv_plan
 from .loading import LoadedModel, load_model
 from .memory import (
     apply_buffer_cache_limit,
@@ -83,12 +85,15 @@ log = logging.getLogger("gezel_trio.mlx")
 Sampler = Any  # Callable[[mx.array], mx.array]
 LogitsProcessor = Any  # Callable[[mx.array, mx.array], mx.array]
 
-_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache, QuantizedKV, ConcatenateKVCache)
+# Layers the prompt cache cuts into token blocks (plain and quantized KV).
+_BLOCKABLE = (KVCache, QuantizedKV)
 _CACHE_CLASSES: dict[str, Any] = {
     c.__name__: c
     for c in (
         KVCache,
         QuantizedKVCache,
+        QuantizedKV,
         ConcatenateKVCache,
         ArraysCache,
         RotatingKVCache,
@@ -113,6 +118,15 @@ def _copy_layer(layer: Any) -> Any:
     out = copy.copy(layer)
     out.state = tree_map(lambda a: mx.array(a) if isinstance(a, mx.array) else a, layer.state)
     return out
+
+
+def _joined(parts: list[Any], length: int) -> Any:
+    """Blocks of one layer's keys (or values) as one, ``length`` tokens
+    long: arrays, or a quantized layer's (packed, scales, biases) triples."""
+    if isinstance(parts[0], tuple):
+        return tuple(_joined([p[e] for p in parts], length) for e in range(len(parts[0])))
+    joined = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    return joined[..., :length, :]
 
 
 def _untrimmed(text: str) -> str:
@@ -413,25 +427,40 @@ class MlxBackend:
             for t in getattr(tokenizer, "all_special_tokens", [])
             if not any(m in t for m in _CONTENT_MARKERS)
         ]
+        # The KV format (mlx.kv_quant): with --kv-bits, every plain attention
+        # layer's cache is quantized, in the batch, the blocks and on disk.
+        self._kv_bits = config.kv_bits
+        self._kv_plan = KvPlan(frozenset(), {})
+        if self._kv_bits and self._vision is not None:
+            log.warning("kv-bits: off for this model (an image model's KV stays unquantized)")
+            self._kv_bits = 0
+        if self._kv_bits:
+            self._kv_plan = kv_plan(model, self._kv_bits, config.kv_group_size, self._stream)
+            kept = self._kv_plan.describe(config.kv_group_size)
+            if kept is not None:
+                log.warning("kv-bits %d: %s", self._kv_bits, kept)
+            if not self._kv_plan.layers:
+                self._kv_bits = 0
         # Plain KV layers grow by appending, so the prompt cache can cut them
         # into shared token blocks and any prefix is a valid state; a sliding
         # window or linear attention is kept whole per checkpoint.
-        layout = make_prompt_cache(model)
+        layout = self._new_cache()
         self._layer_count = len(layout)
-        self._blockable = [i for i, c in enumerate(layout) if type(c) is KVCache]
-        self._rest = [i for i, c in enumerate(layout) if type(c) is not KVCache]
+        self._blockable = [i for i, c in enumerate(layout) if type(c) in _BLOCKABLE]
+        self._rest = [i for i, c in enumerate(layout) if type(c) not in _BLOCKABLE]
         trimmable = not self._rest
         self.spec_stats = SpecStats()
         self._speculate = self._speculation(config, layout)
         # KV-aware admission: each sequence's KV, and the room the memory
         # limit (or the machine) leaves for it beside the weights.
         weights = weight_bytes(model)
-        footprint = kv_footprint(model, self._stream)
+        footprint = kv_footprint(model, self._stream, self._new_cache())
         room = kv_room(config, weights)
         if footprint is not None:
             log.info(
-                "KV: %d bytes per token (+%s windowed, %d fixed); %.0f MB of weights leave "
+                "KV%s: %d bytes per token (+%s windowed, %d fixed); %.0f MB of weights leave "
                 "%.0f MB for running sequences",
+                f" ({self._kv_bits}-bit)" if self._kv_bits else "",
                 footprint.per_token,
                 list(footprint.windowed),
                 footprint.fixed,
@@ -445,7 +474,15 @@ class MlxBackend:
             eos_ids=frozenset(eos),
             framing_markers=tuple(dict.fromkeys((*special, *COMMON_FRAMING_MARKERS))),
             trimmable=trimmable,
-            fingerprint=config.model_fingerprint or _fingerprint(config, loaded),
+            # A stored state is only ever read back in the KV format it was written in.
+            fingerprint="+".join(
+                f
+                for f in (
+                    config.model_fingerprint or _fingerprint(config, loaded),
+                    kv_format(self._kv_bits, config.kv_group_size),
+                )
+                if f
+            ),
             think_ids=_think_ids(tokenizer),
             think_markers=(
                 (tokenizer.think_start, tokenizer.think_end)
@@ -510,6 +547,12 @@ class MlxBackend:
         # False until first asked for.
         self._layer_signatures: list[tuple[Any, ...]] | Literal[False] | None = False
 
+    def _new_cache(self) -> list[Any]:
+        """A fresh cache for one sequence, in the configured KV format."""
+        return kv_layout(
+            self._model, self._kv_bits, self._config.kv_group_size, self._kv_plan.layers
+        )
+
     def _speculation(self, config: EngineConfig, layout: Sequence[Any]) -> bool:
         """Whether the lanes speculate; says so, and why not, once."""
         if config.speculation == "off" or config.num_draft_tokens == 0:
@@ -518,6 +561,8 @@ class MlxBackend:
         blocker = (
             "an image model's generator is not speculated yet"
             if self._vision is not None
+            else "a quantized KV cache (--kv-bits) takes no rejected-token holes yet"
+            if self._kv_bits
             else speculation_blocker(layout)
         )
         if blocker is not None:
@@ -695,7 +740,8 @@ class MlxBackend:
         (uid,) = lane.gen.insert_segments(
             [[list(seg) for seg in adm.segments]],
             max_tokens=[r.max_tokens],
-            caches=[adm.seed_state],
+            # mlx-lm would make a plain cache: the batch holds one format.
+            caches=[adm.seed_state if adm.seed_state is not None else self._new_cache()],
             all_tokens=[seed_tokens],
             samplers=[sampler],
             logits_processors=[procs],
@@ -795,12 +841,17 @@ class MlxBackend:
                 nbytes = 0
                 for i in self._blockable:
                     c = state[i]
-                    # mx.array() copies: a slice would keep the whole source buffer alive.
-                    k = mx.array(c.keys[..., start:end, :])
-                    v = mx.array(c.values[..., start:end, :])
+                    # mx.array() copies: a slice would keep the whole source
+                    # buffer alive. A quantized layer's keys and values are
+                    # (packed, scales, biases): each is sliced alike.
+                    k, v = tree_map(
+                        lambda a, start=start, end=end: mx.array(a[..., start:end, :]),
+                        (c.keys, c.values),
+                    )
                     layers.append((k, v))
-                    arrays += (k, v)
-                    nbytes += k.nbytes + v.nbytes
+                    flat = [a for _, a in tree_flatten((k, v))]
+                    arrays += flat
+                    nbytes += sum(a.nbytes for a in flat)
                 out.append((tuple(layers), nbytes))
             mx.eval(arrays)
         return out
@@ -817,12 +868,14 @@ class MlxBackend:
         layers: list[Any] = [None] * self._layer_count
         with mx.stream(self._stream):
             for j, i in enumerate(self._blockable):
-                keys = [b[j][0] for b in blocks]
-                values = [b[j][1] for b in blocks]
-                k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
-                v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
-                c = KVCache()
-                c.keys, c.values = k[..., :length, :], v[..., :length, :]
+                k = _joined([b[j][0] for b in blocks], length)
+                v = _joined([b[j][1] for b in blocks], length)
+                c = (
+                    QuantizedKV(self._config.kv_group_size, self._kv_bits)
+                    if isinstance(k, tuple)
+                    else KVCache()
+                )
+                c.keys, c.values = k, v
                 c.offset = length
                 layers[i] = c
         for i, layer in (rest or {}).items():
@@ -860,7 +913,7 @@ class MlxBackend:
                 raise ValueError(f"unknown scalar kind {kind!r}")
         states = tree_unflatten(list(arrays.items()))
         layers = [_CACHE_CLASSES[c].from_state(st) for c, st in zip(classes, states, strict=True)]
-        ref = make_prompt_cache(self._model)
+        ref = self._new_cache()
         if [type(c) for c in layers] != [type(c) for c in ref]:
             raise ValueError("cache layers do not match this model's layout")
         self._check_shapes(layers)
@@ -888,7 +941,7 @@ class MlxBackend:
         if self._layer_signatures is False:
             try:
                 with mx.stream(self._stream):
-                    ref = make_prompt_cache(self._model)
+                    ref = self._new_cache()
                     self._model(mx.array([[0]]), cache=ref)
                     mx.eval([c.state for c in ref])
                 self._layer_signatures = [_layer_signature(c) for c in ref]

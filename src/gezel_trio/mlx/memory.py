@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from ..core.backend import MemoryFigures
 from ..core.config import EngineConfig
@@ -139,14 +139,16 @@ def kv_room(config: EngineConfig, weights: int) -> int:
     return max(0, limit - weights)
 
 
-def kv_footprint(model: Any, stream: Any) -> KvFootprint | None:
+def kv_footprint(model: Any, stream: Any, cache: list[Any] | None = None) -> KvFootprint | None:
     """What one sequence's KV takes, measured on the model's own cache
     objects after a one-token forward: a plain layer's bytes per token are
     its keys' and values' bytes over the length they hold (mlx-lm allocates
     256 at a time), a rotating layer's are bounded by its window, and any
     other state (linear attention, convolutions) counts as fixed. ``None``
-    when the model cannot be run this way (it is then not estimated)."""
-    cache = make_prompt_cache(model)
+    when the model cannot be run this way (it is then not estimated).
+    ``cache``: a fresh cache to measure (default: mlx-lm's for the model; a
+    quantized layer's bytes are its packed keys', scales' and biases')."""
+    cache = cache if cache is not None else make_prompt_cache(model)
     try:
         with mx.stream(stream):
             model(mx.array([[0]]), cache=cache)
@@ -159,7 +161,9 @@ def kv_footprint(model: Any, stream: Any) -> KvFootprint | None:
     for c in cache:
         arrays = [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
         nbytes = sum(a.nbytes for a in arrays)
-        if isinstance(c, KVCache | RotatingKVCache) and c.keys is not None:
+        if isinstance(c, QuantizedKVCache) and c.keys is not None:
+            per_token += nbytes // max(1, int(c.keys[0].shape[2]))
+        elif isinstance(c, KVCache | RotatingKVCache) and c.keys is not None:
             per = nbytes // max(1, int(c.keys.shape[2]))
             if isinstance(c, RotatingKVCache):
                 windowed[c.max_size] = windowed.get(c.max_size, 0) + per
