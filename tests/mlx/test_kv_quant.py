@@ -38,8 +38,9 @@ from gezel_trio import (
     open_engine,
 )
 from gezel_trio.http.app import HttpSettings, create_app
-from gezel_trio.mlx import demo_model, kv_quant
+from gezel_trio.mlx import demo_model, kv_quant, speculative
 from gezel_trio.mlx.loading import hold_float32
+from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import greedy
 
 TOKENS = 24
@@ -271,3 +272,71 @@ async def test_a_hybrid_model_quantizes_its_attention_and_keeps_its_recurrent_st
                 assert kv.fixed > 0  # the recurrent layers' state
                 per_token[bits] = kv.per_token
     assert per_token[8] < 0.4 * per_token[0]
+
+
+class _AlwaysPays(speculative._Gate):
+    def pays(self, batch: int, width: int, expected: float, proposing: int) -> bool:
+        return True
+
+
+def _decode(model: Any, prompts: list[list[int]], *, spec: bool) -> tuple[list[list[int]], Any]:
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4, stop_tokens=None)
+    stats = speculative.SpecStats()
+    if spec:
+        speculative.install(gen, 3, speculative.Roster(), stats)
+        type(gen._generation_batch).gate = _AlwaysPays()
+    layers = frozenset(range(len(model.layers)))
+    n = len(prompts)
+    uids = gen.insert(
+        prompts,
+        max_tokens=[TOKENS * 2] * n,
+        caches=[kv_quant.layout(model, 8, 32, layers) for _ in prompts],
+        samplers=[greedy] * n,
+    )
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    finals: dict[int, Any] = {}
+    holey = False
+    try:
+        while len(finals) < n:
+            _, responses = gen.next()
+            for r in responses:
+                out[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    finals[r.uid] = r
+            cache = gen._generation_batch.prompt_cache
+            holey |= any(isinstance(c, speculative.HoleyQuantizedKVCache) for c in cache)
+    finally:
+        gen.close()
+    return [out[u] for u in uids], (stats, [finals[u] for u in uids], holey)
+
+
+def test_speculation_runs_on_the_quantized_batch(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy speculation over a quantized cache writes what plain decoding
+    over it writes, holes and all, and leaves a dense quantized cache.
+
+    The random weights do not repeat what they read, so the proposer is an
+    oracle of plain decoding's text, its last token wrong every other time:
+    verifies accept different counts per sequence (holes) and reject some."""
+    prompts = _prompts()
+    plain, _ = _decode(model, prompts, spec=False)
+
+    def oracle(self: NgramLookup, k: int) -> list[int]:
+        i = next(i for i, p in enumerate(prompts) if self.tokens[: len(p)] == p)
+        done = len(self.tokens) - len(prompts[i])
+        out = plain[i][done : done + k]
+        if len(out) >= 2 and (done + i) % 2 == 0:
+            out[-1] = (out[-1] + 1) % 1000
+        return out
+
+    monkeypatch.setattr(NgramLookup, "propose", oracle)
+    spec, (stats, finals, holey) = _decode(model, prompts, spec=True)
+    assert holey
+    assert stats.verify_steps > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert spec == plain
+    for final in finals:
+        for c in final.prompt_cache:
+            assert isinstance(c, kv_quant.QuantizedKV)
+            assert c.offset == len(final.all_tokens) == c.keys[0].shape[2]

@@ -561,8 +561,6 @@ class MlxBackend:
         blocker = (
             "an image model's generator is not speculated yet"
             if self._vision is not None
-            else "a quantized KV cache (--kv-bits) takes no rejected-token holes yet"
-            if self._kv_bits
             else speculation_blocker(layout)
         )
         if blocker is not None:

@@ -55,10 +55,12 @@ from typing import Any
 import attrs
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..core.backend import SpecFigures
+from .kv_quant import BatchQuantizedKVCache, QuantizedKV
 from .lookup import NgramLookup
 from .sampling import Sampling, greedy
 
@@ -79,7 +81,7 @@ def speculation_blocker(layout: Sequence[Any]) -> str | None:
     """Why a model whose per-layer caches look like ``layout`` cannot
     speculate; ``None``: it can."""
     for i, c in enumerate(layout):
-        if type(c) is not KVCache:
+        if type(c) not in (KVCache, QuantizedKV):
             return f"layer {i} keeps a {type(c).__name__}, which cannot drop rejected tokens"
     return None
 
@@ -101,8 +103,9 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
 
     @classmethod
     def of(cls, cache: BatchKVCache) -> HoleyKVCache:
-        if type(cache) is not cls:
-            cache.__class__ = cls
+        if not isinstance(cache, HoleyKVCache):
+            quantized = isinstance(cache, BatchQuantizedKVCache)
+            cache.__class__ = HoleyQuantizedKVCache if quantized else HoleyKVCache
         holey: HoleyKVCache = cache
         return holey
 
@@ -110,7 +113,7 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         """Holes as wide as the keys' slots (new slots are not holes)."""
         if self.holes is None or self.keys is None:
             return
-        width, slots = self.holes.shape[1], self.keys.shape[2]
+        width, slots = self.holes.shape[1], _slots(self.keys)
         if width < slots:
             pad = mx.zeros((self.holes.shape[0], slots - width), dtype=mx.bool_)
             self.holes = mx.concatenate([self.holes, pad], axis=1)
@@ -146,7 +149,7 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             return
         B = len(extra)
         if self.holes is None:
-            slots = self.keys.shape[2] if self.keys is not None else self._idx
+            slots = _slots(self.keys) if self.keys is not None else self._idx
             self.holes = mx.zeros((B, slots), dtype=mx.bool_)
         self._fit()
         assert self.holes is not None
@@ -174,12 +177,12 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
             return
         # The same right-justification BatchKVCache.extend gives the keys.
         max_idx = max(self._idx, other._idx)
-        sizes = [c.keys.shape[2] for c in (self, other) if c.keys is not None]
+        sizes = [_slots(c.keys) for c in (self, other) if c.keys is not None]
         max_size = max(sizes) if sizes else 0
 
         def padded(c: Any, holes: mx.array | None) -> mx.array:
             B = c.offset.shape[0]
-            width = c.keys.shape[2] if c.keys is not None else 0
+            width = _slots(c.keys) if c.keys is not None else 0
             h = holes if holes is not None else mx.zeros((B, width), dtype=mx.bool_)
             h = h[:, :width]
             if h.shape[1] < width:
@@ -195,17 +198,34 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         super().extend(other)
         self.holes = joined
 
-    def extract(self, idx: int) -> KVCache:
+    def extract(self, idx: int) -> Any:
         if self.holes is None:
             return super().extract(idx)
         padding = self.left_padding.tolist()[idx]
         row: list[bool] = self.holes[idx, padding : self._idx].tolist()  # type: ignore[assignment]
         valid = mx.array([padding + s for s, hole in enumerate(row) if not hole])
-        cache = KVCache()
-        cache.keys = mx.contiguous(mx.take(self.keys[idx : idx + 1], valid, axis=2))
-        cache.values = mx.contiguous(mx.take(self.values[idx : idx + 1], valid, axis=2))
-        cache.offset = cache.keys.shape[2]
+
+        def gather(a: mx.array) -> mx.array:
+            return mx.contiguous(mx.take(a[idx : idx + 1], valid, axis=2))
+
+        cache = (
+            QuantizedKV(self.group_size, self.bits)
+            if isinstance(self, BatchQuantizedKVCache)
+            else KVCache()
+        )
+        cache.keys, cache.values = tree_map(gather, (self.keys, self.values))
+        cache.offset = len(row) - sum(row)
         return cache
+
+
+class HoleyQuantizedKVCache(HoleyKVCache, BatchQuantizedKVCache):
+    """A quantized batch cache with holes (``--kv-bits``)."""
+
+
+def _slots(keys: Any) -> int:
+    """The slots a layer's keys hold: an array, or a quantized triple."""
+    first = keys[0] if isinstance(keys, tuple) else keys
+    return int(first.shape[2])
 
 
 # --- sampled sequences ------------------------------------------------------------
@@ -401,9 +421,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         layers = [c.extract(idx) for c in self.prompt_cache]
         if drop:
             for c in layers:
-                c.keys = c.keys[..., : c.offset - drop, :]
-                c.values = c.values[..., : c.offset - drop, :]
-                c.offset -= drop
+                end = c.offset - drop
+                c.keys, c.values = tree_map(lambda a, end=end: a[..., :end, :], (c.keys, c.values))
+                c.offset = end
         return layers
 
     # -- proposals ------------------------------------------------------------------
