@@ -327,9 +327,9 @@ class SpecStats:
 _PRIOR_RATE = 0.5
 
 
-# How much longer than a plain step a verify step may take when fewer than
-# half the batch's sequences propose: the others gain nothing from it, and
-# one request's speculation must not slow the rest for its own gain.
+# How much longer than a plain step a verify step may take when some of the
+# batch's sequences propose nothing: they gain nothing from it, and one
+# request's speculation must not slow the rest for its own gain.
 _HARM = 1.1
 
 
@@ -357,15 +357,15 @@ class _Gate:
         """Whether a verify step of ``width`` over ``batch`` sequences, of
         which ``proposing`` propose and are expected to get ``expected``
         proposed tokens accepted, yields more tokens per second than plain
-        steps without slowing a majority that gains nothing by more than
-        ``_HARM``."""
+        steps without slowing the sequences that propose nothing by more
+        than ``_HARM``."""
         plain = self.plain_s.get(batch)
         if plain is None:
             return False  # plain steps come first: measure one
         verify = self.verify_s.get((batch, width))
         if verify is None:
             return True
-        if 2 * proposing < batch and verify > _HARM * plain:
+        if proposing < batch and verify > _HARM * plain:
             return False
         return (batch + expected) / verify > batch / plain
 
