@@ -342,3 +342,19 @@ def test_a_failing_lookup_costs_its_sequence_only_speculation(
     assert spec == plain
     assert stats.num_accepted_tokens > 0
     assert [r for r in caplog.records if "the lookup of uid" in r.getMessage()]
+
+
+def test_the_gate_pays_for_the_batch_and_never_slows_a_sequence_that_gains_nothing() -> None:
+    gate = speculative._Gate()
+    assert not gate.pays(4, 4, 8.0, 4)  # no plain step measured yet
+    gate.note_plain(4, 0.100)
+    assert gate.pays(4, 4, 8.0, 4)  # a shape never verified is tried once
+    gate.note_verify(4, 4, 0.150)
+    # Every sequence proposes: throughput decides, (4 + 8) / 0.15 > 4 / 0.1.
+    assert gate.pays(4, 4, 8.0, 4)
+    assert not gate.pays(4, 4, 1.0, 4)  # (4 + 1) / 0.15 < 4 / 0.1
+    # One sequence proposes nothing: a step 1.5 times as long is refused,
+    # however much the others would gain.
+    assert not gate.pays(4, 4, 30.0, 3)
+    gate.note_verify(4, 2, 0.105)  # within 1.1 plain steps: throughput decides
+    assert gate.pays(4, 2, 2.0, 1)
