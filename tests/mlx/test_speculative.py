@@ -32,6 +32,7 @@ from gezel_trio import (
     SamplingParams,
     open_engine,
 )
+from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.mlx import speculative
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
@@ -358,3 +359,40 @@ def test_the_gate_pays_for_the_batch_and_never_slows_a_sequence_that_gains_nothi
     assert not gate.pays(4, 4, 30.0, 3)
     gate.note_verify(4, 2, 0.105)  # within 1.1 plain steps: throughput decides
     assert gate.pays(4, 2, 2.0, 1)
+
+
+async def test_every_protocols_usage_says_what_speculation_proposed(
+    dense_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every proposal verified: the measured gate may refuse them on this model.
+    monkeypatch.setattr(speculative, "_Gate", _AlwaysPays)
+    text = _SOURCE[:400]
+    content = f"{text}\nAgain:\n{text}"
+    calls = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}),
+        ("/v1/completions", {}),  # the chat's rendered prompt, as token ids
+        ("/v1/responses", {"input": content}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": content}]}),
+    ]
+    with trio.fail_after(HANG):
+        async with open_engine(EngineConfig(model=dense_model)) as engine:
+            rendered = await engine.render_chat([{"role": "user", "content": content}])
+            calls[1][1]["prompt"] = list(rendered.tokens)
+            async with create_app(engine, HttpSettings()).test_app() as app:
+                client = app.test_client()
+                for path, body in calls:
+                    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+                    request = {"model": "m", limit: TOKENS, "temperature": 0, **body}
+                    r = await client.post(path, json=request)
+                    assert r.status_code == 200, await r.get_data(as_text=True)
+                    usage = (await r.get_json())["usage"]
+                    details = {
+                        "/v1/responses": "output_tokens_details",
+                        "/v1/messages": "speculation",
+                    }.get(path, "completion_tokens_details")
+                    counts = usage[details]
+                    assert set(counts) >= {
+                        "accepted_prediction_tokens",
+                        "rejected_prediction_tokens",
+                    }, usage
+                    assert counts["accepted_prediction_tokens"] > 0, (path, usage)

@@ -247,6 +247,9 @@ def combined_usage(usages: Sequence[Usage]) -> Usage:
         cache_miss=first.cache_miss,
         pinned_5m_tokens=first.pinned_5m_tokens,
         pinned_1h_tokens=first.pinned_1h_tokens,
+        # What speculation proposed, summed over the choices.
+        draft_tokens=sum(u.draft_tokens for u in usages),
+        accepted_draft_tokens=sum(u.accepted_draft_tokens for u in usages),
     )
 
 

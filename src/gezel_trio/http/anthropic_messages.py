@@ -65,7 +65,14 @@ from .anthropic_wire import (
 from .cache_diagnostics import FingerprintStore, fingerprint, system_block
 from .edge import ProtocolBlueprint, json_view, refusal
 from .images import from_base64, from_data_url
-from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment, run_chat
+from .sse import (
+    ChatStream,
+    cache_miss_body,
+    event_stream,
+    liveness_comment,
+    run_chat,
+    speculation_body,
+)
 from .strict import dump_json, parse_json
 from .tenancy import current_tenant
 
@@ -481,6 +488,8 @@ def usage_body(u: Usage, system: Sequence[str] = ()) -> dict[str, Any]:
             "ephemeral_1h_input_tokens": u.pinned_1h_tokens,
         },
         "cache_miss": miss,
+        # gezel's: what speculation proposed (docs/speculation.md).
+        "speculation": speculation_body(u),
     }
 
 

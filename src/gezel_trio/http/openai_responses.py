@@ -77,7 +77,13 @@ from .responses_wire import (
     parse_responses_request,
     structure_items,
 )
-from .sse import ChatStream, cache_miss_body, event_stream, liveness_comment
+from .sse import (
+    ChatStream,
+    cache_miss_body,
+    event_stream,
+    liveness_comment,
+    speculation_body,
+)
 from .strict import dump_json
 from .tenancy import current_tenant
 
@@ -289,7 +295,7 @@ def _usage(u: Usage | None) -> dict[str, Any] | None:
             "cache_write_tokens": max(0, u.input_tokens - u.cached_tokens),
         },
         "output_tokens": u.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0, **speculation_body(u)},
         "total_tokens": u.total_tokens,
         "cache_miss": cache_miss_body(u.cache_miss),
     }

@@ -99,11 +99,20 @@ def usage_body(u: Usage) -> dict[str, Any]:
         "completion_tokens": u.output_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         # OpenAI's predicted-output counts, for what speculation proposed.
-        "completion_tokens_details": {
-            "accepted_prediction_tokens": u.accepted_draft_tokens,
-            "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens,
-        },
+        "completion_tokens_details": speculation_body(u),
         "cache_miss": cache_miss_body(u.cache_miss),
+    }
+
+
+def speculation_body(u: Usage) -> dict[str, int]:
+    """What speculation proposed for a request, in OpenAI's predicted-output
+    names (every protocol's usage: chat's and completions'
+    ``completion_tokens_details``, Responses' ``output_tokens_details``,
+    Messages' gezel ``speculation``): proposed tokens the model accepted
+    (each also an output token), and those it did not."""
+    return {
+        "accepted_prediction_tokens": u.accepted_draft_tokens,
+        "rejected_prediction_tokens": u.draft_tokens - u.accepted_draft_tokens,
     }
 
 
