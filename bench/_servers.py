@@ -387,6 +387,19 @@ for f in src.iterdir():
 """
 
 
+def default_model_float32() -> Path:
+    """The default model's float32 copy, beside the converted weights."""
+    quantized = default_model()
+    return float32_copy(quantized, quantized.parents[2] / "bench-float32")
+
+
+def float32_model(model_dir: Path | None) -> Path:
+    """``model_dir``'s float32 copy beside it, or the default model's."""
+    if model_dir is None:
+        return default_model_float32()
+    return float32_copy(model_dir, model_dir.parent / "bench-float32")
+
+
 def float32_copy(model_dir: Path, root: Path) -> Path:
     """``model_dir`` with float32 weights, in ``root`` (reused when there):
     what gezel-trio computes with on the CPU, for every system to load."""

@@ -111,11 +111,7 @@ def measure(
 
 def run(ctx: Context) -> Result:
     a = ctx.args
-    if a.model is not None:
-        model_dir = _servers.float32_copy(a.model, a.model.parent / "bench-float32")
-    else:
-        quantized = _servers.default_model()
-        model_dir = _servers.float32_copy(quantized, quantized.parents[2] / "bench-float32")
+    model_dir = _servers.float32_model(a.model)
     with ctx.phase("reference and quantized decodes"):
         got = _worker.run(
             f"{__name__}:measure",

@@ -132,11 +132,7 @@ def _counters(url: str) -> dict[str, float]:
 
 def run(ctx: Context) -> Result:
     a = ctx.args
-    if a.model is not None:
-        model_dir = _servers.float32_copy(a.model, a.model.parent / "bench-float32")
-    else:
-        quantized = _servers.default_model()
-        model_dir = _servers.float32_copy(quantized, quantized.parents[2] / "bench-float32")
+    model_dir = _servers.float32_model(a.model)
     streams = sorted(set(a.streams))
     width = max(streams)
     results: list[Measurement] = []

@@ -3,7 +3,7 @@ the real MLX backend.
 
 The tiny demo models' heads are 16 wide, narrower than MLX's smallest
 quantization group (32), so the model here is the dense tiny one with
-32-wide heads (built locally from its config, random weights, float32).
+32-wide heads (built by the demo builder, float32).
 
 - A batch of sequences that join and leave at different steps decodes
   exactly what each decodes alone through mlx-lm's own single-sequence
@@ -29,10 +29,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.utils import load
 
 from gezel_trio import (
-    Delta,
     EngineConfig,
-    Failed,
-    Finished,
     GenerationRequest,
     SamplingParams,
     open_engine,
@@ -42,6 +39,7 @@ from gezel_trio.mlx import demo_model, kv_quant, speculative
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import greedy
+from tests.support.generate import text_and_usage
 
 TOKENS = 24
 HANG = 120
@@ -167,19 +165,10 @@ def test_a_head_size_the_group_does_not_divide_stays_unquantized(dense_model: Pa
 
 
 async def _text(engine: Any, prompt: tuple[int, ...]) -> tuple[str, Any]:
-    parts: list[str] = []
-    request = GenerationRequest(
+    greedy_request = GenerationRequest(
         prompt, TOKENS, SamplingParams(temperature=0.0), ignore_eos=True, speculate=False
     )
-    with engine.submit_nowait(request) as h:
-        async for _, event in h:
-            if isinstance(event, Delta):
-                parts.append(event.text)
-            if isinstance(event, Failed):
-                raise AssertionError(event.error)
-            if isinstance(event, Finished):
-                return "".join(parts), event.usage
-    raise AssertionError("no terminal event")
+    return await text_and_usage(engine, greedy_request)
 
 
 async def test_the_engine_serves_and_stores_a_quantized_kv_cache(

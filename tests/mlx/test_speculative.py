@@ -24,10 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from gezel_trio import (
-    Delta,
     EngineConfig,
-    Failed,
-    Finished,
     GenerationRequest,
     SamplingParams,
     open_engine,
@@ -37,6 +34,7 @@ from gezel_trio.mlx import speculative
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import Sampling, greedy, make_sampler
+from tests.support.generate import text_and_usage
 
 TOKENS = 48
 HANG = 60
@@ -274,18 +272,9 @@ async def _greedy_text(
     speculate: bool = True,
     sampling: SamplingParams | None = None,
 ) -> tuple[str, Any]:
-    parts: list[str] = []
     sampling = sampling or SamplingParams(temperature=0.0)
     request = GenerationRequest(prompt, TOKENS, sampling, ignore_eos=True, speculate=speculate)
-    with engine.submit_nowait(request) as h:
-        async for _, event in h:
-            if isinstance(event, Delta):
-                parts.append(event.text)
-            if isinstance(event, Failed):
-                raise AssertionError(event.error)
-            if isinstance(event, Finished):
-                return "".join(parts), event.usage
-    raise AssertionError("no terminal event")
+    return await text_and_usage(engine, request)
 
 
 async def test_the_engine_speculates_by_default_and_counts_it(dense_model: Path) -> None:
