@@ -29,10 +29,11 @@ from gezel_trio import (
     SamplingParams,
     open_engine,
 )
+from gezel_trio.core.request import CacheRequest
 from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.mlx import speculative
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup
+from gezel_trio.mlx.lookup import NgramLookup, RecentBySalt, RecentSequences
 from gezel_trio.mlx.sampling import Sampling, greedy, make_sampler
 from tests.support.generate import text_and_usage
 
@@ -385,3 +386,85 @@ async def test_every_protocols_usage_says_what_speculation_proposed(
                         "rejected_prediction_tokens",
                     }, usage
                     assert counts["accepted_prediction_tokens"] > 0, (path, usage)
+
+
+def test_recent_sequences_propose_what_another_sequence_held() -> None:
+    recent = RecentSequences(budget=40, max_n=3, min_n=3)
+    recent.add([1, 2, 3, 4, 5, 6])
+    assert recent.propose([9, 1, 2, 3], 2) == [4, 5]
+    # Never past a remembered sequence's end, nor from a 2-token suffix.
+    assert recent.propose([4, 5, 6], 3) == []
+    assert recent.propose([9, 2, 3], 2) == []  # (9, 2, 3) never occurred
+    assert recent.propose([2, 3], 2) == []
+    # The latest occurrence wins; a full index drops its older half.
+    recent.add([1, 2, 3, 7, 7, 7])
+    assert recent.propose([1, 2, 3], 1) == [7]
+    for start in range(100, 160, 10):
+        recent.add(list(range(start, start + 9)))
+    assert len(recent) <= 40
+    assert recent.propose([1, 2, 3], 1) == []  # forgotten
+    assert recent.propose([150, 151, 152], 2) == [153, 154]
+    # Salts share nothing.
+    by_salt = RecentBySalt(partitions=2)
+    by_salt.of("a").add([1, 2, 3, 4, 5])
+    assert by_salt.of("a").propose([1, 2, 3], 1) == [4]
+    assert by_salt.of("b").propose([1, 2, 3], 1) == []
+    assert by_salt.of("").propose([1, 2, 3], 1) == []
+
+
+def test_a_sequence_proposes_from_what_a_finished_one_wrote(model: tuple[Any, Any]) -> None:
+    """A retried request (the same prompt again) proposes its answer from
+    the first one's output from the first step; alone, its own tokens
+    propose later and less. Either way the text is plain decoding's."""
+    m, tok = model
+    prompt = tok.encode("a fox")
+    (plain,), _, _, _ = _run(m, [prompt], spec=False)
+    accepted = {}
+    for shared in (False, True):
+        recent = RecentBySalt() if shared else None
+        gen = BatchGenerator(m, completion_batch_size=4, prefill_batch_size=4, stop_tokens=None)
+        stats = speculative.SpecStats()
+        speculative.install(gen, 3, speculative.Roster(), stats, recent)
+        type(gen._generation_batch).gate = _AlwaysPays()
+        try:
+            for turn in range(2):
+                before = stats.num_accepted_tokens
+                gen.insert([prompt], max_tokens=[TOKENS], samplers=[greedy])
+                out: list[int] = []
+                done = False
+                while not done:
+                    _, responses = gen.next()
+                    for r in responses:
+                        out.append(r.token)
+                        done = done or r.finish_reason is not None
+                assert out == plain
+                accepted[shared, turn] = stats.num_accepted_tokens - before
+        finally:
+            gen.close()
+    assert accepted[True, 0] == accepted[False, 0]  # nothing remembered yet
+    assert accepted[True, 1] > accepted[False, 1]
+
+
+async def test_a_salt_proposes_only_from_its_own_salts_sequences(
+    dense_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tenants (cache salts) share no remembered sequences: a retry under
+    another salt proposes nothing from the first answer, under the same
+    salt it does."""
+    monkeypatch.setattr(speculative, "_Gate", _AlwaysPays)
+    with trio.fail_after(HANG):
+        async with open_engine(EngineConfig(model=dense_model)) as engine:
+            prompt = (await engine.render_chat([{"role": "user", "content": "a fox"}])).tokens
+            accepted = []
+            for salt in ("a", "b", "a"):
+                request = GenerationRequest(
+                    prompt,
+                    TOKENS,
+                    SamplingParams(temperature=0.0),
+                    ignore_eos=True,
+                    cache=CacheRequest(salt=salt),
+                )
+                _, usage = await text_and_usage(engine, request)
+                accepted.append(usage.accepted_draft_tokens)
+    assert accepted[1] == accepted[0]  # the first answer is not salt b's
+    assert accepted[2] > accepted[0]

@@ -62,6 +62,7 @@ from .kv_quant import KvPlan, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
 from .kv_quant import plan as kv_plan
 from .loading import LoadedModel, load_model
+from .lookup import RecentBySalt
 from .memory import (
     apply_buffer_cache_limit,
     apply_wired_limit,
@@ -450,6 +451,8 @@ class MlxBackend:
         self._rest = [i for i, c in enumerate(layout) if type(c) not in _BLOCKABLE]
         trimmable = not self._rest
         self.spec_stats = SpecStats()
+        # What finished sequences held, for every lane's lookups.
+        self._recent = RecentBySalt()
         self._speculate = self._speculation(config, layout)
         # KV-aware admission: each sequence's KV, and the room the memory
         # limit (or the machine) leaves for it beside the weights.
@@ -587,7 +590,7 @@ class MlxBackend:
         # for a ~45 GB working set), so the planned limit is put back.
         apply_wired_limit(self._memory_limits)
         if self._speculate:
-            install(gen, self._config.num_draft_tokens, roster, self.spec_stats)
+            install(gen, self._config.num_draft_tokens, roster, self.spec_stats, self._recent)
         return gen
 
     @property
@@ -751,6 +754,8 @@ class MlxBackend:
         )
         lane.uid_of[rid] = uid
         lane.rid_of[uid] = rid
+        if r.cache is not None and r.cache.salt:
+            lane.roster.salts[uid] = r.cache.salt
         if not r.speculate:
             lane.roster.opted_out.add(uid)
         elif isinstance(sampling, Sampling) and not sampling.seeded:

@@ -61,7 +61,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..core.backend import SpecFigures
 from .kv_quant import BatchQuantizedKVCache, QuantizedKV
-from .lookup import NgramLookup
+from .lookup import NgramLookup, RecentBySalt
 from .sampling import Sampling, greedy
 
 log = logging.getLogger("gezel_trio.mlx")
@@ -238,10 +238,13 @@ class Roster:
 
     opted_out: set[int] = attrs.Factory(set)
     sampled: dict[int, Sampling] = attrs.Factory(dict)
+    # A salted request's cache salt: its lookups share only with its salt.
+    salts: dict[int, str] = attrs.Factory(dict)
 
     def forget(self, uid: int) -> None:
         self.opted_out.discard(uid)
         self.sampled.pop(uid, None)
+        self.salts.pop(uid, None)
 
 
 def rejection_sample(
@@ -379,6 +382,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
 
     num_draft: int = 0
     roster: Roster
+    # The sequences that finished lately, per salt, shared by the lanes.
+    recent: RecentBySalt | None = None
     stats: SpecStats
     gate: _Gate
     # GenerationBatch's, set in its __init__.
@@ -469,13 +474,20 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             lookup = self._lookups[i] = NgramLookup()
         lookup.extend(self.tokens[i][len(lookup.tokens) :])
         budget = min(self.num_draft, self.max_tokens[i] - self._num_tokens[i] - 1)
-        if pending is None:
-            return lookup.propose(budget + 1)
-        lookup.tokens.append(pending[i])
+        if pending is not None:
+            budget -= 1  # the pending token is known: no guess of it leads
+            lookup.tokens.append(pending[i])
         try:
-            return lookup.propose(budget)
+            own = lookup.propose(budget + 1)
+            if own or self.recent is None:
+                return own
+            # Nothing recurs in the sequence itself: what another
+            # sequence of its salt held after the same tokens.
+            salt = self.roster.salts.get(self.uids[i], "")
+            return self.recent.of(salt).propose(lookup.tokens, budget + 1)
         finally:
-            lookup.tokens.pop()
+            if pending is not None:
+                lookup.tokens.pop()
 
     # -- the step -------------------------------------------------------------------
 
@@ -703,6 +715,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 drop = len(toks) - 1 - j
                 if drop:
                     del self.tokens[i][-drop:]
+                if self.recent is not None:
+                    salt = self.roster.salts.get(self.uids[i], "")
+                    self.recent.of(salt).add(self.tokens[i])
                 responses.append(
                     self.Response(
                         self.uids[i],
@@ -725,16 +740,24 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         return responses
 
 
-def install(gen: BatchGenerator, num_draft: int, roster: Roster, stats: SpecStats) -> None:
+def install(
+    gen: BatchGenerator,
+    num_draft: int,
+    roster: Roster,
+    stats: SpecStats,
+    recent: RecentBySalt | None = None,
+) -> None:
     """Make ``gen``'s generation batch a ``SpeculativeBatch`` proposing up to
     ``num_draft`` tokens for its greedy sequences and the sampled ones in
-    ``roster`` (its opted-out never). Call before anything was inserted."""
+    ``roster`` (its opted-out never), from their own tokens and from
+    ``recent``'s. Call before anything was inserted."""
     cls = type(
         "LaneSpeculativeBatch",
         (SpeculativeBatch,),
         {
             "num_draft": num_draft,
             "roster": roster,
+            "recent": recent,
             "stats": stats,
             "gate": _Gate(),
         },
