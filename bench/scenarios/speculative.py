@@ -26,6 +26,11 @@ Workloads:
 
 Acceptance: the lookup server's ``gezel_spec_decode_num_*`` counters over
 each round: accepted / proposed tokens, and the tokens each verify gained.
+
+The lookup server remembers what finished sequences held
+(``mlx.lookup.RecentSequences``), and each round repeats its prompt: from a
+workload's second round on, its streams may also propose from the previous
+round's answers, as a retried request would.
 """
 
 from __future__ import annotations
