@@ -208,16 +208,16 @@ def _add_seed_flags(s: argparse.ArgumentParser) -> None:
             help=_KV_HELP[flag],
         )
     g.add_argument(
-        "--spec-draft-model", default=None, help="accepted; no draft model (see --speculation)"
+        "--spec-draft-model", default=None, help="accepted; no MTP drafter (see --draft-model)"
     )
     g.add_argument(
-        "--spec-draft-kind", default=None, help="accepted; no draft model (see --speculation)"
+        "--spec-draft-kind", default=None, help="accepted; no MTP drafter (see --draft-model)"
     )
     g.add_argument(
         "--spec-block-size",
         type=int,
         default=None,
-        help="accepted; no draft model (see --speculation)",
+        help="accepted; no MTP drafter (see --draft-model)",
     )
     g.add_argument(
         "--external-ple-dir",
@@ -264,8 +264,9 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
     ]
     if spec:
         notes.append(
-            f"{' '.join(spec)}: this build has no draft model; requests speculate "
-            "with draft-free lookup (--speculation) instead, same output"
+            f"{' '.join(spec)}: no effect; an MTP drafter is not run (a draft model with "
+            "the target's tokenizer is, with --draft-model DIR); requests speculate with "
+            "draft-free lookup (--speculation), same output"
         )
     if args.vision:
         notes.append(

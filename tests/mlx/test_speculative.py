@@ -36,14 +36,9 @@ from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup, RecentBySalt, RecentSequences
 from gezel_trio.mlx.sampling import Sampling, greedy, make_sampler
 from tests.support.generate import text_and_usage
+from tests.support.speculation import TOKENS, AlwaysPays, prompts_of, run
 
-TOKENS = 48
 HANG = 60
-
-
-class _AlwaysPays(speculative._Gate):
-    def pays(self, batch: int, width: int, expected: float, proposing: int) -> bool:
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -52,61 +47,6 @@ def model(dense_model: Path) -> tuple[Any, Any]:
     hold_float32(m)
     mx.eval(m.parameters())
     return m, tok
-
-
-def _prompts(tok: Any) -> list[list[int]]:
-    text = Path(speculative.__file__).read_text()[:600]
-    return [
-        tok.encode("Repeat:\n" + text + "\nAgain:\n" + text[:120]),
-        tok.encode("one two three four one two three four one two"),
-        tok.encode("a fox"),
-    ]
-
-
-def _run(
-    model: Any,
-    prompts: list[list[int]],
-    *,
-    spec: bool,
-    samplers: list[Any] | None = None,
-    processors: list[list[Any]] | None = None,
-    opted_out: set[int] | None = None,
-    max_tokens: list[int] | None = None,
-) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
-    """Decode ``prompts`` to the end; an unseeded ``Sampling`` among
-    ``samplers`` speculates, as the backend's roster says."""
-    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
-    stats = speculative.SpecStats()
-    holey: list[bool] = []
-    roster = speculative.Roster(opted_out if opted_out is not None else set())
-    if spec:
-        speculative.install(gen, 3, roster, stats)
-        type(gen._generation_batch).gate = _AlwaysPays()
-    n = len(prompts)
-    samplers = samplers or [greedy] * n
-    uids = gen.insert(
-        prompts,
-        max_tokens=max_tokens or [TOKENS] * n,
-        samplers=samplers,
-        logits_processors=processors,
-    )
-    for uid, s in zip(uids, samplers, strict=True):
-        if isinstance(s, Sampling) and not s.seeded:
-            roster.sampled[uid] = s
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    finals: dict[int, Any] = {}
-    try:
-        while len(finals) < n:
-            _, responses = gen.next()
-            for r in responses:
-                out[r.uid].append(r.token)
-                if r.finish_reason is not None:
-                    finals[r.uid] = r
-            cache = gen._generation_batch.prompt_cache
-            holey.append(bool(cache) and getattr(cache[0], "holes", None) is not None)
-    finally:
-        gen.close()
-    return [out[u] for u in uids], [finals[u] for u in uids], stats, holey
 
 
 def test_lookup_proposes_what_followed_the_latest_occurrence() -> None:
@@ -132,10 +72,10 @@ def test_lookup_proposes_what_followed_the_latest_occurrence() -> None:
 
 def test_greedy_speculation_is_plain_decoding_token_for_token(model: tuple[Any, Any]) -> None:
     m, tok = model
-    prompts = _prompts(tok)
+    prompts = prompts_of(tok)
     for batch in ([prompts[0]], prompts):
-        plain, _, _, _ = _run(m, batch, spec=False)
-        spec, _, stats, holey = _run(m, batch, spec=True)
+        plain, _, _, _ = run(m, batch, spec=False)
+        spec, _, stats, holey = run(m, batch, spec=True)
         assert spec == plain
         # Proposals were verified and some accepted: the comparison could fail.
         assert stats.verify_steps > 0
@@ -150,8 +90,8 @@ def test_rejected_proposals_leave_plain_decoding_untouched(
     """Every proposal of two or more tokens has its last one wrong: each
     verify rejects part of what it was given, and the text is plain's."""
     m, tok = model
-    prompts = _prompts(tok)
-    plain, _, _, _ = _run(m, prompts, spec=False)
+    prompts = prompts_of(tok)
+    plain, _, _, _ = run(m, prompts, spec=False)
     real = NgramLookup.propose
 
     def spoiled(self: NgramLookup, k: int) -> list[int]:
@@ -159,7 +99,7 @@ def test_rejected_proposals_leave_plain_decoding_untouched(
         return [*out[:-1], (out[-1] + 1) % 1000] if len(out) >= 2 else out
 
     monkeypatch.setattr(NgramLookup, "propose", spoiled)
-    spec, _, stats, holey = _run(m, prompts, spec=True)
+    spec, _, stats, holey = run(m, prompts, spec=True)
     assert spec == plain
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert any(holey)
@@ -169,11 +109,11 @@ def test_a_finished_sequence_leaves_the_dense_cache_plain_decoding_leaves(
     model: tuple[Any, Any],
 ) -> None:
     m, tok = model
-    prompts = _prompts(tok)
+    prompts = prompts_of(tok)
     # Budgets that end sequences inside an accepted run of tokens.
     budgets = [TOKENS - 1, TOKENS // 2 + 1, TOKENS - 5]
-    plain, plain_end, _, _ = _run(m, prompts, spec=False, max_tokens=budgets)
-    spec, spec_end, stats, _ = _run(m, prompts, spec=True, max_tokens=budgets)
+    plain, plain_end, _, _ = run(m, prompts, spec=False, max_tokens=budgets)
+    spec, spec_end, stats, _ = run(m, prompts, spec=True, max_tokens=budgets)
     assert stats.num_accepted_tokens > 0
     assert spec == plain
     for a, b in zip(plain_end, spec_end, strict=True):
@@ -189,7 +129,7 @@ def test_only_greedy_unprocessed_sequences_that_did_not_opt_out_propose(
     model: tuple[Any, Any],
 ) -> None:
     m, tok = model
-    prompts = _prompts(tok)
+    prompts = prompts_of(tok)
     seen: list[int] = []
 
     def processor(tokens: mx.array, logits: mx.array) -> mx.array:
@@ -201,10 +141,10 @@ def test_only_greedy_unprocessed_sequences_that_did_not_opt_out_propose(
         return [greedy, make_sampler(SamplingParams(temperature=0.8, seed=7), 0), greedy]
 
     processors: list[list[Any]] = [[], [], [processor]]
-    plain, _, _, _ = _run(m, prompts, spec=False, samplers=samplers(), processors=processors)
+    plain, _, _, _ = run(m, prompts, spec=False, samplers=samplers(), processors=processors)
     plain_seen = list(seen)
     seen.clear()
-    spec, _, stats, _ = _run(m, prompts, spec=True, samplers=samplers(), processors=processors)
+    spec, _, stats, _ = run(m, prompts, spec=True, samplers=samplers(), processors=processors)
     # The sampled sequence keeps its seeded stream, the processed one sees
     # the same contexts, the greedy one speculates: all three as plain.
     assert spec == plain
@@ -212,7 +152,7 @@ def test_only_greedy_unprocessed_sequences_that_did_not_opt_out_propose(
     assert stats.num_drafts > 0
     # Opted out, the only speculating sequence makes nothing verified.
     first_uid = 0  # BatchGenerator numbers uids from 0 in each generator
-    _, _, none, _ = _run(
+    _, _, none, _ = run(
         m, prompts, spec=True, samplers=samplers(), processors=processors, opted_out={first_uid}
     )
     assert none.num_drafts == 0
@@ -226,18 +166,18 @@ def test_sampled_sequences_speculate_by_rejection_sampling(model: tuple[Any, Any
     the cache it leaves is the one its tokens give. (The random weights'
     logits are flat: above ~0.1 their samples never recur.)"""
     m, tok = model
-    prompts = _prompts(tok)
+    prompts = prompts_of(tok)
     mx.random.seed(3)
-    plain, _, _, _ = _run(m, prompts, spec=False)
+    plain, _, _, _ = run(m, prompts, spec=False)
     cold = [make_sampler(SamplingParams(temperature=1e-4), 0) for _ in prompts]
     assert all(isinstance(s, Sampling) for s in cold)
-    spec, _, stats, _ = _run(m, prompts, spec=True, samplers=cold)
+    spec, _, stats, _ = run(m, prompts, spec=True, samplers=cold)
     assert spec == plain
     assert stats.num_drafts > 0
     assert stats.num_accepted_tokens > 0
 
     warm = [make_sampler(SamplingParams(temperature=0.03), 0) for _ in prompts]
-    _, ends, stats, holey = _run(m, prompts, spec=True, samplers=warm)
+    _, ends, stats, holey = run(m, prompts, spec=True, samplers=warm)
     assert stats.num_drafts > 0
     assert any(holey)
     for end in ends:
@@ -317,8 +257,8 @@ def test_a_failing_lookup_costs_its_sequence_only_speculation(
     model: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     m, tok = model
-    prompts = _prompts(tok)
-    plain, _, _, _ = _run(m, prompts, spec=False)
+    prompts = prompts_of(tok)
+    plain, _, _, _ = run(m, prompts, spec=False)
     real = NgramLookup.propose
     broken = prompts[1][:4]
 
@@ -328,7 +268,7 @@ def test_a_failing_lookup_costs_its_sequence_only_speculation(
         return real(self, k)
 
     monkeypatch.setattr(NgramLookup, "propose", failing)
-    spec, _, stats, _ = _run(m, prompts, spec=True)
+    spec, _, stats, _ = run(m, prompts, spec=True)
     # Every sequence wrote plain's text; the others still speculated.
     assert spec == plain
     assert stats.num_accepted_tokens > 0
@@ -355,7 +295,7 @@ async def test_every_protocols_usage_says_what_speculation_proposed(
     dense_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every proposal verified: the measured gate may refuse them on this model.
-    monkeypatch.setattr(speculative, "_Gate", _AlwaysPays)
+    monkeypatch.setattr(speculative, "_Gate", AlwaysPays)
     text = _SOURCE[:400]
     content = f"{text}\nAgain:\n{text}"
     calls = [
@@ -418,14 +358,14 @@ def test_a_sequence_proposes_from_what_a_finished_one_wrote(model: tuple[Any, An
     propose later and less. Either way the text is plain decoding's."""
     m, tok = model
     prompt = tok.encode("a fox")
-    (plain,), _, _, _ = _run(m, [prompt], spec=False)
+    (plain,), _, _, _ = run(m, [prompt], spec=False)
     accepted = {}
     for shared in (False, True):
         recent = RecentBySalt() if shared else None
         gen = BatchGenerator(m, completion_batch_size=4, prefill_batch_size=4, stop_tokens=None)
         stats = speculative.SpecStats()
         speculative.install(gen, 3, speculative.Roster(), stats, recent)
-        type(gen._generation_batch).gate = _AlwaysPays()
+        type(gen._generation_batch).gate = AlwaysPays()
         try:
             for turn in range(2):
                 before = stats.num_accepted_tokens
@@ -451,7 +391,7 @@ async def test_a_salt_proposes_only_from_its_own_salts_sequences(
     """Tenants (cache salts) share no remembered sequences: a retry under
     another salt proposes nothing from the first answer, under the same
     salt it does."""
-    monkeypatch.setattr(speculative, "_Gate", _AlwaysPays)
+    monkeypatch.setattr(speculative, "_Gate", AlwaysPays)
     with trio.fail_after(HANG):
         async with open_engine(EngineConfig(model=dense_model)) as engine:
             prompt = (await engine.render_chat([{"role": "user", "content": "a fox"}])).tokens

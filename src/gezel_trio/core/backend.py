@@ -49,12 +49,16 @@ class MemoryFigures:
 class SpecFigures:
     """What speculative decoding did since the start (``mlx.speculative``),
     as vLLM counts it: sequences that verified a proposal (summed over
-    steps), tokens proposed, tokens accepted; and the steps that verified."""
+    steps), tokens proposed, tokens accepted; the steps that verified; and
+    of the tokens, those a draft model proposed (``--draft-model``)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     verify_steps: int = 0
+    # Of the proposed and accepted tokens, those a draft model proposed.
+    draft_model_tokens: int = 0
+    draft_model_accepted_tokens: int = 0
 
 
 class Detokenizer(Protocol):

@@ -195,6 +195,14 @@ class EngineConfig:
         help="most tokens proposed per sequence per step (0: no speculation)",
         validator=attrs.validators.ge(0),
     )
+    # A second model that proposes what the target verifies (``mlx.draft``).
+    draft_model: Path | None = setting(
+        None,
+        flag="--draft-model",
+        help="a smaller model with the target's tokenizer (an mlx-lm directory or a .gguf) "
+        "that proposes tokens where the lookup proposes none; verified in the batched step "
+        "and run only where it pays",
+    )
     kv_bits: int = setting(
         0,
         flag="--kv-bits",

@@ -458,6 +458,8 @@ class HostLink:
             spec_drafts=self._speculation.num_drafts,
             spec_draft_tokens=self._speculation.num_draft_tokens,
             spec_accepted_tokens=self._speculation.num_accepted_tokens,
+            spec_draft_model_tokens=self._speculation.draft_model_tokens,
+            spec_draft_model_accepted_tokens=self._speculation.draft_model_accepted_tokens,
         )
 
     # --- ending --------------------------------------------------------------

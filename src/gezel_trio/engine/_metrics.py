@@ -79,6 +79,8 @@ class Snapshot:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_draft_model_tokens: int = 0
+    spec_draft_model_accepted_tokens: int = 0
 
 
 class _StateCollector(Collector):
@@ -129,6 +131,16 @@ class _StateCollector(Collector):
             ),
             ("draft_tokens", "Tokens proposed for verification.", s.spec_draft_tokens),
             ("accepted_tokens", "Proposed tokens the model accepted.", s.spec_accepted_tokens),
+            (
+                "draft_model_tokens",
+                "Of the proposed tokens, those the draft model proposed (--draft-model).",
+                s.spec_draft_model_tokens,
+            ),
+            (
+                "draft_model_accepted_tokens",
+                "Of the accepted tokens, those the draft model proposed.",
+                s.spec_draft_model_accepted_tokens,
+            ),
         ):
             yield CounterMetricFamily(f"gezel_spec_decode_num_{name}", doc, value=value)
 

@@ -47,7 +47,7 @@ from ..core.backend import (
 )
 from ..core.config import EngineConfig
 from ..core.constraint import Constraint
-from ..core.errors import InvalidRequest
+from ..core.errors import InvalidRequest, ModelLoadError
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority, SamplingParams
 from ..shaping.grammar import GRAMMAR_FORMATS, ToolFormatName, build_constraint
@@ -57,6 +57,7 @@ from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
+from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
 from .kv_quant import KvPlan, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
@@ -386,6 +387,23 @@ class _Compiler:
         )
 
 
+def _load_draft(config: EngineConfig, tokenizer: Any) -> DraftModel:
+    """The ``--draft-model``, loaded and adapted as the target is; one that
+    cannot propose for the target is refused by name (``ModelLoadError``)."""
+    assert config.draft_model is not None
+    loaded = load_model(attrs.evolve(config, model=config.draft_model))
+    name = loaded.path.name
+    if loaded.vision is not None:
+        raise ModelLoadError(f"draft model {name}: an image model cannot draft")
+    check_pair(name, loaded.model, loaded.tokenizer, tokenizer)
+    log.info(
+        "speculation: draft model %s (%.0f MB of weights) where the lookup proposes nothing",
+        name,
+        weight_bytes(loaded.model) / 2**20,
+    )
+    return DraftModel(loaded.model, name, prefill_step=config.prefill_step_size)
+
+
 class _Lane:
     """One BatchGenerator and its request-id <-> uid maps."""
 
@@ -454,9 +472,19 @@ class MlxBackend:
         # What finished sequences held, for every lane's lookups.
         self._recent = RecentBySalt()
         self._speculate = self._speculation(config, layout)
+        # A draft model's weights and the states its finished sequences left.
+        self._draft: DraftModel | None = None
+        self._draft_pool = DraftPool()
+        if config.draft_model is not None:
+            if self._speculate:
+                self._draft = _load_draft(config, tokenizer)
+            else:
+                log.info("draft model %s: not loaded (no speculation)", config.draft_model)
         # KV-aware admission: each sequence's KV, and the room the memory
         # limit (or the machine) leaves for it beside the weights.
         weights = weight_bytes(model)
+        if self._draft is not None:
+            weights += weight_bytes(self._draft.model)
         footprint = kv_footprint(model, self._stream, self._new_cache())
         room = kv_room(config, weights)
         if footprint is not None:
@@ -590,7 +618,15 @@ class MlxBackend:
         # for a ~45 GB working set), so the planned limit is put back.
         apply_wired_limit(self._memory_limits)
         if self._speculate:
-            install(gen, self._config.num_draft_tokens, roster, self.spec_stats, self._recent)
+            install(
+                gen,
+                self._config.num_draft_tokens,
+                roster,
+                self.spec_stats,
+                self._recent,
+                self._draft,
+                self._draft_pool,
+            )
         return gen
 
     @property

@@ -60,6 +60,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..core.backend import SpecFigures
+from .draft import DraftModel, DraftPool, DraftState
 from .kv_quant import BatchQuantizedKVCache, QuantizedKV
 from .lookup import NgramLookup, RecentBySalt
 from .sampling import Sampling, greedy
@@ -318,10 +319,19 @@ class SpecStats:
     # after which no guess held (the step went on plainly, unpipelined).
     guess_waits: int = 0
     guess_misses: int = 0
+    # Of the drafts, those a draft model proposed (the rest: the lookup).
+    model_drafts: int = 0
+    model_draft_tokens: int = 0
+    model_accepted_tokens: int = 0
 
     def figures(self) -> SpecFigures:
         return SpecFigures(
-            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.verify_steps
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            self.verify_steps,
+            self.model_draft_tokens,
+            self.model_accepted_tokens,
         )
 
 
@@ -348,15 +358,20 @@ class _Gate:
     tried once."""
 
     plain_s: dict[int, float] = attrs.Factory(dict)
-    verify_s: dict[tuple[int, int], float] = attrs.Factory(dict)
+    # Keyed by batch, width and whether a draft model proposed (its passes
+    # are part of the step's time).
+    verify_s: dict[tuple[int, int, bool], float] = attrs.Factory(dict)
 
     def note_plain(self, batch: int, seconds: float) -> None:
         self.plain_s[batch] = _ema(self.plain_s.get(batch), seconds)
 
-    def note_verify(self, batch: int, width: int, seconds: float) -> None:
-        self.verify_s[batch, width] = _ema(self.verify_s.get((batch, width)), seconds)
+    def note_verify(self, batch: int, width: int, seconds: float, drafted: bool = False) -> None:
+        key = (batch, width, drafted)
+        self.verify_s[key] = _ema(self.verify_s.get(key), seconds)
 
-    def pays(self, batch: int, width: int, expected: float, proposing: int) -> bool:
+    def pays(
+        self, batch: int, width: int, expected: float, proposing: int, drafted: bool = False
+    ) -> bool:
         """Whether a verify step of ``width`` over ``batch`` sequences, of
         which ``proposing`` propose and are expected to get ``expected``
         proposed tokens accepted, yields more tokens per second than plain
@@ -365,7 +380,7 @@ class _Gate:
         plain = self.plain_s.get(batch)
         if plain is None:
             return False  # plain steps come first: measure one
-        verify = self.verify_s.get((batch, width))
+        verify = self.verify_s.get((batch, width, drafted))
         if verify is None:
             return True
         if proposing < batch and verify > _HARM * plain:
@@ -384,6 +399,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
     roster: Roster
     # The sequences that finished lately, per salt, shared by the lanes.
     recent: RecentBySalt | None = None
+    # A draft model (``mlx.draft``), and the states finished sequences left.
+    draft: DraftModel | None = None
+    pool: DraftPool | None = None
     stats: SpecStats
     gate: _Gate
     # GenerationBatch's, set in its __init__.
@@ -399,12 +417,16 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         self._lookups: list[NgramLookup | None] = []
         self._cooldown: list[tuple[int, int]] = []  # (steps to wait, next wait)
         self._rate: list[float] = []  # accepted per proposed token, recent
+        self._draft_states: list[DraftState | None] = []
+        # The sequences whose proposal in this step a draft model made.
+        self._by_model: set[int] = set()
         # The sampled sequences' verdicts and draws (unseeded requests only).
         self._rng = np.random.default_rng()
         super().__init__(*args, **kwargs)
         self._lookups = [None] * len(self.uids)
         self._cooldown = [(0, 1)] * len(self.uids)
         self._rate = [_PRIOR_RATE] * len(self.uids)
+        self._draft_states = [None] * len(self.uids)
 
     def extend(self, batch: Any) -> None:
         super().extend(batch)
@@ -412,14 +434,21 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         self._lookups.extend([None] * len(batch.uids))
         self._cooldown.extend([(0, 1)] * len(batch.uids))
         self._rate.extend([_PRIOR_RATE] * len(batch.uids))
+        self._draft_states.extend([None] * len(batch.uids))
 
     def filter(self, keep: list[int]) -> None:
+        if self.pool is not None:
+            kept = set(keep)
+            for i, state in enumerate(self._draft_states):
+                if state is not None and i not in kept:
+                    self.pool.put(state)
         super().filter(keep)
         if self._known is not None:
             self._known = [self._known[i] for i in keep]
         self._lookups = [self._lookups[i] for i in keep]
         self._cooldown = [self._cooldown[i] for i in keep]
         self._rate = [self._rate[i] for i in keep]
+        self._draft_states = [self._draft_states[i] for i in keep]
 
     def extract_cache(self, idx: int, drop: int = 0) -> list[Any]:
         """Sequence ``idx``'s cache, dense, without its last ``drop`` tokens."""
@@ -498,6 +527,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         logprobs: list[list[mx.array]]
         start = time.perf_counter()
         known, self._known = self._known, None
+        if self.draft is not None and self.num_draft > 0:
+            drafted_step = self._draft_step(known, start)
+            if drafted_step is not None:
+                return drafted_step
         proposals: list[list[int]] = []
         if self.num_draft > 0 and any(self._eligible(i) for i in range(len(self.uids))):
             proposals = self._proposals(known)
@@ -546,6 +579,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             for i, p in enumerate(proposals):
                 if p:
                     self._rate[i] = 0.98 * self._rate[i] + 0.02 * _PRIOR_RATE
+        return self._plain(start, synced)
+
+    def _plain(self, start: float, synced: bool) -> list[Any]:
+        """mlx-lm's own step; ``synced``: its input was waited for here."""
         tokens, lps = self._step()
         emitted, logprobs = [[t] for t in tokens], [[lp] for lp in lps]
         self._drafts = []
@@ -553,9 +590,63 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         # A plain step right after a verify one (its input already computed)
         # or after waiting here did not take a step's time.
         if not self._after_verify and not synced:
-            self.gate.note_plain(B, time.perf_counter() - start)
+            self.gate.note_plain(len(self.uids), time.perf_counter() - start)
         self._after_verify = False
         return self._responses(emitted, logprobs)
+
+    def _draft_step(self, known: list[int] | None, start: float) -> list[Any] | None:
+        """A step whose proposals come from the lookup where it copies a
+        whole proposal, and from the draft model elsewhere; ``None``: the
+        gate does not expect it to pay (the lookup's own step follows)."""
+        B = len(self.uids)
+        k = self.num_draft
+        ready = [i for i in range(B) if self._cooldown[i][0] == 0 and self._eligible(i)]
+        if not ready:
+            return None
+        expected = sum(self._rate[i] * k for i in ready)
+        if not self.gate.pays(B, 1 + k, expected, len(ready), drafted=True):
+            return None
+        synced = known is None
+        if known is None:
+            mx.eval(self._next_tokens)
+            known = _ints(self._next_tokens)
+        proposals = self._proposals(known)
+        for i in ready:
+            budget = min(k, self.max_tokens[i] - self._num_tokens[i] - 1)
+            if len(proposals[i]) >= budget or self.uids[i] in self.roster.opted_out:
+                continue  # the lookup's copy costs no pass of the draft
+            try:
+                proposals[i] = self._draw(i, known[i], budget)
+                self._by_model.add(i)
+            except Exception:
+                log.exception(
+                    "speculation: the draft model failed for uid %d; it decodes plainly",
+                    self.uids[i],
+                )
+                self.roster.opted_out.add(self.uids[i])
+                self._draft_states[i] = None
+                proposals[i] = []
+        if not any(proposals):
+            self._by_model.clear()
+            return self._plain(start, synced)
+        try:
+            emitted, logprobs = self._verify(known, proposals)
+        finally:
+            self._by_model.clear()
+        self.gate.note_verify(B, 1 + k, time.perf_counter() - start, drafted=True)
+        self._after_verify = True
+        return self._responses(emitted, logprobs)
+
+    def _draw(self, i: int, pending: int, budget: int) -> list[int]:
+        """Sequence ``i``'s draft proposal after its ``pending`` token."""
+        assert self.draft is not None
+        tokens = [*self.tokens[i], pending]
+        state = self._draft_states[i]
+        if state is None:
+            salt = self.roster.salts.get(self.uids[i], "")
+            taken = self.pool.take(tokens, salt) if self.pool is not None else None
+            state = self._draft_states[i] = taken or self.draft.state(salt)
+        return self.draft.propose(state, tokens, budget)
 
     def _verify(
         self, pending: list[int], proposals: list[list[int]]
@@ -635,6 +726,10 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 self.stats.num_drafts += 1
                 self.stats.num_draft_tokens += len(p)
                 self.stats.num_accepted_tokens += m
+                if i in self._by_model:
+                    self.stats.model_drafts += 1
+                    self.stats.model_draft_tokens += len(p)
+                    self.stats.model_accepted_tokens += m
                 self._rate[i] = _ema(self._rate[i], m / len(p))
                 # All rejected: wait, longer each time in a row.
                 span = self._cooldown[i][1]
@@ -746,11 +841,14 @@ def install(
     roster: Roster,
     stats: SpecStats,
     recent: RecentBySalt | None = None,
+    draft: DraftModel | None = None,
+    pool: DraftPool | None = None,
 ) -> None:
     """Make ``gen``'s generation batch a ``SpeculativeBatch`` proposing up to
     ``num_draft`` tokens for its greedy sequences and the sampled ones in
     ``roster`` (its opted-out never), from their own tokens and from
-    ``recent``'s. Call before anything was inserted."""
+    ``recent``'s, and from ``draft`` (its finished states kept in ``pool``).
+    Call before anything was inserted."""
     cls = type(
         "LaneSpeculativeBatch",
         (SpeculativeBatch,),
@@ -758,6 +856,8 @@ def install(
             "num_draft": num_draft,
             "roster": roster,
             "recent": recent,
+            "draft": draft,
+            "pool": pool,
             "stats": stats,
             "gate": _Gate(),
         },

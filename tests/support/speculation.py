@@ -1,0 +1,83 @@
+"""Decoding a few prompts to the end through a ``BatchGenerator``, with
+and without speculation (``mlx.speculative``), on the real MLX backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from gezel_trio.mlx import speculative
+from gezel_trio.mlx.draft import DraftModel, DraftPool
+from gezel_trio.mlx.sampling import Sampling, greedy
+
+TOKENS = 48
+
+
+class AlwaysPays(speculative._Gate):
+    """Every proposal verified: the tests are about correctness, and the
+    measured gate would refuse some on the tiny models."""
+
+    def pays(
+        self, batch: int, width: int, expected: float, proposing: int, drafted: bool = False
+    ) -> bool:
+        return True
+
+
+def prompts_of(tok: Any) -> list[list[int]]:
+    text = Path(speculative.__file__).read_text()[:600]
+    return [
+        tok.encode("Repeat:\n" + text + "\nAgain:\n" + text[:120]),
+        tok.encode("one two three four one two three four one two"),
+        tok.encode("a fox"),
+    ]
+
+
+def run(
+    model: Any,
+    prompts: list[list[int]],
+    *,
+    spec: bool,
+    samplers: list[Any] | None = None,
+    processors: list[list[Any]] | None = None,
+    opted_out: set[int] | None = None,
+    max_tokens: list[int] | None = None,
+    draft: DraftModel | None = None,
+    pool: DraftPool | None = None,
+) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
+    """Decode ``prompts`` to the end; an unseeded ``Sampling`` among
+    ``samplers`` speculates, as the backend's roster says; ``draft``
+    proposes where the lookup does not."""
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
+    stats = speculative.SpecStats()
+    holey: list[bool] = []
+    roster = speculative.Roster(opted_out if opted_out is not None else set())
+    if spec:
+        speculative.install(gen, 3, roster, stats, None, draft, pool)
+        type(gen._generation_batch).gate = AlwaysPays()
+    n = len(prompts)
+    samplers = samplers or [greedy] * n
+    uids = gen.insert(
+        prompts,
+        max_tokens=max_tokens or [TOKENS] * n,
+        samplers=samplers,
+        logits_processors=processors,
+    )
+    for uid, s in zip(uids, samplers, strict=True):
+        if isinstance(s, Sampling) and not s.seeded:
+            roster.sampled[uid] = s
+    out: dict[int, list[int]] = {u: [] for u in uids}
+    finals: dict[int, Any] = {}
+    try:
+        while len(finals) < n:
+            _, responses = gen.next()
+            for r in responses:
+                out[r.uid].append(r.token)
+                if r.finish_reason is not None:
+                    finals[r.uid] = r
+            cache = gen._generation_batch.prompt_cache
+            holey.append(bool(cache) and getattr(cache[0], "holes", None) is not None)
+    finally:
+        gen.close()
+    return [out[u] for u in uids], [finals[u] for u in uids], stats, holey
