@@ -196,3 +196,25 @@ def _counter(engine: Any, name: str) -> float:
         if line.startswith(f"gezel_spec_decode_num_{name}_total "):
             return float(line.split()[1])
     raise AssertionError(f"no gezel_spec_decode_num_{name}_total in /metrics")
+
+
+def test_the_pool_keeps_the_latest_states_within_its_budget_per_salt(same: Any) -> None:
+    draft = DraftModel(same, "same")
+    states = []
+    for i in range(3):
+        state = draft.state("s")
+        draft.propose(state, list(range(10 + 100 * i, 40 + 100 * i)), 2)
+        states.append(state)
+    one = sum(c.nbytes for c in states[0].cache)
+    pool = DraftPool(size=8, budget=2 * one + one // 2)
+    for state in states:
+        pool.put(state)
+    # The oldest went for the budget.
+    assert len(pool) == 2
+    assert pool.nbytes <= pool.budget
+    assert pool.take(states[0].fed, "s") is None
+    # Another salt never takes it; its own salt does, by shared prefix.
+    turn = [*states[2].fed[:20], 999]
+    assert pool.take(turn, "other") is None
+    assert pool.take(turn, "s") is states[2]
+    assert len(pool) == 1

@@ -289,6 +289,25 @@ def test_the_gate_pays_for_the_batch_and_never_slows_a_sequence_that_gains_nothi
     assert not gate.pays(4, 4, 30.0, 3)
     gate.note_verify(4, 2, 0.105)  # within 1.1 plain steps: throughput decides
     assert gate.pays(4, 2, 2.0, 1)
+    # A refused shape is verified again after _RETRY_AFTER refusals in a
+    # row (a measurement may have been taken beside other work).
+    again = speculative._Gate()
+    again.note_plain(4, 0.100)
+    again.note_verify(4, 4, 0.150)
+    verdicts = [again.pays(4, 4, 1.0, 4) for _ in range(speculative._RETRY_AFTER)]
+    assert verdicts == [False] * (speculative._RETRY_AFTER - 1) + [True]
+    assert not again.pays(4, 4, 1.0, 4)
+    # A drafting step is priced apart from the lookup's: its own shape is
+    # tried once, then measured.
+    gate.note_plain(1, 0.050)
+    assert gate.pays(1, 4, 2.0, 1, drafted=True)
+    gate.note_verify(1, 4, 0.200, drafted=True)  # the draft's passes: (1 + 2) / 0.2 < 1 / 0.05
+    assert not gate.pays(1, 4, 2.0, 1, drafted=True)
+    assert gate.pays(4, 4, 8.0, 4)  # the lookup's verify times are its own
+    # A larger batch's drafting step is not tried where the smaller one's,
+    # scaled by the sequences drafted for, says it cannot pay.
+    gate.note_plain(2, 0.060)
+    assert not gate.pays(2, 4, 4.0, 2, drafted=True)  # about 0.4 s: (2 + 4) / 0.4 < 2 / 0.06
 
 
 async def test_every_protocols_usage_says_what_speculation_proposed(

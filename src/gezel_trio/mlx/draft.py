@@ -129,33 +129,44 @@ class DraftModel:
 
 class DraftPool:
     """The draft states of sequences that finished lately, the ``size``
-    latest; a new sequence takes the one of its salt that shares the
-    longest prefix with it (at least ``min_shared`` tokens)."""
+    latest within ``budget`` bytes of KV; a new sequence takes the one of
+    its salt that shares the longest prefix with it (at least
+    ``min_shared`` tokens)."""
 
-    def __init__(self, size: int = 8, min_shared: int = 16) -> None:
+    def __init__(self, size: int = 8, min_shared: int = 16, budget: int = 256 * 2**20) -> None:
         self.size = size
         self.min_shared = min_shared
-        self._states: list[DraftState] = []
+        self.budget = budget
+        self._states: list[tuple[DraftState, int]] = []
         self.hits = 0
 
     def __len__(self) -> int:
         return len(self._states)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self._states)
+
     def put(self, state: DraftState) -> None:
         if len(state.fed) < self.min_shared:
             return
-        self._states.append(state)
+        size = sum(c.nbytes for c in state.cache)
+        if size > self.budget:
+            return
+        self._states.append((state, size))
         del self._states[: -self.size]
+        while self.nbytes > self.budget:
+            del self._states[0]
 
     def take(self, tokens: list[int], salt: str) -> DraftState | None:
-        best, shared = None, self.min_shared - 1
-        for s in self._states:
+        best, shared = -1, self.min_shared - 1
+        for i, (s, _) in enumerate(self._states):
             if s.salt != salt:
                 continue
             n = _common_prefix(s.fed, tokens)
             if n > shared:
-                best, shared = s, n
-        if best is not None:
-            self._states.remove(best)
-            self.hits += 1
-        return best
+                best, shared = i, n
+        if best < 0:
+            return None
+        self.hits += 1
+        return self._states.pop(best)[0]

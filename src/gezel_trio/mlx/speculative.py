@@ -24,6 +24,13 @@ stores a plain, dense entry). Only models whose every layer is a plain
 ``KVCache`` speculate: a sliding window or a recurrent state cannot take
 holes (``speculation_blocker`` names the layer).
 
+**A draft model** (``--draft-model``, ``mlx.draft``) proposes where the
+lookup cannot copy a whole proposal. Its passes need the pending token, so
+a drafting step waits for the step in flight; it is priced apart by the
+gate (its verify times are kept apart from the lookup's, and include the
+draft's passes), and a step the gate refuses falls back to the lookup's
+own, pipelined step.
+
 **Who speculates.** A sequence sampled greedily, or sampled with no seed
 (``Roster.sampled``), with no logits processor (no grammar, bias,
 ``min_tokens``, thinking budget), not opted out (``disable_speculation``),
@@ -346,6 +353,14 @@ _PRIOR_RATE = 0.5
 _HARM = 1.1
 
 
+# A lookup shape the gate refused this many times in a row is verified
+# once more: one measurement taken while other work ran (a prefill chunk
+# queued before it) must not keep a shape refused for good. One verify in
+# 64 refusals costs at most a step's fraction of a percent where it never
+# pays; a draft model's shapes are not re-tried (their passes cost more).
+_RETRY_AFTER = 64
+
+
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else 0.8 * old + 0.2 * new
 
@@ -355,12 +370,15 @@ class _Gate:
     """When a verify step pays, from measured wall times: of a plain step
     per batch size, and of a verify step per batch size and width (tokens
     fed per sequence), exponential averages. A shape never verified is
-    tried once."""
+    tried once, a refused lookup shape again after ``_RETRY_AFTER``
+    refusals."""
 
     plain_s: dict[int, float] = attrs.Factory(dict)
     # Keyed by batch, width and whether a draft model proposed (its passes
     # are part of the step's time).
     verify_s: dict[tuple[int, int, bool], float] = attrs.Factory(dict)
+    # Refusals in a row of each measured lookup shape (``_RETRY_AFTER``).
+    refused: dict[tuple[int, int], int] = attrs.Factory(dict)
 
     def note_plain(self, batch: int, seconds: float) -> None:
         self.plain_s[batch] = _ema(self.plain_s.get(batch), seconds)
@@ -381,11 +399,25 @@ class _Gate:
         if plain is None:
             return False  # plain steps come first: measure one
         verify = self.verify_s.get((batch, width, drafted))
+        if verify is None and drafted:
+            # A draft's passes grow with the sequences it drafts for: from
+            # a smaller batch's drafting step, as if each sequence cost as
+            # much as one did there. Untried only where that might pay.
+            tried = sorted((b, t) for (b, w, d), t in self.verify_s.items() if d and w == width)
+            if tried:
+                below = [bt for bt in tried if bt[0] < batch]
+                b, t = below[-1] if below else tried[0]
+                verify = t * batch / b
         if verify is None:
             return True
+        ok = (batch + expected) / verify > batch / plain
         if proposing < batch and verify > _HARM * plain:
-            return False
-        return (batch + expected) / verify > batch / plain
+            ok = False
+        if ok or drafted:
+            return ok
+        n = self.refused.get((batch, width), 0) + 1
+        self.refused[batch, width] = 0 if n >= _RETRY_AFTER else n
+        return n >= _RETRY_AFTER
 
 
 # --- the batch ----------------------------------------------------------------------
@@ -551,6 +583,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 mx.eval(self._next_tokens)
                 pending, synced = _ints(self._next_tokens), True
                 self.stats.guess_waits += 1
+                # The verify's own time, not the wait for work in flight
+                # (the last step, a prefill chunk queued before it).
+                start = time.perf_counter()
                 held = []
                 for i, p in enumerate(proposals):
                     if len(p) > 1 and p[0] == pending[i]:
@@ -610,6 +645,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         if known is None:
             mx.eval(self._next_tokens)
             known = _ints(self._next_tokens)
+            start = time.perf_counter()  # as in ``next``: the step's own time
         proposals = self._proposals(known)
         for i in ready:
             budget = min(k, self.max_tokens[i] - self._num_tokens[i] - 1)
