@@ -284,9 +284,13 @@ def test_the_gate_pays_for_the_batch_and_never_slows_a_sequence_that_gains_nothi
     # Every sequence proposes: throughput decides, (4 + 8) / 0.15 > 4 / 0.1.
     assert gate.pays(4, 4, 8.0, 4)
     assert not gate.pays(4, 4, 1.0, 4)  # (4 + 1) / 0.15 < 4 / 0.1
-    # One sequence proposes nothing: a step 1.5 times as long is refused,
-    # however much the others would gain.
-    assert not gate.pays(4, 4, 30.0, 3)
+    # One sequence proposes nothing: a step 1.5 times as long slows it by
+    # as much, taken only for a large gain of the batch's (1.5 times its
+    # tokens per second), never for more than 1.5 times a plain step.
+    assert gate.pays(4, 4, 30.0, 3)  # (4 + 30) / 0.15 = 5.7 times 4 / 0.1
+    assert not gate.pays(4, 4, 3.0, 3)  # (4 + 3) / 0.15 is 1.17 times: not enough
+    gate.note_verify(4, 3, 0.160)
+    assert not gate.pays(4, 3, 30.0, 3)  # 1.6 plain steps: however much it gains
     gate.note_verify(4, 2, 0.105)  # within 1.1 plain steps: throughput decides
     assert gate.pays(4, 2, 2.0, 1)
     # A refused shape is verified again after _RETRY_AFTER refusals in a

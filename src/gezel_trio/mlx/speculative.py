@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -351,6 +352,12 @@ _PRIOR_RATE = 0.5
 # batch's sequences propose nothing: they gain nothing from it, and one
 # request's speculation must not slow the rest for its own gain.
 _HARM = 1.1
+# ... unless the batch's tokens per second would grow by this factor, and
+# then by at most this much: a step of 4 where 3 sequences copy 3 tokens
+# each gives the batch (4 + 9) tokens for a step's 1.3, and costs the
+# fourth sequence 30%.
+_HARM_PAID = 1.5
+_HARM_MAX = 1.5
 
 
 # A lookup shape the gate refused this many times in a row is verified
@@ -365,27 +372,50 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else 0.8 * old + 0.2 * new
 
 
+# Wall times the gate keeps per shape; it reads their minimum. Other work
+# only ever adds to a step's time (a prefill chunk queued before it, a
+# first use's allocations, the host's other threads), so the smallest of
+# the recent ones is the step's own cost, and one slow sample cannot keep
+# a shape refused; a cost that grows with the context shows within as
+# many steps.
+_SAMPLES = 8
+
+
+def _note(times: dict[Any, deque[float]], key: Any, seconds: float) -> None:
+    kept = times.get(key)
+    if kept is None:
+        kept = times[key] = deque(maxlen=_SAMPLES)
+    kept.append(seconds)
+
+
 @attrs.define
 class _Gate:
     """When a verify step pays, from measured wall times: of a plain step
     per batch size, and of a verify step per batch size and width (tokens
-    fed per sequence), exponential averages. A shape never verified is
-    tried once, a refused lookup shape again after ``_RETRY_AFTER``
-    refusals."""
+    fed per sequence), the least of the last ``_SAMPLES`` of each. A shape
+    never verified is tried once, a refused lookup shape again after
+    ``_RETRY_AFTER`` refusals."""
 
-    plain_s: dict[int, float] = attrs.Factory(dict)
+    plain_times: dict[int, deque[float]] = attrs.Factory(dict)
     # Keyed by batch, width and whether a draft model proposed (its passes
     # are part of the step's time).
-    verify_s: dict[tuple[int, int, bool], float] = attrs.Factory(dict)
+    verify_times: dict[tuple[int, int, bool], deque[float]] = attrs.Factory(dict)
     # Refusals in a row of each measured lookup shape (``_RETRY_AFTER``).
     refused: dict[tuple[int, int], int] = attrs.Factory(dict)
 
     def note_plain(self, batch: int, seconds: float) -> None:
-        self.plain_s[batch] = _ema(self.plain_s.get(batch), seconds)
+        _note(self.plain_times, batch, seconds)
 
     def note_verify(self, batch: int, width: int, seconds: float, drafted: bool = False) -> None:
-        key = (batch, width, drafted)
-        self.verify_s[key] = _ema(self.verify_s.get(key), seconds)
+        _note(self.verify_times, (batch, width, drafted), seconds)
+
+    def plain_s(self, batch: int) -> float | None:
+        kept = self.plain_times.get(batch)
+        return min(kept) if kept else None
+
+    def verify_s(self, batch: int, width: int, drafted: bool = False) -> float | None:
+        kept = self.verify_times.get((batch, width, drafted))
+        return min(kept) if kept else None
 
     def pays(
         self, batch: int, width: int, expected: float, proposing: int, drafted: bool = False
@@ -394,25 +424,30 @@ class _Gate:
         which ``proposing`` propose and are expected to get ``expected``
         proposed tokens accepted, yields more tokens per second than plain
         steps without slowing the sequences that propose nothing by more
-        than ``_HARM``."""
-        plain = self.plain_s.get(batch)
+        than ``_HARM`` (or ``_HARM_MAX``, for a gain of ``_HARM_PAID``)."""
+        plain = self.plain_s(batch)
         if plain is None:
             return False  # plain steps come first: measure one
-        verify = self.verify_s.get((batch, width, drafted))
+        verify = self.verify_s(batch, width, drafted)
         if verify is None and drafted:
             # A draft's passes grow with the sequences it drafts for: from
             # a smaller batch's drafting step, as if each sequence cost as
             # much as one did there. Untried only where that might pay.
-            tried = sorted((b, t) for (b, w, d), t in self.verify_s.items() if d and w == width)
+            tried = sorted(
+                (b, min(t)) for (b, w, d), t in self.verify_times.items() if d and w == width
+            )
             if tried:
                 below = [bt for bt in tried if bt[0] < batch]
                 b, t = below[-1] if below else tried[0]
                 verify = t * batch / b
         if verify is None:
             return True
-        ok = (batch + expected) / verify > batch / plain
+        gain = (batch + expected) / verify / (batch / plain)
+        ok = gain > 1
         if proposing < batch and verify > _HARM * plain:
-            ok = False
+            # The sequences that propose nothing would be slowed: only for
+            # a large gain of the batch's, and never by more than _HARM_MAX.
+            ok = gain >= _HARM_PAID and verify <= _HARM_MAX * plain
         if ok or drafted:
             return ok
         n = self.refused.get((batch, width), 0) + 1
@@ -442,6 +477,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._after_verify = False
+        # Plain steps to take before waiting for a step in flight again, and
+        # the next such pause (waits that ended in plain steps back off).
+        self._waits = (0, 1)
         # Each sequence's (proposed, accepted) in the verify step just taken.
         self._drafts: list[tuple[int, int]] = []
         # The pending next tokens as host ints, where a verify step chose them.
@@ -563,6 +601,12 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             drafted_step = self._draft_step(known, start)
             if drafted_step is not None:
                 return drafted_step
+        wait, span = self._waits
+        if known is None and wait > 0:
+            # Waits for the step in flight lately ended in plain steps: go
+            # on pipelined for a while.
+            self._waits = (wait - 1, span)
+            return self._plain(start, False)
         proposals: list[list[int]] = []
         if self.num_draft > 0 and any(self._eligible(i) for i in range(len(self.uids))):
             proposals = self._proposals(known)
@@ -605,9 +649,14 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 emitted, logprobs = self._verify(pending, proposals)
                 self.gate.note_verify(B, width, time.perf_counter() - start)
                 self._after_verify = True
+                if synced:
+                    self._waits = (0, 1)
                 return self._responses(emitted, logprobs)
             if not proposing:
                 self.stats.guess_misses += 1
+            # The wait bought nothing (the guesses missed, or what held did
+            # not pay): the next ones wait 1, 2, 4 ... 64 steps.
+            self._waits = (span, min(2 * span, 64))
         elif drafted:
             # Refused: each proposer's remembered rate drifts back to the
             # prior, so a bad spell is not refused forever.
@@ -665,11 +714,15 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         if not any(proposals):
             self._by_model.clear()
             return self._plain(start, synced)
+        # A step the draft did not propose in is a lookup verify (after a
+        # wait for the step in flight, which its time leaves out).
+        drafted = bool(self._by_model)
+        width = 1 + k if drafted else 1 + max(len(p) for p in proposals)
         try:
             emitted, logprobs = self._verify(known, proposals)
         finally:
             self._by_model.clear()
-        self.gate.note_verify(B, 1 + k, time.perf_counter() - start, drafted=True)
+        self.gate.note_verify(B, width, time.perf_counter() - start, drafted=drafted)
         self._after_verify = True
         return self._responses(emitted, logprobs)
 
