@@ -35,11 +35,12 @@ from gezel_trio import (
     open_engine,
 )
 from gezel_trio.http.app import HttpSettings, create_app
-from gezel_trio.mlx import demo_model, kv_quant, speculative
+from gezel_trio.mlx import demo_model, kv_quant
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import greedy
 from tests.support.generate import text_and_usage
+from tests.support.speculation import run
 
 TOKENS = 24
 HANG = 120
@@ -263,40 +264,16 @@ async def test_a_hybrid_model_quantizes_its_attention_and_keeps_its_recurrent_st
     assert per_token[8] < 0.4 * per_token[0]
 
 
-class _AlwaysPays(speculative._Gate):
-    def pays(self, batch: int, width: int, expected: float, proposing: int) -> bool:
-        return True
-
-
 def _decode(model: Any, prompts: list[list[int]], *, spec: bool) -> tuple[list[list[int]], Any]:
-    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4, stop_tokens=None)
-    stats = speculative.SpecStats()
-    if spec:
-        speculative.install(gen, 3, speculative.Roster(), stats)
-        type(gen._generation_batch).gate = _AlwaysPays()
     layers = frozenset(range(len(model.layers)))
-    n = len(prompts)
-    uids = gen.insert(
+    out, finals, stats, holey = run(
+        model,
         prompts,
-        max_tokens=[TOKENS * 2] * n,
+        spec=spec,
+        max_tokens=[TOKENS * 2] * len(prompts),
         caches=[kv_quant.layout(model, 8, 32, layers) for _ in prompts],
-        samplers=[greedy] * n,
     )
-    out: dict[int, list[int]] = {u: [] for u in uids}
-    finals: dict[int, Any] = {}
-    holey = False
-    try:
-        while len(finals) < n:
-            _, responses = gen.next()
-            for r in responses:
-                out[r.uid].append(r.token)
-                if r.finish_reason is not None:
-                    finals[r.uid] = r
-            cache = gen._generation_batch.prompt_cache
-            holey |= any(isinstance(c, speculative.HoleyQuantizedKVCache) for c in cache)
-    finally:
-        gen.close()
-    return [out[u] for u in uids], (stats, [finals[u] for u in uids], holey)
+    return out, (stats, finals, any(holey))
 
 
 def test_speculation_runs_on_the_quantized_batch(

@@ -45,10 +45,12 @@ def run(
     max_tokens: list[int] | None = None,
     draft: DraftModel | None = None,
     pool: DraftPool | None = None,
+    caches: list[list[Any]] | None = None,
 ) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
     """Decode ``prompts`` to the end; an unseeded ``Sampling`` among
     ``samplers`` speculates, as the backend's roster says; ``draft``
-    proposes where the lookup does not."""
+    proposes where the lookup does not; ``caches``: each prompt's fresh
+    cache (mlx-lm's plain one when ``None``)."""
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
     stats = speculative.SpecStats()
     holey: list[bool] = []
@@ -63,6 +65,7 @@ def run(
         max_tokens=max_tokens or [TOKENS] * n,
         samplers=samplers,
         logits_processors=processors,
+        caches=caches,
     )
     for uid, s in zip(uids, samplers, strict=True):
         if isinstance(s, Sampling) and not s.seeded:
