@@ -257,11 +257,20 @@ def released_together(n: int, one: Callable[[threading.Barrier], _T], what: str)
 
 def streams_together(url: str, body: dict[str, Any], n: int, what: str) -> list[StreamLog]:
     """``n`` identical streaming requests released together; one thread each."""
+    return streams_of(url, [body] * n, what)
+
+
+def streams_of(url: str, bodies: Sequence[dict[str, Any]], what: str) -> list[StreamLog]:
+    """One streaming request per body, released together; one thread each."""
+    queue = list(bodies)
+    lock = threading.Lock()
 
     def one(barrier: threading.Barrier) -> StreamLog:
+        with lock:
+            body = queue.pop()
         return stream_once(url, body, barrier=barrier)
 
-    return released_together(n, one, what)
+    return released_together(len(bodies), one, what)
 
 
 # --- the decode metric -------------------------------------------------------

@@ -53,7 +53,6 @@ import contextlib
 import random
 import statistics
 import string
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,24 +159,6 @@ def body(workload: str, tokens: int, temperature: float = 0.0, tag: str = "") ->
     return out
 
 
-def _streams(url: str, bodies: list[dict[str, Any]], what: str) -> list[_sse.StreamLog]:
-    """One stream per body, released together. Each stream of a run has
-    its own prompt (its tag): ``mlx_lm.server --draft-model`` answered a
-    prompt it had cached whole but its last token with one empty token,
-    and a repeated prompt would also let the lookup copy the previous
-    round's answer, which a real client's new turn does not offer."""
-    queue = list(bodies)
-    lock = threading.Lock()
-
-    def one(barrier: threading.Barrier) -> _sse.StreamLog:
-        with lock:
-            b = queue.pop()
-        return _sse.stream_once(url, b, barrier=barrier)
-
-    logs = _sse.released_together(len(bodies), one, what)
-    return logs
-
-
 def _counters(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     out = {}
@@ -266,7 +247,12 @@ def run(ctx: Context) -> Result:
                     counted = system in ("lookup", "draft")
                     before = _counters(url) if counted else {}
                     bodies = [body(w, a.tokens, a.temperature, f"{r}.{n}.{i}") for i in range(n)]
-                    logs = _streams(url, bodies, f"{w}/{system}")
+                    # Each stream of a run has its own prompt (its tag):
+                    # mlx_lm.server --draft-model answered a prompt it had
+                    # cached but its last token with one empty token, and a
+                    # repeated prompt would let the lookup copy the previous
+                    # round's answer, which a new turn does not offer.
+                    logs = _sse.streams_of(url, bodies, f"{w}/{system}")
                     m = aggregate(f"{w}/{system}", a.tokens, [StreamTiming.of(x) for x in logs])
                     results.append(m)
                     texts.setdefault((w, n, system), set()).update(x.text for x in logs)

@@ -17,9 +17,9 @@ is part of the verify step the gate measures (``mlx.speculative``), so a
 draft that does not pay is not run.
 
 A finished sequence's state is kept (``DraftPool``, per cache salt, the
-``size`` latest): the next turn of a conversation, whose tokens begin with
-the last turn's, takes it and feeds only what is new, as the target's
-prompt cache serves the target. The pool lives in the process; the
+``size`` latest within a byte budget): the next turn of a conversation,
+whose tokens begin with the last turn's, takes it and feeds only what is
+new, as the target's prompt cache serves the target. The pool lives in the process; the
 draft's states are not written to disk (a restart's first turn feeds the
 draft its whole prompt once).
 """

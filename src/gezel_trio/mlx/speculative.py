@@ -327,8 +327,7 @@ class SpecStats:
     # after which no guess held (the step went on plainly, unpipelined).
     guess_waits: int = 0
     guess_misses: int = 0
-    # Of the drafts, those a draft model proposed (the rest: the lookup).
-    model_drafts: int = 0
+    # Of the proposed and accepted tokens, a draft model's (the rest: the lookup's).
     model_draft_tokens: int = 0
     model_accepted_tokens: int = 0
 
@@ -488,8 +487,6 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         self._cooldown: list[tuple[int, int]] = []  # (steps to wait, next wait)
         self._rate: list[float] = []  # accepted per proposed token, recent
         self._draft_states: list[DraftState | None] = []
-        # The sequences whose proposal in this step a draft model made.
-        self._by_model: set[int] = set()
         # The sampled sequences' verdicts and draws (unseeded requests only).
         self._rng = np.random.default_rng()
         super().__init__(*args, **kwargs)
@@ -696,13 +693,14 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             known = _ints(self._next_tokens)
             start = time.perf_counter()  # as in ``next``: the step's own time
         proposals = self._proposals(known)
+        by_model: set[int] = set()  # the sequences whose proposal the draft made
         for i in ready:
             budget = min(k, self.max_tokens[i] - self._num_tokens[i] - 1)
             if len(proposals[i]) >= budget or self.uids[i] in self.roster.opted_out:
                 continue  # the lookup's copy costs no pass of the draft
             try:
                 proposals[i] = self._draw(i, known[i], budget)
-                self._by_model.add(i)
+                by_model.add(i)
             except Exception:
                 log.exception(
                     "speculation: the draft model failed for uid %d; it decodes plainly",
@@ -712,16 +710,12 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 self._draft_states[i] = None
                 proposals[i] = []
         if not any(proposals):
-            self._by_model.clear()
             return self._plain(start, synced)
         # A step the draft did not propose in is a lookup verify (after a
         # wait for the step in flight, which its time leaves out).
-        drafted = bool(self._by_model)
+        drafted = bool(by_model)
         width = 1 + k if drafted else 1 + max(len(p) for p in proposals)
-        try:
-            emitted, logprobs = self._verify(known, proposals)
-        finally:
-            self._by_model.clear()
+        emitted, logprobs = self._verify(known, proposals, by_model)
         self.gate.note_verify(B, width, time.perf_counter() - start, drafted=drafted)
         self._after_verify = True
         return self._responses(emitted, logprobs)
@@ -738,8 +732,13 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         return self.draft.propose(state, tokens, budget)
 
     def _verify(
-        self, pending: list[int], proposals: list[list[int]]
+        self,
+        pending: list[int],
+        proposals: list[list[int]],
+        by_model: frozenset[int] | set[int] = frozenset(),
     ) -> tuple[list[list[int]], list[list[mx.array]]]:
+        """Verify ``proposals`` after ``pending``; ``by_model``: the
+        sequences whose proposal a draft model made (counted apart)."""
         B = len(self.uids)
         k = max(len(p) for p in proposals)
         rows = [[pending[i], *p, *([pending[i]] * (k - len(p)))] for i, p in enumerate(proposals)]
@@ -815,8 +814,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 self.stats.num_drafts += 1
                 self.stats.num_draft_tokens += len(p)
                 self.stats.num_accepted_tokens += m
-                if i in self._by_model:
-                    self.stats.model_drafts += 1
+                if i in by_model:
                     self.stats.model_draft_tokens += len(p)
                     self.stats.model_accepted_tokens += m
                 self._rate[i] = _ema(self._rate[i], m / len(p))
