@@ -172,12 +172,9 @@ def seed_server_path() -> Path:
 # the default is noticed).
 _KV_FLAGS: dict[str, tuple[Callable[[str], object], object]] = {
     "--kv-quant-scheme": (str, "uniform"),
-    "--quantized-kv-start": (int, 0),
 }
 _KV_HELP = {
     "--kv-quant-scheme": "accepted; the KV cache is quantized uniformly (affine), as 'uniform'",
-    "--quantized-kv-start": "accepted; with --kv-bits the KV cache is quantized from its first "
-    "token (one batch holds one format)",
 }
 
 
@@ -239,14 +236,9 @@ def _seed_notices(args: argparse.Namespace) -> list[str]:
     do, saying what it does instead. Output is never changed by them."""
     notes = []
     start = args.quantized_kv_start
-    if start:
+    if start and not args.kv_bits:
         notes.append(
-            f"--quantized-kv-start {start}: no effect; "
-            + (
-                "the KV cache is quantized from its first token (one batch holds one format)"
-                if args.kv_bits
-                else "the KV cache is not quantized (no --kv-bits)"
-            )
+            f"--quantized-kv-start {start}: no effect, the KV cache is not quantized (no --kv-bits)"
         )
     if args.kv_quant_scheme != "uniform":
         notes.append(

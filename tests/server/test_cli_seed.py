@@ -30,9 +30,9 @@ def test_the_seed_command_line_maps_onto_ours(tmp_path: Path) -> None:
     assert config.http.stream_tool_calls is True
     assert (config.stdout.prefill_min_tokens, config.stdout.prefill_interval) == (2048, 4.0)
     assert (config.engine.kv_bits, config.engine.kv_group_size) == (8, 64)
+    assert config.engine.quantized_kv_start == 256
     notes = cli._seed_notices(args)
     assert [n.split(":")[0] for n in notes] == [
-        "--quantized-kv-start 256",
         "--spec-draft-model " + str(tmp_path / "drafter") + " --spec-draft-kind mtp "
         "--spec-block-size 4",
         "--vision",

@@ -199,7 +199,7 @@ def test_the_seed_command_line_starts_it_with_the_seed_start_up_lines(
         else:
             assert want.fullmatch(line), line
     notices = stderr.read_text()
-    for flag in ("--quantized-kv-start 256", "--spec-draft-model", "--vision"):
+    for flag in ("--spec-draft-model", "--vision"):
         assert f"gezel-trio: {flag}" in notices, notices
     # --kv-bits 8 is honoured where it can be: the tiny model's 16-wide
     # heads are narrower than any quantization group.

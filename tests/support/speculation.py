@@ -3,6 +3,7 @@ and without speculation (``mlx.speculative``), on the real MLX backend."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,13 @@ def run(
     draft: DraftModel | None = None,
     pool: DraftPool | None = None,
     caches: list[list[Any]] | None = None,
+    after_step: Callable[[BatchGenerator], None] | None = None,
 ) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
     """Decode ``prompts`` to the end; an unseeded ``Sampling`` among
     ``samplers`` speculates, as the backend's roster says; ``draft``
     proposes where the lookup does not; ``caches``: each prompt's fresh
-    cache (mlx-lm's plain one when ``None``)."""
+    cache (mlx-lm's plain one when ``None``); ``after_step`` is called
+    with the generator after each step, as the backend's lane does."""
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
     stats = speculative.SpecStats()
     holey: list[bool] = []
@@ -75,6 +78,8 @@ def run(
     try:
         while len(finals) < n:
             _, responses = gen.next()
+            if after_step is not None:
+                after_step(gen)
             for r in responses:
                 out[r.uid].append(r.token)
                 if r.finish_reason is not None:

@@ -207,8 +207,8 @@ class EngineConfig:
         0,
         flag="--kv-bits",
         help="quantize the attention layers' KV cache to this many bits (4 or 8; 2, 3, 5, 6 "
-        "also pack), in the batch, the prompt cache and on disk, from the first token; "
-        "0: unquantized",
+        "also pack), in the batch, the prompt cache and on disk, from the first token unless "
+        "--quantized-kv-start says otherwise; 0: unquantized",
         validator=_kv_bits,
     )
     kv_group_size: int = setting(
@@ -217,6 +217,14 @@ class EngineConfig:
         help="elements per quantization group of the KV cache (32, 64 or 128; it must divide "
         "the model's head size)",
         validator=_kv_group,
+    )
+    quantized_kv_start: int = setting(
+        0,
+        flag="--quantized-kv-start",
+        help="with --kv-bits, keep a lane's KV cache unquantized until one of its sequences "
+        "holds this many tokens, then quantize the lane's (one batch holds one format); "
+        "0: quantized from the first token",
+        validator=attrs.validators.ge(0),
     )
     keep_quantized: bool = setting(
         False,

@@ -59,7 +59,7 @@ from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
-from .kv_quant import KvPlan, QuantizedKV, kv_format
+from .kv_quant import KvPlan, KvStart, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
 from .kv_quant import plan as kv_plan
 from .loading import LoadedModel, load_model
@@ -413,6 +413,8 @@ class _Lane:
         self.rid_of: dict[int, int] = {}
         # How its sequences speculate (``mlx.speculative``).
         self.roster = roster
+        # Whether its KV is quantized yet (``--quantized-kv-start``).
+        self.quantized = False
 
 
 class MlxBackend:
@@ -460,6 +462,20 @@ class MlxBackend:
                 log.warning("kv-bits %d: %s", self._kv_bits, kept)
             if not self._kv_plan.layers:
                 self._kv_bits = 0
+        # --quantized-kv-start: unquantized until a lane's sequence is long.
+        self._kv_start: KvStart | None = None
+        if self._kv_bits and config.quantized_kv_start > 0:
+            self._kv_start = KvStart(
+                config.quantized_kv_start,
+                self._kv_bits,
+                config.kv_group_size,
+                self._kv_plan.layers,
+            )
+            log.info(
+                "kv-bits %d: a lane's KV is quantized once one of its sequences holds %d tokens",
+                self._kv_bits,
+                config.quantized_kv_start,
+            )
         # Plain KV layers grow by appending, so the prompt cache can cut them
         # into shared token blocks and any prefix is a valid state; a sliding
         # window or linear attention is kept whole per checkpoint.
@@ -491,7 +507,14 @@ class MlxBackend:
             log.info(
                 "KV%s: %d bytes per token (+%s windowed, %d fixed); %.0f MB of weights leave "
                 "%.0f MB for running sequences",
-                f" ({self._kv_bits}-bit)" if self._kv_bits else "",
+                (
+                    f" (unquantized until {config.quantized_kv_start} tokens: admission plans "
+                    "with this size)"
+                    if self._kv_start is not None
+                    else f" ({self._kv_bits}-bit)"
+                    if self._kv_bits
+                    else ""
+                ),
                 footprint.per_token,
                 list(footprint.windowed),
                 footprint.fixed,
@@ -510,7 +533,11 @@ class MlxBackend:
                 f
                 for f in (
                     config.model_fingerprint or _fingerprint(config, loaded),
-                    kv_format(self._kv_bits, config.kv_group_size),
+                    kv_format(
+                        self._kv_bits,
+                        config.kv_group_size,
+                        config.quantized_kv_start if self._kv_start is not None else 0,
+                    ),
                 )
                 if f
             ),
@@ -577,12 +604,13 @@ class MlxBackend:
         # What a stored state's layers must look like (``_signature``):
         # False until first asked for.
         self._layer_signatures: list[tuple[Any, ...]] | Literal[False] | None = False
+        self._quantized_signatures: list[tuple[Any, ...]] | None = None
 
     def _new_cache(self) -> list[Any]:
-        """A fresh cache for one sequence, in the configured KV format."""
-        return kv_layout(
-            self._model, self._kv_bits, self._config.kv_group_size, self._kv_plan.layers
-        )
+        """A fresh cache for one sequence, in the configured KV format
+        (unquantized until a start, ``--quantized-kv-start``)."""
+        bits = 0 if self._kv_start is not None else self._kv_bits
+        return kv_layout(self._model, bits, self._config.kv_group_size, self._kv_plan.layers)
 
     def _speculation(self, config: EngineConfig, layout: Sequence[Any]) -> bool:
         """Whether the lanes speculate; says so, and why not, once."""
@@ -774,11 +802,14 @@ class MlxBackend:
         if sampling is not greedy:  # the shared greedy sampler cannot fail per sequence
             sampler = self._faults.sampler(rid, sampling)
         procs = [self._faults.processor(rid, p) for p in self._processors(r)]
+        # mlx-lm would make a plain cache: the batch holds one format.
+        state = adm.seed_state if adm.seed_state is not None else self._new_cache()
+        if self._kv_start is not None:
+            state = self._lane_format(lane, state)
         (uid,) = lane.gen.insert_segments(
             [[list(seg) for seg in adm.segments]],
             max_tokens=[r.max_tokens],
-            # mlx-lm would make a plain cache: the batch holds one format.
-            caches=[adm.seed_state if adm.seed_state is not None else self._new_cache()],
+            caches=[state],
             all_tokens=[seed_tokens],
             samplers=[sampler],
             logits_processors=[procs],
@@ -799,6 +830,22 @@ class MlxBackend:
         self._lane_of[rid] = lane
         if r.top_logprobs is not None:
             self._logprobs[rid] = r.top_logprobs
+
+    def _lane_format(self, lane: _Lane, state: list[Any]) -> list[Any]:
+        """``state`` in the format of the lane it joins (one batch holds
+        one format): an empty lane starts unquantized again; a quantized
+        seed quantizes the lane; a lane already quantized quantizes the
+        seed."""
+        start = self._kv_start
+        assert start is not None
+        if not lane.uid_of:
+            lane.quantized = False
+        if start.holds_quantized(state):
+            if not lane.quantized:
+                start.quantize_generator(lane.gen)
+                lane.quantized = True
+            return start.quantize_state(state)  # a layer not yet quantized
+        return start.quantize_state(state) if lane.quantized else state
 
     def _key(self, rid: int, tokens: Sequence[int]) -> tuple[int, ...]:
         """A sequence's tokens as the cache knows them, each image keyed by its content."""
@@ -907,8 +954,8 @@ class MlxBackend:
         layers: list[Any] = [None] * self._layer_count
         with mx.stream(self._stream):
             for j, i in enumerate(self._blockable):
-                k = _joined([b[j][0] for b in blocks], length)
-                v = _joined([b[j][1] for b in blocks], length)
+                k = _joined(self._one_format([b[j][0] for b in blocks]), length)
+                v = _joined(self._one_format([b[j][1] for b in blocks]), length)
                 c = (
                     QuantizedKV(self._config.kv_group_size, self._kv_bits)
                     if isinstance(k, tuple)
@@ -924,6 +971,20 @@ class MlxBackend:
         if any(c is None for c in layers):
             raise ValueError("the rest state does not cover this model's unblockable layers")
         return layers
+
+    def _one_format(self, parts: list[Any]) -> list[Any]:
+        """One layer's blocks in one format: under ``--quantized-kv-start``
+        a conversation's early blocks may be stored unquantized and its
+        later ones quantized; the unquantized are quantized to join them
+        (a group runs along one token, so this is what the lane's switch
+        would have made of them)."""
+        if all(isinstance(p, tuple) for p in parts) or not any(isinstance(p, tuple) for p in parts):
+            return parts
+        group, bits = self._config.kv_group_size, self._kv_bits
+        return [
+            p if isinstance(p, tuple) else tuple(mx.quantize(p, group_size=group, bits=bits))
+            for p in parts
+        ]
 
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
         with mx.stream(self._stream):
@@ -953,10 +1014,18 @@ class MlxBackend:
         states = tree_unflatten(list(arrays.items()))
         layers = [_CACHE_CLASSES[c].from_state(st) for c, st in zip(classes, states, strict=True)]
         ref = self._new_cache()
-        if [type(c) for c in layers] != [type(c) for c in ref]:
+        if [self._kind(c) for c in layers] != [self._kind(c) for c in ref]:
             raise ValueError("cache layers do not match this model's layout")
         self._check_shapes(layers)
         return layers, dict(metadata)
+
+    def _kind(self, layer: Any) -> type[Any]:
+        """A stored layer's class as the layout sees it: under
+        ``--quantized-kv-start`` a planned layer is plain or quantized."""
+        kind: type[Any] = type(layer)
+        if self._kv_start is not None and kind is QuantizedKV:
+            kind = KVCache
+        return kind
 
     def _check_shapes(self, layers: list[Any]) -> None:
         """Raise ``ValueError`` naming the first layer whose arrays' shapes or
@@ -966,10 +1035,27 @@ class MlxBackend:
         expected = self._signature()
         if expected is None:
             return
+        quantized = self._quantized_signature()
         for i, (layer, want) in enumerate(zip(layers, expected, strict=True)):
             got = _layer_signature(layer)
+            if type(layer) is QuantizedKV and quantized is not None:
+                want = quantized[i]
             if got != want:
                 raise ValueError(f"layer {i} holds {got}, this model's cache {want}")
+
+    def _quantized_signature(self) -> list[tuple[Any, ...]] | None:
+        """Under ``--quantized-kv-start``, the signature of every layer once
+        quantized (from a one-token pass, made once); else ``None``."""
+        start = self._kv_start
+        if start is None:
+            return None
+        if self._quantized_signatures is None:
+            with mx.stream(self._stream):
+                ref = start.quantize_state(self._new_cache())
+                self._model(mx.array([[0]]), cache=ref)
+                mx.eval([c.state for c in ref])
+            self._quantized_signatures = [_layer_signature(c) for c in ref]
+        return self._quantized_signatures
 
     def _signature(self) -> list[tuple[Any, ...]] | None:
         """The signature of every layer of this model's cache, from a
@@ -1038,6 +1124,10 @@ class MlxBackend:
         try:
             with mx.stream(self._stream):
                 prompt_responses, gen_responses = lane.gen.next()
+                start = self._kv_start
+                if start is not None and not lane.quantized and start.due(lane.gen):
+                    start.quantize_generator(lane.gen)
+                    lane.quantized = True
         finally:
             failed = (*image_failed, *self._faults.take())
         rid_of = lane.rid_of

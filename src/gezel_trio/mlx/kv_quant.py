@@ -10,8 +10,12 @@ path (``scaled_dot_product_attention`` looks for the cache's ``bits``).
 ``QuantizedKV`` is mlx-lm's single-sequence layer that such a batch merges
 from and extracts to; a model's cache (``layout``) holds one in place of
 each plain ``KVCache`` layer whose head size the group size divides
-(``plan``). Every token is quantized, from the first: one batch holds one
-format.
+(``plan``). Every token is quantized, from the first, unless
+``--quantized-kv-start`` says otherwise (``KvStart``): then a lane's caches
+stay unquantized until one of its sequences holds that many tokens, and
+from then on the lane's every sequence is quantized (one batch holds one
+format), as mlx-lm converts a single sequence's cache once it passes the
+start.
 
 Sliding-window and recurrent layers stay as they are, and so does an
 attention layer whose head size the group does not divide.
@@ -39,6 +43,7 @@ from ..core.errors import ModelLoadError
 __all__ = [
     "BatchQuantizedKVCache",
     "KvPlan",
+    "KvStart",
     "QuantizedKV",
     "kv_format",
     "layout",
@@ -49,10 +54,13 @@ __all__ = [
 Triple = tuple[mx.array, mx.array, mx.array]
 
 
-def kv_format(bits: int, group_size: int) -> str:
+def kv_format(bits: int, group_size: int, start: int = 0) -> str:
     """The KV format's name, part of a stored state's fingerprint: ``""``
-    unquantized."""
-    return f"kv{bits}g{group_size}" if bits else ""
+    unquantized; ``start``: quantized once a sequence holds that many
+    tokens (a stored state's values depend on where its lane switched)."""
+    if not bits:
+        return ""
+    return f"kv{bits}g{group_size}" + (f"s{start}" if start else "")
 
 
 def layout(model: Any, bits: int, group_size: int, layers: frozenset[int]) -> list[Any]:
@@ -324,3 +332,91 @@ def _map_pair(a: Triple, b: Triple) -> Triple:
         mx.concatenate([x, y], axis=0) for x, y in zip(a, b, strict=True)
     )
     return joined
+
+
+# --- quantizing once a sequence is long (``--quantized-kv-start``) ------------------
+
+
+def quantized_layer(cache: KVCache, group_size: int, bits: int) -> QuantizedKV:
+    """One sequence's plain layer as a ``QuantizedKV`` holding the same
+    tokens (mlx-lm's ``KVCache.to_quantized``, cut to the tokens held)."""
+    out = QuantizedKV(group_size, bits)
+    out.offset = cache.offset
+    if cache.keys is not None:
+        n = cache.offset
+        out.keys, out.values = (
+            tuple(mx.quantize(a[..., :n, :], group_size=group_size, bits=bits))
+            for a in (cache.keys, cache.values)
+        )
+    return out
+
+
+def quantize_batch_layer(cache: Any, group_size: int, bits: int) -> None:
+    """A plain batch layer becomes its quantized twin in place (a
+    ``BatchKVCache`` a ``BatchQuantizedKVCache``; a class may name its own,
+    ``quantized_twin``): its padding, offsets and slots stay as they are,
+    and each slot's keys and values are quantized as ``mx.quantize`` would
+    quantize them alone (a group runs along one token's head)."""
+    if isinstance(cache, BatchQuantizedKVCache):
+        return
+    twin = getattr(type(cache), "quantized_twin", BatchQuantizedKVCache)
+    keys, values = cache.keys, cache.values
+    cache.__class__ = twin
+    cache.group_size, cache.bits = group_size, bits
+    if keys is not None:
+        cache.keys = cache._quantize(keys)
+        cache.values = cache._quantize(values)
+
+
+@attrs.frozen
+class KvStart:
+    """``--quantized-kv-start``: a lane's attention layers stay unquantized
+    until one of its sequences holds ``start`` tokens; then every layer in
+    ``layers`` of the lane's every sequence (prefilling, decoding or
+    waiting) is quantized in place, and sequences that join it later are
+    quantized as they join. A lane that empties starts unquantized again.
+
+    For one sequence this is mlx-lm's ``maybe_quantize_kv_cache``: the
+    cache is converted after the model call (a prefill chunk or a decode
+    step) that brought it to ``start`` tokens. In a batch the switch is the
+    lane's, since a batch holds one format: a short sequence that shares a
+    lane with a long one is quantized with it."""
+
+    start: int
+    bits: int
+    group_size: int
+    layers: frozenset[int]
+
+    def holds_quantized(self, state: Sequence[Any]) -> bool:
+        """Whether one sequence's state (a seed) is already quantized."""
+        return any(isinstance(state[i], QuantizedKVCache) for i in self.layers)
+
+    def quantize_state(self, state: Sequence[Any]) -> list[Any]:
+        """One sequence's state with its plain planned layers quantized."""
+        return [
+            quantized_layer(c, self.group_size, self.bits)
+            if i in self.layers and type(c) is KVCache
+            else c
+            for i, c in enumerate(state)
+        ]
+
+    def due(self, gen: Any) -> bool:
+        """Whether a sequence of ``gen`` (mlx-lm's ``BatchGenerator``) holds
+        ``start`` tokens: each batch's ``tokens`` are what its cache holds,
+        counted on the host (reading the cache's offsets would wait for the
+        step in flight)."""
+        for batch in (gen._prompt_batch, gen._generation_batch):
+            if any(len(t) >= self.start for t in batch.tokens):
+                return True
+        return False
+
+    def quantize_generator(self, gen: Any) -> None:
+        """Quantize every planned layer ``gen`` holds, in place: the
+        prefilling batch's, the decoding batch's, and the waiting
+        sequences' seeds."""
+        for batch in (gen._prompt_batch, gen._generation_batch):
+            for i, c in enumerate(batch.prompt_cache):
+                if i in self.layers:
+                    quantize_batch_layer(c, self.group_size, self.bits)
+        for waiting in gen._unprocessed_sequences:
+            waiting[3][:] = self.quantize_state(waiting[3])

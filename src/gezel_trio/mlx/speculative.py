@@ -109,6 +109,7 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
     A plain ``BatchKVCache`` becomes one in place (``of``)."""
 
     holes: mx.array | None = None  # (batch, slots) bool, as wide as ``keys``
+    quantized_twin: type[Any]  # set below the quantized class
 
     @classmethod
     def of(cls, cache: BatchKVCache) -> HoleyKVCache:
@@ -229,6 +230,11 @@ class HoleyKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
 
 class HoleyQuantizedKVCache(HoleyKVCache, BatchQuantizedKVCache):
     """A quantized batch cache with holes (``--kv-bits``)."""
+
+
+# A holey layer that ``--quantized-kv-start`` quantizes in place keeps its
+# holes (``kv_quant.quantize_batch_layer``).
+HoleyKVCache.quantized_twin = HoleyQuantizedKVCache
 
 
 def _slots(keys: Any) -> int:
