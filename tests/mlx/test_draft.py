@@ -26,6 +26,7 @@ from gezel_trio.core.errors import ModelLoadError
 from gezel_trio.mlx import speculative
 from gezel_trio.mlx.draft import DraftModel, DraftPool, check_pair
 from gezel_trio.mlx.loading import hold_float32
+from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import make_sampler
 from tests.support.generate import text_and_usage
 from tests.support.speculation import TOKENS, AlwaysPays, prompts_of, run
@@ -92,6 +93,47 @@ def test_draft_proposals_keep_greedy_decoding_token_for_token(
     # noisy one is often rejected (each rejection leaves holes to mask).
     assert rates["same"] > 0.9
     assert rates["noisy"] < rates["same"]
+
+
+class _DraftOnly(speculative._Gate):
+    """A gate whose lookup shapes never pay and whose drafting ones do."""
+
+    def pays(
+        self, batch: int, width: int, expected: float, proposing: int, drafted: bool = False
+    ) -> bool:
+        return drafted
+
+
+def test_where_the_lookup_fills_every_proposal_its_own_gate_decides(
+    target: tuple[Any, Any], same: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane with a draft model whose lookup copies whole proposals does
+    not wait for the step in flight to verify them when the lookup's gate
+    refuses: the draft adds nothing there, so the lookup's decision (and
+    its pipelined step) stands. The lookup is an oracle of plain
+    decoding's text, so it fills every proposal."""
+    m, tok = target
+    prompts = _short_prompts(tok)
+    plain, _, _, _ = run(m, prompts, spec=False)
+
+    def oracle(self: NgramLookup, k: int) -> list[int]:
+        i = next(i for i, p in enumerate(prompts) if self.tokens[: len(p)] == p)
+        done = len(self.tokens) - len(prompts[i])
+        return plain[i][done : done + k]
+
+    monkeypatch.setattr(NgramLookup, "propose", oracle)
+    draft = DraftModel(same, "same")
+    out, _, stats, _ = run(m, prompts, spec=True, draft=draft, gate=_DraftOnly())
+    assert out == plain
+    assert draft.passes == 0
+    assert stats.verify_steps == 0
+    assert stats.guess_waits == 0
+    # With a gate that lets the lookup's shapes pay, the same proposals
+    # are verified (the comparison above could fail).
+    out, _, stats, _ = run(m, prompts, spec=True, draft=DraftModel(same, "same"))
+    assert out == plain
+    assert stats.verify_steps > 0
+    assert stats.num_accepted_tokens > 0
 
 
 def test_a_sampled_sequence_verifies_draft_proposals_by_rejection_sampling(

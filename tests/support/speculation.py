@@ -48,19 +48,22 @@ def run(
     pool: DraftPool | None = None,
     caches: list[list[Any]] | None = None,
     after_step: Callable[[BatchGenerator], None] | None = None,
+    gate: speculative._Gate | None = None,
 ) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
     """Decode ``prompts`` to the end; an unseeded ``Sampling`` among
     ``samplers`` speculates, as the backend's roster says; ``draft``
     proposes where the lookup does not; ``caches``: each prompt's fresh
     cache (mlx-lm's plain one when ``None``); ``after_step`` is called
-    with the generator after each step, as the backend's lane does."""
+    with the generator after each step, as the backend's lane does;
+    ``gate``: the lane's gate (one that verifies every proposal when
+    ``None``)."""
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
     stats = speculative.SpecStats()
     holey: list[bool] = []
     roster = speculative.Roster(opted_out if opted_out is not None else set())
     if spec:
         speculative.install(gen, 3, roster, stats, None, draft, pool)
-        type(gen._generation_batch).gate = AlwaysPays()
+        type(gen._generation_batch).gate = gate if gate is not None else AlwaysPays()
     n = len(prompts)
     samplers = samplers or [greedy] * n
     uids = gen.insert(

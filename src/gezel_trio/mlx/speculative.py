@@ -600,8 +600,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         logprobs: list[list[mx.array]]
         start = time.perf_counter()
         known, self._known = self._known, None
+        looked_up: list[list[int]] | None = None
         if self.draft is not None and self.num_draft > 0:
-            drafted_step = self._draft_step(known, start)
+            drafted_step, looked_up = self._draft_step(known, start)
             if drafted_step is not None:
                 return drafted_step
         wait, span = self._waits
@@ -611,7 +612,9 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
             self._waits = (wait - 1, span)
             return self._plain(start, False)
         proposals: list[list[int]] = []
-        if self.num_draft > 0 and any(self._eligible(i) for i in range(len(self.uids))):
+        if looked_up is not None:
+            proposals = looked_up
+        elif self.num_draft > 0 and any(self._eligible(i) for i in range(len(self.uids))):
             proposals = self._proposals(known)
         guessed = 0 if known is not None else 1  # a guess of the pending token leads
         drafted = sum(max(0, len(p) - guessed) for p in proposals)
@@ -681,31 +684,53 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         self._after_verify = False
         return self._responses(emitted, logprobs)
 
-    def _draft_step(self, known: list[int] | None, start: float) -> list[Any] | None:
+    def _draft_step(
+        self, known: list[int] | None, start: float
+    ) -> tuple[list[Any] | None, list[list[int]] | None]:
         """A step whose proposals come from the lookup where it copies a
-        whole proposal, and from the draft model elsewhere; ``None``: the
-        gate does not expect it to pay (the lookup's own step follows)."""
+        whole proposal, and from the draft model elsewhere. Where the draft
+        has nothing to add (the lookup fills every ready sequence's
+        proposal) or the gate does not expect a drafting step to pay, no
+        step: the lookup's proposals are given back (a guess of the pending
+        token first where it is still computing), for the lookup's own
+        gate, harm rule and pipelining to decide on."""
         B = len(self.uids)
         k = self.num_draft
         ready = [i for i in range(B) if self._cooldown[i][0] == 0 and self._eligible(i)]
         if not ready:
-            return None
+            return None, None
+        proposals = self._proposals(known)
+        guessed = 1 if known is None else 0
+
+        def budget(i: int) -> int:
+            left: int = self.max_tokens[i] - self._num_tokens[i] - 1
+            return min(k, left)
+
+        def drafts_for(i: int, proposal: list[int], lead: int) -> bool:
+            # The lookup's copy costs no pass of the draft.
+            short = len(proposal) - lead < budget(i)
+            return short and self.uids[i] not in self.roster.opted_out
+
+        if not any(drafts_for(i, proposals[i], guessed) for i in ready):
+            return None, proposals
         expected = sum(self._rate[i] * k for i in ready)
         if not self.gate.pays(B, 1 + k, expected, len(ready), drafted=True):
-            return None
+            return None, proposals
         synced = known is None
         if known is None:
             mx.eval(self._next_tokens)
             known = _ints(self._next_tokens)
             start = time.perf_counter()  # as in ``next``: the step's own time
-        proposals = self._proposals(known)
+            # A proposal whose guess of the pending token missed is the draft's to make.
+            proposals = [
+                p[1:] if len(p) > 1 and p[0] == known[i] else [] for i, p in enumerate(proposals)
+            ]
         by_model: set[int] = set()  # the sequences whose proposal the draft made
         for i in ready:
-            budget = min(k, self.max_tokens[i] - self._num_tokens[i] - 1)
-            if len(proposals[i]) >= budget or self.uids[i] in self.roster.opted_out:
-                continue  # the lookup's copy costs no pass of the draft
+            if not drafts_for(i, proposals[i], 0):
+                continue
             try:
-                proposals[i] = self._draw(i, known[i], budget)
+                proposals[i] = self._draw(i, known[i], budget(i))
                 by_model.add(i)
             except Exception:
                 log.exception(
@@ -716,15 +741,21 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
                 self._draft_states[i] = None
                 proposals[i] = []
         if not any(proposals):
-            return self._plain(start, synced)
-        # A step the draft did not propose in is a lookup verify (after a
-        # wait for the step in flight, which its time leaves out).
+            return self._plain(start, synced), None
         drafted = bool(by_model)
         width = 1 + k if drafted else 1 + max(len(p) for p in proposals)
+        if not drafted:
+            # The draft proposed nothing: a lookup verify, which the
+            # lookup's own gate (and harm rule) decides on.
+            proposing = sum(1 for p in proposals if p)
+            expected = sum(r * len(p) for r, p in zip(self._rate, proposals, strict=True))
+            if not self.gate.pays(B, width, expected, proposing):
+                return self._plain(start, synced), None
         emitted, logprobs = self._verify(known, proposals, by_model)
+        # Its time leaves out the wait for the step in flight.
         self.gate.note_verify(B, width, time.perf_counter() - start, drafted=drafted)
         self._after_verify = True
-        return self._responses(emitted, logprobs)
+        return self._responses(emitted, logprobs), None
 
     def _draw(self, i: int, pending: int, budget: int) -> list[int]:
         """Sequence ``i``'s draft proposal after its ``pending`` token."""
