@@ -12,10 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
+
 from .core.config import EngineConfig
-from .core.errors import ModelLoadError
+from .core.errors import GezelError, ModelLoadError
 from .core.settings import flag_default, from_flag, settings_of
 from .http.app import HttpSettings
+from .mlx import follow_rank, group_rank
 from .mlx.demo_model import DemoKind
 from .mlx.model_source import per_layer_embedding_table, resolve_model
 from .profiles import PROFILES, SEED, STANDARD
@@ -400,4 +403,34 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
     except ValueError as exc:
         print(f"gezel-trio: {exc}", file=sys.stderr)
         return 2
+    group = group_rank()
+    if group is not None:
+        config = _group_config(config, *group)
+        if group[0] != 0:
+            return _follow(config)
     return main_serve(config)
+
+
+def _group_config(config: ServerConfig, rank: int, size: int) -> ServerConfig:
+    """The config of one rank of an ``mlx.launch`` group: what it cannot do
+    yet is turned off, with a notice (rank 0's only)."""
+    engine = config.engine
+    if engine.persist_dir is not None:
+        if rank == 0:
+            print(
+                f"gezel-trio: --persist-dir {engine.persist_dir}: not used under a group of "
+                f"{size} ranks (the prompt cache stays in memory)",
+                file=sys.stderr,
+            )
+        engine = attrs.evolve(engine, persist_dir=None)
+    return attrs.evolve(config, engine=engine)
+
+
+def _follow(config: ServerConfig) -> int:
+    """A rank other than 0: its shard of every step, until rank 0 closes."""
+    try:
+        follow_rank(config.engine)
+    except GezelError as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["KvFootprint", "ModelInfo"]
+__all__ = ["GroupInfo", "KvFootprint", "ModelInfo"]
+
+
+@attrs.frozen
+class GroupInfo:
+    """The ``mlx.distributed`` group one model is split over (``mlx.launch``):
+    how many ranks, and how the model is split."""
+
+    world_size: int
+    split: str
 
 
 @attrs.frozen
@@ -52,3 +61,5 @@ class ModelInfo:
     # running sequences once the weights are loaded (0: unknown).
     kv: KvFootprint | None = None
     kv_room: int = 0
+    # The ranks the model is split over; ``None``: one process.
+    group: GroupInfo | None = None

@@ -57,6 +57,9 @@ class HealthProbe:
             "live": state.live,
             "step": state.step,
         }
+        group = self.engine.info.group
+        if group is not None:
+            body["group"] = {"world_size": group.world_size, "split": group.split}
         code = 503 if status in ("failed", "shutting_down") else 200
         return code, dump_json(body).encode()
 

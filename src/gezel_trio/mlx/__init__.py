@@ -16,13 +16,48 @@ if TYPE_CHECKING:
     from ..core.backend import Backend
     from ..core.config import EngineConfig
 
-__all__ = ["mlx_backend"]
+__all__ = ["follow_rank", "group_rank", "mlx_backend"]
 
 
 def mlx_backend(config: EngineConfig) -> Backend:
     """The MLX backend for ``config`` (a ``BackendFactory``). Call it on the
     thread that will run it: MLX streams are thread-local, so the engine's
-    host loop calls it there."""
+    host loop calls it there. Under ``mlx.launch`` (rank 0 of a group) it
+    sends its calls to the other ranks too (``mlx.group``)."""
     from .backend import MlxBackend
+    from .group import GroupBackend, rank_group
 
-    return MlxBackend(config)
+    backend = MlxBackend(config)
+    group = rank_group()
+    if group is None:
+        return backend
+    return GroupBackend(backend, group, backend.stream)
+
+
+def group_rank() -> tuple[int, int] | None:
+    """``(rank, world size)`` when this process was started by
+    ``mlx.launch`` in a group of two or more; ``None`` alone."""
+    from .group import rank_group
+
+    group = rank_group()
+    return None if group is None else (int(group.rank()), int(group.size()))
+
+
+def follow_rank(config: EngineConfig) -> None:
+    """A rank other than 0: load and shard the model, then run rank 0's
+    orders until it closes (``mlx.group.follow``). Runs on the calling
+    thread, which is then this rank's one MLX thread."""
+    import signal
+
+    from .backend import MlxBackend
+    from .group import follow, rank_group
+
+    # A rank stops when rank 0 closes the group (after its drain): Ctrl-C
+    # in the launcher's terminal, or a signal to its process group, is
+    # rank 0's to act on.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    group = rank_group()
+    assert group is not None
+    backend = MlxBackend(config)
+    follow(backend, group, backend.stream)

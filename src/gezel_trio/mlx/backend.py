@@ -48,7 +48,7 @@ from ..core.backend import (
 from ..core.config import EngineConfig
 from ..core.constraint import Constraint
 from ..core.errors import InvalidRequest, ModelLoadError
-from ..core.model import ModelInfo
+from ..core.model import GroupInfo, ModelInfo
 from ..core.request import GenerationRequest, Priority, SamplingParams
 from ..shaping.grammar import GRAMMAR_FORMATS, ToolFormatName, build_constraint
 from ..shaping.prompt import ChatTemplateRenderer
@@ -59,6 +59,7 @@ from ..shaping.toolcalls import GENERIC, resolve_format
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
+from .group import rank_group, shard
 from .kv_quant import KvPlan, KvStart, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
 from .kv_quant import plan as kv_plan
@@ -424,6 +425,16 @@ class MlxBackend:
         loaded = load_model(config)
         model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
         self._vision: VisionModel | None = loaded.vision
+        # Under mlx.launch each rank holds its shard of the model (mlx.group).
+        self._group = rank_group()
+        if self._group is not None:
+            if self._vision is not None:
+                raise ModelLoadError(f"{model_dir.name}: an image model is not split over ranks")
+            split = shard(model, self._group, model_dir.name)
+            log.info("rank %d of %d: %s", self._group.rank(), self._group.size(), split)
+            group_info: GroupInfo | None = GroupInfo(int(self._group.size()), split)
+        else:
+            group_info = None
         self._model = model
         self._tokenizer = tokenizer
         self._config = config
@@ -538,6 +549,8 @@ class MlxBackend:
                         config.kv_group_size,
                         config.quantized_kv_start if self._kv_start is not None else 0,
                     ),
+                    # A shard's state only seeds the same split.
+                    f"tp{self._group.size()}" if self._group is not None else "",
                 )
                 if f
             ),
@@ -552,6 +565,7 @@ class MlxBackend:
             vision=self._vision is not None,
             kv=footprint,
             kv_room=room,
+            group=group_info,
         )
         self._renderer = ChatTemplateRenderer(
             tokenizer,
@@ -617,6 +631,11 @@ class MlxBackend:
         if config.speculation == "off" or config.num_draft_tokens == 0:
             log.info("speculation: off")
             return False
+        if self._group is not None:
+            # Its gate decides from each rank's own wall times, and its
+            # rejection sampling draws from numpy: the ranks would part.
+            log.info("speculation: off under a group of %d ranks", self._group.size())
+            return False
         blocker = (
             "an image model's generator is not speculated yet"
             if self._vision is not None
@@ -660,6 +679,11 @@ class MlxBackend:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @property
+    def stream(self) -> Any:
+        """The MLX stream every call of this backend runs on."""
+        return self._stream
 
     @property
     def renderer(self) -> ChatTemplateRenderer:

@@ -1,0 +1,421 @@
+"""One model over the ranks of an ``mlx.distributed`` group (``mlx.launch``).
+
+Under ``mlx.launch`` every rank runs ``gezel-trio serve`` with the same
+flags. Each loads the model and keeps its shard of it (``shard``: mlx-lm's
+tensor-parallel split, where the model's class has one and its heads divide
+the group). Rank 0 runs everything else: HTTP, the scheduler, the host
+loop and its prompt-cache index. Its backend is a ``GroupBackend``: every
+backend call that changes what the ranks hold or computes with the model
+(``insert``, ``step``, ``remove``, captures and the cache's block copies)
+is first sent to the other ranks as an order, then run on rank 0's own
+``MlxBackend``. The other ranks run ``follow``: the same calls, in the same
+order, on their own ``MlxBackend``, so every forward pass meets its
+collectives on every rank.
+
+**States.** A cache state (a captured sequence, a block, a seed) is one
+shard per rank. Rank 0's prompt cache holds ``Held`` handles; each rank
+keeps its own shard of the same state under the handle's number (a
+``_Table``), numbered in the order calls return them, which is the same on
+every rank because every rank ran the same calls. A handle rank 0 lets go
+of is dropped on every rank with the next order.
+
+**Agreement.** Greedy tokens agree because every rank computes the same
+all-reduced logits. Sampled ones agree because every rank seeds MLX's
+random state from rank 0's at start and then draws in the same order.
+Speculation is off under a group (its gate decides from each rank's own
+wall times, and its rejection sampling draws from numpy). Each order
+carries rank 0's count of states made so far and a digest of the tokens
+of its last step; a rank whose own differ stops with an error naming the
+step, instead of computing on with another text.
+
+**The wire.** An order is pickled and sent as ``all_sum``s over a byte
+array (the size, then the bytes; every other rank adds zeros), as
+``mlx_lm.server`` shares its requests: no second channel, and the order
+reaches the ranks through the collective they already wait in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from ..core.backend import (
+    Admission,
+    Captured,
+    Detokenizer,
+    MemoryFigures,
+    SpecFigures,
+    StepOutput,
+)
+from ..core.errors import ModelLoadError
+from ..core.model import ModelInfo
+from ..core.request import Priority
+
+__all__ = ["GroupBackend", "Held", "follow", "rank_group", "shard"]
+
+log = logging.getLogger("gezel_trio.mlx")
+
+
+def rank_group() -> Any | None:
+    """The ``mlx.distributed`` group this process was launched in (by
+    ``mlx.launch``), or ``None`` when it runs alone."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init(strict=False)
+    return group if group.size() > 1 else None
+
+
+def shard(model: Any, group: Any, name: str) -> str:
+    """Split ``model`` over ``group`` in place; says how. A model that
+    cannot be split is refused by name (``ModelLoadError``)."""
+    n = group.size()
+    if not hasattr(model, "shard"):
+        raise ModelLoadError(
+            f"{name}: cannot be split over {n} ranks (its mlx-lm class "
+            f"{type(model).__module__}.{type(model).__name__} has no tensor-parallel split)"
+        )
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_attention_heads", None)
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    if heads is not None and (heads % n or (kv_heads or 0) % n):
+        raise ModelLoadError(
+            f"{name}: cannot be split over {n} ranks: its {heads} attention heads and "
+            f"{kv_heads} key/value heads are not each a multiple of {n}"
+        )
+    model.shard(group)
+    mx.eval(model.parameters())
+    return f"tensor-parallel over {n} ranks"
+
+
+# --- states held on every rank ------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Held:
+    """Rank 0's handle on a state each rank holds its shard of: ``local``
+    is rank 0's shard, ``number`` names the others'."""
+
+    number: int
+    local: Any
+
+
+@attrs.define
+class _Table:
+    """The states this rank holds, by number, and the next number: every
+    rank numbers the states its calls return in the same order."""
+
+    held: dict[int, Any] = attrs.Factory(dict)
+    made: int = 0
+
+    def keep(self, state: Any) -> int:
+        number = self.made
+        self.made += 1
+        self.held[number] = state
+        return number
+
+
+def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with each state in it replaced by ``leaf(state)``: the
+    states a backend call takes or returns, in one fixed order."""
+    if isinstance(value, StepOutput):
+        tokens = tuple(
+            attrs.evolve(t, state=leaf(t.state)) if t.state is not None else t for t in value.tokens
+        )
+        return attrs.evolve(value, tokens=tokens)
+    if isinstance(value, Captured):
+        return attrs.evolve(value, state=leaf(value.state))
+    if isinstance(value, Admission):
+        seed = value.seed_state
+        return attrs.evolve(value, seed_state=leaf(seed)) if seed is not None else value
+    raise TypeError(f"no states known in {type(value).__name__}")
+
+
+# The calls that go to every rank, and how their arguments and results hold
+# states. ``args``: "state" an argument that is one, "states" a sequence of
+# them, "admissions" Admissions with seeds, "" none. ``result``: how the
+# result holds them.
+_CALLS: dict[str, tuple[tuple[str, ...], str]] = {
+    "insert": (("admissions",), ""),
+    "remove": (("",), "captured_by_rid"),
+    "capture": (("",), "captured"),
+    "state_blocks": (("state", ""), "blocks"),
+    "state_rest": (("state",), "rest"),
+    "join_state": (("states", "", "state"), "state"),
+    "step": (("",), "step"),
+    "reset": (("",), ""),
+    "reclaim": ((), ""),
+}
+
+
+def _in(kind: str, value: Any, leaf: Callable[[Any], Any]) -> Any:
+    if kind == "state":
+        return leaf(value) if value is not None else None
+    if kind == "states":
+        return [leaf(v) for v in value]
+    if kind == "admissions":
+        return [_walk(a, leaf) for a in value]
+    return value
+
+
+def _out(kind: str, value: Any, leaf: Callable[[Any], Any]) -> Any:
+    if kind == "state":
+        return leaf(value)
+    if kind == "rest":
+        state, nbytes = value
+        return (leaf(state) if state is not None else None), nbytes
+    if kind == "blocks":
+        return [(leaf(block), nbytes) for block, nbytes in value]
+    if kind == "captured":
+        return _walk(value, leaf) if value is not None else None
+    if kind == "captured_by_rid":
+        return {rid: _walk(c, leaf) for rid, c in value.items()}
+    if kind == "step":
+        return _walk(value, leaf)
+    return value
+
+
+def _digest(out: StepOutput) -> str:
+    """What a step emitted, to compare across ranks."""
+    seen = [(t.rid, t.token, t.finish) for t in out.tokens]
+    return hashlib.sha256(repr(seen).encode()).hexdigest()[:16]
+
+
+@attrs.frozen
+class _Order:
+    """One call for every rank: its name and arguments (states by
+    number), the states rank 0 let go of, rank 0's count of states made
+    before the call, and the digest of rank 0's last step."""
+
+    name: str
+    args: tuple[Any, ...]
+    released: tuple[int, ...]
+    made: int
+    last_step: str | None
+
+
+class _Wire:
+    """Orders from rank 0 to the others over the group's ``all_sum``."""
+
+    def __init__(self, group: Any, stream: Any) -> None:
+        self._group = group
+        self._stream = stream
+
+    def _sum(self, a: mx.array) -> mx.array:
+        with mx.stream(self._stream):
+            out = mx.distributed.all_sum(a, group=self._group)
+            mx.eval(out)
+        return out
+
+    def send(self, obj: Any) -> None:
+        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        self._sum(mx.array([data.size], dtype=mx.int64))
+        self._sum(mx.array(data))
+
+    def receive(self) -> Any:
+        size = int(np.array(self._sum(mx.array([0], dtype=mx.int64)))[0])
+        data = self._sum(mx.zeros((size,), dtype=mx.uint8))
+        return pickle.loads(np.array(data).tobytes())  # rank 0's own orders
+
+    def seed(self) -> int:
+        """One random seed for every rank: rank 0's."""
+        mine = int(np.random.default_rng().integers(1, 2**31)) if self._group.rank() == 0 else 0
+        return int(np.array(self._sum(mx.array([mine], dtype=mx.int64)))[0])
+
+
+class GroupBackend:
+    """Rank 0's backend: each call that changes what the ranks hold is an
+    order to every rank first (see the module)."""
+
+    def __init__(self, local: Any, group: Any, stream: Any) -> None:
+        self._local = local
+        self._group = group
+        self._wire = _Wire(group, stream)
+        self._table = _Table()
+        self._released: list[int] = []
+        self._last_step: str | None = None
+        mx.random.seed(self._wire.seed())
+
+    # Read-only: rank 0 alone.
+    @property
+    def info(self) -> ModelInfo:
+        info: ModelInfo = self._local.info
+        return info
+
+    @property
+    def renderer(self) -> Any:
+        return self._local.renderer
+
+    @property
+    def compiler(self) -> Any:
+        return self._local.compiler
+
+    @property
+    def images(self) -> Any:
+        return None
+
+    @property
+    def world_size(self) -> int:
+        return int(self._group.size())
+
+    def token_text(self, token: int) -> str:
+        text: str = self._local.token_text(token)
+        return text
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        text: str = self._local.decode(tokens)
+        return text
+
+    def detokenizer(self, keep_leading_space: bool = False) -> Detokenizer:
+        detok: Detokenizer = self._local.detokenizer(keep_leading_space)
+        return detok
+
+    def state_offsets(self, state: Any) -> list[int | None]:
+        offsets: list[int | None] = self._local.state_offsets(_local(state))
+        return offsets
+
+    def memory_in_use(self) -> int:
+        return int(self._local.memory_in_use())
+
+    def memory_figures(self) -> MemoryFigures:
+        figures: MemoryFigures = self._local.memory_figures()
+        return figures
+
+    def speculation_figures(self) -> SpecFigures:
+        figures: SpecFigures = self._local.speculation_figures()
+        return figures
+
+    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
+        raise NotImplementedError("cache files are not written under a group")
+
+    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+        raise NotImplementedError("cache files are not read under a group")
+
+    # Orders: every rank.
+    def _call(self, name: str, *args: Any) -> Any:
+        kinds, result = _CALLS[name]
+        sent = tuple(_in(k, a, _number) for k, a in zip(kinds, args, strict=True))
+        # Finalizers append as handles die, on whichever thread collects them.
+        n = len(self._released)
+        released = tuple(self._released[:n])
+        del self._released[:n]
+        order = _Order(name, sent, released, self._table.made, self._last_step)
+        self._wire.send(order)
+        mine = tuple(_in(k, a, _local) for k, a in zip(kinds, args, strict=True))
+        out = getattr(self._local, name)(*mine)
+        if name == "step":
+            self._last_step = _digest(out)
+        return _out(result, out, self._hold)
+
+    def _hold(self, state: Any) -> Held:
+        held = Held(self._table.made, state)
+        self._table.made += 1
+        weakref.finalize(held, self._release, held.number)
+        return held
+
+    def _release(self, number: int) -> None:
+        self._released.append(number)
+
+    def insert(self, admissions: Sequence[Admission]) -> dict[int, Exception]:
+        out: dict[int, Exception] = self._call("insert", list(admissions))
+        return out
+
+    def remove(self, rids: Sequence[int]) -> dict[int, Captured]:
+        out: dict[int, Captured] = self._call("remove", list(rids))
+        return out
+
+    def capture(self, rid: int) -> Captured | None:
+        out: Captured | None = self._call("capture", rid)
+        return out
+
+    def state_blocks(self, state: Any, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
+        out: list[tuple[Any, int]] = self._call("state_blocks", state, list(ranges))
+        return out
+
+    def state_rest(self, state: Any) -> tuple[Any, int]:
+        out: tuple[Any, int] = self._call("state_rest", state)
+        return out
+
+    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any:
+        return self._call("join_state", list(blocks), length, rest)
+
+    def step(self, lane: Priority) -> StepOutput:
+        out: StepOutput = self._call("step", lane)
+        return out
+
+    def reset(self, lane: Priority) -> None:
+        self._call("reset", lane)
+
+    def reclaim(self) -> None:
+        self._call("reclaim")
+
+    def close(self) -> None:
+        try:
+            self._wire.send(None)  # the other ranks close and exit
+        finally:
+            self._local.close()
+
+
+def _number(state: Any) -> int:
+    if not isinstance(state, Held):
+        raise TypeError(f"a state from outside the group: {type(state).__name__}")
+    return state.number
+
+
+def _local(state: Any) -> Any:
+    return state.local if isinstance(state, Held) else state
+
+
+class DivergedError(RuntimeError):
+    """A rank computed other tokens (or made other states) than rank 0."""
+
+
+def follow(local: Any, group: Any, stream: Any) -> None:
+    """A rank other than 0: run rank 0's orders on ``local`` (its own
+    ``MlxBackend``) until rank 0 closes; raises ``DivergedError`` where its
+    own results part from rank 0's."""
+    wire = _Wire(group, stream)
+    table = _Table()
+    mx.random.seed(wire.seed())
+    rank = group.rank()
+    last_step: str | None = None
+    steps = 0
+    try:
+        while True:
+            order: _Order | None = wire.receive()
+            if order is None:
+                return
+            for number in order.released:
+                table.held.pop(number, None)
+            if order.made != table.made or (
+                order.last_step is not None and order.last_step != last_step
+            ):
+                raise DivergedError(
+                    f"rank {rank} parted from rank 0 after step {steps}: "
+                    f"{table.made} states made against {order.made}, "
+                    f"tokens {last_step} against {order.last_step}"
+                )
+            kinds, result = _CALLS[order.name]
+            args = tuple(
+                _in(k, a, table.held.__getitem__) for k, a in zip(kinds, order.args, strict=True)
+            )
+            try:
+                out = getattr(local, order.name)(*args)
+            except Exception:
+                # Rank 0's call raised too, or the next order says it did not.
+                log.exception("rank %d: %s failed", rank, order.name)
+                continue
+            if order.name == "step":
+                last_step = _digest(out)
+                steps += 1
+            _out(result, out, table.keep)
+    finally:
+        local.close()

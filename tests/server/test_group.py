@@ -1,0 +1,171 @@
+"""``gezel-trio serve`` under ``mlx.launch``: one model split over two ranks
+on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
+
+- Greedy answers are the ones a single process gives, one stream and
+  several at once, and a request that reuses the prompt cache (its
+  blocks held on both ranks) answers the same again.
+- A sampled request's tokens agree across the ranks (each order carries
+  rank 0's digest of its last step; a rank that parted exits non-zero).
+- SIGTERM to the launcher drains rank 0, which stops every rank: all exit 0.
+- ``/health`` names the group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from tests.support.process import FIXED, Server, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+HANG = 120
+
+
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+        return base
+    raise AssertionError("no free ports")
+
+
+def _launch(model: Path, *args: str) -> Server:
+    """Two ranks on loopback, as the README starts them."""
+    proc = subprocess.Popen(
+        [
+            str(BIN / "mlx.launch"),
+            "--backend",
+            "ring",
+            "--hosts",
+            "127.0.0.1",
+            "-n",
+            "2",
+            "--starting-port",
+            str(_free_ports(2)),
+            "--python",
+            sys.executable,
+            str(BIN / "gezel-trio"),
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "gezel-trio listening on " in line:
+            return Server(line.split()[-1], proc)
+    proc.kill()
+    raise AssertionError(f"mlx.launch exited with {proc.wait()} before listening")
+
+
+def _answer(server: Server, content: str, **extra: object) -> str:
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 24,
+            "temperature": 0,
+            **FIXED,
+            **extra,
+        },
+        timeout=HANG,
+    )
+    assert r.status_code == 200, r.text
+    text: str = r.json()["choices"][0]["message"]["content"]
+    return text
+
+
+PROMPTS = ["the group splits the heads", "two ranks on loopback", "every rank steps " * 20]
+
+
+def _answers(server: Server) -> list[str]:
+    alone = [_answer(server, p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: _answer(server, p), PROMPTS))
+    again = _answer(server, PROMPTS[-1])  # from the prompt cache
+    return [*alone, *together, again]
+
+
+def test_two_ranks_answer_as_one_process_does(dense_model: Path) -> None:
+    one = start_server(dense_model)
+    try:
+        want = _answers(one)
+    finally:
+        assert stop_server(one) == 0
+    group = _launch(dense_model)
+    try:
+        health = httpx.get(f"{group.url}/health", timeout=HANG).json()
+        assert health["group"]["world_size"] == 2, health
+        assert _answers(group) == want
+        # Sampled: the ranks draw alike, or a rank exits non-zero below.
+        for _ in range(2):
+            _answer(group, "sample me", temperature=1.0)
+    finally:
+        group.client.close()
+        # SIGTERM to rank 0: it drains, then closes the other rank.
+        os.kill(_rank_pid(group.proc.pid, 0), signal.SIGTERM)
+        status = group.proc.wait(timeout=HANG)
+        assert group.proc.stdout is not None
+        group.proc.stdout.close()
+        assert status == 0
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of the launcher's descendant that runs ``rank``
+    (``mlx.launch`` sets ``MLX_RANK`` in each rank's environment)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    todo = list(children.get(launcher, []))
+    while todo:
+        pid = todo.pop()
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"MLX_RANK={rank}".encode() in env and b"gezel-trio" in cmdline:
+            return pid
+        todo += children.get(pid, [])
+    raise AssertionError(f"no rank {rank} under {launcher}")
