@@ -55,7 +55,8 @@ def _free_ports(n: int) -> int:
 
 
 def _launch(model: Path, *args: str) -> Server:
-    """Two ranks on loopback, as the README starts them."""
+    """Two ranks on loopback, as the README starts them (on a free port
+    range for the ring)."""
     proc = subprocess.Popen(
         [
             str(BIN / "mlx.launch"),
@@ -67,8 +68,6 @@ def _launch(model: Path, *args: str) -> Server:
             "2",
             "--starting-port",
             str(_free_ports(2)),
-            "--python",
-            sys.executable,
             str(BIN / "gezel-trio"),
             "serve",
             "--model",
@@ -169,3 +168,24 @@ def _rank_pid(launcher: int, rank: int) -> int:
             return pid
         todo += children.get(pid, [])
     raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+class _Group:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_a_model_that_cannot_split_is_refused_by_name(dense_model: Path) -> None:
+    from mlx_lm.utils import load
+
+    from gezel_trio.core.errors import ModelLoadError
+    from gezel_trio.mlx.group import shard
+
+    model, _ = load(str(dense_model))  # 4 heads, 2 key/value heads
+    with pytest.raises(ModelLoadError, match=r"its 4 attention heads and 2 key/value heads"):
+        shard(model, _Group(3), "dense-tiny")
+    with pytest.raises(ModelLoadError, match=r"has no tensor-parallel split"):
+        shard(object(), _Group(2), "thing")
