@@ -6,19 +6,27 @@ on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
   blocks held on both ranks) answers the same again.
 - A sampled request's tokens agree across the ranks (each order carries
   rank 0's digest of its last step; a rank that parted exits non-zero).
-- SIGTERM to the launcher drains rank 0, which stops every rank: all exit 0.
+- SIGTERM to rank 0 drains it, and it stops every rank: all exit 0.
 - ``/health`` names the group.
+- A rank killed mid-stream fails the live stream and ends the group in
+  bounded time; a rank that stalls (SIGSTOP) makes rank 0 answer 503 and
+  exit 1 after ``--group-timeout``.
+- A model that cannot be split is refused by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import pytest
@@ -54,7 +62,7 @@ def _free_ports(n: int) -> int:
     raise AssertionError("no free ports")
 
 
-def _launch(model: Path, *args: str) -> Server:
+def _launch(model: Path, *args: str, stderr: Any = subprocess.DEVNULL) -> Server:
     """Two ranks on loopback, as the README starts them (on a free port
     range for the ring)."""
     proc = subprocess.Popen(
@@ -77,7 +85,7 @@ def _launch(model: Path, *args: str) -> Server:
             *args,
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
@@ -189,3 +197,93 @@ def test_a_model_that_cannot_split_is_refused_by_name(dense_model: Path) -> None
         shard(model, _Group(3), "dense-tiny")
     with pytest.raises(ModelLoadError, match=r"has no tensor-parallel split"):
         shard(object(), _Group(2), "thing")
+
+
+def _stream_until_it_ends(server: Server, started: threading.Event) -> str:
+    """A long streamed answer; how it ended: ``done``, ``error`` (an error
+    frame) or ``cut`` (the connection closed without either)."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "go on and on"}],
+        "max_tokens": 4000,
+        "temperature": 0,
+        "stream": True,
+        **FIXED,
+    }
+    try:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    if '"error"' in line:
+                        return "error"
+                    started.set()
+                if line == "data: [DONE]":
+                    return "done"
+    except httpx.HTTPError:
+        return "cut"
+    return "cut"
+
+
+def _ended(server: Server, stderr: Path, within: float) -> str:
+    """Wait for the launcher to exit; what it said of rank 0."""
+    server.client.close()
+    try:
+        server.proc.wait(timeout=within)
+    finally:
+        assert server.proc.stdout is not None
+        server.proc.stdout.close()
+    return stderr.read_text()
+
+
+def test_a_killed_rank_fails_the_live_stream_and_ends_the_group(
+    dense_model: Path, tmp_path: Path
+) -> None:
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        group = _launch(dense_model, stderr=err)
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        ending = pool.submit(_stream_until_it_ends, group, started)
+        assert started.wait(HANG)
+        os.kill(_rank_pid(group.proc.pid, 1), signal.SIGKILL)
+        t0 = time.monotonic()
+        assert ending.result(timeout=30) == "error"
+    said = _ended(group, stderr, within=30)
+    assert time.monotonic() - t0 < 30
+    assert "rank 1" in said
+
+
+def test_a_stalled_rank_makes_rank_0_answer_503_and_exit(dense_model: Path, tmp_path: Path) -> None:
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        group = _launch(dense_model, "--group-timeout", "3", stderr=err)
+    follower = _rank_pid(group.proc.pid, 1)
+    started = threading.Event()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            ending = pool.submit(_stream_until_it_ends, group, started)
+            assert started.wait(HANG)
+            os.kill(follower, signal.SIGSTOP)
+            t0 = time.monotonic()
+            codes = set()
+            while time.monotonic() - t0 < 20:
+                try:
+                    r = httpx.get(f"{group.url}/health", timeout=2)
+                except httpx.HTTPError:
+                    break  # rank 0 has exited
+                codes.add(r.status_code)
+                if r.status_code == 503:
+                    break
+                time.sleep(0.2)  # polling a probe, as a load balancer does
+            # Between the watchdog and the exit (5 s): draining, 503.
+            assert 503 in codes, codes
+            assert ending.result(timeout=30) == "error"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(follower, signal.SIGCONT)
+            os.kill(follower, signal.SIGKILL)
+    said = _ended(group, stderr, within=30)
+    assert "have not answered for 3 s" in said
+    assert time.monotonic() - t0 < 30

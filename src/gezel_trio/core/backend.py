@@ -8,12 +8,13 @@ keep thread-bound state (MLX streams) without locks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
+from .errors import EngineFailure
 from .model import ModelInfo
 from .request import GenerationRequest, Priority, RenderedPrompt
 
@@ -196,6 +197,16 @@ class ConstraintCompiler(Protocol):
         tool_grammar: Any,
         custom_tools: Any = None,
     ) -> Any: ...
+
+
+@runtime_checkable
+class FailsFromAfar(Protocol):
+    """A backend that can learn, on a thread of its own, that it will never
+    step again (a lost rank of an ``mlx.launch`` group) while the host
+    thread is blocked in it: ``on_failure`` gives it the engine's way to
+    fail every request at once (thread-safe, returns at once)."""
+
+    def on_failure(self, report: Callable[[EngineFailure], None]) -> None: ...
 
 
 class Backend(Protocol):

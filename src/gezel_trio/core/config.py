@@ -239,6 +239,16 @@ class EngineConfig:
         help="read a per-layer embedding table (Gemma 3n, Gemma 4 E-series) from the model's "
         "files as tokens need its rows, memory-mapped, instead of holding it in memory",
     )
+    # Under mlx.launch: how long rank 0 waits for the other ranks in one
+    # order's collective (which includes the step in flight) before it
+    # stops the group (``mlx.group``).
+    group_timeout: float = setting(
+        120.0,
+        flag="--group-timeout",
+        help="under mlx.launch, stop (503, then exit 1) when the other ranks have not "
+        "answered an order for this many seconds: a rank stalled",
+        validator=attrs.validators.gt(0),
+    )
     # A running request whose reader drained nothing for this long is
     # withdrawn (its cache saved like any cancellation); ``None``: never.
     stall_timeout: float | None = setting(

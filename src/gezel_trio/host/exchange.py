@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import attrs
 
 from ..core.backend import MemoryFigures, SpecFigures
+from ..core.errors import EngineFailure
 from ..core.events import Event
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
@@ -177,6 +178,7 @@ class EngineLink(Protocol):
     ) -> None: ...
     def exchange(self, report: StepReport) -> Orders: ...
     async def wait_for_work(self) -> None: ...
+    def die(self, error: EngineFailure) -> None: ...
 
 
 @attrs.frozen

@@ -50,7 +50,7 @@ import attrs
 import outcome
 import trio
 
-from ..core.backend import Backend, Captured, Detokenizer, TokenOut
+from ..core.backend import Backend, Captured, Detokenizer, FailsFromAfar, TokenOut
 from ..core.config import EngineConfig
 from ..core.errors import EngineFailure, GezelError, RequestFailed
 from ..core.events import (
@@ -781,6 +781,8 @@ class _Pipe:
 def _in_thread(pipe: _Pipe, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
     link = pipe.link
     backend = make_backend()
+    if isinstance(backend, FailsFromAfar):
+        backend.on_failure(lambda error: pipe.token.run_sync_soon(link.die, error))
     driver = _drive(backend, config, observed=False)
     try:
         need = next(driver)

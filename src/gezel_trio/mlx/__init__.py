@@ -31,7 +31,7 @@ def mlx_backend(config: EngineConfig) -> Backend:
     group = rank_group()
     if group is None:
         return backend
-    return GroupBackend(backend, group, backend.stream)
+    return GroupBackend(backend, group, backend.stream, config.group_timeout)
 
 
 def group_rank() -> tuple[int, int] | None:

@@ -28,6 +28,16 @@ carries rank 0's count of states made so far and a digest of the tokens
 of its last step; a rank whose own differ stops with an error naming the
 step, instead of computing on with another text.
 
+**A rank that fails.** A rank that exits closes its sockets, and rank 0's
+next collective raises: the group is lost (``GroupLost``, an engine
+failure), every live request fails with it, later calls raise it at once,
+and the server exits 1; ``mlx.launch`` also stops the group when a rank
+exits non-zero. A rank that stalls (alive, not answering) would hold rank
+0 in its collective for good, so a watchdog (``--group-timeout``) times
+each order's collectives: past the limit rank 0 fails every request (the
+engine's ``die``: ``/health`` answers 503), and exits 1 a few seconds
+later, whatever its host thread is blocked in.
+
 **The wire.** An order is pickled and sent as ``all_sum``s over a byte
 array (the size, then the bytes; every other rank adds zeros), as
 ``mlx_lm.server`` shares its requests: no second channel, and the order
@@ -36,9 +46,15 @@ reaches the ranks through the collective they already wait in.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
 import pickle
+import signal
+import sys
+import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,11 +72,11 @@ from ..core.backend import (
     SpecFigures,
     StepOutput,
 )
-from ..core.errors import ModelLoadError
+from ..core.errors import EngineFailure, ModelLoadError
 from ..core.model import ModelInfo
 from ..core.request import Priority
 
-__all__ = ["GroupBackend", "Held", "follow", "rank_group", "shard"]
+__all__ = ["GroupBackend", "GroupLost", "Held", "follow", "rank_group", "shard"]
 
 log = logging.getLogger("gezel_trio.mlx")
 
@@ -202,17 +218,86 @@ class _Order:
     last_step: str | None
 
 
+class GroupLost(EngineFailure):
+    """A rank of the group stopped answering: nothing more can be computed."""
+
+
+# How long a stopping rank 0 drains before it exits anyway: its host thread
+# may be blocked in a collective that never returns.
+_GRACE = 5.0
+
+
+class _Watchdog:
+    """Rank 0's deadline on each backend call sent to the group (its
+    order's collectives, which wait for the step in flight, and the call's
+    own): past ``limit`` seconds it fails every request through the
+    engine (``report``; without one, SIGTERM to this process) and exits 1
+    ``_GRACE`` seconds later."""
+
+    def __init__(self, limit: float) -> None:
+        self._limit = limit
+        self._since: float | None = None
+        # The engine's way to fail every request (``FailsFromAfar``).
+        self.report: Callable[[EngineFailure], None] | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name="gezel-group-watchdog", daemon=True
+        )
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def guard(self) -> Any:
+        self._since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._since = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        tick = min(1.0, self._limit / 4)
+        while not self._closed.wait(tick):
+            since = self._since
+            if since is None or time.monotonic() - since <= self._limit:
+                continue
+            line = (
+                f"gezel-trio: the group's other ranks have not answered for {self._limit:g} s "
+                "(a rank stalled): stopping"
+            )
+            log.error("%s", line)
+            print(line, file=sys.stderr, flush=True)
+            if self.report is not None:
+                # Every request fails now, and /health answers 503.
+                self.report(GroupLost(line.removeprefix("gezel-trio: ")))
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
+            # The host thread is blocked in the collective for good: exit
+            # once the failed requests have been told.
+            if not self._closed.wait(_GRACE):
+                os._exit(1)
+            return
+
+
 class _Wire:
     """Orders from rank 0 to the others over the group's ``all_sum``."""
 
     def __init__(self, group: Any, stream: Any) -> None:
         self._group = group
         self._stream = stream
+        self.lost: str | None = None
 
     def _sum(self, a: mx.array) -> mx.array:
-        with mx.stream(self._stream):
-            out = mx.distributed.all_sum(a, group=self._group)
-            mx.eval(out)
+        if self.lost is not None:
+            raise GroupLost(self.lost)
+        try:
+            with mx.stream(self._stream):
+                out = mx.distributed.all_sum(a, group=self._group)
+                mx.eval(out)
+        except RuntimeError as exc:
+            self.lost = f"a rank of the group was lost: {exc}"
+            raise GroupLost(self.lost) from exc
         return out
 
     def send(self, obj: Any) -> None:
@@ -235,14 +320,18 @@ class GroupBackend:
     """Rank 0's backend: each call that changes what the ranks hold is an
     order to every rank first (see the module)."""
 
-    def __init__(self, local: Any, group: Any, stream: Any) -> None:
+    def __init__(self, local: Any, group: Any, stream: Any, timeout: float) -> None:
         self._local = local
         self._group = group
+        self._watchdog = _Watchdog(timeout)
         self._wire = _Wire(group, stream)
         self._table = _Table()
         self._released: list[int] = []
         self._last_step: str | None = None
         mx.random.seed(self._wire.seed())
+
+    def on_failure(self, report: Callable[[EngineFailure], None]) -> None:
+        self._watchdog.report = report
 
     # Read-only: rank 0 alone.
     @property
@@ -301,6 +390,12 @@ class GroupBackend:
 
     # Orders: every rank.
     def _call(self, name: str, *args: Any) -> Any:
+        # The order's collectives and the call's own (a split layer's
+        # all_sum in the step) wait on the other ranks: both are timed.
+        with self._watchdog.guard():
+            return self._order(name, *args)
+
+    def _order(self, name: str, *args: Any) -> Any:
         kinds, result = _CALLS[name]
         sent = tuple(_in(k, a, _number) for k, a in zip(kinds, args, strict=True))
         # Finalizers append as handles die, on whichever thread collects them.
@@ -310,7 +405,14 @@ class GroupBackend:
         order = _Order(name, sent, released, self._table.made, self._last_step)
         self._wire.send(order)
         mine = tuple(_in(k, a, _local) for k, a in zip(kinds, args, strict=True))
-        out = getattr(self._local, name)(*mine)
+        try:
+            out = getattr(self._local, name)(*mine)
+        except RuntimeError as exc:
+            if "[ring]" not in str(exc) and "distributed" not in str(exc):
+                raise
+            # A split layer's collective: a rank was lost mid-step.
+            self._wire.lost = f"a rank of the group was lost: {exc}"
+            raise GroupLost(self._wire.lost) from exc
         if name == "step":
             self._last_step = _digest(out)
         return _out(result, out, self._hold)
@@ -359,8 +461,10 @@ class GroupBackend:
 
     def close(self) -> None:
         try:
-            self._wire.send(None)  # the other ranks close and exit
+            if self._wire.lost is None:
+                self._wire.send(None)  # the other ranks close and exit
         finally:
+            self._watchdog.close()
             self._local.close()
 
 
