@@ -31,7 +31,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from tests.support.process import FIXED, Server, start_server, stop_server
+from tests.support.process import FIXED, Server
 
 pytestmark = pytest.mark.slow
 
@@ -127,28 +127,52 @@ def _answers(server: Server) -> list[str]:
     return [*alone, *together, again]
 
 
-def test_two_ranks_answer_as_one_process_does(dense_model: Path) -> None:
-    one = start_server(dense_model)
+def test_split_by_layers_two_ranks_answer_as_one_process_does(
+    smollm2_model: Path, smollm2_server: Server
+) -> None:
+    """SmolLM2's 9 heads do not divide between 2 ranks: each rank runs
+    half its layers (``auto`` chooses it), and the arithmetic is one
+    process's, layer for layer."""
+    want = [_answer(smollm2_server, p) for p in PROMPTS[:2]]
+    group = _launch(smollm2_model)
     try:
-        want = _answers(one)
+        health = httpx.get(f"{group.url}/health", timeout=HANG).json()
+        assert health["group"]["split"].startswith("by layers over 2 ranks"), health
+        assert [_answer(group, p) for p in PROMPTS[:2]] == want
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda p: _answer(group, p), PROMPTS[:2])) == want
     finally:
-        assert stop_server(one) == 0
-    group = _launch(dense_model)
+        _stop(group)
+
+
+def _stop(group: Server) -> None:
+    group.client.close()
+    # SIGTERM to rank 0: it drains, then closes the other rank.
+    os.kill(_rank_pid(group.proc.pid, 0), signal.SIGTERM)
+    status = group.proc.wait(timeout=HANG)
+    assert group.proc.stdout is not None
+    group.proc.stdout.close()
+    assert status == 0
+
+
+@pytest.mark.parametrize("split", ["tensor", "layers"])
+def test_two_ranks_answer_as_one_process_does(
+    dense_model: Path, dense_server: Server, split: str
+) -> None:
+    want = _answers(dense_server)
+    group = _launch(dense_model, "--group-split", split)
     try:
         health = httpx.get(f"{group.url}/health", timeout=HANG).json()
         assert health["group"]["world_size"] == 2, health
+        assert health["group"]["split"].startswith(
+            "tensor-parallel" if split == "tensor" else "by layers"
+        ), health
         assert _answers(group) == want
         # Sampled: the ranks draw alike, or a rank exits non-zero below.
         for _ in range(2):
             _answer(group, "sample me", temperature=1.0)
     finally:
-        group.client.close()
-        # SIGTERM to rank 0: it drains, then closes the other rank.
-        os.kill(_rank_pid(group.proc.pid, 0), signal.SIGTERM)
-        status = group.proc.wait(timeout=HANG)
-        assert group.proc.stdout is not None
-        group.proc.stdout.close()
-        assert status == 0
+        _stop(group)
 
 
 def _rank_pid(launcher: int, rank: int) -> int:
@@ -192,10 +216,18 @@ def test_a_model_that_cannot_split_is_refused_by_name(dense_model: Path) -> None
     from gezel_trio.core.errors import ModelLoadError
     from gezel_trio.mlx.group import shard
 
-    model, _ = load(str(dense_model))  # 4 heads, 2 key/value heads
-    with pytest.raises(ModelLoadError, match=r"its 4 attention heads and 2 key/value heads"):
-        shard(model, _Group(3), "dense-tiny")
-    with pytest.raises(ModelLoadError, match=r"has no tensor-parallel split"):
+    model, _ = load(str(dense_model))  # 4 heads, 2 key/value heads, 4 layers
+    with pytest.raises(
+        ModelLoadError,
+        match=r"dense-tiny: cannot be split over 5 ranks: its 4 attention heads and 2 "
+        r"key/value heads are not each a multiple of 5; its 4 layers are fewer than 5 ranks",
+    ):
+        shard(model, _Group(5), "dense-tiny")
+    with pytest.raises(ModelLoadError, match=r"multiple of 3; --group-split tensor"):
+        shard(model, _Group(3), "dense-tiny", "tensor")
+    with pytest.raises(
+        ModelLoadError, match=r"has no tensor-parallel split; no split by layers for"
+    ):
         shard(object(), _Group(2), "thing")
 
 

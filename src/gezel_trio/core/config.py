@@ -26,6 +26,8 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
 # ``EngineConfig.speculation``'s values (``mlx.speculative``).
 SPECULATION_MODES = ("lookup", "off")
+# How a model is split over the ranks of an mlx.launch group (``mlx.group``).
+GROUP_SPLITS = ("auto", "tensor", "layers")
 # ``EngineConfig.kv_bits``'s quantized widths (what ``mx.quantize`` packs).
 KV_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -238,6 +240,15 @@ class EngineConfig:
         flag="--map-per-layer-embeddings",
         help="read a per-layer embedding table (Gemma 3n, Gemma 4 E-series) from the model's "
         "files as tokens need its rows, memory-mapped, instead of holding it in memory",
+    )
+    group_split: str = setting(
+        "auto",
+        flag="--group-split",
+        help="under mlx.launch, how each rank holds its part of the model: tensor (mlx-lm's "
+        "tensor parallelism; the heads must divide among the ranks), layers (a run of "
+        "layers each), or auto (tensor where it can, else layers)",
+        choices=GROUP_SPLITS,
+        validator=_one_of(GROUP_SPLITS),
     )
     # Under mlx.launch: how long rank 0 waits for the other ranks in one
     # order's collective (which includes the step in flight) before it

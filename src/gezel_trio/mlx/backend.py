@@ -430,7 +430,7 @@ class MlxBackend:
         if self._group is not None:
             if self._vision is not None:
                 raise ModelLoadError(f"{model_dir.name}: an image model is not split over ranks")
-            split = shard(model, self._group, model_dir.name)
+            split = shard(model, self._group, model_dir.name, config.group_split)
             log.info("rank %d of %d: %s", self._group.rank(), self._group.size(), split)
             group_info: GroupInfo | None = GroupInfo(int(self._group.size()), split)
         else:
