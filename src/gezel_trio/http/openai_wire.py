@@ -46,6 +46,7 @@ from .images import from_base64, from_data_url
 from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_thinking_budget
 from .strict import (
     FieldInvalid,
+    Is,
     Pattern,
     Range,
     only,
@@ -344,6 +345,14 @@ class Prediction:
     content: str | list[ContentPart]
 
 
+# SGLang's per-request fields that vllm-router and sglang-router send on
+# every chat and completions request, at these values: accepted at what
+# this server does, refused otherwise.
+NO_STOP_TRIM = Is(False, "a stop string is never part of the text")
+SKIP_SPECIAL_TOKENS = Is(True, "special tokens are not written into the text")
+RETURN_HIDDEN_STATES = Is(False, "hidden states are not returned")
+
+
 @attrs.frozen
 class ChatCompletionRequest:
     messages: list[Message] = attrs.field(validator=check_messages)
@@ -407,6 +416,24 @@ class ChatCompletionRequest:
     # the same split) send it as ``reasoning_content``; absent: the
     # server's --reasoning-format.
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None
+    # SGLang's fields, which vllm-router and sglang-router add to every chat
+    # request they forward (docs/scale-out.md), at what this server does.
+    no_stop_trim: bool = attrs.field(default=False, validator=NO_STOP_TRIM)
+    skip_special_tokens: bool = attrs.field(default=True, validator=SKIP_SPECIAL_TOKENS)
+    return_hidden_states: bool = attrs.field(default=False, validator=RETURN_HIDDEN_STATES)
+    continue_final_message: bool = attrs.field(
+        default=False,
+        validator=Is(False, "a trailing assistant message is prefilled as the answer's start"),
+    )
+    separate_reasoning: bool = attrs.field(
+        default=True, validator=Is(True, "reasoning_format says where reasoning goes")
+    )
+    stream_reasoning: bool = attrs.field(
+        default=True, validator=Is(True, "reasoning streams as it is written")
+    )
+    include_reasoning: bool = attrs.field(
+        default=True, validator=Is(True, "reasoning_format says where reasoning goes")
+    )
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -493,6 +520,10 @@ class CompletionRequest:
     cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
     priority: Literal["interactive", "background"] = "interactive"
     speculation: bool = True
+    # SGLang's fields that routers add (as on chat completions).
+    no_stop_trim: bool = attrs.field(default=False, validator=NO_STOP_TRIM)
+    skip_special_tokens: bool = attrs.field(default=True, validator=SKIP_SPECIAL_TOKENS)
+    return_hidden_states: bool = attrs.field(default=False, validator=RETURN_HIDDEN_STATES)
 
     @property
     def stop_list(self) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ import attrs
 
 from . import anthropic_wire, openai_wire, responses_wire
 from .checks import CACHE_ID_REFUSED, MAX_CACHE_ID_CHARS, MAX_CACHE_SALT_CHARS, MAX_MESSAGES
-from .strict import Pattern, Range, dump_json
+from .strict import Is, Pattern, Range, dump_json
 
 __all__ = ["document", "openapi_json"]
 
@@ -161,6 +161,9 @@ def _constrain(prop: dict[str, Any], field: attrs.Attribute[Any]) -> None:
                 target["maximum"] = check.hi
         elif isinstance(check, Pattern):
             target["pattern"] = f"^{check.regex}$"
+        elif isinstance(check, Is):
+            target["const"] = check.value
+            target["description"] = f"Only {dump_json(check.value)}: {check.why}."
     if field.name == "messages":
         target["minItems"] = 1
         target["maxItems"] = MAX_MESSAGES

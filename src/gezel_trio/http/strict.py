@@ -94,6 +94,24 @@ class Range:
 
 
 @attrs.frozen
+class Is:
+    """A field validator: the value is ``value`` (a field other servers
+    honour and this one accepts only at the setting it behaves as);
+    ``why`` says what this server does instead."""
+
+    value: Any
+    why: str
+
+    def __call__(self, _: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value != self.value:
+            raise FieldInvalid(
+                attr.name,
+                f"{attr.name}: only {shown(self.value)} is supported, got {shown(value)} "
+                f"({self.why})",
+            )
+
+
+@attrs.frozen
 class Pattern:
     """A field validator: the whole string matches ``regex``."""
 
