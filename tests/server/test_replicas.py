@@ -105,7 +105,10 @@ def test_replicas_behind_vllm_router_keep_each_conversation_on_its_cache(
             messages = _opening(c)
             first = _turn(url, c, messages)
             answer = first["choices"][0]["message"]["content"]
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "on"}]
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "on"},
+            ]
             second = _turn(url, c, messages)
             cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
             # Turn 2 read turn 1's prefix: only the replica of turn 1 holds it.
@@ -122,7 +125,7 @@ def test_replicas_behind_vllm_router_keep_each_conversation_on_its_cache(
 
         # One replica dies: once the router's health check sees it, every
         # conversation is answered by the other.
-        dead, live = replicas
+        dead = replicas[0]
         dead.proc.kill()
         dead.proc.wait()
         deadline = time.monotonic() + 30
