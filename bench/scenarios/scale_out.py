@@ -234,7 +234,7 @@ def run(ctx: Context) -> Result:
     a = ctx.args
     model = _servers.float32_model(a.model) if a.model else _servers.float32_model(None)
     tables, data = [], {"model": model.name}
-    if "replicas" in a.sections:
+    if "replicas" in a.parts:
         rows, got = _replicas(ctx, model)
         data["replicas"] = got
         tables.append(
@@ -247,7 +247,7 @@ def run(ctx: Context) -> Result:
                 "answer, one after another; each set-up on fresh replicas",
             )
         )
-    if "ranks" in a.sections:
+    if "ranks" in a.parts:
         rows, got = _ranks(ctx, model)
         data["ranks"] = got
         tables.append(
@@ -269,7 +269,7 @@ SCENARIO = Scenario(
     options=(
         Option("model", None, "a model directory (default: the default model)", Path),
         Option(
-            "sections",
+            "parts",
             ["replicas", "ranks"],
             "what to measure",
             str,
