@@ -29,7 +29,7 @@ from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import make_sampler
 from tests.support.generate import text_and_usage
-from tests.support.speculation import TOKENS, AlwaysPays, prompts_of, run
+from tests.support.speculation import TOKENS, AlwaysPays, oracle, prompts_of, run
 
 HANG = 60
 
@@ -116,12 +116,7 @@ def test_where_the_lookup_fills_every_proposal_its_own_gate_decides(
     prompts = _short_prompts(tok)
     plain, _, _, _ = run(m, prompts, spec=False)
 
-    def oracle(self: NgramLookup, k: int) -> list[int]:
-        i = next(i for i, p in enumerate(prompts) if self.tokens[: len(p)] == p)
-        done = len(self.tokens) - len(prompts[i])
-        return plain[i][done : done + k]
-
-    monkeypatch.setattr(NgramLookup, "propose", oracle)
+    monkeypatch.setattr(NgramLookup, "propose", oracle(prompts, plain, spoil=False))
     draft = DraftModel(same, "same")
     out, _, stats, _ = run(m, prompts, spec=True, draft=draft, gate=_DraftOnly())
     assert out == plain

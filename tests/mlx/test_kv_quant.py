@@ -40,7 +40,7 @@ from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import greedy
 from tests.support.generate import text_and_usage
-from tests.support.speculation import run
+from tests.support.speculation import oracle, run
 
 TOKENS = 24
 HANG = 120
@@ -288,15 +288,7 @@ def test_speculation_runs_on_the_quantized_batch(
     prompts = _prompts()
     plain, _ = _decode(model, prompts, spec=False)
 
-    def oracle(self: NgramLookup, k: int) -> list[int]:
-        i = next(i for i, p in enumerate(prompts) if self.tokens[: len(p)] == p)
-        done = len(self.tokens) - len(prompts[i])
-        out = plain[i][done : done + k]
-        if len(out) >= 2 and (done + i) % 2 == 0:
-            out[-1] = (out[-1] + 1) % 1000
-        return out
-
-    monkeypatch.setattr(NgramLookup, "propose", oracle)
+    monkeypatch.setattr(NgramLookup, "propose", oracle(prompts, plain, spoil=True))
     spec, (stats, finals, holey) = _decode(model, prompts, spec=True)
     assert holey
     assert stats.verify_steps > 0

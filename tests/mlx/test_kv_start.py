@@ -48,7 +48,7 @@ from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.speculative import HoleyQuantizedKVCache
 from tests.mlx.test_kv_quant import _prompts, _wide_heads
 from tests.support.generate import text_and_usage
-from tests.support.speculation import run
+from tests.support.speculation import oracle, run
 
 HANG = 120
 TOKENS = 40
@@ -295,15 +295,7 @@ def test_speculation_goes_on_over_a_lane_that_switches(
 
     plain, _ = decode(False)
 
-    def oracle(self: NgramLookup, k: int) -> list[int]:
-        i = next(i for i, p in enumerate(prompts) if self.tokens[: len(p)] == p)
-        done = len(self.tokens) - len(prompts[i])
-        out = plain[i][done : done + k]
-        if len(out) >= 2 and (done + i) % 2 == 0:
-            out[-1] = (out[-1] + 1) % 1000
-        return out
-
-    monkeypatch.setattr(NgramLookup, "propose", oracle)
+    monkeypatch.setattr(NgramLookup, "propose", oracle(prompts, plain, spoil=True))
     spec, (finals, stats) = decode(True)
     assert holes_kept == [True]
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

@@ -26,6 +26,25 @@ class AlwaysPays(speculative._Gate):
         return True
 
 
+def oracle(
+    prompts: list[list[int]], plain: list[list[int]], *, spoil: bool
+) -> Callable[[Any, int], list[int]]:
+    """An ``NgramLookup.propose`` that proposes plain decoding's own text
+    (``plain``, per prompt), for the random-weight models that repeat
+    nothing; ``spoil``: its last token wrong every other time, so verifies
+    accept different counts per sequence (holes) and reject some."""
+
+    def propose(self: Any, k: int) -> list[int]:
+        i = next(i for i, p in enumerate(prompts) if self.tokens[: len(p)] == p)
+        done = len(self.tokens) - len(prompts[i])
+        out = plain[i][done : done + k]
+        if spoil and len(out) >= 2 and (done + i) % 2 == 0:
+            out[-1] = (out[-1] + 1) % 1000
+        return out
+
+    return propose
+
+
 def prompts_of(tok: Any) -> list[list[int]]:
     text = Path(speculative.__file__).read_text()[:600]
     return [

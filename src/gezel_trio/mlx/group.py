@@ -38,20 +38,25 @@ each order's collectives: past the limit rank 0 fails every request (the
 engine's ``die``: ``/health`` answers 503), and exits 1 a few seconds
 later, whatever its host thread is blocked in.
 
-**The wire.** An order is pickled and sent as ``all_sum``s over a byte
-array (the size, then the bytes; every other rank adds zeros), as
-``mlx_lm.server`` shares its requests: no second channel, and the order
-reaches the ranks through the collective they already wait in.
+**The wire.** An order is pickled and sent over a TCP connection from
+each rank to rank 0 (opened at start: rank 0's address from the ring's
+hostfile, its port shared with one ``all_sum``), so a rank waiting for
+work sleeps in ``recv``: waiting in the ring's ``all_sum`` busy-waits a
+whole core. Without a hostfile (another backend) the orders ride
+``all_sum``s over a byte array (its size, then its bytes; the other ranks
+add zeros), as ``mlx_lm.server`` shares its requests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -375,13 +380,81 @@ class _Watchdog:
             return
 
 
+def _rank0_host() -> str | None:
+    """Rank 0's address in the ring's hostfile (``MLX_HOSTFILE``, which
+    ``mlx.launch`` writes); ``None`` where there is none (another backend)."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return None
+    try:
+        hosts = json.loads(Path(path).read_text())
+        host, _, _ = str(hosts[0][0]).rpartition(":")
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return None
+    return host or None
+
+
+# How long the ranks wait for each other's control connection at start.
+_CONNECT_TIMEOUT = 120.0
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        got = sock.recv(n - len(data))
+        if not got:
+            raise ConnectionError("rank 0 closed the connection")
+        data += got
+    return bytes(data)
+
+
 class _Wire:
-    """Orders from rank 0 to the others over the group's ``all_sum``."""
+    """Orders from rank 0 to the other ranks.
+
+    Over the ring backend, on a TCP connection of their own from each rank
+    to rank 0 (its address from the ring's hostfile, its port shared with
+    one ``all_sum`` at start): a rank waiting for an order then sleeps in
+    ``recv``, where the ring's ``all_sum`` would busy-wait a whole core
+    (measured: 100% of a core for an idle follower). Otherwise the orders
+    ride ``all_sum``s over the group (its size, then its bytes; the other
+    ranks add zeros), as ``mlx_lm.server`` shares its requests."""
 
     def __init__(self, group: Any, stream: Any) -> None:
         self._group = group
         self._stream = stream
         self.lost: str | None = None
+        self._peers: list[socket.socket] = []  # rank 0: one per other rank
+        self._leader: socket.socket | None = None  # the other ranks: to rank 0
+        host = _rank0_host()
+        if host is not None:
+            self._connect(host)
+
+    def _connect(self, host: str) -> None:
+        rank, size = int(self._group.rank()), int(self._group.size())
+        listener = None
+        port = 0
+        if rank == 0:
+            listener = socket.create_server((host, 0))
+            listener.settimeout(_CONNECT_TIMEOUT)
+            port = int(listener.getsockname()[1])
+        port = int(np.array(self._sum(mx.array([port], dtype=mx.int64)))[0])
+        if listener is not None:
+            by_rank: dict[int, socket.socket] = {}
+            with listener:
+                while len(by_rank) < size - 1:
+                    conn, _ = listener.accept()
+                    conn.settimeout(_CONNECT_TIMEOUT)
+                    by_rank[int.from_bytes(_exactly(conn, 4), "big")] = conn
+            self._peers = [by_rank[r] for r in sorted(by_rank)]
+            for conn in self._peers:
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        else:
+            conn = socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT)
+            conn.sendall(rank.to_bytes(4, "big"))
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._leader = conn
 
     def _sum(self, a: mx.array) -> mx.array:
         if self.lost is not None:
@@ -396,19 +469,44 @@ class _Wire:
         return out
 
     def send(self, obj: Any) -> None:
-        data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        self._sum(mx.array([data.size], dtype=mx.int64))
-        self._sum(mx.array(data))
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if not self._peers:
+            array = np.frombuffer(data, np.uint8)
+            self._sum(mx.array([array.size], dtype=mx.int64))
+            self._sum(mx.array(array))
+            return
+        if self.lost is not None:
+            raise GroupLost(self.lost)
+        frame = len(data).to_bytes(8, "big") + data
+        try:
+            for conn in self._peers:
+                conn.sendall(frame)
+        except OSError as exc:
+            self.lost = f"a rank of the group was lost: {exc}"
+            raise GroupLost(self.lost) from exc
 
     def receive(self) -> Any:
-        size = int(np.array(self._sum(mx.array([0], dtype=mx.int64)))[0])
-        data = self._sum(mx.zeros((size,), dtype=mx.uint8))
-        return pickle.loads(np.array(data).tobytes())  # rank 0's own orders
+        if self._leader is None:
+            size = int(np.array(self._sum(mx.array([0], dtype=mx.int64)))[0])
+            data = np.array(self._sum(mx.zeros((size,), dtype=mx.uint8))).tobytes()
+        else:
+            try:
+                size = int.from_bytes(_exactly(self._leader, 8), "big")
+                data = _exactly(self._leader, size)
+            except OSError as exc:
+                self.lost = f"rank 0 was lost: {exc}"
+                raise GroupLost(self.lost) from exc
+        return pickle.loads(data)  # rank 0's own orders
 
     def seed(self) -> int:
         """One random seed for every rank: rank 0's."""
         mine = int(np.random.default_rng().integers(1, 2**31)) if self._group.rank() == 0 else 0
         return int(np.array(self._sum(mx.array([mine], dtype=mx.int64)))[0])
+
+    def close(self) -> None:
+        for conn in (*self._peers, *([self._leader] if self._leader else [])):
+            with contextlib.suppress(OSError):
+                conn.close()
 
 
 class GroupBackend:
@@ -559,6 +657,7 @@ class GroupBackend:
             if self._wire.lost is None:
                 self._wire.send(None)  # the other ranks close and exit
         finally:
+            self._wire.close()
             self._watchdog.close()
             self._local.close()
 
@@ -617,4 +716,5 @@ def follow(local: Any, group: Any, stream: Any) -> None:
                 steps += 1
             _out(result, out, table.keep)
     finally:
+        wire.close()
         local.close()
