@@ -16,15 +16,17 @@ the conversations. Conversations run one after another: this measures
 where each turn lands, not throughput (2 cores serve both replicas).
 
 ``ranks``: decode tok/s at ``--streams`` streams for one process against
-the same flags under ``mlx.launch --backend ring -n 2`` on loopback, split
-by tensor and by layers (``--group-split``), interleaved rounds, medians;
-and the orders' cost that shows in it. Absolute speed on 2 shared cores
+the same flags on two ranks on loopback (the ring backend, started as
+``mlx.launch`` starts them, without its spinning relay), split by tensor
+and by layers (``--group-split``), interleaved rounds, medians; the
+orders' cost shows in it. Absolute speed on 2 shared cores
 means little (both ranks share them); the ratio is the overhead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import statistics
@@ -155,23 +157,33 @@ def _replicas(ctx: Context, model: Path) -> tuple[list[list[Any]], dict[str, Any
 
 @contextlib.contextmanager
 def _group(model: Path, split: str, log: Path) -> Iterator[str]:
+    """Two ranks on loopback, started as ``mlx.launch --backend ring``
+    starts them (a hostfile, ``MLX_HOSTFILE`` and ``MLX_RANK``) but without
+    the launcher, whose relay spins on a core of its own (docs/scale-out.md)."""
+    base = _servers.free_port()
+    hostfile = log.with_suffix(".hosts.json")
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    port = _servers.free_port()
+    procs = []
     with log.open("w") as err:
-        proc = subprocess.Popen(
-            [
-                str(_BIN / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
-                "--starting-port", str(_servers.free_port()),
-                str(_BIN / "gezel-trio"), "serve", "--model", str(model), "--port", "0",
-                "--group-split", split, "--speculation", "off", "--keep-quantized",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            start_new_session=True,
-        )  # fmt: skip
+        for rank in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        str(_BIN / "gezel-trio"), "serve", "--model", str(model),
+                        "--port", str(port), "--group-split", split,
+                        "--speculation", "off", "--keep-quantized",
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
+                )
+            )  # fmt: skip
     try:
-        assert proc.stdout is not None
+        assert procs[0].stdout is not None
         url = None
-        for line in proc.stdout:
+        for line in procs[0].stdout:
             if "gezel-trio listening on " in line:
                 url = line.split()[-1]
                 break
@@ -179,15 +191,12 @@ def _group(model: Path, split: str, log: Path) -> Iterator[str]:
             raise RuntimeError(f"the group did not start:\n{_servers.tail(log)}")
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        _servers.stop(procs[0], signal.SIGTERM)  # rank 0 drains and closes the group
+        for proc in procs[1:]:
+            _servers.stop(proc, signal.SIGKILL, timeout=5)
+        for proc in procs:
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def _ranks(ctx: Context, model: Path) -> tuple[list[list[Any]], dict[str, Any]]:

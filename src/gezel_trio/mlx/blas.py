@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.metadata
+import json
 import os
 import sys
 import warnings
@@ -125,11 +126,32 @@ def _threads(openblas: ctypes.CDLL) -> str:
     if "OPENBLAS_NUM_THREADS" in os.environ:
         return f"{os.environ['OPENBLAS_NUM_THREADS']} threads (OPENBLAS_NUM_THREADS)"
     cores = len(os.sched_getaffinity(0))
+    # Ranks of one mlx.launch group on this machine share its cores.
+    sharing = _ranks_here()
+    threads = max(1, cores // sharing)
     try:
-        openblas.openblas_set_num_threads(cores)
+        openblas.openblas_set_num_threads(threads)
     except AttributeError:
         return "its default threads"
-    return "1 thread" if cores == 1 else f"{cores} threads (the usable cores)"
+    why = "the usable cores" if sharing == 1 else f"the usable cores over {sharing} local ranks"
+    return "1 thread" if threads == 1 else f"{threads} threads ({why})"
+
+
+def _ranks_here() -> int:
+    """How many ranks of this process's ``mlx.launch`` ring group run on
+    its machine (its hostfile lists each rank's address; ``MLX_RANK`` is
+    this one's): 1 outside a group or where the file says nothing."""
+    path, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
+    if not path or rank is None:
+        return 1
+    try:
+        with open(path) as f:
+            nodes = json.load(f)
+        hosts = [[str(a).rpartition(":")[0] for a in node] for node in nodes]
+        mine = set(hosts[int(rank)])
+    except (OSError, ValueError, IndexError, TypeError):
+        return 1
+    return max(1, sum(1 for node in hosts if mine & set(node)))
 
 
 def _load_gfortran() -> None:
