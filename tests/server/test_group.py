@@ -3,7 +3,8 @@ on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
 
 - Greedy answers are the ones a single process gives, one stream and
   several at once, and a request that reuses the prompt cache (its
-  blocks held on both ranks) answers the same again.
+  blocks held on both ranks) answers the same again, after a stream
+  whose client disconnected was withdrawn on every rank.
 - A sampled request's tokens agree across the ranks (each order carries
   rank 0's digest of its last step; a rank that parted exits non-zero).
 - SIGTERM to rank 0 drains it, and it stops every rank: all exit 0.
@@ -119,12 +120,34 @@ def _answer(server: Server, content: str, **extra: object) -> str:
 PROMPTS = ["the group splits the heads", "two ranks on loopback", "every rank steps " * 20]
 
 
+def _walk_away(server: Server) -> None:
+    """A streamed request whose client reads a few chunks and disconnects:
+    rank 0 withdraws it (a ``remove`` order to every rank)."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "a long answer, then a disconnect"}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        **FIXED,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == 3:
+                break
+
+
 def _answers(server: Server) -> list[str]:
     alone = [_answer(server, p) for p in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda p: _answer(server, p), PROMPTS))
+    # A withdrawn stream leaves every rank as it left rank 0: the next
+    # answers still agree (a rank that parted would stop the group).
+    _walk_away(server)
     again = _answer(server, PROMPTS[-1])  # from the prompt cache
-    return [*alone, *together, again]
+    return [*alone, *together, again, _answer(server, PROMPTS[0])]
 
 
 def test_split_by_layers_two_ranks_answer_as_one_process_does(
