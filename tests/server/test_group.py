@@ -3,8 +3,9 @@ on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
 
 - Greedy answers are the ones a single process gives, one stream and
   several at once, and a request that reuses the prompt cache (its
-  blocks held on both ranks) answers the same again, after a stream
-  whose client disconnected was withdrawn on every rank.
+  blocks held on both ranks) answers the same again, after a background
+  wave parked and resumed beside an interactive request and a stream whose
+  client disconnected was withdrawn on every rank.
 - A sampled request's tokens agree across the ranks (each order carries
   rank 0's digest of its last step; a rank that parted exits non-zero).
 - SIGTERM to rank 0 drains it, and it stops every rank: all exit 0.
@@ -18,6 +19,7 @@ on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -139,15 +141,54 @@ def _walk_away(server: Server) -> None:
                 break
 
 
+def _background(server: Server, decoding: threading.Event) -> tuple[str, bool]:
+    """A background-priority stream: its text, and whether the server said
+    it was parked and resumed (its ``: parked`` and ``: resumed`` frames);
+    ``decoding`` is set once it has written a few tokens."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": PROMPTS[2]}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "priority": "background",
+        **FIXED,
+    }
+    pieces: list[str] = []
+    comments: list[str] = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG) as r:
+        for line in r.iter_lines():
+            if line.startswith(": "):
+                comments.append(line[2:])
+            elif line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices:
+                    pieces.append(choices[0]["delta"].get("content") or "")
+                if len(pieces) == 4:
+                    decoding.set()
+    decoding.set()
+    return "".join(pieces), "parked" in comments and "resumed" in comments
+
+
 def _answers(server: Server) -> list[str]:
     alone = [_answer(server, p) for p in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda p: _answer(server, p), PROMPTS))
+    # A background wave parked while an interactive request runs, then
+    # resumed: on every rank the lane stops and resumes at the same step.
+    decoding = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        background = pool.submit(_background, server, decoding)
+        assert decoding.wait(HANG)
+        interactive = _answer(server, PROMPTS[1])
+        text, parked = background.result()
+    assert parked  # the wave really was parked and resumed
+    waves = [text, interactive]
     # A withdrawn stream leaves every rank as it left rank 0: the next
     # answers still agree (a rank that parted would stop the group).
     _walk_away(server)
     again = _answer(server, PROMPTS[-1])  # from the prompt cache
-    return [*alone, *together, again, _answer(server, PROMPTS[0])]
+    return [*alone, *together, *waves, again, _answer(server, PROMPTS[0])]
 
 
 def test_split_by_layers_two_ranks_answer_as_one_process_does(
