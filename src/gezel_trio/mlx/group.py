@@ -1,9 +1,10 @@
 """One model over the ranks of an ``mlx.distributed`` group (``mlx.launch``).
 
 Under ``mlx.launch`` every rank runs ``gezel-trio serve`` with the same
-flags. Each loads the model and keeps its shard of it (``shard``: mlx-lm's
-tensor-parallel split, where the model's class has one and its heads divide
-the group). Rank 0 runs everything else: HTTP, the scheduler, the host
+flags. Each loads the model and keeps its part of it (``shard``: mlx-lm's
+tensor-parallel split where the model's class has one and its heads divide
+the group, else a run of layers per rank, ``pipeline``). Rank 0 runs
+everything else: HTTP, the scheduler, the host
 loop and its prompt-cache index. Its backend is a ``GroupBackend``: every
 backend call that changes what the ranks hold or computes with the model
 (``insert``, ``step``, ``remove``, captures and the cache's block copies)
@@ -34,7 +35,7 @@ failure), every live request fails with it, later calls raise it at once,
 and the server exits 1; ``mlx.launch`` also stops the group when a rank
 exits non-zero. A rank that stalls (alive, not answering) would hold rank
 0 in its collective for good, so a watchdog (``--group-timeout``) times
-each order's collectives: past the limit rank 0 fails every request (the
+each call sent to the group: past the limit rank 0 fails every request (the
 engine's ``die``: ``/health`` answers 503), and exits 1 a few seconds
 later, whatever its host thread is blocked in.
 
