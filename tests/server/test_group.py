@@ -47,7 +47,7 @@ def _free_ports(n: int) -> int:
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base: int = s.getsockname()[1]
         if base + n > 65535:
             continue
         try:
@@ -122,17 +122,23 @@ def _answer(server: Server, content: str, **extra: object) -> str:
 PROMPTS = ["the group splits the heads", "two ranks on loopback", "every rank steps " * 20]
 
 
-def _walk_away(server: Server) -> None:
-    """A streamed request whose client reads a few chunks and disconnects:
-    rank 0 withdraws it (a ``remove`` order to every rank)."""
-    body = {
+def _streamed(content: str, max_tokens: int, **extra: object) -> dict[str, object]:
+    """A greedy streamed chat request's body."""
+    return {
         "model": "m",
-        "messages": [{"role": "user", "content": "a long answer, then a disconnect"}],
-        "max_tokens": 400,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         **FIXED,
+        **extra,
     }
+
+
+def _walk_away(server: Server) -> None:
+    """A streamed request whose client reads a few chunks and disconnects:
+    rank 0 withdraws it (a ``remove`` order to every rank)."""
+    body = _streamed("a long answer, then a disconnect", 400)
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG) as r:
         chunks = 0
         for line in r.iter_lines():
@@ -145,15 +151,7 @@ def _background(server: Server, decoding: threading.Event) -> tuple[str, bool]:
     """A background-priority stream: its text, and whether the server said
     it was parked and resumed (its ``: parked`` and ``: resumed`` frames);
     ``decoding`` is set once it has written a few tokens."""
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": PROMPTS[2]}],
-        "max_tokens": 400,
-        "temperature": 0,
-        "stream": True,
-        "priority": "background",
-        **FIXED,
-    }
+    body = _streamed(PROMPTS[2], 400, priority="background")
     pieces: list[str] = []
     comments: list[str] = []
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG) as r:
@@ -298,14 +296,7 @@ def test_a_model_that_cannot_split_is_refused_by_name(dense_model: Path) -> None
 def _stream_until_it_ends(server: Server, started: threading.Event) -> str:
     """A long streamed answer; how it ended: ``done``, ``error`` (an error
     frame) or ``cut`` (the connection closed without either)."""
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": "go on and on"}],
-        "max_tokens": 4000,
-        "temperature": 0,
-        "stream": True,
-        **FIXED,
-    }
+    body = _streamed("go on and on", 4000)
     try:
         with httpx.stream(
             "POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG
