@@ -1,8 +1,8 @@
 """The fields an existing router adds to what it forwards: ``vllm-router``
-and ``sglang-router`` send SGLang's per-request fields on every chat and
-completions request (recorded from vllm-router 0.1.17 below). At those
-values they are what this server does, and are accepted; any other value
-is refused by name, saying what this server does instead.
+sends SGLang's per-request fields on every chat and completions request
+(recorded from vllm-router 0.1.17 below). At those values they are what
+this server does, and are accepted; any other value is refused by name,
+saying what this server does instead.
 
 In-process over the scripted backend."""
 

@@ -345,9 +345,9 @@ class Prediction:
     content: str | list[ContentPart]
 
 
-# SGLang's per-request fields that vllm-router and sglang-router send on
-# every chat and completions request, at these values: accepted at what
-# this server does, refused otherwise.
+# SGLang's per-request fields that vllm-router (grown from SGLang's
+# router) sends on every chat and completions request, at these values:
+# accepted at what this server does, refused otherwise.
 NO_STOP_TRIM = Is(False, "a stop string is never part of the text")
 SKIP_SPECIAL_TOKENS = Is(True, "special tokens are not written into the text")
 RETURN_HIDDEN_STATES = Is(False, "hidden states are not returned")
@@ -416,7 +416,7 @@ class ChatCompletionRequest:
     # the same split) send it as ``reasoning_content``; absent: the
     # server's --reasoning-format.
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None
-    # SGLang's fields, which vllm-router and sglang-router add to every chat
+    # SGLang's fields, which vllm-router adds to every chat
     # request they forward (docs/scale-out.md), at what this server does.
     no_stop_trim: bool = attrs.field(default=False, validator=NO_STOP_TRIM)
     skip_special_tokens: bool = attrs.field(default=True, validator=SKIP_SPECIAL_TOKENS)
