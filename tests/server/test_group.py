@@ -13,6 +13,9 @@ on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
 - A rank killed mid-stream fails the live stream and ends the group in
   bounded time; a rank that stalls (SIGSTOP) makes rank 0 answer 503 and
   exit 1 after ``--group-timeout``.
+- Rank 0 killed (SIGKILL): the other rank's order connection closes and
+  it exits 1 on its own (ranks started as mlx.launch starts them, without
+  the launcher, which would stop it anyway).
 - A model that cannot be split is refused by name.
 """
 
@@ -374,3 +377,32 @@ def test_a_stalled_rank_makes_rank_0_answer_503_and_exit(dense_model: Path, tmp_
     said = _ended(group, stderr, within=30)
     assert "have not answered for 3 s" in said
     assert time.monotonic() - t0 < 30
+
+
+def test_a_rank_whose_rank_0_was_killed_exits_on_its_own(dense_model: Path, tmp_path: Path) -> None:
+    base = _free_ports(2)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    ranks = [
+        subprocess.Popen(
+            [str(BIN / "gezel-trio"), "serve", "--model", str(dense_model), "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
+        )
+        for rank in range(2)
+    ]
+    try:
+        assert ranks[0].stdout is not None
+        assert any("gezel-trio listening on " in line for line in ranks[0].stdout)
+        ranks[0].kill()
+        ranks[0].wait()
+        assert ranks[1].wait(timeout=30) == 1
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
