@@ -519,7 +519,8 @@ class GroupBackend:
         self._group = group
         self._watchdog = _Watchdog(timeout)
         self._wire = _Wire(group, stream)
-        self._table = _Table()
+        # States made so far: the next one's number (each rank counts alike).
+        self._made = 0
         self._released: list[int] = []
         self._last_step: str | None = None
         mx.random.seed(self._wire.seed())
@@ -596,7 +597,7 @@ class GroupBackend:
         n = len(self._released)
         released = tuple(self._released[:n])
         del self._released[:n]
-        order = _Order(name, sent, released, self._table.made, self._last_step)
+        order = _Order(name, sent, released, self._made, self._last_step)
         self._wire.send(order)
         mine = tuple(_in(k, a, _local) for k, a in zip(kinds, args, strict=True))
         try:
@@ -612,8 +613,8 @@ class GroupBackend:
         return _out(result, out, self._hold)
 
     def _hold(self, state: Any) -> Held:
-        held = Held(self._table.made, state)
-        self._table.made += 1
+        held = Held(self._made, state)
+        self._made += 1
         weakref.finalize(held, self._release, held.number)
         return held
 
