@@ -12,8 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import attrs
-
 from .core.config import EngineConfig
 from .core.errors import GezelError, ModelLoadError
 from .core.settings import flag_default, from_flag, settings_of
@@ -404,26 +402,9 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
         print(f"gezel-trio: {exc}", file=sys.stderr)
         return 2
     group = group_rank()
-    if group is not None:
-        config = _group_config(config, *group)
-        if group[0] != 0:
-            return _follow(config)
+    if group is not None and group[0] != 0:
+        return _follow(config)
     return main_serve(config)
-
-
-def _group_config(config: ServerConfig, rank: int, size: int) -> ServerConfig:
-    """The config of one rank of an ``mlx.launch`` group: what it cannot do
-    yet is turned off, with a notice (rank 0's only)."""
-    engine = config.engine
-    if engine.persist_dir is not None:
-        if rank == 0:
-            print(
-                f"gezel-trio: --persist-dir {engine.persist_dir}: not used under a group of "
-                f"{size} ranks (the prompt cache stays in memory)",
-                file=sys.stderr,
-            )
-        engine = attrs.evolve(engine, persist_dir=None)
-    return attrs.evolve(config, engine=engine)
 
 
 def _follow(config: ServerConfig) -> int:

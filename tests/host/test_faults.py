@@ -65,7 +65,10 @@ class _SlowCodec:
                     _STEP.send(("piece", i))
                     _STEP.recv()
 
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+    def forget_state(self, path: Path) -> None:
+        pass
+
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]:
         header, _, state = payload.partition(b"\n")
         return state, json.loads(header)
 

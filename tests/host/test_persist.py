@@ -153,7 +153,10 @@ KILL_SCRIPT = textwrap.dedent(
                 print("writing", flush=True)
                 sys.stdin.read()  # blocks until the parent kills us
 
-        def load_state(self, payload):
+        def forget_state(self, path):
+            pass
+
+        def load_state(self, payload, path):
             raise AssertionError("never loaded")
 
     disk = DiskCache(Path(sys.argv[1]), "fp", SlowCodec())

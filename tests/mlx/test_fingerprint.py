@@ -146,7 +146,10 @@ class _Writer:
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
         save_prompt_cache(str(path), state, metadata)
 
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+    def forget_state(self, path: Path) -> None:
+        pass
+
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]:
         raise NotImplementedError
 
 

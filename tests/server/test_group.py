@@ -240,6 +240,76 @@ def test_two_ranks_answer_as_one_process_does(
         _stop(group)
 
 
+def _turn(server: Server, content: str) -> tuple[str, int]:
+    """A greedy answer and how many of its prompt's tokens were cached."""
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 12,
+            "temperature": 0,
+            **FIXED,
+        },
+        timeout=HANG,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"][
+        "cached_tokens"
+    ]
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    data = path.read_bytes()
+    header: dict[str, Any] = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    # mlx-lm's prompt-cache file: the caller's metadata is tree 0 of three.
+    return {k[2:]: v for k, v in header["__metadata__"].items() if k.startswith("0.")}
+
+
+def test_a_restarted_group_reads_each_ranks_cache_files(dense_model: Path, tmp_path: Path) -> None:
+    """``--persist-dir`` under a group: rank 0's file holds its shard, and
+    the other rank's shard is a file of its own beside it, naming its rank
+    and the group's size. The same group restarted reads them back (the
+    answer from them is the same); where one rank's shard is missing, the
+    entry is a miss on every rank and the answer is still the same."""
+    persist = tmp_path / "cache"
+    prompt = "a conversation the group keeps on disk " * 12
+    group = _launch(dense_model, "--persist-dir", str(persist))
+    try:
+        first, cached = _turn(group, prompt)
+        assert cached == 0
+    finally:
+        _stop(group)  # SIGTERM: rank 0 writes its entries, every rank its shards
+    (entry_dir,) = persist.glob("*-v*")
+    entries = sorted(entry_dir.glob("*.gzc"))
+    shards = sorted((entry_dir / "rank1of2").glob("*.safetensors"))
+    assert entries
+    assert [p.stem for p in shards] == [p.stem for p in entries]
+    for path, rank in ((entries[0], "0"), (shards[0], "1")):
+        meta = _safetensors_metadata(path)  # a sealed file begins with its payload
+        assert (meta["gezel_rank"], meta["gezel_world_size"]) == (rank, "2"), meta
+
+    group = _launch(dense_model, "--persist-dir", str(persist))
+    try:
+        again, cached = _turn(group, prompt)
+        assert cached > 0
+        assert again == first
+    finally:
+        _stop(group)
+
+    for shard_file in (entry_dir / "rank1of2").glob("*.safetensors"):
+        shard_file.unlink()
+    group = _launch(dense_model, "--persist-dir", str(persist))
+    try:
+        # Rank 0 loads its own shard, rank 1 has none: neither keeps it.
+        again, cached = _turn(group, prompt)
+        assert cached == 0
+        assert again == first
+    finally:
+        _stop(group)
+
+
 def _rank_pid(launcher: int, rank: int) -> int:
     """The pid of the launcher's descendant that runs ``rank``
     (``mlx.launch`` sets ``MLX_RANK`` in each rank's environment)."""

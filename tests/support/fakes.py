@@ -45,6 +45,9 @@ class FakeOps:
         data = {"tokens": list(state.tokens), "t": state.trimmable, "meta": metadata}
         path.write_text(json.dumps(data))
 
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+    def forget_state(self, path: Path) -> None:
+        pass
+
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]:
         data = json.loads(payload)
         return FakeState(tuple(data["tokens"]), data["t"]), data["meta"]

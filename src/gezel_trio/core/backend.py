@@ -281,7 +281,12 @@ class Backend(Protocol):
 
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...
 
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]: ...
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]: ...
+
+    def forget_state(self, path: Path) -> None:
+        """``path``, a file ``dump_state`` wrote, was removed: anything kept
+        beside it goes too (``host.persist.StateCodec``)."""
+        ...
 
     def step(self, lane: Priority) -> StepOutput:
         """Advance every sequence of ``lane`` by one prefill chunk or one

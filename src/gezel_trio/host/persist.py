@@ -88,10 +88,16 @@ _SAFE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 
 
 class StateCodec(Protocol):
-    """The backend's (de)serializer for one opaque cache state."""
+    """The backend's (de)serializer for one opaque cache state. ``metadata``
+    names the entry's file (``gezel_file``, its name without the suffix):
+    a codec that keeps more than the payload (a group's other ranks keep
+    their shards of each state) names its own files after it. ``path`` is
+    the temp file to write, or the sealed file the payload was read from;
+    ``forget_state`` is told of each file removed."""
 
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]: ...
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]: ...
+    def forget_state(self, path: Path) -> None: ...
 
 
 @attrs.frozen
@@ -550,7 +556,9 @@ class DiskCache:
             meta["salt"] = salt
         try:
             self.dir.mkdir(parents=True, exist_ok=True)  # removed while serving: recreate
-            self._codec.dump_state(state, {"gezel_file_key": file_key}, tmp)
+            self._codec.dump_state(
+                state, {"gezel_file_key": file_key, "gezel_file": final.stem}, tmp
+            )
         except Exception as exc:  # OSError, or the codec's own errors
             self._trouble(exc)
             with contextlib.suppress(OSError):
@@ -605,6 +613,13 @@ class DiskCache:
             self.problem = None
         return True
 
+    def _forget(self, path: Path) -> None:
+        """Tell the codec that ``path`` is gone (its own files of it go too)."""
+        try:
+            self._codec.forget_state(path)
+        except Exception as exc:  # its files stay behind; the cache goes on
+            log.warning("cache file %s: the codec's forget failed: %s", path.name, exc)
+
     def _trouble(self, exc: Exception) -> None:
         """A failed save: logged when its cause is new, not once per entry.
         The codec's own error may not say why (MLX reports a full disk as
@@ -634,7 +649,7 @@ class DiskCache:
         if reason is None:
             try:
                 meta, payload = _split(data)
-                state, _ = self._codec.load_state(payload)
+                state, _ = self._codec.load_state(payload, path)
                 loaded = self._accept(file_key, state, meta)
             except Exception as exc:  # a malformed payload is a miss, whatever raised
                 reason = f"unreadable payload: {type(exc).__name__}: {exc}"
@@ -645,19 +660,22 @@ class DiskCache:
                     return loaded
         log.warning("cache file %s rejected (%s): treated as a miss", path.name, reason)
         path.unlink(missing_ok=True)
+        self._forget(path)
         self.index.pop(file_key, None)
         return None
 
     def delete(self, file_key: str) -> bool:
         self._settle(file_key)  # or the write in flight would bring the file back
         self.index.pop(file_key, None)
+        path = self.path_for(file_key)
         try:
-            self.path_for(file_key).unlink()
+            path.unlink()
         except FileNotFoundError:
             return False
         except OSError as exc:
             log.warning("cache delete failed: %s", exc)
             return False
+        self._forget(path)
         return True
 
     def exists(self, file_key: str) -> bool:
@@ -707,6 +725,7 @@ class DiskCache:
                 (self.dir / name).unlink()
             except OSError:
                 continue
+            self._forget(self.dir / name)
             total -= size
             deleted.append(name)
         if deleted:
@@ -768,6 +787,7 @@ class DiskCache:
                 log.warning("cache file %s malformed (%s): removed", path.name, entry)
                 with contextlib.suppress(OSError):
                     path.unlink()
+                    self._forget(path)
             elif entry is not None:
                 self.index[entry.file_key] = entry
         if self.index:

@@ -333,6 +333,12 @@ def _make_processors(
     return procs
 
 
+def _split_mark(group: GroupInfo | None) -> str:
+    if group is None:
+        return ""
+    return f"{'tp' if group.split.startswith('tensor') else 'pp'}{group.world_size}"
+
+
 def _think_ids(tokenizer: Any) -> tuple[int, int] | None:
     try:
         start, end = tokenizer.think_start_id, tokenizer.think_end_id
@@ -549,8 +555,9 @@ class MlxBackend:
                         config.kv_group_size,
                         config.quantized_kv_start if self._kv_start is not None else 0,
                     ),
-                    # A shard's state only seeds the same split.
-                    f"tp{self._group.size()}" if self._group is not None else "",
+                    # A shard's state only seeds the same split: tensor
+                    # (tp) or by layers (pp), over as many ranks.
+                    _split_mark(group_info),
                 )
                 if f
             ),
@@ -1014,7 +1021,10 @@ class MlxBackend:
         with mx.stream(self._stream):
             save_prompt_cache(str(path), state, metadata)
 
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+    def forget_state(self, path: Path) -> None:
+        pass  # the payload is the whole state
+
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]:
         with mx.stream(self._stream):
             loaded: Any = mx.load(io.BytesIO(payload), format="safetensors", return_metadata=True)
         arrays: dict[str, Any] = loaded[0]
@@ -1042,6 +1052,13 @@ class MlxBackend:
             raise ValueError("cache layers do not match this model's layout")
         self._check_shapes(layers)
         return layers, dict(metadata)
+
+    def ready_state_checks(self) -> None:
+        """Make what ``load_state`` checks states against now (a one-token
+        pass of the model, the first time): a group's ranks run it at the
+        same order, for its collectives."""
+        self._signature()
+        self._quantized_signature()
 
     def _kind(self, layer: Any) -> type[Any]:
         """A stored layer's class as the layout sees it: under

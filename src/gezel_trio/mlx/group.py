@@ -81,6 +81,7 @@ from ..core.backend import (
 from ..core.errors import EngineFailure, ModelLoadError
 from ..core.model import ModelInfo
 from ..core.request import Priority
+from ..core.shared_dir import temp_is_stale, temp_name
 
 __all__ = ["GroupBackend", "GroupLost", "Held", "follow", "rank_group", "shard"]
 
@@ -499,6 +500,10 @@ class _Wire:
                 raise GroupLost(self.lost) from exc
         return pickle.loads(data)  # rank 0's own orders
 
+    def count(self, flag: int) -> int:
+        """The sum of every rank's ``flag``: how many ranks raised theirs."""
+        return int(np.array(self._sum(mx.array([flag], dtype=mx.int64)))[0])
+
     def seed(self) -> int:
         """One random seed for every rank: rank 0's."""
         mine = int(np.random.default_rng().integers(1, 2**31)) if self._group.rank() == 0 else 0
@@ -577,11 +582,38 @@ class GroupBackend:
         figures: SpecFigures = self._local.speculation_figures()
         return figures
 
+    # Cache files: rank 0's shard in the file the disk cache seals, each
+    # other rank's in a file of its own beside it (``_ShardFiles``).
     def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None:
-        raise NotImplementedError("cache files are not written under a group")
+        with self._watchdog.guard():
+            self._send(
+                "dump_shard", (_number(state), str(path.parent), metadata["gezel_file"], metadata)
+            )
+            self._local.dump_state(
+                _local(state), {**metadata, **_shard_meta(0, self.world_size)}, path
+            )
 
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
-        raise NotImplementedError("cache files are not read under a group")
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]:
+        with self._watchdog.guard():
+            self._send("load_shard", (str(path.parent), path.stem))
+            # The check of a loaded state's shapes runs the model once (its
+            # collectives with it): on every rank, before any file is read.
+            self._local.ready_state_checks()
+            try:
+                state, meta = self._local.load_state(payload, path)
+                _check_shard(meta, path.stem, 0, self.world_size)
+            except Exception:
+                self._wire.count(1)
+                raise
+            # Every rank says whether its shard loaded: all of them, or none.
+            missing = self._wire.count(0)
+        if missing:
+            raise ValueError(f"{missing} of the group's other ranks hold no usable shard of it")
+        return self._hold(state), meta
+
+    def forget_state(self, path: Path) -> None:
+        with self._watchdog.guard():
+            self._send("forget_shard", (str(path.parent), path.stem))
 
     # Orders: every rank.
     def _call(self, name: str, *args: Any) -> Any:
@@ -590,15 +622,16 @@ class GroupBackend:
         with self._watchdog.guard():
             return self._order(name, *args)
 
-    def _order(self, name: str, *args: Any) -> Any:
-        kinds, result = _CALLS[name]
-        sent = tuple(_in(k, a, _number) for k, a in zip(kinds, args, strict=True))
+    def _send(self, name: str, args: tuple[Any, ...]) -> None:
         # Finalizers append as handles die, on whichever thread collects them.
         n = len(self._released)
         released = tuple(self._released[:n])
         del self._released[:n]
-        order = _Order(name, sent, released, self._made, self._last_step)
-        self._wire.send(order)
+        self._wire.send(_Order(name, args, released, self._made, self._last_step))
+
+    def _order(self, name: str, *args: Any) -> Any:
+        kinds, result = _CALLS[name]
+        self._send(name, tuple(_in(k, a, _number) for k, a in zip(kinds, args, strict=True)))
         mine = tuple(_in(k, a, _local) for k, a in zip(kinds, args, strict=True))
         try:
             out = getattr(self._local, name)(*mine)
@@ -674,8 +707,106 @@ def _local(state: Any) -> Any:
     return state.local if isinstance(state, Held) else state
 
 
+def _shard_meta(rank: int, size: int) -> dict[str, str]:
+    return {"gezel_rank": str(rank), "gezel_world_size": str(size)}
+
+
+def _check_shard(meta: dict[str, str], name: str, rank: int, size: int) -> None:
+    """Raises unless ``meta`` is of rank ``rank``'s shard, in a group of
+    ``size``, of the entry whose file is ``name``."""
+    theirs = meta.get("gezel_rank"), meta.get("gezel_world_size")
+    if theirs != (str(rank), str(size)):
+        raise ValueError(
+            f"written by rank {theirs[0]} of a group of {theirs[1]}, not rank {rank} of {size}"
+        )
+    if meta.get("gezel_file") != name:
+        raise ValueError("a shard of another entry")
+
+
+# A shard's temp file while it is written.
+_TMP_SUFFIX = ".tmp.safetensors"
+
+
+@attrs.define
+class _ShardFiles:
+    """A rank's own files of the states rank 0 persists: rank ``r`` of ``n``
+    keeps its shard of the entry in ``DIR/NAME.gzc`` (rank 0's file, sealed
+    by the disk cache) as ``DIR/rank{r}of{n}/NAME.safetensors``. ``DIR`` is
+    rank 0's path: on other machines, the same path on theirs (the same
+    ``--persist-dir``, as ``mlx.launch`` gives every rank the same flags)."""
+
+    local: Any
+    rank: int
+    size: int
+    swept: set[Path] = attrs.Factory(set)
+
+    def path(self, directory: str, name: str) -> Path:
+        return Path(directory) / f"rank{self.rank}of{self.size}" / f"{name}.safetensors"
+
+    def dump(self, state: Any, directory: str, name: str, metadata: dict[str, str]) -> None:
+        final = self.path(directory, name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.parent not in self.swept:
+            self.swept.add(final.parent)
+            for old in final.parent.glob(".*" + _TMP_SUFFIX):
+                if temp_is_stale(old):
+                    old.unlink(missing_ok=True)
+        tmp = final.with_name(temp_name(name, _TMP_SUFFIX))
+        try:
+            self.local.dump_state(state, {**metadata, **_shard_meta(self.rank, self.size)}, tmp)
+            # No fsync: a shard torn by a crash fails its load, and the
+            # entry is a miss on every rank (``load``).
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def load(self, directory: str, name: str) -> Any:
+        path = self.path(directory, name)
+        state, meta = self.local.load_state(path.read_bytes(), path)
+        _check_shard(meta, name, self.rank, self.size)
+        return state
+
+    def forget(self, directory: str, name: str) -> None:
+        self.path(directory, name).unlink(missing_ok=True)
+
+
 class DivergedError(RuntimeError):
     """A rank computed other tokens (or made other states) than rank 0."""
+
+
+# The orders of rank 0's disk cache (``GroupBackend.dump_state`` and the rest).
+_FILE_ORDERS = frozenset({"dump_shard", "load_shard", "forget_shard"})
+
+
+def _on_file_order(order: _Order, files: _ShardFiles, table: _Table, wire: _Wire) -> None:
+    """A rank's part of rank 0's cache file work. A failed write or delete
+    is logged and costs a later miss; a load is agreed: every rank holds
+    the loaded state, or none does."""
+    if order.name == "load_shard":
+        files.local.ready_state_checks()  # as rank 0 does: the model runs once
+        try:
+            state = files.load(*order.args)
+        except Exception as exc:
+            log.warning("rank %d: no usable shard of %s: %s", files.rank, order.args[1], exc)
+            state, failed = None, 1
+        else:
+            failed = 0
+        if wire.count(failed) == 0:
+            table.keep(state)
+        return
+    try:
+        if order.name == "dump_shard":
+            number, *rest = order.args
+            files.dump(table.held[number], *rest)
+        else:
+            files.forget(*order.args)
+    except Exception:
+        log.exception(
+            "rank %d: %s of %s failed",
+            files.rank,
+            order.name,
+            order.args[2 if order.name == "dump_shard" else 1],
+        )
 
 
 def follow(local: Any, group: Any, stream: Any) -> None:
@@ -686,6 +817,7 @@ def follow(local: Any, group: Any, stream: Any) -> None:
     table = _Table()
     mx.random.seed(wire.seed())
     rank = group.rank()
+    files = _ShardFiles(local, int(rank), int(group.size()))
     last_step: str | None = None
     steps = 0
     try:
@@ -703,6 +835,9 @@ def follow(local: Any, group: Any, stream: Any) -> None:
                     f"{table.made} states made against {order.made}, "
                     f"tokens {last_step} against {order.last_step}"
                 )
+            if order.name in _FILE_ORDERS:
+                _on_file_order(order, files, table, wire)
+                continue
             kinds, result = _CALLS[order.name]
             args = tuple(
                 _in(k, a, table.held.__getitem__) for k, a in zip(kinds, order.args, strict=True)

@@ -345,7 +345,10 @@ class ScriptedBackend:
         data = {"tokens": list(state.tokens), "trimmable": state.trimmable, "meta": metadata}
         path.write_text(json.dumps(data))
 
-    def load_state(self, payload: bytes) -> tuple[Any, dict[str, str]]:
+    def forget_state(self, path: Path) -> None:
+        pass
+
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]:
         data = json.loads(payload)
         return ScriptedState(tuple(data["tokens"]), bool(data["trimmable"])), dict(data["meta"])
 
