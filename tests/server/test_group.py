@@ -210,6 +210,30 @@ def test_split_by_layers_two_ranks_answer_as_one_process_does(
         _stop(group)
 
 
+def test_the_hybrid_model_split_by_layers_answers_as_one_process_does(
+    hybrid_model: Path, hybrid_server: Server
+) -> None:
+    """The Qwen 3.5-style hybrid demo model (linear-attention layers, whose
+    state cannot be cut into blocks): mlx-lm's tensor split would cut its
+    untied head by vocabulary (2,173 tokens, odd), so ``auto`` splits it by
+    layers with mlx-lm's own pipeline. Answers alone, together, and from
+    the prompt cache (an entry's linear-attention state, held on each rank
+    for its own layers) are one process's."""
+    want = [_answer(hybrid_server, p) for p in PROMPTS]
+    group = _launch(hybrid_model)
+    try:
+        health = httpx.get(f"{group.url}/health", timeout=HANG).json()
+        assert health["group"]["split"].startswith("by layers over 2 ranks"), health
+        assert [_answer(group, p) for p in PROMPTS] == want
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(lambda p: _answer(group, p), PROMPTS)) == want
+        text, cached = _turn(group, PROMPTS[-1], max_tokens=24)
+        assert cached > 0
+        assert text == want[-1]
+    finally:
+        _stop(group)
+
+
 def _stop(group: Server) -> None:
     group.client.close()
     # SIGTERM to rank 0: it drains, then closes the other rank.
@@ -240,14 +264,14 @@ def test_two_ranks_answer_as_one_process_does(
         _stop(group)
 
 
-def _turn(server: Server, content: str) -> tuple[str, int]:
+def _turn(server: Server, content: str, max_tokens: int = 12) -> tuple[str, int]:
     """A greedy answer and how many of its prompt's tokens were cached."""
     r = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={
             "model": "m",
             "messages": [{"role": "user", "content": content}],
-            "max_tokens": 12,
+            "max_tokens": max_tokens,
             "temperature": 0,
             **FIXED,
         },
@@ -345,7 +369,9 @@ class _Group:
         return self._size
 
 
-def test_a_model_that_cannot_split_is_refused_by_name(dense_model: Path) -> None:
+def test_a_model_that_cannot_split_is_refused_by_name(
+    dense_model: Path, hybrid_model: Path
+) -> None:
     from mlx_lm.utils import load
 
     from gezel_trio.core.errors import ModelLoadError
@@ -364,6 +390,12 @@ def test_a_model_that_cannot_split_is_refused_by_name(dense_model: Path) -> None
         ModelLoadError, match=r"has no tensor-parallel split; no split by layers for"
     ):
         shard(object(), _Group(2), "thing")
+    hybrid, _ = load(str(hybrid_model))
+    with pytest.raises(
+        ModelLoadError,
+        match=r"its vocabulary of 2173 tokens \(the head's split\) is not a multiple of 2",
+    ):
+        shard(hybrid, _Group(2), "hybrid-tiny", "tensor")
 
 
 def _stream_until_it_ends(server: Server, started: threading.Event) -> str:

@@ -106,7 +106,13 @@ def shard(model: Any, group: Any, name: str, how: str = "auto") -> str:
     n = group.size()
     tensor = _tensor_blocker(model, n) if how != "layers" else "--group-split layers"
     if tensor is None:
-        model.shard(group)
+        try:
+            model.shard(group)
+        except AssertionError as exc:  # mlx-lm's own check, past ours
+            raise ModelLoadError(
+                f"{name}: mlx-lm's tensor-parallel split refused it ({exc}); "
+                "try --group-split layers"
+            ) from exc
         mx.eval(model.parameters())
         return f"tensor-parallel over {n} ranks"
     layers = _pipeline_blocker(model, n) if how != "tensor" else "--group-split tensor"
@@ -121,7 +127,9 @@ def _tensor_blocker(model: Any, n: int) -> str | None:
     if not hasattr(model, "shard"):
         kind = f"{type(model).__module__}.{type(model).__name__}"
         return f"its mlx-lm class {kind} has no tensor-parallel split"
-    args = getattr(model, "args", None)
+    # A vision-language export keeps its text model's settings apart.
+    text = getattr(model, "language_model", model)
+    args = getattr(text, "args", None)
     heads = getattr(args, "num_attention_heads", None)
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
     if heads is not None and (heads % n or (kv_heads or 0) % n):
@@ -129,6 +137,12 @@ def _tensor_blocker(model: Any, n: int) -> str | None:
             f"its {heads} attention heads and {kv_heads} key/value heads are not "
             f"each a multiple of {n}"
         )
+    vocab = getattr(args, "vocab_size", None)
+    # Where mlx-lm splits an untied head by vocabulary (the class gathers
+    # its logits over a ``sharding_group``), the vocabulary must divide.
+    untied = not getattr(args, "tie_word_embeddings", True)
+    if hasattr(text, "sharding_group") and untied and vocab and vocab % n:
+        return f"its vocabulary of {vocab} tokens (the head's split) is not a multiple of {n}"
     return None
 
 
