@@ -257,6 +257,12 @@ def test_two_ranks_answer_as_one_process_does(
             "tensor-parallel" if split == "tensor" else "by layers"
         ), health
         assert _answers(group) == want
+        # Each rank's last step, as it told rank 0 (the last one's word may
+        # still be on its way when rank 0 goes idle).
+        ranks = httpx.get(f"{group.url}/health", timeout=HANG).json()["group"]["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1], ranks
+        assert ranks[0]["steps"] > 100, ranks
+        assert ranks[0]["steps"] - 1 <= ranks[1]["steps"] <= ranks[0]["steps"], ranks
         # Sampled: the ranks draw alike, or a rank exits non-zero below.
         for _ in range(2):
             _answer(group, "sample me", temperature=1.0)

@@ -28,6 +28,7 @@ __all__ = [
     "MemoryFigures",
     "PrefillOut",
     "PromptRenderer",
+    "RankStep",
     "SpecFigures",
     "StepOutput",
     "TokenOut",
@@ -60,6 +61,16 @@ class SpecFigures:
     # Of the proposed and accepted tokens, those a draft model proposed.
     draft_model_tokens: int = 0
     draft_model_accepted_tokens: int = 0
+
+
+@attrs.frozen
+class RankStep:
+    """One rank of a group (``mlx.group``): how many steps it has finished,
+    and when it said so last (``time.monotonic`` on the host thread)."""
+
+    rank: int
+    steps: int
+    at: float
 
 
 class Detokenizer(Protocol):
@@ -307,6 +318,11 @@ class Backend(Protocol):
 
     def speculation_figures(self) -> SpecFigures:
         """Speculation's counts so far, for ``/metrics`` (once per step)."""
+        ...
+
+    def rank_steps(self) -> tuple[RankStep, ...]:
+        """Each rank's last step under ``mlx.launch`` (for ``/health``, once
+        per step); empty for one process."""
         ...
 
     def reset(self, lane: Priority) -> None:

@@ -29,6 +29,7 @@ from ..core.backend import (
     ImagePreparer,
     MemoryFigures,
     PromptRenderer,
+    RankStep,
     SpecFigures,
 )
 from ..core.config import EngineConfig
@@ -113,6 +114,8 @@ class EngineState:
     live: int
     closing: bool
     recent_removals: tuple[Removal, ...]
+    # Under mlx.launch, each rank's last step (``RankStep``).
+    ranks: tuple[RankStep, ...] = ()
 
 
 @attrs.frozen
@@ -271,6 +274,7 @@ class HostLink:
         self._memory = 0
         self._figures = MemoryFigures()
         self._speculation = SpecFigures()
+        self._ranks: tuple[RankStep, ...] = ()
         # Consecutive failed model steps, and the last failure (time, reason).
         self._step_failures = 0
         self._last_step_failure: tuple[float, str] | None = None
@@ -391,6 +395,7 @@ class HostLink:
             live=len(self._live),
             closing=self._closing,
             recent_removals=tuple(self._removals),
+            ranks=self._ranks,
         )
 
     async def wait_until(self, predicate: Callable[[EngineState], bool]) -> EngineState:
@@ -531,6 +536,8 @@ class HostLink:
             self._figures = report.figures
         if report.speculation is not None:
             self._speculation = report.speculation
+        if report.ranks:
+            self._ranks = report.ranks
         plan = self._scheduler.plan(
             memory_tight=self.memory_tight, now=now, kv_held=self.cache.totals.bytes
         )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import attrs
 
-from ..core.backend import MemoryFigures, SpecFigures
+from ..core.backend import MemoryFigures, RankStep, SpecFigures
 from ..core.errors import EngineFailure
 from ..core.events import Event
 from ..core.model import ModelInfo
@@ -130,6 +130,8 @@ class StepReport:
     figures: MemoryFigures | None = None
     # Speculation's counts so far (for /metrics).
     speculation: SpecFigures | None = None
+    # Each rank's last step, under a group (for /health).
+    ranks: tuple[RankStep, ...] = ()
 
     @property
     def has_news(self) -> bool:

@@ -74,6 +74,7 @@ from .exchange import (
     Point,
     StepReport,
 )
+from .kv_events import KvEvents, block_hash
 from .persist import DiskCache
 from .prompt_cache import PromptCache
 
@@ -143,6 +144,19 @@ def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
         disk=disk,
         disk_budget_bytes=int(config.disk_cache_budget_mb * 1024 * 1024),
         decode=getattr(backend, "decode", None),
+        block_hasher=block_hash if config.kv_events is not None else None,
+    )
+
+
+def make_kv_events(cache: PromptCache, config: EngineConfig) -> KvEvents | None:
+    """The KV-event publisher ``--kv-events`` asks for, over ``cache``'s blocks."""
+    if config.kv_events is None:
+        return None
+    return KvEvents(
+        config.kv_events,
+        block_size=cache.store.block_tokens,
+        replay=config.kv_events_replay,
+        topic=config.kv_events_topic,
     )
 
 
@@ -168,6 +182,7 @@ class _Host:
         shutdown_timeout: float | None = None,
         observed: bool = False,
         write_behind: bool = False,
+        kv_events: KvEvents | None = None,
     ) -> None:
         self.backend = backend
         self.memory_limit = memory_limit_bytes
@@ -177,6 +192,8 @@ class _Host:
         # (time.perf_counter()): at most a tenth of its time goes to them.
         self._behind_next = 0.0
         self.cache = cache
+        # Publishes the cache's block changes once per step (report).
+        self.kv_events = kv_events
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
         self._eos = backend.info.eos_ids
@@ -347,6 +364,8 @@ class _Host:
             self._prefilled(rid)
 
     def report(self) -> StepReport:
+        if self.kv_events is not None:
+            self.kv_events.publish_nowait(self.cache.store.take_block_log())
         view = None
         if self.cache.version != self._reported_version:
             self._reported_version = self.cache.version
@@ -374,6 +393,7 @@ class _Host:
             seeded=seeded,
             figures=figures,
             speculation=self.backend.speculation_figures(),
+            ranks=self.backend.rank_steps(),
         )
 
     # --- one step -----------------------------------------------------------
@@ -558,7 +578,12 @@ class _Host:
         try:
             self.cache.flush(deadline=deadline)
         finally:
-            self.cache.close_disk(deadline)
+            try:
+                self.cache.close_disk(deadline)
+            finally:
+                if self.kv_events is not None:
+                    self.kv_events.publish_nowait(self.cache.store.take_block_log())
+                    self.kv_events.close()
 
 
 # --- the one loop, and the two ways to run it ------------------------------
@@ -633,13 +658,15 @@ def _malloc_trim() -> None:
 
 def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
     limit = config.memory_limit_mb
+    cache = make_prompt_cache(backend, config)
     return _Host(
         backend,
-        make_prompt_cache(backend, config),
+        cache,
         None if limit is None else int(limit * 1024 * 1024),
         config.shutdown_timeout,
         observed,
         config.write_behind,
+        make_kv_events(cache, config),
     )
 
 

@@ -13,6 +13,7 @@ host - goes through the app, which answers it as it answers every route.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -59,7 +60,16 @@ class HealthProbe:
         }
         group = self.engine.info.group
         if group is not None:
-            body["group"] = {"world_size": group.world_size, "split": group.split}
+            now = time.monotonic()
+            body["group"] = {
+                "world_size": group.world_size,
+                "split": group.split,
+                # Each rank's finished steps, as it told rank 0, and how long ago.
+                "ranks": [
+                    {"rank": r.rank, "steps": r.steps, "seconds_ago": round(now - r.at, 3)}
+                    for r in state.ranks
+                ],
+            }
         code = 503 if status in ("failed", "shutting_down") else 200
         return code, dump_json(body).encode()
 

@@ -41,6 +41,7 @@ from ..core.backend import (
     Detokenizer,
     MemoryFigures,
     PrefillOut,
+    RankStep,
     SpecFigures,
     StepOutput,
     TokenOut,
@@ -1236,6 +1237,9 @@ class MlxBackend:
 
     def memory_figures(self) -> MemoryFigures:
         return memory_figures(self._cache_limit)
+
+    def rank_steps(self) -> tuple[RankStep, ...]:
+        return ()
 
     def speculation_figures(self) -> SpecFigures:
         return self.spec_stats.figures()

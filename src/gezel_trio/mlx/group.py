@@ -75,6 +75,7 @@ from ..core.backend import (
     Captured,
     Detokenizer,
     MemoryFigures,
+    RankStep,
     SpecFigures,
     StepOutput,
 )
@@ -440,6 +441,7 @@ class _Wire:
         self._stream = stream
         self.lost: str | None = None
         self._peers: list[socket.socket] = []  # rank 0: one per other rank
+        self._unread: dict[int, bytes] = {}  # rank 0: a part of an ack, by rank
         self._leader: socket.socket | None = None  # the other ranks: to rank 0
         host = _rank0_host()
         if host is not None:
@@ -514,6 +516,34 @@ class _Wire:
                 raise GroupLost(self.lost) from exc
         return pickle.loads(data)  # rank 0's own orders
 
+    def ack(self, steps: int) -> None:
+        """A rank other than 0: tell rank 0 it finished ``steps`` steps
+        (over its connection; nothing without one)."""
+        if self._leader is None:
+            return
+        try:
+            self._leader.sendall(steps.to_bytes(8, "big"))
+        except OSError as exc:
+            self.lost = f"rank 0 was lost: {exc}"
+            raise GroupLost(self.lost) from exc
+
+    def acks(self) -> dict[int, int]:
+        """Rank 0: the latest step count each other rank acknowledged since
+        the last call, read without waiting."""
+        out: dict[int, int] = {}
+        for rank, conn in enumerate(self._peers, start=1):
+            try:
+                data = self._unread.get(rank, b"") + conn.recv(1 << 16, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                continue  # a lost rank: the next collective says so
+            whole = len(data) - len(data) % 8
+            self._unread[rank] = data[whole:]
+            if whole:
+                out[rank] = int.from_bytes(data[whole - 8 : whole], "big")
+        return out
+
     def count(self, flag: int) -> int:
         """The sum of every rank's ``flag``: how many ranks raised theirs."""
         return int(np.array(self._sum(mx.array([flag], dtype=mx.int64)))[0])
@@ -542,6 +572,9 @@ class GroupBackend:
         self._made = 0
         self._released: list[int] = []
         self._last_step: str | None = None
+        # Each rank's last step count and when rank 0 heard of it (/health).
+        now = time.monotonic()
+        self._ranks = {r: RankStep(r, 0, now) for r in range(self.world_size)}
         mx.random.seed(self._wire.seed())
 
     def on_failure(self, report: Callable[[EngineFailure], None]) -> None:
@@ -595,6 +628,12 @@ class GroupBackend:
     def speculation_figures(self) -> SpecFigures:
         figures: SpecFigures = self._local.speculation_figures()
         return figures
+
+    def rank_steps(self) -> tuple[RankStep, ...]:
+        now = time.monotonic()
+        for rank, steps in self._wire.acks().items():
+            self._ranks[rank] = RankStep(rank, steps, now)
+        return tuple(self._ranks.values())
 
     # Cache files: rank 0's shard in the file the disk cache seals, each
     # other rank's in a file of its own beside it (``_ShardFiles``).
@@ -657,6 +696,7 @@ class GroupBackend:
             raise GroupLost(self._wire.lost) from exc
         if name == "step":
             self._last_step = _digest(out)
+            self._ranks[0] = RankStep(0, self._ranks[0].steps + 1, time.monotonic())
         return _out(result, out, self._hold)
 
     def _hold(self, state: Any) -> Held:
@@ -865,6 +905,7 @@ def follow(local: Any, group: Any, stream: Any) -> None:
             if order.name == "step":
                 last_step = _digest(out)
                 steps += 1
+                wire.ack(steps)
             _out(result, out, table.keep)
     finally:
         wire.close()

@@ -27,6 +27,7 @@ from ..core.backend import (
     Detokenizer,
     MemoryFigures,
     PrefillOut,
+    RankStep,
     SpecFigures,
     StepOutput,
     TokenOut,
@@ -301,6 +302,9 @@ class ScriptedBackend:
     def reclaim(self) -> None:
         self.reclaims += 1
         self.buffer_bytes = 0
+
+    def rank_steps(self) -> tuple[RankStep, ...]:
+        return ()
 
     def speculation_figures(self) -> SpecFigures:
         return SpecFigures()  # the scripted backend never speculates
