@@ -50,6 +50,7 @@ add zeros), as ``mlx_lm.server`` shares its requests.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -333,6 +334,9 @@ class _Order:
     released: tuple[int, ...]
     made: int
     last_step: str | None
+    # When rank 0 began sending it (``time.monotonic``: on one machine the
+    # other ranks read the same clock, and log how long orders took).
+    sent_at: float = 0.0
 
 
 class GroupLost(EngineFailure):
@@ -516,6 +520,11 @@ class _Wire:
                 raise GroupLost(self.lost) from exc
         return pickle.loads(data)  # rank 0's own orders
 
+    @property
+    def connected(self) -> bool:
+        """Orders travel on TCP connections (not ``all_sum``)."""
+        return bool(self._peers) or self._leader is not None
+
     def ack(self, steps: int) -> None:
         """A rank other than 0: tell rank 0 it finished ``steps`` steps
         (over its connection; nothing without one)."""
@@ -572,9 +581,14 @@ class GroupBackend:
         self._made = 0
         self._released: list[int] = []
         self._last_step: str | None = None
+        # Orders sent, and the time spent pickling and sending them.
+        self._sent = 0
+        self._sending = 0.0
         # Each rank's last step count and when rank 0 heard of it (/health).
+        # Without order connections the other ranks cannot say (only rank 0).
         now = time.monotonic()
-        self._ranks = {r: RankStep(r, 0, now) for r in range(self.world_size)}
+        reporting = range(self.world_size) if self._wire.connected else range(1)
+        self._ranks = {r: RankStep(r, 0, now) for r in reporting}
         mx.random.seed(self._wire.seed())
 
     def on_failure(self, report: Callable[[EngineFailure], None]) -> None:
@@ -676,11 +690,14 @@ class GroupBackend:
             return self._order(name, *args)
 
     def _send(self, name: str, args: tuple[Any, ...]) -> None:
+        start = time.monotonic()
         # Finalizers append as handles die, on whichever thread collects them.
         n = len(self._released)
         released = tuple(self._released[:n])
         del self._released[:n]
-        self._wire.send(_Order(name, args, released, self._made, self._last_step))
+        self._wire.send(_Order(name, args, released, self._made, self._last_step, start))
+        self._sending += time.monotonic() - start
+        self._sent += 1
 
     def _order(self, name: str, *args: Any) -> Any:
         kinds, result = _CALLS[name]
@@ -742,6 +759,12 @@ class GroupBackend:
         self._call("reclaim")
 
     def close(self) -> None:
+        if self._sent:
+            log.info(
+                "group orders: rank 0 sent %d, %.1f us each to pickle and send",
+                self._sent,
+                1e6 * self._sending / self._sent,
+            )
         try:
             if self._wire.lost is None:
                 self._wire.send(None)  # the other ranks close and exit
@@ -863,6 +886,20 @@ def _on_file_order(order: _Order, files: _ShardFiles, table: _Table, wire: _Wire
         )
 
 
+def _log_arrivals(rank: int, record: collections.deque[float]) -> None:
+    if not record:
+        return
+    arrivals = sorted(record)
+    log.info(
+        "group orders: rank %d received %d step orders, each %.1f us (median) / %.1f us (p90) "
+        "after rank 0 began sending it",
+        rank,
+        len(arrivals),
+        1e6 * arrivals[len(arrivals) // 2],
+        1e6 * arrivals[int(len(arrivals) * 0.9)],
+    )
+
+
 def follow(local: Any, group: Any, stream: Any) -> None:
     """A rank other than 0: run rank 0's orders on ``local`` (its own
     ``MlxBackend``) until rank 0 closes; raises ``DivergedError`` where its
@@ -874,11 +911,17 @@ def follow(local: Any, group: Any, stream: Any) -> None:
     files = _ShardFiles(local, int(rank), int(group.size()))
     last_step: str | None = None
     steps = 0
+    # How long after rank 0 began sending a step's order this rank had it
+    # (the latest ones: a long-lived rank keeps a bounded record).
+    arrivals: collections.deque[float] = collections.deque(maxlen=100_000)
     try:
         while True:
             order: _Order | None = wire.receive()
             if order is None:
+                _log_arrivals(int(rank), arrivals)
                 return
+            if order.name == "step":
+                arrivals.append(time.monotonic() - order.sent_at)
             for number in order.released:
                 table.held.pop(number, None)
             if order.made != table.made or (
