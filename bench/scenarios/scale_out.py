@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -236,7 +237,30 @@ def _ranks(ctx: Context, model: Path) -> tuple[list[list[Any]], dict[str, Any]]:
         for n, values in by_n.items():
             med = statistics.median(values)
             rows.append([name, n, med, med / statistics.median(base[n])])
-    return rows, results
+    costs = []
+    for split in ("tensor", "layers"):
+        sent, arrived = _order_costs(ctx.workdir / f"group-{split}.log")
+        # One stream: a step is one token.
+        step_us = 1e6 / statistics.median(results[f"2 ranks, {split}"][min(a.streams)])
+        costs.append([split, sent, arrived[0], arrived[1], step_us, arrived[0] / step_us])
+    return rows, {"tok_s": results, "orders": costs}
+
+
+_SENT = re.compile(r"group orders: rank 0 sent \d+ orders, each ([\d.]+) us \(median\)")
+_ARRIVED = re.compile(r"group orders: rank \d+ received \d+ step orders, each ([\d.]+) us "
+                      r"\(median\) / ([\d.]+) us \(p90\)")  # fmt: skip
+
+
+def _order_costs(log: Path) -> tuple[float, tuple[float, float]]:
+    """From a group's log (its ranks write it at the end): rank 0's time to
+    pickle and send one order, and how long after it began a step's order
+    reached rank 1 (median, p90), in microseconds (medians: the mean is
+    a few long waits for the GIL after the send)."""
+    text = log.read_text()
+    sent, arrived = _SENT.search(text), _ARRIVED.search(text)
+    if sent is None or arrived is None:
+        raise RuntimeError(f"no order figures in {log}:\n{_servers.tail(log)}")
+    return float(sent[1]), (float(arrived[1]), float(arrived[2]))
 
 
 def run(ctx: Context) -> Result:
@@ -266,6 +290,16 @@ def run(ctx: Context) -> Result:
                 rows,
                 "both ranks and the client share 2 cores: the ratio is the cost of the split "
                 "and its orders here, not what two machines would give",
+            )
+        )
+        tables.append(
+            table(
+                "What a step's order costs (microseconds)",
+                "split | rank 0 pickles and sends (median):.1f | reaches rank 1 (median):.1f | "
+                "(p90):.1f | a one-stream step:.0f | share of the step:.3f",
+                got["orders"],
+                "rank 1 starts its part of a step when its order arrives (the same machine's "
+                "clock on both ranks); rank 0 sends before it computes",
             )
         )
     return Result(data, tables, title=model.name)

@@ -581,9 +581,8 @@ class GroupBackend:
         self._made = 0
         self._released: list[int] = []
         self._last_step: str | None = None
-        # Orders sent, and the time spent pickling and sending them.
-        self._sent = 0
-        self._sending = 0.0
+        # The time spent pickling and sending each order (the latest ones).
+        self._sending: collections.deque[float] = collections.deque(maxlen=100_000)
         # Each rank's last step count and when rank 0 heard of it (/health).
         # Without order connections the other ranks cannot say (only rank 0).
         now = time.monotonic()
@@ -696,8 +695,7 @@ class GroupBackend:
         released = tuple(self._released[:n])
         del self._released[:n]
         self._wire.send(_Order(name, args, released, self._made, self._last_step, start))
-        self._sending += time.monotonic() - start
-        self._sent += 1
+        self._sending.append(time.monotonic() - start)
 
     def _order(self, name: str, *args: Any) -> Any:
         kinds, result = _CALLS[name]
@@ -759,12 +757,10 @@ class GroupBackend:
         self._call("reclaim")
 
     def close(self) -> None:
-        if self._sent:
-            log.info(
-                "group orders: rank 0 sent %d, %.1f us each to pickle and send",
-                self._sent,
-                1e6 * self._sending / self._sent,
-            )
+        _log_times(
+            "rank 0 sent %d orders, each %.1f us (median) / %.1f us (p90) to pickle and send",
+            self._sending,
+        )
         try:
             if self._wire.lost is None:
                 self._wire.send(None)  # the other ranks close and exit
@@ -886,18 +882,14 @@ def _on_file_order(order: _Order, files: _ShardFiles, table: _Table, wire: _Wire
         )
 
 
-def _log_arrivals(rank: int, record: collections.deque[float]) -> None:
+def _log_times(line: str, record: collections.deque[float], *args: Any) -> None:
+    """``line`` logged with ``args``, the count, median and p90 of ``record``
+    (seconds, shown in microseconds)."""
     if not record:
         return
-    arrivals = sorted(record)
-    log.info(
-        "group orders: rank %d received %d step orders, each %.1f us (median) / %.1f us (p90) "
-        "after rank 0 began sending it",
-        rank,
-        len(arrivals),
-        1e6 * arrivals[len(arrivals) // 2],
-        1e6 * arrivals[int(len(arrivals) * 0.9)],
-    )
+    times = sorted(record)
+    median, p90 = times[len(times) // 2], times[int(len(times) * 0.9)]
+    log.info("group orders: " + line, *args, len(times), 1e6 * median, 1e6 * p90)
 
 
 def follow(local: Any, group: Any, stream: Any) -> None:
@@ -918,7 +910,12 @@ def follow(local: Any, group: Any, stream: Any) -> None:
         while True:
             order: _Order | None = wire.receive()
             if order is None:
-                _log_arrivals(int(rank), arrivals)
+                _log_times(
+                    "rank %d received %d step orders, each %.1f us (median) / %.1f us (p90) "
+                    "after rank 0 began sending it",
+                    arrivals,
+                    int(rank),
+                )
                 return
             if order.name == "step":
                 arrivals.append(time.monotonic() - order.sent_at)
