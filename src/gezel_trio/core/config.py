@@ -56,6 +56,23 @@ def _optional_positive(_: object, attr: attrs.Attribute[Any], value: float | Non
         raise ValueError(f"{attr.name} must be > 0, got {value}")
 
 
+# The transports a KV-events socket may bind (``host.kv_events``).
+_ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
+def _zmq_endpoint(_: object, attr: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and not value.startswith(_ZMQ_TRANSPORTS):
+        raise ValueError(
+            f"{attr.name} must be a ZMQ address like tcp://127.0.0.1:5557, not {value!r}"
+        )
+
+
+def _replay_endpoint(instance: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
+    _zmq_endpoint(instance, attr, value)
+    if value is not None and instance.kv_events is None:
+        raise ValueError(f"{attr.name} replays the KV events: it needs kv_events")
+
+
 @attrs.frozen
 class EngineConfig:
     """``model`` is a local mlx-lm model directory or a GGUF file (converted
@@ -308,6 +325,27 @@ class EngineConfig:
         on_off=True,
         help="on: write dirty cache entries to --persist-dir soon after they are saved, "
         "so the shutdown flush is small",
+    )
+    # docs/scale-out.md, "KV events": the prompt cache's full blocks, stored
+    # and removed, in vLLM's format, for a router that routes by them.
+    kv_events: str | None = setting(
+        None,
+        flag="--kv-events",
+        help="publish the prompt cache's blocks (stored, removed) as vLLM's KV events on a "
+        "ZMQ PUB socket bound at this address (tcp://127.0.0.1:5557); unset: off",
+        validator=_zmq_endpoint,
+    )
+    kv_events_replay: str | None = setting(
+        None,
+        flag="--kv-events-replay",
+        help="bind a ZMQ ROUTER socket here that sends a subscriber the KV-event batches "
+        "it missed (vLLM's replay endpoint); needs --kv-events",
+        validator=_replay_endpoint,
+    )
+    kv_events_topic: str = setting(
+        "",
+        flag="--kv-events-topic",
+        help="the topic frame of every KV-event message (a subscriber's filter)",
     )
     # After this many consecutive failed model steps the engine stops with
     # ``EngineFailure`` (the process exits non-zero for its supervisor).

@@ -44,7 +44,7 @@ import attrs
 
 from ..core.backend import Admission, Captured
 from ..core.cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
-from ..core.cache_store import CacheStore, Entry, EntryKind, Node, Seed
+from ..core.cache_store import BlockHasher, CacheStore, Entry, EntryKind, Node, Seed
 from ..core.events import CacheMiss, CacheMissReason
 from ..core.request import CacheRequest, GenerationRequest, Pin
 from .persist import DiskCache, DiskEntry
@@ -347,6 +347,7 @@ class PromptCache:
         decode: Any = None,
         block_tokens: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        block_hasher: BlockHasher | None = None,
     ) -> None:
         self._ops = ops
         self._trimmable = model_trimmable
@@ -358,6 +359,8 @@ class PromptCache:
             trimmable=model_trimmable,
             before_evict=self._before_evict,
             now=clock,
+            # With KV events on (host.kv_events): the blocks they announce.
+            block_hasher=block_hasher,
             **extra,
         )
         # An anonymous entry's file key (a digest of all its tokens), worked
