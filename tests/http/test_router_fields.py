@@ -1,8 +1,9 @@
 """The fields an existing router adds to what it forwards: ``vllm-router``
 sends SGLang's per-request fields on every chat and completions request
-(recorded from vllm-router 0.1.17 below). At those values they are what
-this server does, and are accepted; any other value is refused by name,
-saying what this server does instead.
+(recorded from vllm-router 0.1.17 below), and its kv_aware policy one on
+the ``/tokenize`` that asks for a chat request's tokens. At those values
+they are what this server does, and are accepted; any other value is
+refused by name, saying what this server does instead.
 
 In-process over the scripted backend."""
 
@@ -45,6 +46,14 @@ ROUTED_COMPLETION = {
     "skip_special_tokens": True,
     "return_hidden_states": False,
 }
+# What vllm-router 0.1.17's kv_aware policy asks each worker for a chat
+# request's tokens (after /v1/chat/completions/render, which is not served
+# here): docs/scale-out.md, "KV events".
+ROUTED_TOKENIZE = {
+    "model": "m",
+    "continue_final_message": False,
+    "messages": [{"role": "user", "content": "hi"}],
+}
 
 
 def _script(_rid: int, request: GenerationRequest) -> Sequence[int]:
@@ -53,7 +62,11 @@ def _script(_rid: int, request: GenerationRequest) -> Sequence[int]:
 
 @pytest.mark.parametrize(
     ("path", "body"),
-    [("/v1/chat/completions", ROUTED_CHAT), ("/v1/completions", ROUTED_COMPLETION)],
+    [
+        ("/v1/chat/completions", ROUTED_CHAT),
+        ("/v1/completions", ROUTED_COMPLETION),
+        ("/tokenize", ROUTED_TOKENIZE),
+    ],
 )
 async def test_a_routed_request_is_answered(path: str, body: dict[str, Any]) -> None:
     async with open_test_engine(ScriptedBackend(script=_script)) as t:
@@ -70,6 +83,7 @@ async def test_a_routed_request_is_answered(path: str, body: dict[str, Any]) -> 
         ("/v1/chat/completions", ROUTED_CHAT, "include_reasoning", False),
         ("/v1/chat/completions", ROUTED_CHAT, "return_hidden_states", True),
         ("/v1/completions", ROUTED_COMPLETION, "skip_special_tokens", False),
+        ("/tokenize", ROUTED_TOKENIZE, "continue_final_message", True),
     ],
 )
 async def test_another_value_is_refused_by_name(

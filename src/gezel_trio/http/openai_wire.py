@@ -574,6 +574,12 @@ class TokenizeRequest:
     add_special: bool | None = None
     return_token_strs: bool = False
     with_pieces: bool = False
+    # vllm-router's kv_aware policy asks /tokenize for a chat request's
+    # tokens with this field (docs/scale-out.md, "KV events").
+    continue_final_message: bool = attrs.field(
+        default=False,
+        validator=Is(False, "a trailing assistant message is prefilled as the answer's start"),
+    )
 
 
 @attrs.frozen
