@@ -10,6 +10,10 @@ package index, as docs/scale-out.md sets it up.
   prompt is its own, so only that replica holds it).
 - A killed replica is routed around once the router's health check sees
   it gone: every conversation is answered again, by the live replica.
+- With ``--policy kv_aware`` fed by each replica's KV events
+  (``--kv-events``), a conversation's later turn goes to the replica whose
+  events announced its prefix: its first turn was sent to that replica
+  directly, so nothing but the events tells the router where it is.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import msgpack
 import pytest
+import zmq
 
 from tests.support.process import start_server, stop_server
 
@@ -40,7 +46,9 @@ def _port() -> int:
         return port
 
 
-def _router(workers: list[str]) -> tuple[str, subprocess.Popen[bytes]]:
+def _router(workers: list[str], *policy: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """vllm-router in front of ``workers``; ``policy``: its flags that choose
+    how it routes."""
     port = _port()
     proc = subprocess.Popen(
         [
@@ -51,8 +59,7 @@ def _router(workers: list[str]) -> tuple[str, subprocess.Popen[bytes]]:
             str(port),
             "--worker-urls",
             *workers,
-            "--policy",
-            "consistent_hash",
+            *policy,
             "--health-check-interval-secs",
             "1",
             "--prometheus-port",
@@ -98,7 +105,7 @@ def test_replicas_behind_vllm_router_keep_each_conversation_on_its_cache(
     dense_model: Path,
 ) -> None:
     replicas = [start_server(dense_model), start_server(dense_model)]
-    url, router = _router([r.url for r in replicas])
+    url, router = _router([r.url for r in replicas], "--policy", "consistent_hash")
     try:
         served: dict[str, set[int]] = {r.url: set() for r in replicas}
         for c in range(CONVERSATIONS):
@@ -150,3 +157,75 @@ def test_replicas_behind_vllm_router_keep_each_conversation_on_its_cache(
                 assert stop_server(r) == 0
             elif r.proc.stdout is not None:
                 r.proc.stdout.close()
+
+
+def _stored(sub: zmq.Socket[bytes]) -> None:
+    """Wait for a batch that announces blocks stored, on ``sub``."""
+    deadline = time.monotonic() + HANG
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        assert sub.poll(int(left * 1000)), "no BlockStored came"
+        _topic, _seq, payload = sub.recv_multipart()
+        _ts, events, _rank = msgpack.unpackb(payload)
+        if any(e["type"] == "BlockStored" for e in events):
+            return
+
+
+def test_kv_aware_routing_follows_the_replicas_kv_events(dense_model: Path) -> None:
+    ports = [_port(), _port()]
+    replicas = [start_server(dense_model, "--kv-events", f"tcp://127.0.0.1:{p}") for p in ports]
+    sources = [
+        flag
+        for r, p in zip(replicas, ports, strict=True)
+        for flag in ("--kv-event-source", f"{r.url}=tcp://127.0.0.1:{p}")
+    ]
+    ctx = zmq.Context()
+    router = None
+    try:
+        # vllm-router asks each replica's /tokenize for a request's tokens
+        # and matches them against the blocks the events announced (64 tokens).
+        url, router = _router(
+            [r.url for r in replicas],
+            "--policy",
+            "kv_aware",
+            *sources,
+            "--kv-event-block-size",
+            "64",
+            "--kv-event-model",
+            str(dense_model),
+        )
+        subs = []
+        for p in ports:  # the test hears the events as the router does
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{p}")
+            subs.append(sub)
+        # Not alternating: round robin could not pass by chance.
+        for c, i in enumerate((0, 1, 1, 0)):
+            home, events = replicas[i], subs[i]
+            while events.poll(0):  # what earlier turns announced
+                events.recv_multipart()
+            messages = _opening(c)
+            first = httpx.post(
+                f"{home.url}/v1/chat/completions",
+                json={"model": "m", "messages": messages, "max_tokens": 8, "temperature": 0},
+                timeout=HANG,
+            )
+            assert first.status_code == 200, first.text
+            # The router hears of the turn's blocks when the test does.
+            _stored(events)
+            messages += [
+                {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "on"},
+            ]
+            second = _turn(url, c, messages)
+            cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+            # Only the replica that served turn 1 holds its prefix.
+            assert cached > 0.8 * second["usage"]["prompt_tokens"], (c, second["usage"])
+    finally:
+        ctx.destroy(linger=0)
+        if router is not None:
+            router.kill()
+            router.wait()
+        for r in replicas:
+            assert stop_server(r) == 0
