@@ -62,7 +62,7 @@ import msgspec
 import zmq
 
 from ..core.cache_store import Node
-from ..core.errors import EngineFailure
+from ..core.errors import ModelLoadError
 
 __all__ = [
     "AllBlocksCleared",
@@ -211,7 +211,7 @@ class KvEvents:
     """A ZMQ PUB socket bound at ``endpoint`` (and a replay ROUTER socket
     at ``replay``) that sends the prompt cache's block events, from its own
     thread. Made on the host thread, which alone calls ``publish_nowait``
-    and ``close``; raises ``EngineFailure`` when an address cannot be
+    and ``close``; raises ``ModelLoadError`` when an address cannot be
     bound (``tcp://HOST:*``: a free port, then named by ``endpoint``). Its
     first batch, ``AllBlocksCleared``, is sent at once."""
 
@@ -241,7 +241,8 @@ class KvEvents:
             self._outbox.connect(f"inproc://gezel-kv-events-{id(self)}")
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
-            raise EngineFailure(f"cannot publish KV events: {exc}") from exc
+            # Refused at start, before the engine is ready, as a bad --kv-bits is.
+            raise ModelLoadError(f"--kv-events: {exc}") from exc
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=REPLAY_KEPT)
         # The sockets above pass to this thread when it starts (a memory
         # barrier, as ZMQ asks of a socket that changes threads), the
@@ -262,7 +263,8 @@ class KvEvents:
         try:
             sock.bind(address)
         except zmq.ZMQError as exc:
-            raise zmq.ZMQError(exc.errno, f"cannot bind {address}: {exc.strerror}") from exc
+            why = zmq.strerror(exc.errno) if exc.errno is not None else str(exc)
+            raise zmq.ZMQError(exc.errno, f"cannot bind {address}: {why}") from exc
         return sock
 
     # --- the host thread ------------------------------------------------------
