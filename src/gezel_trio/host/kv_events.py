@@ -231,7 +231,9 @@ class KvEvents:
             # Where they are bound (a wildcard port resolved).
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self.replay_endpoint = (
-                self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+                self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                if self._replay is not None
+                else None
             )
             # The pair: this thread's end sends, the publisher's receives.
             self._inbox = self._bound(zmq.PAIR, f"inproc://gezel-kv-events-{id(self)}")
@@ -316,7 +318,9 @@ class KvEvents:
     # --- the publisher thread -------------------------------------------------
 
     def _run(self) -> None:
-        sockets = [self._inbox, self._pub, *([self._replay] if self._replay else [])]
+        sockets = [self._inbox, self._pub]
+        if self._replay is not None:
+            sockets.append(self._replay)
         try:
             self._serve()
         except Exception:
