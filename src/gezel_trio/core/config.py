@@ -24,6 +24,8 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 
 # ``EngineConfig.mlx_memory_policy``'s values (``mlx.memory``).
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
+# ``EngineConfig.compute_priority``'s values (``mlx.priority``).
+COMPUTE_PRIORITIES = ("idle", "normal")
 # ``EngineConfig.speculation``'s values (``mlx.speculative``).
 SPECULATION_MODES = ("lookup", "off")
 # How a model is split over the ranks of an mlx.launch group (``mlx.group``).
@@ -276,6 +278,16 @@ class EngineConfig:
         help="under mlx.launch, stop (503, then exit 1) when the other ranks have not "
         "answered an order for this many seconds: a rank stalled",
         validator=attrs.validators.gt(0),
+    )
+    compute_priority: str = setting(
+        "idle",
+        flag="--compute-priority",
+        help="on Linux, the CPU scheduling of the threads that compute (the host thread, "
+        "MLX's and OpenBLAS's): idle (SCHED_IDLE: any other thread that wakes, this "
+        "server's HTTP side and its probes included, runs first; the compute yields the "
+        "cores to other busy processes too) or normal",
+        choices=COMPUTE_PRIORITIES,
+        validator=_one_of(COMPUTE_PRIORITIES),
     )
     # A running request whose reader drained nothing for this long is
     # withdrawn (its cache saved like any cancellation); ``None``: never.

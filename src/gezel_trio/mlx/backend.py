@@ -78,6 +78,7 @@ from .memory import (
     weight_bytes,
 )
 from .model_source import resolve_model
+from .priority import set_compute_priority
 from .sampling import Sampling, greedy, make_sampler
 from .speculative import Roster, SpecStats, install, speculation_blocker
 from .vision import VisionModel, VisionPrefill, fresh_cache
@@ -429,6 +430,7 @@ class MlxBackend:
     """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
 
     def __init__(self, config: EngineConfig) -> None:
+        log.info("compute threads: %s", set_compute_priority(config.compute_priority))
         loaded = load_model(config)
         model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
         self._vision: VisionModel | None = loaded.vision
