@@ -280,12 +280,13 @@ class EngineConfig:
         validator=attrs.validators.gt(0),
     )
     compute_priority: str = setting(
-        "idle",
+        "normal",
         flag="--compute-priority",
         help="on Linux, the CPU scheduling of the threads that compute (the host thread, "
-        "MLX's and OpenBLAS's): idle (SCHED_IDLE: any other thread that wakes, this "
-        "server's HTTP side and its probes included, runs first; the compute yields the "
-        "cores to other busy processes too) or normal",
+        "MLX's and OpenBLAS's): normal, or idle (SCHED_IDLE: any other thread that wakes, "
+        "this server's HTTP side and its probes included, gets a core at once, so /health "
+        "stays fast during a long prefill; but another process that keeps the cores busy "
+        "stops decoding altogether: for a machine that serves and does nothing else)",
         choices=COMPUTE_PRIORITIES,
         validator=_one_of(COMPUTE_PRIORITIES),
     )

@@ -11,15 +11,20 @@ policy, 6.7-9.5 at nice 10, 5.1-6.8 at ``SCHED_BATCH``, **1.3-2.3 ms** at
 ``SCHED_IDLE``, and the prefill took as long (2.70-2.82 s against
 2.69-2.86).
 
-``idle`` (the default on Linux) puts the compute at ``SCHED_IDLE`` on the
-host thread: the threads it starts afterwards (MLX's, the cache writer)
-inherit it, and the threads the libraries started before it (OpenBLAS's
-workers, started when it was loaded) are set too. A thread Python started
-other than the host thread (Trio's, its workers that tokenize, the KV-event
-publisher) keeps its policy. The cost: another process that keeps the
-cores busy at the normal policy runs first, and decoding slows to what it
-leaves. A thread cannot return from ``SCHED_IDLE`` without privilege, so the
-choice holds for the process's life.
+``idle`` puts the compute at ``SCHED_IDLE`` on the host thread: the
+threads it starts afterwards (MLX's, the cache writer) inherit it, and the
+threads the libraries started before it (OpenBLAS's workers, started when
+it was loaded) are set too. A thread Python started other than the host
+thread (Trio's, its workers that tokenize, the KV-event publisher) keeps its
+policy.
+
+Why it is not the default: another process that keeps the cores busy at
+the normal policy runs first, always. Beside two busy loops on the 2
+cores, one stream of the same model decoded 34-51 tok/s at the normal
+policy (98-103 alone) and not one token in 4 minutes at ``SCHED_IDLE``. A
+thread cannot return from ``SCHED_IDLE`` without privilege, so the choice
+holds for the process's life: ``idle`` is for a machine that serves and
+does nothing else (replicas behind a router whose health checks time out).
 """
 
 from __future__ import annotations

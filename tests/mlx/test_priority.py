@@ -1,0 +1,65 @@
+"""``--compute-priority idle``: the host thread and the threads no Python
+code started run at ``SCHED_IDLE``; Python's other threads keep theirs.
+
+Run in a child process: a thread cannot leave ``SCHED_IDLE`` again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's policy")
+
+CHILD = r"""
+import ctypes, os, threading
+from gezel_trio.mlx.priority import set_compute_priority
+
+# A thread no Python code started (as OpenBLAS's workers are): pthreads via libc.
+libc = ctypes.CDLL(None)
+started = threading.Event()
+def sleeper():
+    started.set()
+    threading.Event().wait()
+trio_like = threading.Thread(target=sleeper, daemon=True)
+trio_like.start()
+started.wait()
+native = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(lambda _: libc.pause())
+tid = ctypes.c_ulong()
+assert libc.pthread_create(ctypes.byref(tid), None, native, None) == 0
+
+out = {}
+def host():
+    out["said"] = set_compute_priority("idle")
+    out["host"] = threading.get_native_id()
+h = threading.Thread(target=host)
+h.start()
+h.join()
+policy = {}
+for t in os.listdir("/proc/self/task"):
+    try:
+        policy[int(t)] = os.sched_getscheduler(int(t))
+    except OSError:
+        pass  # the host thread has exited
+main = threading.main_thread().native_id
+library = [t for t in policy if t not in (main, trio_like.native_id)]
+print(out["said"])
+print(policy[main] == os.SCHED_OTHER, policy[trio_like.native_id] == os.SCHED_OTHER,
+      bool(library) and all(policy[t] == os.SCHED_IDLE for t in library))
+"""
+
+
+def test_idle_puts_the_host_and_library_threads_at_sched_idle() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60, check=True
+    )
+    said, flags = done.stdout.strip().splitlines()
+    assert said.startswith("idle (SCHED_IDLE on the host thread and "), said
+    assert flags == "True True True", done.stdout
+
+
+def test_normal_changes_nothing() -> None:
+    from gezel_trio.mlx.priority import set_compute_priority
+
+    assert set_compute_priority("normal") == "normal"
