@@ -41,7 +41,7 @@ from ..host.prompt_cache import CacheTotals, CacheView
 from ..shaping.replies import ReplyLedger, ReplySeal, dump_ledger, load_ledger, load_secret
 from ._chat import ChatHandle, open_chat
 from ._handle import RequestHandle
-from ._link import WAITING_EVERY, EngineState, Health, HostLink, RequestNote
+from ._link import WAITING_EVERY, EngineState, Expected, Health, HostLink, RequestNote
 from ._metrics import EngineMetrics
 from ._prepare import Preparer
 from ._warm import Warmed, warm
@@ -88,7 +88,14 @@ class Engine:
         refused now (before any work), ``InvalidRequest`` naming the field.
         Queues nothing."""
         self.link.check_admission()
-        return await self._prep.prepare(chat)
+        preparing = Expected()
+        self.link.expect(preparing)  # until prepared, then the prepared chat
+        try:
+            prepared = await self._prep.prepare(chat)
+        finally:
+            self.link.unexpect(preparing)
+        self.link.expect(prepared)
+        return prepared
 
     async def count_tokens(self, chat: ChatRequest) -> int:
         """How many prompt tokens ``chat`` renders to (images included)."""
@@ -135,6 +142,7 @@ class Engine:
     def submit_chat_nowait(self, prepared: PreparedChat) -> ChatHandle:
         """Queue a prepared chat (``prepared.chat.n`` choices) and return its
         handle; raises as ``submit_nowait`` does, without checking again."""
+        self.link.unexpect(prepared)
         handle = self.link.submit(prepared.request, prepared.chat.n)
         return open_chat(handle, prepared, self.info, self._prep.replies)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -72,6 +73,10 @@ R = TypeVar("R")
 # final event. A reader that falls further behind than this is dropped rather
 # than allowed to stall the engine (docs/architecture.md, "Backpressure").
 _EVENT_SLACK = 256
+# How long an idle engine waits for prepared requests to be submitted before
+# its first step (``wait_for_work``): a burst's requests open their streams
+# within a few milliseconds of each other; one step is 10-100 ms here.
+_GATHER_S = 0.02
 # How long /health keeps saying "degraded" after a failed model step.
 DEGRADED_FOR = 60.0
 _LIVENESS_LOG_EVERY = 5.0
@@ -91,6 +96,13 @@ class Removal:
     rid: int
     withdrawn_at_step: int
     removed_at_step: int
+
+
+class Expected:
+    """A request being prepared: an idle engine's first step waits for it a
+    little (``HostLink.wait_for_work``)."""
+
+    __slots__ = ("__weakref__",)
 
 
 @attrs.frozen
@@ -266,6 +278,11 @@ class HostLink:
         self._step = 0
         self._closing = False
         self._wake = trio.Event()
+        # Prepared chats not submitted yet, and an event set at each submit
+        # (``wait_for_work``).
+        # (By identity: a prepared chat hashes by value, and holds lists.)
+        self._expected: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+        self._submitted = trio.Event()
         self._changed = trio.Event()
         self._commands: list[tuple[int, HostCommand[Any]]] = []
         self._calls: dict[int, _Call] = {}
@@ -329,6 +346,8 @@ class HostLink:
                 self._live[rid] = _Live(member, send.clone(), i, tickets[-1], submitted_at=now)
                 rids.append(rid)
         self._wake.set()
+        self._submitted.set()
+        self._submitted = trio.Event()
         self._notify()
         return RequestHandle(self.withdraw, tuple(rids), receive, tuple(tickets))
 
@@ -514,6 +533,22 @@ class HostLink:
 
     async def wait_for_work(self) -> None:
         await self._wake.wait()
+        # An idle engine's first step admits what is queued when it starts.
+        # Requests being prepared, or prepared and not yet submitted (a burst
+        # released together: a stream submits once its response starts),
+        # would join a step later, their first tokens a whole step behind
+        # the first one's: wait for them, briefly.
+        with trio.move_on_after(_GATHER_S):
+            while self._expected:
+                await self._submitted.wait()
+
+    def expect(self, prepared: object) -> None:
+        """``prepared`` (an ``Expected`` or a prepared chat) will be
+        submitted soon; it is forgotten when submitted or dropped."""
+        self._expected[id(prepared)] = prepared
+
+    def unexpect(self, prepared: object) -> None:
+        self._expected.pop(id(prepared), None)
 
     @property
     def wants_answer(self) -> bool:
