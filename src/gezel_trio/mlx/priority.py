@@ -6,9 +6,9 @@ the Trio thread that answers ``/health``, and the probe that asked. Linux's
 EEVDF scheduler lets a woken thread wait out the running thread's slice,
 and one probe's answer needs two wake-ups. Measured on the dense bench
 model, a 1,947-token prefill on 2 cores, ``/health`` polled every 20 ms
-(docs/performance.md): p99 6.4-10.8 ms with the compute at the normal
-policy, 6.7-9.5 at nice 10, 5.1-6.8 at ``SCHED_BATCH``, **1.3-2.3 ms** at
-``SCHED_IDLE``, and the prefill took as long (2.70-2.82 s against
+(docs/performance.md): p99 6.4-9.5 ms with the compute at the normal
+policy, 5.1-6.8 at ``SCHED_BATCH``, 1.1-5.4 (median 1.4) at
+``SCHED_IDLE``, and the prefill took as long (2.70-2.95 s against
 2.69-2.86).
 
 ``idle`` puts the compute at ``SCHED_IDLE`` on the host thread: the
