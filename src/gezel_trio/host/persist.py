@@ -59,6 +59,7 @@ import attrs
 
 from ..core.cache_plan import common_prefix
 from ..core.cache_store import BLOCK_TOKENS
+from ..core.errors import EngineFailure
 from ..core.shared_dir import TEMP_MAX_AGE, DirLock, temp_is_stale, temp_name
 
 __all__ = [
@@ -651,6 +652,8 @@ class DiskCache:
                 meta, payload = _split(data)
                 state, _ = self._codec.load_state(payload, path)
                 loaded = self._accept(file_key, state, meta)
+            except EngineFailure:
+                raise  # the engine is lost (a group's rank): not the file's fault
             except Exception as exc:  # a malformed payload is a miss, whatever raised
                 reason = f"unreadable payload: {type(exc).__name__}: {exc}"
             else:
