@@ -1,5 +1,6 @@
-"""``--compute-priority idle``: the host thread and the threads no Python
-code started run at ``SCHED_IDLE``; Python's other threads keep theirs.
+"""``--compute-priority batch|idle``: the host thread and the threads no
+Python code started run at ``SCHED_BATCH`` or ``SCHED_IDLE``; Python's other
+threads keep theirs.
 
 Run in a child process: a thread cannot leave ``SCHED_IDLE`` again."""
 
@@ -13,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's policy")
 
 CHILD = r"""
-import ctypes, os, threading
+import ctypes, os, sys, threading
 from gezel_trio.mlx.priority import set_compute_priority
 
 # A thread no Python code started (as OpenBLAS's workers are): pthreads via libc.
@@ -31,7 +32,7 @@ assert libc.pthread_create(ctypes.byref(tid), None, native, None) == 0
 
 out = {}
 def host():
-    out["said"] = set_compute_priority("idle")
+    out["said"] = set_compute_priority(sys.argv[1])
     out["host"] = threading.get_native_id()
 h = threading.Thread(target=host)
 h.start()
@@ -45,17 +46,23 @@ for t in os.listdir("/proc/self/task"):
 main = threading.main_thread().native_id
 library = [t for t in policy if t not in (main, trio_like.native_id)]
 print(out["said"])
+want = os.SCHED_IDLE if sys.argv[1] == "idle" else os.SCHED_BATCH
 print(policy[main] == os.SCHED_OTHER, policy[trio_like.native_id] == os.SCHED_OTHER,
-      bool(library) and all(policy[t] == os.SCHED_IDLE for t in library))
+      bool(library) and all(policy[t] == want for t in library))
 """
 
 
-def test_idle_puts_the_host_and_library_threads_at_sched_idle() -> None:
+@pytest.mark.parametrize(("priority", "policy"), [("batch", "SCHED_BATCH"), ("idle", "SCHED_IDLE")])
+def test_the_host_and_library_threads_take_the_policy(priority: str, policy: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", CHILD, priority],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     said, flags = done.stdout.strip().splitlines()
-    assert said.startswith("idle (SCHED_IDLE on the host thread and "), said
+    assert said.startswith(f"{priority} ({policy} on the host thread and "), said
     assert flags == "True True True", done.stdout
 
 

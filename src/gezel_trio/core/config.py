@@ -25,7 +25,7 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 # ``EngineConfig.mlx_memory_policy``'s values (``mlx.memory``).
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
 # ``EngineConfig.compute_priority``'s values (``mlx.priority``).
-COMPUTE_PRIORITIES = ("idle", "normal")
+COMPUTE_PRIORITIES = ("normal", "batch", "idle")
 # ``EngineConfig.speculation``'s values (``mlx.speculative``).
 SPECULATION_MODES = ("lookup", "off")
 # How a model is split over the ranks of an mlx.launch group (``mlx.group``).
@@ -280,13 +280,15 @@ class EngineConfig:
         validator=attrs.validators.gt(0),
     )
     compute_priority: str = setting(
-        "normal",
+        "batch",
         flag="--compute-priority",
         help="on Linux, the CPU scheduling of the threads that compute (the host thread, "
-        "MLX's and OpenBLAS's): normal, or idle (SCHED_IDLE: any other thread that wakes, "
-        "this server's HTTP side and its probes included, gets a core at once, so /health "
-        "stays fast during a long prefill; but another process that keeps the cores busy "
-        "stops decoding altogether: for a machine that serves and does nothing else)",
+        "MLX's and OpenBLAS's): batch (SCHED_BATCH: the same share of the cores, but a "
+        "thread that wakes, the HTTP side's included, is not kept waiting behind them as "
+        "long), normal, or idle (SCHED_IDLE: any other thread that wakes gets a core at "
+        "once, so /health stays fast during a long prefill; but another process that keeps "
+        "the cores busy stops decoding altogether: for a machine that serves and does "
+        "nothing else)",
         choices=COMPUTE_PRIORITIES,
         validator=_one_of(COMPUTE_PRIORITIES),
     )
