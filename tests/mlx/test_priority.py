@@ -15,6 +15,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 CHILD = r"""
 import ctypes, os, sys, threading
+# This process may have inherited the test runner's policy (a test that
+# built a backend on the runner's main thread set it): start from normal,
+# before anything starts a thread.
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 from gezel_trio.mlx.priority import set_compute_priority
 
 # A thread no Python code started (as OpenBLAS's workers are): pthreads via libc.
