@@ -47,15 +47,15 @@ log = logging.getLogger("gezel_trio.mlx")
 
 
 def set_compute_priority(priority: str) -> str:
-    """Apply ``priority`` (``idle`` or ``normal``) to the calling thread (the
-    host thread) and to the threads no Python code started; says what was
-    done, for the startup log."""
+    """Apply ``priority`` (``batch``, ``idle`` or ``normal``) to the calling
+    thread (the host thread) and to the threads no Python code started;
+    says what was done, for the startup log."""
     if priority == "normal":
         return "normal"
-    if not sys.platform.startswith("linux") or not hasattr(os, "SCHED_IDLE"):
-        return "normal (SCHED_IDLE and SCHED_BATCH are Linux's)"
-    policy = os.SCHED_IDLE if priority == "idle" else os.SCHED_BATCH
     name = "SCHED_IDLE" if priority == "idle" else "SCHED_BATCH"
+    policy: int | None = getattr(os, name, None)
+    if not sys.platform.startswith("linux") or policy is None:
+        return f"normal ({name} is Linux's)"
     others = {t.native_id for t in threading.enumerate() if t is not threading.current_thread()}
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
