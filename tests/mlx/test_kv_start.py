@@ -88,6 +88,9 @@ async def _ours(path: Path, bits: int, start: int) -> list[float]:
         quantized_kv_start=start,
         prefill_step_size=CHUNK,
         speculation="off",
+        # To the bit against mlx-lm's own step: the compiled one's
+        # attention sums in another order (mlx.compiled_step).
+        compiled_step="off",
     )
     request = GenerationRequest(
         tuple(PROMPT),

@@ -28,6 +28,8 @@ MLX_MEMORY_POLICIES = ("quarter", "bounded")
 COMPUTE_PRIORITIES = ("normal", "batch", "idle")
 # ``EngineConfig.speculation``'s values (``mlx.speculative``).
 SPECULATION_MODES = ("lookup", "off")
+# ``EngineConfig.compiled_step``'s values (``mlx.compiled_step``).
+COMPILED_STEP_MODES = ("on", "off")
 # How a model is split over the ranks of an mlx.launch group (``mlx.group``).
 GROUP_SPLITS = ("auto", "tensor", "layers")
 # ``EngineConfig.kv_bits``'s quantized widths (what ``mx.quantize`` packs).
@@ -209,6 +211,15 @@ class EngineConfig:
         "(no draft model), verified in the batched step and kept only where it pays; off: never",
         choices=SPECULATION_MODES,
         validator=_one_of(SPECULATION_MODES),
+    )
+    compiled_step: str = setting(
+        "on",
+        flag="--compiled-step",
+        help="run a one-token decode step as one graph compiled by mx.compile (traced once "
+        "per batch size and KV buffer width, its elementwise ops fused) where the model's "
+        "family and caches allow; off: build the model's graph in Python every step",
+        choices=COMPILED_STEP_MODES,
+        validator=_one_of(COMPILED_STEP_MODES),
     )
     num_draft_tokens: int = setting(
         3,

@@ -57,6 +57,7 @@ from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
+from .compiled_step import CompiledDecode, compiled_blocker
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
@@ -508,6 +509,9 @@ class MlxBackend:
         # What finished sequences held, for every lane's lookups.
         self._recent = RecentBySalt()
         self._speculate = self._speculation(config, layout)
+        # What BatchGenerator calls: the model, its one-token steps compiled
+        # where it can be (mlx.compiled_step).
+        self._decode_model = self._compiled_step(config)
         # A draft model's weights and the states its finished sequences left.
         self._draft: DraftModel | None = None
         self._draft_pool = DraftPool()
@@ -661,10 +665,31 @@ class MlxBackend:
         )
         return True
 
+    def _compiled_step(self, config: EngineConfig) -> Any:
+        """The model for BatchGenerator, its decode step compiled where it
+        can be; says so, and why not, once."""
+        if config.compiled_step == "off":
+            log.info("compiled step: off")
+            return self._model
+        blocker = (
+            "an image model's step is not compiled"
+            if self._vision is not None
+            else "not under a group of ranks"
+            if self._group is not None
+            else compiled_blocker(self._model)
+        )
+        if blocker is not None:
+            log.info("compiled step: off for this model (%s)", blocker)
+            return self._model
+        decode = CompiledDecode(self._model)
+        with mx.stream(self._stream):
+            decode.warm()
+        return self._model if decode.off is not None else decode
+
     def _new_generator(self, roster: Roster) -> BatchGenerator:
         n = self._config.max_concurrency
         gen = BatchGenerator(
-            self._model,
+            self._decode_model,
             completion_batch_size=n,
             prefill_batch_size=n,
             prefill_step_size=self._config.prefill_step_size,

@@ -1,0 +1,213 @@
+"""One-token decode steps as one compiled graph (``--compiled-step``).
+
+On the CPU the host thread builds each step's graph in Python while the
+cores wait for it (docs/performance.md, "Why the host's Python between steps
+costs its full time"), and MLX runs every elementwise op of the graph as a
+kernel of its own. mlx-lm's ``BatchKVCache`` writes and reads its buffer at
+Python integer offsets, so each step is a new graph, and ``mx.compile``
+cannot be applied to the model as it is.
+
+``CompiledDecode`` stands in for the model in ``BatchGenerator``. A call with
+one token per sequence, on caches that are all plain ``BatchKVCache`` with
+room for that token, runs ``_traced`` compiled: the token's keys and values
+are written at an index held in an array (``mx.slice_update``), and the
+attention reads the buffer up to its width under a mask of the slots that
+hold the sequence's tokens (not its left padding, not the slots beyond). So
+the function is traced once per batch size and buffer width (the buffer
+grows by 256 slots), not once per token. The caches then advance as
+``update_and_fetch`` would have advanced them. Every other call (a prefill,
+a quantized, rotating or linear-attention cache, a speculative verify, a
+buffer that must grow first) goes to the model unchanged.
+
+The masked slots get weights of exactly zero, but BLAS sums the weighted
+values over the wider buffer in another order, so logits differ from the
+model's own step in their last bits (up to 3e-6 on the test models; with
+16-wide heads not at all). Greedy tokens were the same in every test
+(``tests/mlx/test_compiled_step.py``); a comparison with mlx-lm to the bit
+needs ``--compiled-step off``.
+
+MLX fuses the traced elementwise ops into kernels it compiles with the
+system's C++ compiler and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
+processes; without a compiler it runs them unfused. ``warm`` compiles them at
+load, so no request waits for the compiler. Only model families whose
+attention reads ``cache.offset``, ``update_and_fetch`` and ``make_mask`` as
+llama's does are compiled (``_FAMILIES``). The traced graph holds the
+weights it was traced with: a model whose weights change after load would
+need a new ``CompiledDecode``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+__all__ = ["CompiledDecode", "compiled_blocker"]
+
+log = logging.getLogger(__name__)
+
+# mlx-lm modules whose attention uses the cache as llama's does: RoPE at
+# ``cache.offset``, then ``update_and_fetch``, then the mask from
+# ``create_attention_mask(h, cache[0])``.
+_FAMILIES: Final = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
+
+
+def compiled_blocker(model: Any) -> str | None:
+    """Why ``model``'s decode step is not compiled; ``None``: it can be."""
+    family = type(model).__module__
+    if family not in _FAMILIES:
+        return f"{family.rsplit('.', 1)[-1]} is not among the families it is built for"
+    return None
+
+
+class _TracedCache:
+    """What one layer's attention sees while the step is traced."""
+
+    def __init__(
+        self, keys: mx.array, values: mx.array, index: mx.array, offset: mx.array, valid: mx.array
+    ) -> None:
+        self.keys, self.values, self.offset = keys, values, offset
+        self._index, self._valid = index, valid
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self._index, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self._index, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> mx.array:
+        if n != 1 or window_size is not None:
+            raise _NotTraceable("a sliding window or more than one token")
+        return self._valid
+
+
+class _NotTraceable(Exception):
+    """The model asked its cache for what the traced step does not hold."""
+
+
+def _ready(cache: Sequence[Any]) -> bool:
+    """Whether every layer is a plain batch KV cache with a free slot."""
+    first = cache[0]
+    if type(first) is not BatchKVCache or first.keys is None:
+        return False
+    idx, width = first._idx, first.keys.shape[2]
+    if idx >= width:
+        return False
+    for c in cache:
+        if type(c) is not BatchKVCache or c.keys is None or c._right_padding is not None:
+            return False
+        if c._idx != idx or c.keys.shape[2] != width:
+            return False
+    return True
+
+
+class CompiledDecode:
+    """``model`` for ``BatchGenerator``, its one-token steps compiled where
+    the caches allow (the module docstring). Attributes it does not have are
+    the model's."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._layers = len(model.layers)
+        self._step = mx.compile(self._traced)
+        self._off: str | None = None
+        # Traces made, and the steps that ran compiled: for tests and logs.
+        self.shapes: set[tuple[int, int]] = set()
+        self.steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def _traced(self, *arrays: mx.array) -> list[mx.array]:
+        tokens, index, offset, left = arrays[:4]
+        kv = arrays[4:]
+        width = kv[0].shape[2]
+        slots = mx.arange(width)
+        valid = (slots[None] <= index) & (slots[None] >= left[:, None])
+        valid = valid[:, None, None, :]
+        caches = [
+            _TracedCache(kv[2 * i], kv[2 * i + 1], index, offset, valid)
+            for i in range(self._layers)
+        ]
+        logits = self._model(tokens, cache=caches)
+        out = [logits, offset + 1]
+        for c in caches:
+            out += [c.keys, c.values]
+        return out
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> Any:
+        if (
+            self._off is not None
+            or kwargs
+            or cache is None
+            or len(cache) != self._layers
+            or inputs.ndim != 2
+            or inputs.shape[1] != 1
+            or not _ready(cache)
+        ):
+            return self._model(inputs, cache=cache, **kwargs)
+        first = cache[0]
+        idx = first._idx
+        shape = (inputs.shape[0], first.keys.shape[2])
+        arrays = [inputs, mx.array(idx), first.offset, first.left_padding]
+        for c in cache:
+            arrays += [c.keys, c.values]
+        new = shape not in self.shapes
+        t0 = time.perf_counter()
+        try:
+            out = self._step(*arrays)
+        except _NotTraceable as e:
+            self._off = str(e)
+            log.warning("compiled step: off for this model (%s)", e)
+            return self._model(inputs, cache=cache, **kwargs)
+        if new:
+            self.shapes.add(shape)
+            log.debug(
+                "compiled step: traced for %d sequences x %d slots in %.0f ms",
+                *shape,
+                (time.perf_counter() - t0) * 1000,
+            )
+        del arrays
+        logits, offset = out[0], out[1]
+        for i, c in enumerate(cache):
+            # The old buffers' last references go here, so MLX writes the
+            # new slot in place instead of copying the buffer.
+            c.keys, c.values = out[2 + 2 * i], out[3 + 2 * i]
+            c.offset = offset
+            c._idx = idx + 1
+        self.steps += 1
+        return logits
+
+    @property
+    def off(self) -> str | None:
+        """Why no step is compiled any more; ``None``: they are."""
+        return self._off
+
+    def warm(self, batches: Sequence[int] = (1, 2)) -> None:
+        """Trace and evaluate a step for each batch size on a scratch cache,
+        so MLX compiles its kernels now (once per machine) and not while a
+        request waits; a step MLX cannot compile or run turns it off. Call it
+        on the host thread, in the model's stream."""
+        t0 = time.perf_counter()
+        try:
+            for b in batches:
+                cache = [BatchKVCache([0] * b) for _ in range(self._layers)]
+                prompt = mx.zeros((b, 2), dtype=mx.int32)
+                self._model(prompt, cache=cache)  # allocates each layer's buffer
+                # A decode step's tokens are sampled: uint32.
+                logits = self(mx.zeros((b, 1), dtype=mx.uint32), cache=cache)
+                mx.eval(logits, [c.keys for c in cache], [c.values for c in cache])
+        except Exception as e:  # any failure leaves the model's own step
+            self._off = f"{type(e).__name__}: {e}"
+            log.warning("compiled step: off (%s)", self._off)
+            return
+        if self._off is not None:
+            return
+        log.info(
+            "compiled step: on (%s); its kernels ready in %.1f s",
+            ", ".join(f"{b} x {w}" for b, w in sorted(self.shapes)) or "nothing traced",
+            time.perf_counter() - t0,
+        )

@@ -1,0 +1,197 @@
+"""The compiled decode step (``mlx.compiled_step``) against the model's own.
+
+- For llama, qwen2 and qwen3 (small models built with random weights), a
+  batch of left-padded sequences decodes to the same greedy tokens through
+  the compiled step as through the model, its logits within float rounding
+  (the attention sums over the padded buffer in another order), across the
+  buffer's growth from 256 to 512 slots; one trace per buffer width.
+- Through mlx-lm's ``BatchGenerator``, with sequences joining and leaving
+  mid-decode, greedy tokens are the model's, and most steps ran compiled.
+- Calls it cannot take (a prefill, a quantized cache, a model that asks for
+  a sliding window) go to the model, and leave the same results.
+- The served model's backend compiles its step, and the answer is the one
+  with ``--compiled-step off``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models import base, llama, qwen2, qwen3
+from mlx_lm.models.cache import BatchKVCache
+
+from gezel_trio import EngineConfig
+from gezel_trio.core.backend import Admission
+from gezel_trio.core.request import GenerationRequest, SamplingParams
+from gezel_trio.mlx.backend import MlxBackend
+from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker
+from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
+
+VOCAB = 97
+
+
+def _model(family: ModuleType, seed: int = 0, hidden: int = 64) -> Any:
+    mx.random.seed(seed)
+    extra: dict[str, Any] = {"rope_theta": 10000.0}
+    if family is qwen3:
+        extra |= {"head_dim": 32, "max_position_embeddings": 4096, "tie_word_embeddings": True}
+    args = family.ModelArgs(
+        model_type=family.__name__.rsplit(".", 1)[-1],
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        **extra,
+    )
+    model = family.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _prompt(n: int, salt: int) -> list[int]:
+    return [(7 * i + 3 * salt) % VOCAB for i in range(n)]
+
+
+@pytest.mark.parametrize("family", [llama, qwen2, qwen3], ids=lambda m: m.__name__.rsplit(".")[-1])
+def test_a_padded_batch_decodes_to_the_same_logits_across_the_buffers_growth(
+    family: ModuleType,
+) -> None:
+    model = _model(family, hidden=128)  # heads of 32
+    assert compiled_blocker(model) is None
+    decode = CompiledDecode(model)
+    lens = [250, 240, 3]
+    pads = [max(lens) - n for n in lens]
+    rows = enumerate(zip(pads, lens, strict=True))
+    prompt = mx.array([[0] * p + _prompt(n, j) for j, (p, n) in rows])
+    plain = [BatchKVCache(pads) for _ in model.layers]
+    compiled = [BatchKVCache(pads) for _ in model.layers]
+    want = model(prompt, cache=plain)[:, -1]
+    got = decode(prompt, cache=compiled)[:, -1]
+    assert decode.steps == 0  # a prefill is the model's
+    assert mx.array_equal(want, got).item()
+    for _ in range(30):
+        token = mx.argmax(want, -1)
+        assert mx.array_equal(token, mx.argmax(got, -1)).item()
+        want = model(token[:, None], cache=plain)[:, -1]
+        got = decode(token[:, None], cache=compiled)[:, -1]
+        assert mx.allclose(want, got, rtol=0, atol=1e-4).item()
+    # 250 + 30 tokens: the buffer grew once (that step was the model's).
+    assert compiled[0]._idx == plain[0]._idx == 280
+    assert compiled[0].keys.shape == plain[0].keys.shape == (3, 2, 512, 32)
+    assert decode.steps == 29
+    assert decode.shapes == {(3, 256), (3, 512)}
+    assert mx.array_equal(compiled[1].offset, plain[1].offset).item()
+
+
+def _generate(model: Any, joins: dict[int, list[list[int]]], steps: int) -> dict[int, list[int]]:
+    """Greedy tokens per uid; ``joins[i]``: prompts inserted before step i."""
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    out: dict[int, list[int]] = {}
+    for i in range(steps):
+        for prompt in joins.get(i, []):
+            (uid,) = gen.insert([prompt], max_tokens=[12 + 5 * len(out)])
+            out[uid] = []
+        _, responses = gen.next()
+        for r in responses:
+            out[r.uid].append(int(r.token))
+    gen.close()
+    return out
+
+
+def test_through_batch_generator_sequences_join_and_leave_with_the_models_tokens() -> None:
+    model = _model(llama, seed=1, hidden=128)
+    joins = {0: [_prompt(40, 1), _prompt(9, 2)], 3: [_prompt(70, 3)], 9: [_prompt(20, 4)]}
+    want = _generate(model, joins, 60)
+    decode = CompiledDecode(model)
+    got = _generate(decode, joins, 60)
+    assert got == want
+    assert [len(t) for t in got.values()] == [12, 17, 22, 27]
+    # Most of the 78 tokens came from compiled steps: not the first of each
+    # wave of admissions (the model's prefill), nor a step right after a join.
+    assert decode.steps >= 30, decode.steps
+    assert {b for b, _ in decode.shapes} <= {1, 2, 3, 4}
+
+
+def test_a_quantized_cache_is_the_models_step() -> None:
+    model = _model(llama, seed=2, hidden=128)  # heads of 32, one quantization group
+    decode = CompiledDecode(model)
+    caches = [BatchQuantizedKVCache([0], group_size=32, bits=8) for _ in model.layers]
+    mirror = [BatchQuantizedKVCache([0], group_size=32, bits=8) for _ in model.layers]
+    prompt = mx.array([_prompt(20, 5)])
+    got, want = decode(prompt, cache=caches), model(prompt, cache=mirror)
+    for _ in range(5):
+        got = decode(mx.argmax(got[:, -1], -1)[:, None], cache=caches)
+        want = model(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
+        assert mx.array_equal(got, want).item()
+    assert decode.steps == 0
+
+
+class _WindowedLlama:
+    """llama's model, asking its first cache for a sliding window's mask
+    as a windowed family does: what the traced step does not hold."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.layers = model, model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        base.create_attention_mask(mx.zeros((1, inputs.shape[1])), cache[0], window_size=64)
+        out: mx.array = self.model(inputs, cache=cache)
+        return out
+
+
+def test_a_model_that_asks_for_a_window_turns_it_off_and_is_answered_by_the_model() -> None:
+    inner = _model(llama, seed=3)
+    decode = CompiledDecode(_WindowedLlama(inner))
+    assert compiled_blocker(_WindowedLlama(inner)) is not None  # not a family it knows
+    decode.warm()
+    assert decode.off is not None
+    assert "window" in decode.off
+    caches = [BatchKVCache([0]) for _ in inner.layers]
+    mirror = [BatchKVCache([0]) for _ in inner.layers]
+    prompt = mx.array([_prompt(10, 6)])
+    got, want = decode(prompt, cache=caches), inner(prompt, cache=mirror)
+    got = decode(mx.argmax(got[:, -1], -1)[:, None], cache=caches)
+    want = inner(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
+    assert mx.array_equal(got, want).item()
+    assert decode.steps == 0
+
+
+def _answer(config: EngineConfig) -> tuple[list[int], Any]:
+    backend = MlxBackend(config)
+    prompt = tuple(_prompt(30, 7))
+    request = GenerationRequest(prompt, 24, SamplingParams(temperature=0.0), ignore_eos=True)
+    try:
+        assert backend.insert([Admission(1, request, (prompt,))]) == {}
+        tokens: list[int] = []
+        for _ in range(200):
+            out = backend.step("interactive")
+            assert not out.failed, out.failed
+            tokens += [t.token for t in out.tokens]
+            if any(t.finish is not None for t in out.tokens):
+                break
+        return tokens, backend._decode_model
+    finally:
+        backend.close()
+
+
+def test_the_served_backend_compiles_its_step_and_answers_as_without_it(
+    dense_model: Path,
+) -> None:
+    on, decode = _answer(EngineConfig(model=dense_model, speculation="off"))
+    off, plain = _answer(EngineConfig(model=dense_model, speculation="off", compiled_step="off"))
+    assert isinstance(decode, CompiledDecode)
+    assert decode.off is None
+    assert not isinstance(plain, CompiledDecode)
+    assert on == off
+    assert len(on) == 24
+    # warm() traced batches of 1 and 2; the request's steps ran compiled.
+    assert {(1, 256), (2, 256)} <= decode.shapes
+    assert decode.steps >= 20
