@@ -164,6 +164,15 @@ def test_a_model_that_asks_for_a_window_turns_it_off_and_is_answered_by_the_mode
     assert decode.steps == 0
 
 
+def test_without_a_compiler_for_the_fused_kernels_it_is_not_compiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _model(llama)
+    assert compiled_blocker(model) is None
+    monkeypatch.setattr("shutil.which", lambda _name: None)
+    assert compiled_blocker(model) == "no g++ on PATH for MLX's fused CPU kernels"
+
+
 def _answer(config: EngineConfig) -> tuple[list[int], Any]:
     backend = MlxBackend(config)
     prompt = tuple(_prompt(30, 7))

@@ -27,9 +27,11 @@ model's own step in their last bits (up to 3e-6 on the test models; with
 needs ``--compiled-step off``.
 
 MLX fuses the traced elementwise ops into kernels it compiles with the
-system's C++ compiler and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
-processes; without a compiler it runs them unfused. ``warm`` compiles them at
-load, so no request waits for the compiler. Only model families whose
+system's ``g++`` and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
+processes (about 7 s of compiling, once per machine). Without ``g++`` MLX
+runs them unfused, which measured no faster than the model's own step, so
+the step is not compiled then. ``warm`` compiles them at load, so no
+request waits for the compiler. Only model families whose
 attention reads ``cache.offset``, ``update_and_fetch`` and ``make_mask`` as
 llama's does are compiled (``_FAMILIES``). The traced graph holds the
 weights it was traced with: a model whose weights change after load would
@@ -39,6 +41,8 @@ need a new ``CompiledDecode``.
 from __future__ import annotations
 
 import logging
+import shutil
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Final
@@ -61,6 +65,11 @@ def compiled_blocker(model: Any) -> str | None:
     family = type(model).__module__
     if family not in _FAMILIES:
         return f"{family.rsplit('.', 1)[-1]} is not among the families it is built for"
+    on_cpu = mx.default_device() == mx.cpu
+    if on_cpu and sys.platform.startswith("linux") and shutil.which("g++") is None:
+        # MLX's CPU backend builds its fused kernels with g++; unfused, the
+        # compiled step was no faster than the model's (docs/performance.md).
+        return "no g++ on PATH for MLX's fused CPU kernels"
     return None
 
 
