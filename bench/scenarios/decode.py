@@ -81,11 +81,20 @@ from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Tab
 from bench._sse import Measurement, StreamTiming, aggregate
 
 PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
-SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4")
+SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4", "gezel-eager")
+# Run only when asked for (--systems): gezel-eager is gezel-trio with
+# --compiled-step off, to show what the compiled step gives in the same run.
+_ON_REQUEST = ("gezel-q4", "gezel-eager")
 _CORPUS = Path(__file__).resolve().parents[2] / "src/gezel_trio/mlx/demo_data/corpus.txt"
 _CHARS_PER_TOKEN = 4.4  # English BPE, measured on the corpus with SmolLM2's tokenizer
 _METRIC = "tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i"
-_RATIOS = (("gezel", "raw"), ("mlx_lm.server", "raw"), ("gezel", "mlx_lm.server"))
+_RATIOS = (
+    ("gezel", "raw"),
+    ("mlx_lm.server", "raw"),
+    ("gezel", "mlx_lm.server"),
+    ("gezel-eager", "raw"),
+    ("gezel", "gezel-eager"),
+)
 
 
 def long_prompt(tokens: int, part: int = 0) -> str:
@@ -285,6 +294,8 @@ def _serve(
     # Speculation off: this compares what serving costs per token against
     # the same decoding; what speculation gains is `bench speculative`'s.
     flags = ["--max-concurrency", str(width), "--log-level", "WARNING", "--speculation", "off"]
+    if system == "gezel-eager":
+        flags += ["--compiled-step", "off"]
     model = quantized if system == "gezel-q4" and quantized is not None else model_dir
     with _servers.gezel_server(model, log, flags, label=system, stalls=stalls) as srv:
         yield srv.url, srv.proc.pid
@@ -313,7 +324,8 @@ def run(ctx: Context) -> Result:
         # the CPU (OpenBLAS), so every system gets the same float32 copy.
         stored = a.model if a.model is not None else ctx.demo_model("dense")
         model_dir = _servers.float32_copy(stored, stored.parent / "bench-float32")
-    systems = list(a.systems or [s for s in SYSTEMS if s != "gezel-q4" or quantized is not None])
+    default = [s for s in SYSTEMS if s not in _ON_REQUEST] + (["gezel-q4"] if quantized else [])
+    systems = list(a.systems or default)
     if "gezel-q4" in systems and quantized is None:
         raise ValueError("gezel-q4 needs --default-model")
 

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import BatchKVCache
 from gezel_trio import EngineConfig
 from gezel_trio.core.backend import Admission
 from gezel_trio.core.request import GenerationRequest, SamplingParams
+from gezel_trio.mlx import compiled_step
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker
 from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
@@ -87,7 +88,8 @@ def test_a_padded_batch_decodes_to_the_same_logits_across_the_buffers_growth(
     assert compiled[0]._idx == plain[0]._idx == 280
     assert compiled[0].keys.shape == plain[0].keys.shape == (3, 2, 512, 32)
     assert decode.steps == 29
-    assert decode.shapes == {(3, 256), (3, 512)}
+    # Windows of 64 slots: 256 up to the growth, then 320 (of 512).
+    assert decode.shapes == {(3, 256), (3, 320)}
     assert mx.array_equal(compiled[1].offset, plain[1].offset).item()
 
 
@@ -118,6 +120,19 @@ def test_through_batch_generator_sequences_join_and_leave_with_the_models_tokens
     # wave of admissions (the model's prefill), nor a step right after a join.
     assert decode.steps >= 30, decode.steps
     assert {b for b, _ in decode.shapes} <= {1, 2, 3, 4}
+
+
+def test_past_its_bound_the_traces_are_dropped_and_made_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(compiled_step, "MAX_TRACES", 2)
+    model = _model(llama, seed=4, hidden=128)
+    joins = {0: [_prompt(100, 1)], 2: [_prompt(30, 2)], 4: [_prompt(60, 3)]}
+    want = _generate(model, joins, 40)
+    decode = CompiledDecode(model)
+    assert _generate(decode, joins, 40) == want
+    assert decode.retraced >= 1
+    assert len(decode.shapes) <= 2
 
 
 def test_a_quantized_cache_is_the_models_step() -> None:
@@ -201,6 +216,6 @@ def test_the_served_backend_compiles_its_step_and_answers_as_without_it(
     assert not isinstance(plain, CompiledDecode)
     assert on == off
     assert len(on) == 24
-    # warm() traced batches of 1 and 2; the request's steps ran compiled.
-    assert {(1, 256), (2, 256)} <= decode.shapes
+    # warm() traced batches of 1 and 2 (window 64); the request's steps ran compiled.
+    assert {(1, 64), (2, 64)} <= decode.shapes
     assert decode.steps >= 20

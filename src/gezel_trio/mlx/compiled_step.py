@@ -11,10 +11,13 @@ cannot be applied to the model as it is.
 one token per sequence, on caches that are all plain ``BatchKVCache`` with
 room for that token, runs ``_traced`` compiled: the token's keys and values
 are written at an index held in an array (``mx.slice_update``), and the
-attention reads the buffer up to its width under a mask of the slots that
-hold the sequence's tokens (not its left padding, not the slots beyond). So
-the function is traced once per batch size and buffer width (the buffer
-grows by 256 slots), not once per token. The caches then advance as
+attention reads the buffer up to the next multiple of 64 slots past that
+token, under a mask of the slots that hold the sequence's tokens (not its
+left padding, not the slots beyond). So the function is traced once per
+batch size and window (about 25 ms for SmolLM2), not once per token; a
+window as wide as the buffer (256 slots at a time) made the attention read
+up to 255 empty slots per sequence, which cost more than the compiling
+saved at 8 streams. The caches then advance as
 ``update_and_fetch`` would have advanced them. Every other call (a prefill,
 a quantized, rotating or linear-attention cache, a speculative verify, a
 buffer that must grow first) goes to the model unchanged.
@@ -60,6 +63,15 @@ log = logging.getLogger(__name__)
 _FAMILIES: Final = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
 
 
+# The attention reads the buffer up to the next multiple of this many slots
+# past the newest token: a trace per batch size and multiple (docs/performance.md).
+GRANULE: Final = 64
+# Past this many traces (about 25 ms each on SmolLM2's 30 layers) they are
+# all dropped and made again as steps need them: a bound on what a
+# long-running server keeps, where batch sizes and lengths keep changing.
+MAX_TRACES: Final = 512
+
+
 def compiled_blocker(model: Any) -> str | None:
     """Why ``model``'s decode step is not compiled; ``None``: it can be."""
     family = type(model).__module__
@@ -77,15 +89,21 @@ class _TracedCache:
     """What one layer's attention sees while the step is traced."""
 
     def __init__(
-        self, keys: mx.array, values: mx.array, index: mx.array, offset: mx.array, valid: mx.array
+        self,
+        keys: mx.array,
+        values: mx.array,
+        index: mx.array,
+        offset: mx.array,
+        valid: mx.array,
+        width: int,
     ) -> None:
         self.keys, self.values, self.offset = keys, values, offset
-        self._index, self._valid = index, valid
+        self._index, self._valid, self._width = index, valid, width
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys = mx.slice_update(self.keys, keys, self._index, axes=(2,))
         self.values = mx.slice_update(self.values, values, self._index, axes=(2,))
-        return self.keys, self.values
+        return self.keys[..., : self._width, :], self.values[..., : self._width, :]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> mx.array:
         if n != 1 or window_size is not None:
@@ -118,27 +136,32 @@ class CompiledDecode:
     the caches allow (the module docstring). Attributes it does not have are
     the model's."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, granule: int = GRANULE) -> None:
         self._model = model
         self._layers = len(model.layers)
+        self._granule = granule
+        # One marker array per window width: its shape is the width.
+        self._windows: dict[int, mx.array] = {}
         self._step = mx.compile(self._traced)
         self._off: str | None = None
         # Traces made, and the steps that ran compiled: for tests and logs.
         self.shapes: set[tuple[int, int]] = set()
         self.steps = 0
+        self.retraced = 0  # times every trace was dropped (MAX_TRACES)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
     def _traced(self, *arrays: mx.array) -> list[mx.array]:
-        tokens, index, offset, left = arrays[:4]
-        kv = arrays[4:]
-        width = kv[0].shape[2]
+        tokens, index, offset, left, window = arrays[:5]
+        kv = arrays[5:]
+        # What the attention reads: the slots up to the window's width
+        # (``window``'s shape, part of the trace's key), of the whole buffer.
+        width = window.shape[0]
         slots = mx.arange(width)
         valid = (slots[None] <= index) & (slots[None] >= left[:, None])
-        valid = valid[:, None, None, :]
         caches = [
-            _TracedCache(kv[2 * i], kv[2 * i + 1], index, offset, valid)
+            _TracedCache(kv[2 * i], kv[2 * i + 1], index, offset, valid[:, None, None, :], width)
             for i in range(self._layers)
         ]
         logits = self._model(tokens, cache=caches)
@@ -160,11 +183,19 @@ class CompiledDecode:
             return self._model(inputs, cache=cache, **kwargs)
         first = cache[0]
         idx = first._idx
-        shape = (inputs.shape[0], first.keys.shape[2])
-        arrays = [inputs, mx.array(idx), first.offset, first.left_padding]
+        width = min(first.keys.shape[2], -(-(idx + 1) // self._granule) * self._granule)
+        window = self._windows.get(width)
+        if window is None:
+            window = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
+        shape = (inputs.shape[0], width)
+        arrays = [inputs, mx.array(idx), first.offset, first.left_padding, window]
         for c in cache:
             arrays += [c.keys, c.values]
         new = shape not in self.shapes
+        if new and len(self.shapes) >= MAX_TRACES:
+            self._step = mx.compile(self._traced)
+            self.shapes.clear()
+            self.retraced += 1
         t0 = time.perf_counter()
         try:
             out = self._step(*arrays)
