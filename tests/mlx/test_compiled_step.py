@@ -30,7 +30,7 @@ from gezel_trio.core.backend import Admission
 from gezel_trio.core.request import GenerationRequest, SamplingParams
 from gezel_trio.mlx import compiled_step
 from gezel_trio.mlx.backend import MlxBackend
-from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker
+from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker, window
 from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
 
 VOCAB = 97
@@ -177,6 +177,22 @@ def test_a_model_that_asks_for_a_window_turns_it_off_and_is_answered_by_the_mode
     want = inner(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
     assert mx.array_equal(got, want).item()
     assert decode.steps == 0
+
+
+def test_the_window_grows_by_64_slots_then_by_a_quarter_of_its_width() -> None:
+    assert [window(n) for n in (1, 64, 65, 500, 512, 513, 1000, 1025, 3000)] == [
+        64,
+        64,
+        128,
+        512,
+        512,
+        640,
+        1024,
+        1280,
+        3072,
+    ]
+    for n in range(1, 5000):
+        assert n <= window(n) <= max(n + 63, n * 5 // 4)
 
 
 def test_without_a_compiler_for_the_fused_kernels_it_is_not_compiled(

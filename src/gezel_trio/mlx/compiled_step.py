@@ -12,8 +12,9 @@ one token per sequence, on caches that are all plain ``BatchKVCache`` with
 room for that token, runs ``_traced`` compiled: the token's keys and values
 are written at an index held in an array (``mx.slice_update``), and the
 attention reads the buffer up to the next multiple of 64 slots past that
-token, under a mask of the slots that hold the sequence's tokens (not its
-left padding, not the slots beyond). So the function is traced once per
+token (a wider step past 512 slots: ``window``), under a mask of the slots
+that hold the sequence's tokens (not its left padding, not the slots
+beyond). So the function is traced once per
 batch size and window (about 25 ms for SmolLM2), not once per token; a
 window as wide as the buffer (256 slots at a time) made the attention read
 up to 255 empty slots per sequence, which cost more than the compiling
@@ -63,9 +64,23 @@ log = logging.getLogger(__name__)
 _FAMILIES: Final = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
 
 
-# The attention reads the buffer up to the next multiple of this many slots
-# past the newest token: a trace per batch size and multiple (docs/performance.md).
-GRANULE: Final = 64
+# The attention reads the buffer up to the next multiple of a step of 64
+# slots past the newest token; past 512 slots the step doubles with the
+# width (128 up to 1,024, 256 up to 2,048, ...), so a long sequence makes a
+# new trace at most every quarter of its length, and reads at most a
+# quarter more slots than it holds. Each trace holds the GIL 20-30 ms on
+# SmolLM2 (docs/performance.md).
+STEP: Final = 64
+
+
+def window(slots: int) -> int:
+    """How many slots the attention reads when ``slots`` hold tokens."""
+    step = STEP
+    while slots > step * 8:
+        step *= 2
+    return -(-slots // step) * step
+
+
 # Past this many traces (about 25 ms each on SmolLM2's 30 layers) they are
 # all dropped and made again as steps need them: a bound on what a
 # long-running server keeps, where batch sizes and lengths keep changing.
@@ -136,10 +151,9 @@ class CompiledDecode:
     the caches allow (the module docstring). Attributes it does not have are
     the model's."""
 
-    def __init__(self, model: Any, granule: int = GRANULE) -> None:
+    def __init__(self, model: Any) -> None:
         self._model = model
         self._layers = len(model.layers)
-        self._granule = granule
         # One marker array per window width: its shape is the width.
         self._windows: dict[int, mx.array] = {}
         self._step = mx.compile(self._traced)
@@ -153,11 +167,11 @@ class CompiledDecode:
         return getattr(self._model, name)
 
     def _traced(self, *arrays: mx.array) -> list[mx.array]:
-        tokens, index, offset, left, window = arrays[:5]
+        tokens, index, offset, left, marker = arrays[:5]
         kv = arrays[5:]
-        # What the attention reads: the slots up to the window's width
-        # (``window``'s shape, part of the trace's key), of the whole buffer.
-        width = window.shape[0]
+        # What the attention reads: the buffer's first slots, as many as
+        # ``marker`` is long (its shape is part of the trace's key).
+        width = marker.shape[0]
         slots = mx.arange(width)
         valid = (slots[None] <= index) & (slots[None] >= left[:, None])
         caches = [
@@ -183,12 +197,12 @@ class CompiledDecode:
             return self._model(inputs, cache=cache, **kwargs)
         first = cache[0]
         idx = first._idx
-        width = min(first.keys.shape[2], -(-(idx + 1) // self._granule) * self._granule)
-        window = self._windows.get(width)
-        if window is None:
-            window = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
+        width = min(first.keys.shape[2], window(idx + 1))
+        marker = self._windows.get(width)
+        if marker is None:
+            marker = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
         shape = (inputs.shape[0], width)
-        arrays = [inputs, mx.array(idx), first.offset, first.left_padding, window]
+        arrays = [inputs, mx.array(idx), first.offset, first.left_padding, marker]
         for c in cache:
             arrays += [c.keys, c.values]
         new = shape not in self.shapes
