@@ -32,6 +32,7 @@ from gezel_trio.mlx import compiled_step
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker, window
 from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
+from gezel_trio.mlx.speculative import HoleyKVCache
 
 VOCAB = 97
 
@@ -120,6 +121,44 @@ def test_through_batch_generator_sequences_join_and_leave_with_the_models_tokens
     # wave of admissions (the model's prefill), nor a step right after a join.
     assert decode.steps >= 30, decode.steps
     assert {b for b, _ in decode.shapes} <= {1, 2, 3, 4}
+
+
+def test_speculations_holes_are_masked_and_cleared_as_the_models_step_does() -> None:
+    model = _model(llama, seed=5, hidden=128)
+    decode = CompiledDecode(model)
+    lens = [30, 12, 21]
+    pads = [max(lens) - n for n in lens]
+    rows = enumerate(zip(pads, lens, strict=True))
+    prompt = mx.array([[0] * p + _prompt(n, j) for j, (p, n) in rows])
+    plain = [BatchKVCache(pads) for _ in model.layers]
+    compiled = [BatchKVCache(pads) for _ in model.layers]
+    want = model(prompt, cache=plain)[:, -1]
+    decode(prompt, cache=compiled)
+    # A verify of 3 tokens each (the model's step on both), of which 2, 0
+    # and 1 were rejected: holes in two sequences.
+    proposal = mx.array([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+    model(proposal, cache=plain)
+    decode(proposal, cache=compiled)
+    for caches in (plain, compiled):
+        for c in caches:
+            HoleyKVCache.of(c).reject([2, 0, 1])
+            # One slot back: the next token is written over a hole (of the
+            # first and third sequences), which it must clear.
+            c.trim(1)
+    assert plain[0].holes is not None
+    assert plain[0].holes[:, plain[0]._idx].tolist() == [True, False, True]
+    token = mx.array([20, 21, 22])
+    for _ in range(6):
+        want = model(token[:, None], cache=plain)[:, -1]
+        got = decode(token[:, None], cache=compiled)[:, -1]
+        assert mx.allclose(want, got, rtol=0, atol=1e-4).item()
+        token = mx.argmax(want, -1)
+        assert mx.array_equal(token, mx.argmax(got, -1)).item()
+    assert decode.steps == 6
+    for a, b in zip(plain, compiled, strict=True):
+        assert mx.array_equal(a.holes, b.holes).item()
+        assert mx.array_equal(a.offset, b.offset).item()
+        assert a._idx == b._idx
 
 
 def test_past_its_bound_the_traces_are_dropped_and_made_again(

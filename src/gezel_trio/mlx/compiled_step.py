@@ -21,7 +21,10 @@ up to 255 empty slots per sequence, which cost more than the compiling
 saved at 8 streams. The caches then advance as
 ``update_and_fetch`` would have advanced them. Every other call (a prefill,
 a quantized, rotating or linear-attention cache, a speculative verify, a
-buffer that must grow first) goes to the model unchanged.
+buffer that must grow first) goes to the model unchanged. Speculation's
+caches with holes (``HoleyKVCache``: rejected slots beside accepted ones)
+are compiled too: the holes join the mask, and the written slot's is
+cleared, as its own ``update_and_fetch`` does.
 
 The masked slots get weights of exactly zero, but BLAS sums the weighted
 values over the wider buffer in another order, so logits differ from the
@@ -54,6 +57,8 @@ from typing import Any, Final
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from .speculative import HoleyKVCache
+
 __all__ = ["CompiledDecode", "compiled_blocker"]
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,10 @@ def window(slots: int) -> int:
 # all dropped and made again as steps need them: a bound on what a
 # long-running server keeps, where batch sizes and lengths keep changing.
 MAX_TRACES: Final = 512
+
+
+# The caches a step is compiled on (``_ready``).
+_KINDS: Final = (BatchKVCache, HoleyKVCache)
 
 
 def compiled_blocker(model: Any) -> str | None:
@@ -131,17 +140,22 @@ class _NotTraceable(Exception):
 
 
 def _ready(cache: Sequence[Any]) -> bool:
-    """Whether every layer is a plain batch KV cache with a free slot."""
+    """Whether every layer is a plain batch KV cache with a free slot, or
+    speculation's holey one (``HoleyKVCache``), holes or none in every layer."""
     first = cache[0]
-    if type(first) is not BatchKVCache or first.keys is None:
+    kind = type(first)
+    if kind not in _KINDS or first.keys is None:
         return False
     idx, width = first._idx, first.keys.shape[2]
     if idx >= width:
         return False
+    holey = getattr(first, "holes", None) is not None
     for c in cache:
-        if type(c) is not BatchKVCache or c.keys is None or c._right_padding is not None:
+        if type(c) is not kind or c.keys is None or c._right_padding is not None:
             return False
         if c._idx != idx or c.keys.shape[2] != width:
+            return False
+        if (getattr(c, "holes", None) is not None) != holey:
             return False
     return True
 
@@ -168,18 +182,25 @@ class CompiledDecode:
 
     def _traced(self, *arrays: mx.array) -> list[mx.array]:
         tokens, index, offset, left, marker = arrays[:5]
-        kv = arrays[5:]
+        kv = arrays[5 : 5 + 2 * self._layers]
         # What the attention reads: the buffer's first slots, as many as
         # ``marker`` is long (its shape is part of the trace's key).
         width = marker.shape[0]
         slots = mx.arange(width)
         valid = (slots[None] <= index) & (slots[None] >= left[:, None])
+        holes = arrays[5 + 2 * self._layers :]
+        if holes:
+            # Speculation's rejected slots (``HoleyKVCache``); the one about
+            # to be written holds a real token, whatever it held before.
+            written = mx.zeros((tokens.shape[0], 1), dtype=mx.bool_)
+            holes = (mx.slice_update(holes[0], written, index, axes=(1,)),)
+            valid = valid & ~holes[0][:, :width]
         caches = [
             _TracedCache(kv[2 * i], kv[2 * i + 1], index, offset, valid[:, None, None, :], width)
             for i in range(self._layers)
         ]
         logits = self._model(tokens, cache=caches)
-        out = [logits, offset + 1]
+        out = [logits, offset + 1, *holes]
         for c in caches:
             out += [c.keys, c.values]
         return out
@@ -205,6 +226,11 @@ class CompiledDecode:
         arrays = [inputs, mx.array(idx), first.offset, first.left_padding, marker]
         for c in cache:
             arrays += [c.keys, c.values]
+        holey = getattr(first, "holes", None) is not None
+        if holey:
+            for c in cache:
+                c._fit()  # as wide as the keys, as its own update would make them
+            arrays.append(first.holes)
         new = shape not in self.shapes
         if new and len(self.shapes) >= MAX_TRACES:
             self._step = mx.compile(self._traced)
@@ -226,11 +252,18 @@ class CompiledDecode:
             )
         del arrays
         logits, offset = out[0], out[1]
+        at = 3 if holey else 2
         for i, c in enumerate(cache):
             # The old buffers' last references go here, so MLX writes the
             # new slot in place instead of copying the buffer.
-            c.keys, c.values = out[2 + 2 * i], out[3 + 2 * i]
+            c.keys, c.values = out[at + 2 * i], out[at + 1 + 2 * i]
+            # One offset and one holes array for every layer: the caches
+            # rebind an offset, never update it in place, and update holes in
+            # place only by writes that give the same array when repeated
+            # for each layer (a rejection's OR, a written slot's False).
             c.offset = offset
+            if holey:
+                c.holes = out[2]
             c._idx = idx + 1
         self.steps += 1
         return logits
