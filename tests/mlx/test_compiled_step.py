@@ -9,8 +9,10 @@
   mid-decode, greedy tokens are the model's, and most steps ran compiled.
 - Calls it cannot take (a prefill, a quantized cache, a model that asks for
   a sliding window) go to the model, and leave the same results.
-- The served model's backend compiles its step, and the answer is the one
-  with ``--compiled-step off``.
+- A hybrid model's linear-attention state (Qwen 3.5's ``ArraysCache``)
+  goes through the compiled step with the attention layers' KV.
+- The served model's backend (dense and hybrid demo models) compiles its
+  step, and the answer is the one with ``--compiled-step off``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base, llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.utils import load
 
 from gezel_trio import EngineConfig
 from gezel_trio.core.backend import Admission
@@ -32,6 +35,7 @@ from gezel_trio.mlx import compiled_step
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker, window
 from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
+from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.speculative import HoleyKVCache
 
 VOCAB = 97
@@ -171,7 +175,26 @@ def test_past_its_bound_the_traces_are_dropped_and_made_again(
     decode = CompiledDecode(model)
     assert _generate(decode, joins, 40) == want
     assert decode.retraced >= 1
-    assert len(decode.shapes) <= 2
+    assert len(decode.traces) <= 2
+
+
+def test_a_hybrid_models_linear_attention_state_goes_through_the_compiled_step(
+    hybrid_model: Path,
+) -> None:
+    model, _ = load(str(hybrid_model))
+    hold_float32(model)
+    assert compiled_blocker(model) is None
+    joins = {0: [_prompt(40, 1), _prompt(9, 2)], 3: [_prompt(70, 3)], 9: [_prompt(20, 4)]}
+    want = _generate(model, joins, 60)
+    decode = CompiledDecode(model)
+    assert _generate(decode, joins, 60) == want
+    assert decode.steps >= 30, decode.steps
+    # Linear attention (two state arrays, with or without left padding as
+    # joins left it) in three layers of four.
+    assert decode.layouts
+    for layout in decode.layouts:
+        assert layout[3] == "kv"
+        assert {entry for i, entry in enumerate(layout) if i != 3} <= {(2, True), (2, False)}
 
 
 def test_a_quantized_cache_is_the_models_step() -> None:
@@ -262,10 +285,10 @@ def _answer(config: EngineConfig) -> tuple[list[int], Any]:
 
 
 def test_the_served_backend_compiles_its_step_and_answers_as_without_it(
-    dense_model: Path,
+    any_model: Path,
 ) -> None:
-    on, decode = _answer(EngineConfig(model=dense_model, speculation="off"))
-    off, plain = _answer(EngineConfig(model=dense_model, speculation="off", compiled_step="off"))
+    on, decode = _answer(EngineConfig(model=any_model, speculation="off"))
+    off, plain = _answer(EngineConfig(model=any_model, speculation="off", compiled_step="off"))
     assert isinstance(decode, CompiledDecode)
     assert decode.off is None
     assert not isinstance(plain, CompiledDecode)

@@ -21,7 +21,11 @@ up to 255 empty slots per sequence, which cost more than the compiling
 saved at 8 streams. The caches then advance as
 ``update_and_fetch`` would have advanced them. Every other call (a prefill,
 a quantized, rotating or linear-attention cache, a speculative verify, a
-buffer that must grow first) goes to the model unchanged. Speculation's
+buffer that must grow first) goes to the model unchanged. A hybrid model's
+linear-attention layers (Qwen 3.5's ``ArraysCache``: a convolution state
+and a recurrent one, and the batch's left padding) are passed in and out of
+the traced step with the attention layers' KV; a step is compiled per
+layout of those (a join can add or drop the padding). Speculation's
 caches with holes (``HoleyKVCache``: rejected slots beside accepted ones)
 are compiled too: the holes join the mask, and the written slot's is
 cleared, as its own ``update_and_fetch`` does.
@@ -40,7 +44,7 @@ runs them unfused, which measured no faster than the model's own step, so
 the step is not compiled then. ``warm`` compiles them at load, so no
 request waits for the compiler. Only model families whose
 attention reads ``cache.offset``, ``update_and_fetch`` and ``make_mask`` as
-llama's does are compiled (``_FAMILIES``). The traced graph holds the
+llama's does are compiled (``_FAMILIES``: llama, qwen2, qwen3, qwen3_5). The traced graph holds the
 weights it was traced with: a model whose weights change after load would
 need a new ``CompiledDecode``.
 """
@@ -55,7 +59,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
 from .speculative import HoleyKVCache
 
@@ -66,7 +70,10 @@ log = logging.getLogger(__name__)
 # mlx-lm modules whose attention uses the cache as llama's does: RoPE at
 # ``cache.offset``, then ``update_and_fetch``, then the mask from
 # ``create_attention_mask(h, cache[0])``.
-_FAMILIES: Final = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
+# Qwen 3.5's linear-attention layers keep their state in an ArraysCache.
+_FAMILIES: Final = frozenset(
+    {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3", "mlx_lm.models.qwen3_5"}
+)
 
 
 # The attention reads the buffer up to the next multiple of a step of 64
@@ -92,8 +99,13 @@ def window(slots: int) -> int:
 MAX_TRACES: Final = 512
 
 
-# The caches a step is compiled on (``_ready``).
+# The attention caches a step is compiled on (``_layout``).
 _KINDS: Final = (BatchKVCache, HoleyKVCache)
+# In a layout, an attention layer (its keys and values); any other entry is
+# a linear-attention layer's (how many state arrays, whether it has left
+# padding).
+_KV: Final = "kv"
+Layout = tuple[str | tuple[int, bool], ...]
 
 
 def compiled_blocker(model: Any) -> str | None:
@@ -110,7 +122,7 @@ def compiled_blocker(model: Any) -> str | None:
 
 
 class _TracedCache:
-    """What one layer's attention sees while the step is traced."""
+    """What one attention layer sees while the step is traced."""
 
     def __init__(
         self,
@@ -134,30 +146,83 @@ class _TracedCache:
             raise _NotTraceable("a sliding window or more than one token")
         return self._valid
 
+    def arrays(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+
+class _TracedArrays:
+    """What one linear-attention layer sees while the step is traced: its
+    state arrays and left padding (a decoding batch's ``ArraysCache``, which
+    the model reads and replaces by index), as ``ArraysCache`` uses them."""
+
+    lengths = None
+
+    def __init__(self, arrays: Sequence[mx.array], left_padding: mx.array | None) -> None:
+        self.cache = list(arrays)
+        self.left_padding = left_padding
+
+    def __getitem__(self, i: int) -> mx.array:
+        return self.cache[i]
+
+    def __setitem__(self, i: int, value: mx.array) -> None:
+        self.cache[i] = value
+
+    def advance(self, n: int) -> None:
+        if self.left_padding is not None:
+            self.left_padding = self.left_padding - n
+
+    def make_mask(self, n: int) -> mx.array | None:
+        if self.left_padding is None:
+            return None
+        return mx.arange(n)[None] >= self.left_padding[:, None]
+
+    def arrays(self) -> list[mx.array]:
+        return self.cache if self.left_padding is None else [*self.cache, self.left_padding]
+
 
 class _NotTraceable(Exception):
     """The model asked its cache for what the traced step does not hold."""
 
 
-def _ready(cache: Sequence[Any]) -> bool:
-    """Whether every layer is a plain batch KV cache with a free slot, or
-    speculation's holey one (``HoleyKVCache``), holes or none in every layer."""
-    first = cache[0]
-    kind = type(first)
-    if kind not in _KINDS or first.keys is None:
-        return False
-    idx, width = first._idx, first.keys.shape[2]
-    if idx >= width:
-        return False
-    holey = getattr(first, "holes", None) is not None
+def _layout(cache: Sequence[Any]) -> Layout | None:
+    """Each layer's entry (``_KV``, or a linear-attention layer's count of
+    state arrays and whether it is padded) when the step can be compiled on
+    ``cache``: every attention
+    layer a plain batch KV cache with a free slot, or speculation's holey one
+    (holes or none in every layer), at one index and width; every other layer
+    a decoding batch's ``ArraysCache``. ``None``: it cannot."""
+    layout: list[str | tuple[int, bool]] = []
+    first: Any = None
+    holey = False
     for c in cache:
-        if type(c) is not kind or c.keys is None or c._right_padding is not None:
-            return False
-        if c._idx != idx or c.keys.shape[2] != width:
-            return False
-        if (getattr(c, "holes", None) is not None) != holey:
-            return False
-    return True
+        if type(c) is ArraysCache:
+            if c.lengths is not None or any(a is None for a in c.cache):
+                return None
+            layout.append((len(c.cache), c.left_padding is not None))
+            continue
+        if type(c) not in _KINDS or c.keys is None or c._right_padding is not None:
+            return None
+        if first is None:
+            first, holey = c, getattr(c, "holes", None) is not None
+            if c._idx >= c.keys.shape[2]:
+                return None
+        elif (
+            type(c) is not type(first)
+            or c._idx != first._idx
+            or c.keys.shape[2] != first.keys.shape[2]
+            or (getattr(c, "holes", None) is not None) != holey
+        ):
+            return None
+        layout.append(_KV)
+    return tuple(layout) if first is not None else None
+
+
+def _width(entry: str | tuple[int, bool]) -> int:
+    """How many arrays a layer's entry passes in and out of the step."""
+    if not isinstance(entry, tuple):
+        return 2  # keys, values
+    count, padded = entry
+    return count + padded
 
 
 class CompiledDecode:
@@ -168,41 +233,69 @@ class CompiledDecode:
     def __init__(self, model: Any) -> None:
         self._model = model
         self._layers = len(model.layers)
+        # One compiled function per layout (``_layout``: a join can add or
+        # drop the linear-attention layers' padding).
+        self._steps: dict[Layout, Any] = {}
+        # The layouts steps were compiled for, the last one's last.
+        self.layouts: list[Layout] = []
         # One marker array per window width: its shape is the width.
         self._windows: dict[int, mx.array] = {}
-        self._step = mx.compile(self._traced)
         self._off: str | None = None
-        # Traces made, and the steps that ran compiled: for tests and logs.
-        self.shapes: set[tuple[int, int]] = set()
+        # Traces made (layout, batch, window), and the steps that ran
+        # compiled: for tests and logs.
+        self.traces: set[tuple[Layout, int, int]] = set()
         self.steps = 0
         self.retraced = 0  # times every trace was dropped (MAX_TRACES)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
-    def _traced(self, *arrays: mx.array) -> list[mx.array]:
+    @property
+    def shapes(self) -> set[tuple[int, int]]:
+        """The (batch, window) pairs traced, whatever the layout."""
+        return {(b, w) for _, b, w in self.traces}
+
+    def _compiled(self, layout: Layout) -> Any:
+        step = self._steps.get(layout)
+        if step is None:
+
+            def traced(*arrays: mx.array) -> list[mx.array]:
+                return self._traced(layout, arrays)
+
+            step = self._steps[layout] = mx.compile(traced)
+        return step
+
+    def _traced(self, layout: Layout, arrays: Sequence[mx.array]) -> list[mx.array]:
         tokens, index, offset, left, marker = arrays[:5]
-        kv = arrays[5 : 5 + 2 * self._layers]
         # What the attention reads: the buffer's first slots, as many as
         # ``marker`` is long (its shape is part of the trace's key).
         width = marker.shape[0]
         slots = mx.arange(width)
         valid = (slots[None] <= index) & (slots[None] >= left[:, None])
-        holes = arrays[5 + 2 * self._layers :]
+        at = 5 + sum(_width(n) for n in layout)
+        holes = arrays[at:]
         if holes:
             # Speculation's rejected slots (``HoleyKVCache``); the one about
             # to be written holds a real token, whatever it held before.
             written = mx.zeros((tokens.shape[0], 1), dtype=mx.bool_)
             holes = (mx.slice_update(holes[0], written, index, axes=(1,)),)
             valid = valid & ~holes[0][:, :width]
-        caches = [
-            _TracedCache(kv[2 * i], kv[2 * i + 1], index, offset, valid[:, None, None, :], width)
-            for i in range(self._layers)
-        ]
+        mask = valid[:, None, None, :]
+        caches: list[_TracedCache | _TracedArrays] = []
+        at = 5
+        for n in layout:
+            part = arrays[at : at + _width(n)]
+            at += len(part)
+            if not isinstance(n, tuple):
+                caches.append(_TracedCache(part[0], part[1], index, offset, mask, width))
+            elif n[1]:  # padded: its left padding comes last
+                caches.append(_TracedArrays(part[:-1], part[-1]))
+            else:
+                caches.append(_TracedArrays(part, None))
         logits = self._model(tokens, cache=caches)
         out = [logits, offset + 1, *holes]
         for c in caches:
-            out += [c.keys, c.values]
+            out += c.arrays()
         return out
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> Any:
@@ -213,10 +306,12 @@ class CompiledDecode:
             or len(cache) != self._layers
             or inputs.ndim != 2
             or inputs.shape[1] != 1
-            or not _ready(cache)
         ):
             return self._model(inputs, cache=cache, **kwargs)
-        first = cache[0]
+        layout = _layout(cache)
+        if layout is None:
+            return self._model(inputs, cache=cache, **kwargs)
+        first = cache[layout.index(_KV)]
         idx = first._idx
         width = min(first.keys.shape[2], window(idx + 1))
         marker = self._windows.get(width)
@@ -224,27 +319,34 @@ class CompiledDecode:
             marker = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
         shape = (inputs.shape[0], width)
         arrays = [inputs, mx.array(idx), first.offset, first.left_padding, marker]
-        for c in cache:
-            arrays += [c.keys, c.values]
+        for c, n in zip(cache, layout, strict=True):
+            if n == _KV:
+                arrays += [c.keys, c.values]
+            else:
+                arrays += c.cache if c.left_padding is None else [*c.cache, c.left_padding]
         holey = getattr(first, "holes", None) is not None
         if holey:
-            for c in cache:
-                c._fit()  # as wide as the keys, as its own update would make them
+            for c, n in zip(cache, layout, strict=True):
+                if n == _KV:
+                    c._fit()  # as wide as the keys, as its own update would make them
             arrays.append(first.holes)
-        new = shape not in self.shapes
-        if new and len(self.shapes) >= MAX_TRACES:
-            self._step = mx.compile(self._traced)
-            self.shapes.clear()
+        key = (layout, *shape)
+        new = key not in self.traces
+        if new and len(self.traces) >= MAX_TRACES:
+            self._steps.clear()  # the compiled functions go, and their traces
+            self.traces.clear()
             self.retraced += 1
         t0 = time.perf_counter()
         try:
-            out = self._step(*arrays)
+            out = self._compiled(layout)(*arrays)
         except _NotTraceable as e:
             self._off = str(e)
             log.warning("compiled step: off for this model (%s)", e)
             return self._model(inputs, cache=cache, **kwargs)
         if new:
-            self.shapes.add(shape)
+            self.traces.add(key)
+            if layout not in self.layouts:
+                self.layouts.append(layout)
             log.debug(
                 "compiled step: traced for %d sequences x %d slots in %.0f ms",
                 *shape,
@@ -253,10 +355,19 @@ class CompiledDecode:
         del arrays
         logits, offset = out[0], out[1]
         at = 3 if holey else 2
-        for i, c in enumerate(cache):
+        for c, n in zip(cache, layout, strict=True):
+            if isinstance(n, tuple):
+                count, padded = n
+                c.cache = list(out[at : at + count])
+                if padded:
+                    # Its own array: ArraysCache.advance updates it in place.
+                    c.left_padding = out[at + count]
+                at += _width(n)
+                continue
             # The old buffers' last references go here, so MLX writes the
             # new slot in place instead of copying the buffer.
-            c.keys, c.values = out[at + 2 * i], out[at + 1 + 2 * i]
+            c.keys, c.values = out[at], out[at + 1]
+            at += 2
             # One offset and one holes array for every layer: the caches
             # rebind an offset, never update it in place, and update holes in
             # place only by writes that give the same array when repeated
@@ -280,13 +391,18 @@ class CompiledDecode:
         on the host thread, in the model's stream."""
         t0 = time.perf_counter()
         try:
+            one = make_prompt_cache(self._model)
+            mx.eval(self._model(mx.zeros((1, 2), dtype=mx.int32), cache=one))
             for b in batches:
-                cache = [BatchKVCache([0] * b) for _ in range(self._layers)]
-                prompt = mx.zeros((b, 2), dtype=mx.int32)
-                self._model(prompt, cache=cache)  # allocates each layer's buffer
+                # A batch as BatchGenerator merges one (each buffer exactly
+                # full); the model's step grows it, then one is compiled.
+                cache = [c.merge([c] * b) for c in one]
                 # A decode step's tokens are sampled: uint32.
-                logits = self(mx.zeros((b, 1), dtype=mx.uint32), cache=cache)
-                mx.eval(logits, [c.keys for c in cache], [c.values for c in cache])
+                tokens = mx.zeros((b, 1), dtype=mx.uint32)
+                self._model(tokens, cache=cache)
+                logits = self(tokens, cache=cache)
+                state = [c.keys if type(c) is not ArraysCache else c.cache for c in cache]
+                mx.eval(logits, state, [c.values for c in cache if type(c) is not ArraysCache])
         except Exception as e:  # any failure leaves the model's own step
             self._off = f"{type(e).__name__}: {e}"
             log.warning("compiled step: off (%s)", self._off)
