@@ -66,14 +66,11 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [(7 * i + 3 * salt) % VOCAB for i in range(n)]
 
 
-@pytest.mark.parametrize("family", [llama, qwen2, qwen3], ids=lambda m: m.__name__.rsplit(".")[-1])
-def test_a_padded_batch_decodes_to_the_same_logits_across_the_buffers_growth(
-    family: ModuleType,
-) -> None:
-    model = _model(family, hidden=128)  # heads of 32
-    assert compiled_blocker(model) is None
-    decode = CompiledDecode(model)
-    lens = [250, 240, 3]
+def _prefilled(
+    model: Any, decode: CompiledDecode, lens: list[int]
+) -> tuple[list[Any], list[Any], mx.array, mx.array]:
+    """Left-padded prompts of ``lens`` tokens prefilled through the model and
+    through ``decode``: each one's caches and last logits."""
     pads = [max(lens) - n for n in lens]
     rows = enumerate(zip(pads, lens, strict=True))
     prompt = mx.array([[0] * p + _prompt(n, j) for j, (p, n) in rows])
@@ -81,6 +78,17 @@ def test_a_padded_batch_decodes_to_the_same_logits_across_the_buffers_growth(
     compiled = [BatchKVCache(pads) for _ in model.layers]
     want = model(prompt, cache=plain)[:, -1]
     got = decode(prompt, cache=compiled)[:, -1]
+    return plain, compiled, want, got
+
+
+@pytest.mark.parametrize("family", [llama, qwen2, qwen3], ids=lambda m: m.__name__.rsplit(".")[-1])
+def test_a_padded_batch_decodes_to_the_same_logits_across_the_buffers_growth(
+    family: ModuleType,
+) -> None:
+    model = _model(family, hidden=128)  # heads of 32
+    assert compiled_blocker(model) is None
+    decode = CompiledDecode(model)
+    plain, compiled, want, got = _prefilled(model, decode, [250, 240, 3])
     assert decode.steps == 0  # a prefill is the model's
     assert mx.array_equal(want, got).item()
     for _ in range(30):
@@ -130,14 +138,7 @@ def test_through_batch_generator_sequences_join_and_leave_with_the_models_tokens
 def test_speculations_holes_are_masked_and_cleared_as_the_models_step_does() -> None:
     model = _model(llama, seed=5, hidden=128)
     decode = CompiledDecode(model)
-    lens = [30, 12, 21]
-    pads = [max(lens) - n for n in lens]
-    rows = enumerate(zip(pads, lens, strict=True))
-    prompt = mx.array([[0] * p + _prompt(n, j) for j, (p, n) in rows])
-    plain = [BatchKVCache(pads) for _ in model.layers]
-    compiled = [BatchKVCache(pads) for _ in model.layers]
-    want = model(prompt, cache=plain)[:, -1]
-    decode(prompt, cache=compiled)
+    plain, compiled, want, _ = _prefilled(model, decode, [30, 12, 21])
     # A verify of 3 tokens each (the model's step on both), of which 2, 0
     # and 1 were rejected: holes in two sequences.
     proposal = mx.array([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
