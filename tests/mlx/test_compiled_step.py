@@ -11,12 +11,17 @@
   a sliding window) go to the model, and leave the same results.
 - A hybrid model's linear-attention state (Qwen 3.5's ``ArraysCache``)
   goes through the compiled step with the attention layers' KV.
+- Kernels MLX cannot load (a corrupt library in its directory) turn the
+  step off at load, in a process of its own with its own ``TMPDIR``.
 - The served model's backend (dense and hybrid demo models) compiles its
   step, and the answer is the one with ``--compiled-step off``.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -265,6 +270,45 @@ def test_without_a_compiler_for_the_fused_kernels_it_is_not_compiled(
     assert compiled_blocker(model) is None
     monkeypatch.setattr("shutil.which", lambda _name: None)
     assert compiled_blocker(model) == "no g++ on PATH for MLX's fused CPU kernels"
+
+
+_WARM = """
+import sys
+import gezel_trio
+import mlx.core as mx
+from mlx_lm.models import llama
+from gezel_trio.mlx.compiled_step import CompiledDecode
+
+args = llama.ModelArgs(
+    model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97,
+)
+model = llama.Model(args)
+mx.eval(model.parameters())
+decode = CompiledDecode(model)
+decode.warm()
+print(decode.off)
+"""
+
+
+def test_kernels_mlx_cannot_load_turn_it_off_at_load(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+
+    def warm() -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", _WARM], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()[-1]
+
+    assert warm() == "None"  # compiled into this TMPDIR's mlx/<version>/cpu
+    libraries = list((tmp_path / "mlx").glob("*/cpu/lib*.so"))
+    assert libraries
+    assert (tmp_path / "mlx" / "gezel-trio-warm.lock").is_file()
+    for lib in libraries:
+        lib.write_bytes(b"not a shared library")
+    off = warm()
+    assert "Could not load C++ shared library" in off, off
 
 
 def _answer(config: EngineConfig) -> tuple[list[int], Any]:

@@ -51,11 +51,14 @@ need a new ``CompiledDecode``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import mlx.core as mx
@@ -97,6 +100,8 @@ def window(slots: int) -> int:
 # all dropped and made again as steps need them: a bound on what a
 # long-running server keeps, where batch sizes and lengths keep changing.
 MAX_TRACES: Final = 512
+# How long a warm-up waits for another process's (``_kernels_lock``).
+_LOCK_WAIT_S: Final = 120.0
 
 
 # The attention caches a step is compiled on (``_layout``).
@@ -391,18 +396,8 @@ class CompiledDecode:
         on the host thread, in the model's stream."""
         t0 = time.perf_counter()
         try:
-            one = make_prompt_cache(self._model)
-            mx.eval(self._model(mx.zeros((1, 2), dtype=mx.int32), cache=one))
-            for b in batches:
-                # A batch as BatchGenerator merges one (each buffer exactly
-                # full); the model's step grows it, then one is compiled.
-                cache = [c.merge([c] * b) for c in one]
-                # A decode step's tokens are sampled: uint32.
-                tokens = mx.zeros((b, 1), dtype=mx.uint32)
-                self._model(tokens, cache=cache)
-                logits = self(tokens, cache=cache)
-                state = [c.keys if type(c) is not ArraysCache else c.cache for c in cache]
-                mx.eval(logits, state, [c.values for c in cache if type(c) is not ArraysCache])
+            with _kernels_lock():
+                self._warm(batches)
         except Exception as e:  # any failure leaves the model's own step
             self._off = f"{type(e).__name__}: {e}"
             log.warning("compiled step: off (%s)", self._off)
@@ -414,3 +409,50 @@ class CompiledDecode:
             ", ".join(f"{b} x {w}" for b, w in sorted(self.shapes)) or "nothing traced",
             time.perf_counter() - t0,
         )
+
+    def _warm(self, batches: Sequence[int]) -> None:
+        one = make_prompt_cache(self._model)
+        mx.eval(self._model(mx.zeros((1, 2), dtype=mx.int32), cache=one))
+        for b in batches:
+            # A batch as BatchGenerator merges one (each buffer exactly full);
+            # the model's step grows it, then one is compiled.
+            cache = [c.merge([c] * b) for c in one]
+            # A decode step's tokens are sampled: uint32.
+            tokens = mx.zeros((b, 1), dtype=mx.uint32)
+            self._model(tokens, cache=cache)
+            logits = self(tokens, cache=cache)
+            state = [c.keys if type(c) is not ArraysCache else c.cache for c in cache]
+            mx.eval(logits, state, [c.values for c in cache if type(c) is not ArraysCache])
+
+
+@contextlib.contextmanager
+def _kernels_lock() -> Iterator[None]:
+    """Held while warming: MLX writes each new kernel's source and library
+    straight into the directory every process shares, so two servers
+    starting together on a machine that has not compiled them yet could
+    load each other's half-written files. The second waits for the first,
+    then finds them built."""
+    try:
+        import fcntl
+    except ImportError:  # Windows has no fcntl: no lock
+        yield
+        return
+    folder = Path(tempfile.gettempdir()) / "mlx"
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "gezel-trio-warm.lock").open("w") as f:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    # A process stuck in its warm-up: warm without the lock.
+                    log.warning("compiled step: warming without the kernels' lock")
+                    yield
+                    return
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
