@@ -45,6 +45,9 @@ HOST: tuple[Rule, ...] = (
     ("idle (no work)", r"wait_for_work", r""),
     ("exchange with the Trio thread", r"from_thread_run_sync|_send_message_to_trio", r"trio/"),
     ("waiting for MLX (the step computing)", r"^GenerationBatch\._step$", r"mlx_lm/generate\.py"),
+    # The compiled step (``--compiled-step``): MLX replaying its trace; a
+    # new trace's Python is in mlx-lm's models, the graph build's rule.
+    ("the compiled step's call", r"^CompiledDecode\.__call__$", r"gezel_trio/mlx/compiled_step"),
     ("building the model graph", r"", r"mlx_lm/models/|mlx/nn/"),
     ("sampling", r"sampl|categorical|logsumexp", r""),
     ("detokenizer", r"Detokenizer|detok", r""),
