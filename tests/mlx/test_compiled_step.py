@@ -311,6 +311,35 @@ def test_kernels_mlx_cannot_load_turn_it_off_at_load(tmp_path: Path) -> None:
     assert "Could not load C++ shared library" in off, off
 
 
+class _PickyLlama:
+    """llama's model, reading an attribute of its cache that the traced
+    step's caches do not have: a family that uses its cache otherwise."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.layers = model, model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        if not hasattr(cache[0], "_idx"):
+            raise ValueError("no _idx")
+        out: mx.array = self.model(inputs, cache=cache)
+        return out
+
+
+def test_a_step_that_fails_to_trace_is_the_models_and_turns_it_off() -> None:
+    inner = _model(llama, seed=6)
+    decode = CompiledDecode(_PickyLlama(inner))
+    caches = [BatchKVCache([0]) for _ in inner.layers]
+    mirror = [BatchKVCache([0]) for _ in inner.layers]
+    prompt = mx.array([_prompt(10, 7)])
+    got, want = decode(prompt, cache=caches), inner(prompt, cache=mirror)
+    for _ in range(3):
+        got = decode(mx.argmax(got[:, -1], -1)[:, None], cache=caches)
+        want = inner(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
+        assert mx.array_equal(got, want).item()
+    assert decode.off == "ValueError: no _idx"
+    assert decode.steps == 0
+
+
 def _answer(config: EngineConfig) -> tuple[list[int], Any]:
     backend = MlxBackend(config)
     prompt = tuple(_prompt(30, 7))

@@ -8,27 +8,29 @@ Python integer offsets, so each step is a new graph, and ``mx.compile``
 cannot be applied to the model as it is.
 
 ``CompiledDecode`` stands in for the model in ``BatchGenerator``. A call with
-one token per sequence, on caches that are all plain ``BatchKVCache`` with
-room for that token, runs ``_traced`` compiled: the token's keys and values
-are written at an index held in an array (``mx.slice_update``), and the
-attention reads the buffer up to the next multiple of 64 slots past that
-token (a wider step past 512 slots: ``window``), under a mask of the slots
-that hold the sequence's tokens (not its left padding, not the slots
-beyond). So the function is traced once per
-batch size and window (about 25 ms for SmolLM2), not once per token; a
-window as wide as the buffer (256 slots at a time) made the attention read
-up to 255 empty slots per sequence, which cost more than the compiling
-saved at 8 streams. The caches then advance as
+one token per sequence, on caches it can take (``_layout``), runs
+``_traced`` compiled:
+
+- the token's keys and values are written at an index held in an array
+  (``mx.slice_update``);
+- the attention reads the buffer up to the next multiple of 64 slots past
+  that token (a wider step past 512 slots: ``window``), under a mask of the
+  slots that hold the sequence's tokens (not its left padding, not the
+  slots beyond). A window as wide as the buffer (256 slots at a time) made
+  the attention read up to 255 empty slots per sequence, which cost more
+  than the compiling saved at 8 streams;
+- a hybrid model's linear-attention layers (Qwen 3.5's ``ArraysCache``: a
+  convolution state, a recurrent one, the batch's left padding) are passed
+  in and out with the attention layers' KV;
+- speculation's caches with holes (``HoleyKVCache``: rejected slots beside
+  accepted ones) add the holes to the mask and clear the written slot's, as
+  their own ``update_and_fetch`` does.
+
+So the function is traced once per layout, batch size and window (about
+25 ms for SmolLM2), not once per token, and the caches then advance as
 ``update_and_fetch`` would have advanced them. Every other call (a prefill,
-a quantized, rotating or linear-attention cache, a speculative verify, a
-buffer that must grow first) goes to the model unchanged. A hybrid model's
-linear-attention layers (Qwen 3.5's ``ArraysCache``: a convolution state
-and a recurrent one, and the batch's left padding) are passed in and out of
-the traced step with the attention layers' KV; a step is compiled per
-layout of those (a join can add or drop the padding). Speculation's
-caches with holes (``HoleyKVCache``: rejected slots beside accepted ones)
-are compiled too: the holes join the mask, and the written slot's is
-cleared, as its own ``update_and_fetch`` does.
+a quantized or rotating cache, a speculative verify, a buffer that must
+grow first) goes to the model unchanged.
 
 The masked slots get weights of exactly zero, but BLAS sums the weighted
 values over the wider buffer in another order, so logits differ from the
@@ -39,14 +41,14 @@ needs ``--compiled-step off``.
 
 MLX fuses the traced elementwise ops into kernels it compiles with the
 system's ``g++`` and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
-processes (about 7 s of compiling, once per machine). Without ``g++`` MLX
+processes (seconds of compiling, once per machine). Without ``g++`` MLX
 runs them unfused, which measured no faster than the model's own step, so
-the step is not compiled then. ``warm`` compiles them at load, so no
-request waits for the compiler. Only model families whose
-attention reads ``cache.offset``, ``update_and_fetch`` and ``make_mask`` as
-llama's does are compiled (``_FAMILIES``: llama, qwen2, qwen3, qwen3_5). The traced graph holds the
-weights it was traced with: a model whose weights change after load would
-need a new ``CompiledDecode``.
+the step is not compiled then. ``warm`` compiles them at load, so no request
+waits for the compiler. Only the families whose attention reads
+``cache.offset``, ``update_and_fetch`` and ``make_mask`` as llama's does are
+compiled (``_FAMILIES``: llama, qwen2, qwen3, qwen3_5). The traced graph
+holds the weights it was traced with: a model whose weights change after
+load would need a new ``CompiledDecode``.
 """
 
 from __future__ import annotations
@@ -192,10 +194,10 @@ class _NotTraceable(Exception):
 def _layout(cache: Sequence[Any]) -> Layout | None:
     """Each layer's entry (``_KV``, or a linear-attention layer's count of
     state arrays and whether it is padded) when the step can be compiled on
-    ``cache``: every attention
-    layer a plain batch KV cache with a free slot, or speculation's holey one
-    (holes or none in every layer), at one index and width; every other layer
-    a decoding batch's ``ArraysCache``. ``None``: it cannot."""
+    ``cache``: every attention layer a plain batch KV cache with a free
+    slot, or speculation's holey one (holes or none in every layer), at one
+    index and width; every other layer a decoding batch's ``ArraysCache``.
+    ``None``: it cannot."""
     layout: list[str | tuple[int, bool]] = []
     first: Any = None
     holey = False
@@ -344,9 +346,11 @@ class CompiledDecode:
         t0 = time.perf_counter()
         try:
             out = self._compiled(layout)(*arrays)
-        except _NotTraceable as e:
-            self._off = str(e)
-            log.warning("compiled step: off for this model (%s)", e)
+        except Exception as e:  # nothing has changed yet: the model's step instead
+            # _NotTraceable: what the model asked of its cache; anything else
+            # raised while tracing is as much a reason to stop compiling.
+            self._off = str(e) if isinstance(e, _NotTraceable) else f"{type(e).__name__}: {e}"
+            log.warning("compiled step: off for this model (%s)", self._off)
             return self._model(inputs, cache=cache, **kwargs)
         if new:
             self.traces.add(key)
