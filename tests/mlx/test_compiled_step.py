@@ -203,17 +203,25 @@ def test_a_hybrid_models_linear_attention_state_goes_through_the_compiled_step(
         assert {entry for i, entry in enumerate(layout) if i != 3} <= {(2, True), (2, False)}
 
 
+def _beside(
+    decode: CompiledDecode, model: Any, caches: list[Any], mirror: list[Any], prompt: list[int]
+) -> None:
+    """Greedy steps through ``decode`` on ``caches`` and through ``model`` on
+    ``mirror``, each the same logits as the other's."""
+    got = decode(mx.array([prompt]), cache=caches)
+    want = model(mx.array([prompt]), cache=mirror)
+    for _ in range(4):
+        got = decode(mx.argmax(got[:, -1], -1)[:, None], cache=caches)
+        want = model(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
+        assert mx.array_equal(got, want).item()
+
+
 def test_a_quantized_cache_is_the_models_step() -> None:
     model = _model(llama, seed=2, hidden=128)  # heads of 32, one quantization group
     decode = CompiledDecode(model)
     caches = [BatchQuantizedKVCache([0], group_size=32, bits=8) for _ in model.layers]
     mirror = [BatchQuantizedKVCache([0], group_size=32, bits=8) for _ in model.layers]
-    prompt = mx.array([_prompt(20, 5)])
-    got, want = decode(prompt, cache=caches), model(prompt, cache=mirror)
-    for _ in range(5):
-        got = decode(mx.argmax(got[:, -1], -1)[:, None], cache=caches)
-        want = model(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
-        assert mx.array_equal(got, want).item()
+    _beside(decode, model, caches, mirror, _prompt(20, 5))
     assert decode.steps == 0
 
 
@@ -239,11 +247,7 @@ def test_a_model_that_asks_for_a_window_turns_it_off_and_is_answered_by_the_mode
     assert "window" in decode.off
     caches = [BatchKVCache([0]) for _ in inner.layers]
     mirror = [BatchKVCache([0]) for _ in inner.layers]
-    prompt = mx.array([_prompt(10, 6)])
-    got, want = decode(prompt, cache=caches), inner(prompt, cache=mirror)
-    got = decode(mx.argmax(got[:, -1], -1)[:, None], cache=caches)
-    want = inner(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
-    assert mx.array_equal(got, want).item()
+    _beside(decode, inner, caches, mirror, _prompt(10, 6))
     assert decode.steps == 0
 
 
@@ -330,12 +334,7 @@ def test_a_step_that_fails_to_trace_is_the_models_and_turns_it_off() -> None:
     decode = CompiledDecode(_PickyLlama(inner))
     caches = [BatchKVCache([0]) for _ in inner.layers]
     mirror = [BatchKVCache([0]) for _ in inner.layers]
-    prompt = mx.array([_prompt(10, 7)])
-    got, want = decode(prompt, cache=caches), inner(prompt, cache=mirror)
-    for _ in range(3):
-        got = decode(mx.argmax(got[:, -1], -1)[:, None], cache=caches)
-        want = inner(mx.argmax(want[:, -1], -1)[:, None], cache=mirror)
-        assert mx.array_equal(got, want).item()
+    _beside(decode, inner, caches, mirror, _prompt(10, 7))
     assert decode.off == "ValueError: no _idx"
     assert decode.steps == 0
 
