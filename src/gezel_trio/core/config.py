@@ -216,7 +216,7 @@ class EngineConfig:
         "on",
         flag="--compiled-step",
         help="run a one-token decode step as one graph compiled by mx.compile (traced once "
-        "per batch size and KV buffer width, its elementwise ops fused) where the model's "
+        "per batch size and attention window, its elementwise ops fused) where the model's "
         "family and caches allow; off: build the model's graph in Python every step",
         choices=COMPILED_STEP_MODES,
         validator=_one_of(COMPILED_STEP_MODES),

@@ -66,6 +66,7 @@ from typing import Any, Final
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
+from ..core.shared_dir import DirLock
 from .speculative import HoleyKVCache
 
 __all__ = ["CompiledDecode", "compiled_blocker"]
@@ -326,16 +327,15 @@ class CompiledDecode:
             marker = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
         shape = (inputs.shape[0], width)
         arrays = [inputs, mx.array(idx), first.offset, first.left_padding, marker]
-        for c, n in zip(cache, layout, strict=True):
-            if n == _KV:
-                arrays += [c.keys, c.values]
-            else:
-                arrays += c.cache if c.left_padding is None else [*c.cache, c.left_padding]
         holey = getattr(first, "holes", None) is not None
+        for c, n in zip(cache, layout, strict=True):
+            if n != _KV:
+                arrays += c.cache if c.left_padding is None else [*c.cache, c.left_padding]
+                continue
+            arrays += [c.keys, c.values]
+            if holey:
+                c._fit()  # holes as wide as the keys, as its own update would make them
         if holey:
-            for c, n in zip(cache, layout, strict=True):
-                if n == _KV:
-                    c._fit()  # as wide as the keys, as its own update would make them
             arrays.append(first.holes)
         key = (layout, *shape)
         new = key not in self.traces
@@ -435,28 +435,21 @@ def _kernels_lock() -> Iterator[None]:
     straight into the directory every process shares, so two servers
     starting together on a machine that has not compiled them yet could
     load each other's half-written files. The second waits for the first,
-    then finds them built."""
-    try:
-        import fcntl
-    except ImportError:  # Windows has no fcntl: no lock
-        yield
-        return
+    then finds them built; past ``_LOCK_WAIT_S`` (a process stuck in its
+    warm-up) it warms without the lock."""
     folder = Path(tempfile.gettempdir()) / "mlx"
     folder.mkdir(parents=True, exist_ok=True)
-    with (folder / "gezel-trio-warm.lock").open("w") as f:
-        deadline = time.monotonic() + _LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    # A process stuck in its warm-up: warm without the lock.
-                    log.warning("compiled step: warming without the kernels' lock")
-                    yield
-                    return
-                time.sleep(0.1)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    marker = folder / "gezel-trio-warm.lock"
+    marker.touch()
+    lock = DirLock(marker)  # flock, on this file as on a directory
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    # flock has no timeout of its own: try again every 0.1 s until then.
+    while not lock.acquire():
+        if time.monotonic() > deadline:
+            log.warning("compiled step: warming without the kernels' lock")
+            break
+        time.sleep(0.1)
+    try:
+        yield
+    finally:
+        lock.release()
