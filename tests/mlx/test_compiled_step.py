@@ -4,13 +4,17 @@
   batch of left-padded sequences decodes to the same greedy tokens through
   the compiled step as through the model, its logits within float rounding
   (the attention sums over the padded buffer in another order), across the
-  buffer's growth from 256 to 512 slots; one trace per buffer width.
+  buffer's growth from 256 to 512 slots; one trace per window, shared by
+  the layers.
 - Through mlx-lm's ``BatchGenerator``, with sequences joining and leaving
   mid-decode, greedy tokens are the model's, and most steps ran compiled.
 - Calls it cannot take (a prefill, a quantized cache, a model that asks for
   a sliding window) go to the model, and leave the same results.
 - A hybrid model's linear-attention state (Qwen 3.5's ``ArraysCache``)
   goes through the compiled step with the attention layers' KV.
+- The model keeps its layers and weights through compiled steps, and
+  through a layer that fails while traced; a model whose loop runs a layer
+  twice in a step is the model's.
 - Kernels MLX cannot load (a corrupt library in its directory) turn the
   step off at load, in a process of its own with its own ``TMPDIR``.
 - The served model's backend (dense and hybrid demo models) compiles its
@@ -27,7 +31,9 @@ from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base, llama, qwen2, qwen3
 from mlx_lm.models.cache import BatchKVCache
@@ -108,6 +114,8 @@ def test_a_padded_batch_decodes_to_the_same_logits_across_the_buffers_growth(
     assert decode.steps == 29
     # Windows of 64 slots: 256 up to the growth, then 320 (of 512).
     assert decode.shapes == {(3, 256), (3, 320)}
+    # Both layers ran one function, traced once for each window.
+    assert decode.layer_traces == 2
     assert mx.array_equal(compiled[1].offset, plain[1].offset).item()
 
 
@@ -195,12 +203,57 @@ def test_a_hybrid_models_linear_attention_state_goes_through_the_compiled_step(
     decode = CompiledDecode(model)
     assert _generate(decode, joins, 60) == want
     assert decode.steps >= 30, decode.steps
+    # Two kinds of layer (the attention's, and the linear attention's with
+    # its padding or without): traces per batch size, not per layer.
+    assert decode.layer_traces <= 3 * len({b for b, _ in decode.shapes}) + len(decode.shapes)
     # Linear attention (two state arrays, with or without left padding as
     # joins left it) in three layers of four.
     assert decode.layouts
     for layout in decode.layouts:
         assert layout[3] == "kv"
         assert {entry for i, entry in enumerate(layout) if i != 3} <= {(2, True), (2, False)}
+
+
+class _FailingBlock(nn.Module):
+    """A llama block that fails while its step is traced, as a layer
+    asking something of its cache that the traced step does not hold."""
+
+    def __init__(self, block: Any) -> None:
+        super().__init__()
+        self.block = block
+        self.use_sliding = False  # what llama's loop reads of a layer
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not hasattr(cache, "_idx"):
+            raise ValueError("no _idx in this layer's cache")
+        out: mx.array = self.block(x, mask, cache=cache)
+        return out
+
+
+def test_the_model_keeps_its_layers_and_weights_through_steps_and_failures() -> None:
+    model = _model(llama, seed=7)  # heads of 16: the same logits to the bit
+    layers = list(model.layers)
+    weights = tree_flatten(model.parameters())
+    decode = CompiledDecode(model)
+    caches = [BatchKVCache([0]) for _ in model.layers]
+    mirror = [BatchKVCache([0]) for _ in model.layers]
+    _beside(decode, model, caches, mirror, _prompt(10, 8))
+    assert decode.steps == 4
+    # The second layer fails while traced: the first's step has run.
+    model.model.layers[1] = _FailingBlock(layers[1])
+    changed = list(model.layers)
+    caches = [BatchKVCache([0]) for _ in model.layers]
+    mirror = [BatchKVCache([0]) for _ in model.layers]
+    decode = CompiledDecode(model)
+    _beside(decode, model, caches, mirror, _prompt(12, 9))
+    assert decode.off == "ValueError: no _idx in this layer's cache"
+    assert decode.steps == 0
+    assert all(a is b for a, b in zip(model.layers, changed, strict=True))
+    model.model.layers[1] = layers[1]
+    assert all(a is b for a, b in zip(model.layers, layers, strict=True))
+    after = tree_flatten(model.parameters())
+    assert [k for k, _ in after] == [k for k, _ in weights]
+    assert all(a is b for (_, a), (_, b) in zip(after, weights, strict=True))
 
 
 def _beside(
@@ -370,3 +423,26 @@ def test_the_served_backend_compiles_its_step_and_answers_as_without_it(
     # warm() traced batches of 1 and 2 (window 64); the request's steps ran compiled.
     assert {(1, 64), (2, 64)} <= decode.shapes
     assert decode.steps >= 20
+
+
+class _TwiceLlama:
+    """llama's model run twice over the same caches in one call: each
+    compiled layer step would be called twice, its first state lost."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.layers = model, model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.model(inputs, cache=cache)
+        out: mx.array = self.model(inputs, cache=cache)
+        return out
+
+
+def test_a_model_that_runs_a_layer_twice_in_a_step_is_answered_by_the_model() -> None:
+    inner = _model(llama, seed=8)
+    decode = CompiledDecode(_TwiceLlama(inner))
+    caches = [BatchKVCache([0]) for _ in inner.layers]
+    mirror = [BatchKVCache([0]) for _ in inner.layers]
+    _beside(decode, _TwiceLlama(inner), caches, mirror, _prompt(10, 9))
+    assert decode.off == "the model's loop did not run each layer's step once"
+    assert decode.steps == 0

@@ -1,4 +1,4 @@
-"""One-token decode steps as one compiled graph (``--compiled-step``).
+"""One-token decode steps, each layer's a compiled graph (``--compiled-step``).
 
 On the CPU the host thread builds each step's graph in Python while the
 cores wait for it (docs/performance.md, "Why the host's Python between steps
@@ -8,29 +8,36 @@ Python integer offsets, so each step is a new graph, and ``mx.compile``
 cannot be applied to the model as it is.
 
 ``CompiledDecode`` stands in for the model in ``BatchGenerator``. A call with
-one token per sequence, on caches it can take (``_layout``), runs
-``_traced`` compiled:
+one token per sequence, on caches it can take (``_layout``), runs the
+model's own code (embedding, the loop over layers, the norm and head) with
+each layer replaced for that call by its compiled step (``_LayerStep``):
 
 - the token's keys and values are written at an index held in an array
   (``mx.slice_update``);
 - the attention reads the buffer up to the next multiple of 64 slots past
   that token (a wider step past 512 slots: ``window``), under a mask of the
   slots that hold the sequence's tokens (not its left padding, not the
-  slots beyond). A window as wide as the buffer (256 slots at a time) made
-  the attention read up to 255 empty slots per sequence, which cost more
-  than the compiling saved at 8 streams;
+  slots beyond), made once per step. A window as wide as the buffer (256
+  slots at a time) made the attention read up to 255 empty slots per
+  sequence, which cost more than the compiling saved at 8 streams;
 - a hybrid model's linear-attention layers (Qwen 3.5's ``ArraysCache``: a
-  convolution state, a recurrent one, the batch's left padding) are passed
-  in and out with the attention layers' KV;
+  convolution state, a recurrent one, the batch's left padding) pass their
+  state in and out as the attention layers pass their KV;
 - speculation's caches with holes (``HoleyKVCache``: rejected slots beside
   accepted ones) add the holes to the mask and clear the written slot's, as
   their own ``update_and_fetch`` does.
 
-So the function is traced once per layout, batch size and window (about
-25 ms for SmolLM2), not once per token, and the caches then advance as
-``update_and_fetch`` would have advanced them. Every other call (a prefill,
-a quantized or rotating cache, a speculative verify, a buffer that must
-grow first) goes to the model unchanged.
+Layers of one kind (class, weights' names and shapes, cache entry) share
+one compiled function, their weights passed in as arguments: it is traced
+once per batch size and window for all of them, 3-5 ms for SmolLM2's 30
+layers. Compiling the whole model as one function cost 20-45 ms per trace,
+every millisecond of it with the GIL held (MLX's graph passes), so each new
+shape stalled the Trio thread that long (docs/performance.md). A layer's
+arrays that are not weights (a RoPE's frequencies) are the first traced
+layer's: in these families every layer's are the same. The caches then
+advance as ``update_and_fetch`` would have advanced them. Every other call
+(a prefill, a quantized or rotating cache, a speculative verify, a buffer
+that must grow first) goes to the model unchanged.
 
 The masked slots get weights of exactly zero, but BLAS sums the weighted
 values over the wider buffer in another order, so logits differ from the
@@ -46,9 +53,7 @@ runs them unfused, which measured no faster than the model's own step, so
 the step is not compiled then. ``warm`` compiles them at load, so no request
 waits for the compiler. Only the families whose attention reads
 ``cache.offset``, ``update_and_fetch`` and ``make_mask`` as llama's does are
-compiled (``_FAMILIES``: llama, qwen2, qwen3, qwen3_5). The traced graph
-holds the weights it was traced with: a model whose weights change after
-load would need a new ``CompiledDecode``.
+compiled (``_FAMILIES``: llama, qwen2, qwen3, qwen3_5).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
 from ..core.shared_dir import DirLock
@@ -86,8 +92,8 @@ _FAMILIES: Final = frozenset(
 # slots past the newest token; past 512 slots the step doubles with the
 # width (128 up to 1,024, 256 up to 2,048, ...), so a long sequence makes a
 # new trace at most every quarter of its length, and reads at most a
-# quarter more slots than it holds. Each trace holds the GIL 20-30 ms on
-# SmolLM2 (docs/performance.md).
+# quarter more slots than it holds. A step's traces hold the GIL 3-5 ms on
+# SmolLM2, one layer's trace at a time (docs/performance.md).
 STEP: Final = 64
 
 
@@ -99,7 +105,7 @@ def window(slots: int) -> int:
     return -(-slots // step) * step
 
 
-# Past this many traces (about 25 ms each on SmolLM2's 30 layers) they are
+# Past this many shapes of step (each a trace of every kind of layer) they are
 # all dropped and made again as steps need them: a bound on what a
 # long-running server keeps, where batch sizes and lengths keep changing.
 MAX_TRACES: Final = 512
@@ -130,38 +136,27 @@ def compiled_blocker(model: Any) -> str | None:
 
 
 class _TracedCache:
-    """What one attention layer sees while the step is traced."""
+    """What one attention layer's step sees while it is traced."""
 
     def __init__(
-        self,
-        keys: mx.array,
-        values: mx.array,
-        index: mx.array,
-        offset: mx.array,
-        valid: mx.array,
-        width: int,
+        self, keys: mx.array, values: mx.array, index: mx.array, offset: mx.array, width: int
     ) -> None:
         self.keys, self.values, self.offset = keys, values, offset
-        self._index, self._valid, self._width = index, valid, width
+        self._index, self._width = index, width
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys = mx.slice_update(self.keys, keys, self._index, axes=(2,))
         self.values = mx.slice_update(self.values, values, self._index, axes=(2,))
         return self.keys[..., : self._width, :], self.values[..., : self._width, :]
 
-    def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> mx.array:
-        if n != 1 or window_size is not None:
-            raise _NotTraceable("a sliding window or more than one token")
-        return self._valid
-
     def arrays(self) -> list[mx.array]:
         return [self.keys, self.values]
 
 
 class _TracedArrays:
-    """What one linear-attention layer sees while the step is traced: its
+    """What one linear-attention layer's step sees while it is traced: its
     state arrays and left padding (a decoding batch's ``ArraysCache``, which
-    the model reads and replaces by index), as ``ArraysCache`` uses them."""
+    the layer reads and replaces by index), as ``ArraysCache`` uses them."""
 
     lengths = None
 
@@ -179,17 +174,26 @@ class _TracedArrays:
         if self.left_padding is not None:
             self.left_padding = self.left_padding - n
 
-    def make_mask(self, n: int) -> mx.array | None:
-        if self.left_padding is None:
-            return None
-        return mx.arange(n)[None] >= self.left_padding[:, None]
-
     def arrays(self) -> list[mx.array]:
         return self.cache if self.left_padding is None else [*self.cache, self.left_padding]
 
 
+class _StepCache:
+    """What the model's own code (embedding, masks, the loop over layers)
+    sees of a layer's cache during a compiled step: the masks, made once for
+    the step. The layer's state is its ``_LayerStep``'s."""
+
+    def __init__(self, offset: mx.array | None, mask: mx.array | None) -> None:
+        self.offset, self._mask = offset, mask
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> Any:
+        if n != 1 or window_size is not None:
+            raise _NotTraceable("a sliding window or more than one token")
+        return self._mask
+
+
 class _NotTraceable(Exception):
-    """The model asked its cache for what the traced step does not hold."""
+    """The model asked its cache for what the compiled step does not hold."""
 
 
 def _layout(cache: Sequence[Any]) -> Layout | None:
@@ -226,11 +230,78 @@ def _layout(cache: Sequence[Any]) -> Layout | None:
 
 
 def _width(entry: str | tuple[int, bool]) -> int:
-    """How many arrays a layer's entry passes in and out of the step."""
+    """How many state arrays a layer's entry passes in and out of its step."""
     if not isinstance(entry, tuple):
         return 2  # keys, values
     count, padded = entry
     return count + padded
+
+
+def _mask(index: mx.array, left: mx.array, marker: mx.array) -> mx.array:
+    """The attention's mask: the slots up to ``index`` that hold each
+    sequence's tokens (not its left padding), over a window as wide as
+    ``marker``."""
+    slots = mx.arange(marker.shape[0])
+    valid = (slots[None] <= index) & (slots[None] >= left[:, None])
+    return valid[:, None, None, :]
+
+
+def _holey_mask(
+    index: mx.array, left: mx.array, marker: mx.array, holes: mx.array
+) -> tuple[mx.array, mx.array]:
+    """``_mask`` less speculation's rejected slots (``HoleyKVCache``); the
+    one about to be written holds a real token, whatever it held before."""
+    written = mx.zeros((holes.shape[0], 1), dtype=mx.bool_)
+    holes = mx.slice_update(holes, written, index, axes=(1,))
+    mask = _mask(index, left, marker) & ~holes[:, None, None, : marker.shape[0]]
+    return mask, holes
+
+
+class _LayerStep:
+    """Stands in for one layer in the model's loop during a compiled step:
+    runs the layer's compiled step on the state it holds (``state``: the
+    cache's arrays in, the new ones out). Attributes it does not have are
+    the layer's (the loop reads ``is_linear``, ``use_sliding``)."""
+
+    def __init__(self, owner: CompiledDecode, i: int, entry: str | tuple[int, bool]) -> None:
+        self._owner, self._i, self._entry = owner, i, entry
+        self.layer = owner._originals[i]
+        self.state: list[mx.array] = []
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)
+
+    def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
+        owner = self._owner
+        extras = owner._extras if self._entry == _KV else []
+        fn, params = owner._layer_fn(self._i, self._entry, mask is None)
+        masks = [] if mask is None else [mask]
+        out = fn(x, *masks, *self.state, *extras, *params)
+        self.state = out[1:]
+        self.calls += 1
+        h: mx.array = out[0]
+        return h
+
+
+def _layer_list(model: Any) -> list[Any]:
+    """The list the model's loop runs its layers from (``model.layers`` may
+    be a fresh slice of it, as in mlx-lm's pipelined models)."""
+    layers = model.layers
+    todo = [model] if isinstance(model, dict) else []
+    while todo:  # nn.Module is a dict of its children
+        module = todo.pop(0)
+        found = module.get("layers")
+        if (
+            isinstance(found, list)
+            and len(found) == len(layers)
+            and all(a is b for a, b in zip(found, layers, strict=True))
+        ):
+            return found
+        todo += [v for v in module.values() if isinstance(v, dict)]
+    if not isinstance(layers, list):
+        raise TypeError("the model's layers are not a list")
+    return layers
 
 
 class CompiledDecode:
@@ -241,18 +312,29 @@ class CompiledDecode:
     def __init__(self, model: Any) -> None:
         self._model = model
         self._layers = len(model.layers)
-        # One compiled function per layout (``_layout``: a join can add or
-        # drop the linear-attention layers' padding).
-        self._steps: dict[Layout, Any] = {}
+        # The list the model's loop reads its layers from, and its layers.
+        self._layer_list: list[Any] = []
+        self._originals: list[Any] = []
+        # One compiled function per kind of layer (``_layer_fn``), and the
+        # masks': each traced once per batch size and window.
+        self._fns: dict[tuple[Any, ...], Any] = {}
+        # Each layer's class, weights' names and their shapes.
+        self._kinds: list[tuple[Any, ...] | None] = [None] * self._layers
+        self._params: list[list[mx.array]] = [[] for _ in range(self._layers)]
+        self._masks: Any = None
+        self._holey_masks: Any = None
+        self._tracing: Any = None  # the layer a step is traced with
+        self._extras: list[mx.array] = []  # an attention layer's index, offset, window
         # The layouts steps were compiled for, the last one's last.
         self.layouts: list[Layout] = []
         # One marker array per window width: its shape is the width.
         self._windows: dict[int, mx.array] = {}
         self._off: str | None = None
-        # Traces made (layout, batch, window), and the steps that ran
+        # Steps of new shapes (layout, batch, window), and the steps that ran
         # compiled: for tests and logs.
         self.traces: set[tuple[Layout, int, int]] = set()
         self.steps = 0
+        self.layer_traces = 0  # layer steps traced, shared by layers of a kind
         self.retraced = 0  # times every trace was dropped (MAX_TRACES)
 
     def __getattr__(self, name: str) -> Any:
@@ -263,48 +345,55 @@ class CompiledDecode:
         """The (batch, window) pairs traced, whatever the layout."""
         return {(b, w) for _, b, w in self.traces}
 
-    def _compiled(self, layout: Layout) -> Any:
-        step = self._steps.get(layout)
-        if step is None:
+    def _layer_fn(self, i: int, entry: str | tuple[int, bool], no_mask: bool) -> Any:
+        """Layer ``i``'s compiled step and the weights to pass it. Layers of
+        one kind (class, weights' names and shapes, cache entry) share one
+        function, its weights passed in: one trace serves them all."""
+        layer = self._originals[i]
+        base = self._kinds[i]
+        if base is None:
+            flat = tree_flatten(layer.parameters())
+            self._params[i] = [v for _, v in flat]
+            names = tuple(k for k, _ in flat)
+            shapes = tuple((v.shape, v.dtype) for _, v in flat)
+            base = self._kinds[i] = (type(layer), names, shapes)
+        kind = (base, entry, no_mask)
+        fn = self._fns.get(kind)
+        if fn is None:
+            fn = self._fns[kind] = mx.compile(self._traced_layer(base[1], entry, no_mask))
+        self._tracing = layer
+        return fn, self._params[i]
 
-            def traced(*arrays: mx.array) -> list[mx.array]:
-                return self._traced(layout, arrays)
-
-            step = self._steps[layout] = mx.compile(traced)
-        return step
-
-    def _traced(self, layout: Layout, arrays: Sequence[mx.array]) -> list[mx.array]:
-        tokens, index, offset, left, marker = arrays[:5]
-        # What the attention reads: the buffer's first slots, as many as
-        # ``marker`` is long (its shape is part of the trace's key).
-        width = marker.shape[0]
-        slots = mx.arange(width)
-        valid = (slots[None] <= index) & (slots[None] >= left[:, None])
-        at = 5 + sum(_width(n) for n in layout)
-        holes = arrays[at:]
-        if holes:
-            # Speculation's rejected slots (``HoleyKVCache``); the one about
-            # to be written holds a real token, whatever it held before.
-            written = mx.zeros((tokens.shape[0], 1), dtype=mx.bool_)
-            holes = (mx.slice_update(holes[0], written, index, axes=(1,)),)
-            valid = valid & ~holes[0][:, :width]
-        mask = valid[:, None, None, :]
-        caches: list[_TracedCache | _TracedArrays] = []
-        at = 5
-        for n in layout:
-            part = arrays[at : at + _width(n)]
-            at += len(part)
-            if not isinstance(n, tuple):
-                caches.append(_TracedCache(part[0], part[1], index, offset, mask, width))
-            elif n[1]:  # padded: its left padding comes last
-                caches.append(_TracedArrays(part[:-1], part[-1]))
+    def _traced_layer(
+        self, names: Sequence[str], entry: str | tuple[int, bool], no_mask: bool
+    ) -> Any:
+        def traced(*arrays: mx.array) -> list[mx.array]:
+            x, at = arrays[0], 1
+            mask = None if no_mask else arrays[1]
+            at += not no_mask
+            state = arrays[at : at + _width(entry)]
+            at += len(state)
+            cache: _TracedCache | _TracedArrays
+            if not isinstance(entry, tuple):
+                index, offset, marker = arrays[at : at + 3]
+                at += 3
+                cache = _TracedCache(state[0], state[1], index, offset, marker.shape[0])
+            elif entry[1]:  # padded: its left padding comes last
+                cache = _TracedArrays(state[:-1], state[-1])
             else:
-                caches.append(_TracedArrays(part, None))
-        logits = self._model(tokens, cache=caches)
-        out = [logits, offset + 1, *holes]
-        for c in caches:
-            out += c.arrays()
-        return out
+                cache = _TracedArrays(state, None)
+            self.layer_traces += 1
+            # The layer, its weights the traced inputs for the trace's length.
+            layer = self._tracing
+            weights = layer.parameters()
+            layer.update(tree_unflatten(list(zip(names, arrays[at:], strict=True))))
+            try:
+                h = layer(x, mask, cache=cache)
+            finally:
+                layer.update(weights)
+            return [h, *cache.arrays()]
+
+        return traced
 
     def __call__(self, inputs: mx.array, cache: Any = None, **kwargs: Any) -> Any:
         if (
@@ -322,71 +411,106 @@ class CompiledDecode:
         first = cache[layout.index(_KV)]
         idx = first._idx
         width = min(first.keys.shape[2], window(idx + 1))
-        marker = self._windows.get(width)
-        if marker is None:
-            marker = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
-        shape = (inputs.shape[0], width)
-        arrays = [inputs, mx.array(idx), first.offset, first.left_padding, marker]
         holey = getattr(first, "holes", None) is not None
-        for c, n in zip(cache, layout, strict=True):
-            if n != _KV:
-                arrays += c.cache if c.left_padding is None else [*c.cache, c.left_padding]
-                continue
-            arrays += [c.keys, c.values]
-            if holey:
-                c._fit()  # holes as wide as the keys, as its own update would make them
-        if holey:
-            arrays.append(first.holes)
-        key = (layout, *shape)
+        key = (layout, inputs.shape[0], width)
         new = key not in self.traces
         if new and len(self.traces) >= MAX_TRACES:
-            self._steps.clear()  # the compiled functions go, and their traces
+            self._fns.clear()  # the compiled functions go, and their traces
+            self._masks = self._holey_masks = None
             self.traces.clear()
             self.retraced += 1
         t0 = time.perf_counter()
         try:
-            out = self._compiled(layout)(*arrays)
+            logits, steps, holes = self._step(inputs, cache, layout, idx, width, holey)
         except Exception as e:  # nothing has changed yet: the model's step instead
             # _NotTraceable: what the model asked of its cache; anything else
             # raised while tracing is as much a reason to stop compiling.
             self._off = str(e) if isinstance(e, _NotTraceable) else f"{type(e).__name__}: {e}"
             log.warning("compiled step: off for this model (%s)", self._off)
             return self._model(inputs, cache=cache, **kwargs)
+        finally:
+            self._extras = []
+            self._tracing = None
         if new:
             self.traces.add(key)
             if layout not in self.layouts:
                 self.layouts.append(layout)
             log.debug(
-                "compiled step: traced for %d sequences x %d slots in %.0f ms",
-                *shape,
+                "compiled step: traced for %d sequences x %d slots in %.1f ms",
+                *key[1:],
                 (time.perf_counter() - t0) * 1000,
             )
-        del arrays
-        logits, offset = out[0], out[1]
-        at = 3 if holey else 2
-        for c, n in zip(cache, layout, strict=True):
+        offset = first.offset + 1
+        for c, n, step in zip(cache, layout, steps, strict=True):
+            state = step.state
             if isinstance(n, tuple):
                 count, padded = n
-                c.cache = list(out[at : at + count])
+                c.cache = list(state[:count])
                 if padded:
                     # Its own array: ArraysCache.advance updates it in place.
-                    c.left_padding = out[at + count]
-                at += _width(n)
+                    c.left_padding = state[count]
                 continue
-            # The old buffers' last references go here, so MLX writes the
-            # new slot in place instead of copying the buffer.
-            c.keys, c.values = out[at], out[at + 1]
-            at += 2
+            c.keys, c.values = state
             # One offset and one holes array for every layer: the caches
             # rebind an offset, never update it in place, and update holes in
             # place only by writes that give the same array when repeated
             # for each layer (a rejection's OR, a written slot's False).
             c.offset = offset
-            if holey:
-                c.holes = out[2]
+            if holes is not None:
+                c.holes = holes
             c._idx = idx + 1
         self.steps += 1
         return logits
+
+    def _step(
+        self, inputs: mx.array, cache: Any, layout: Layout, idx: int, width: int, holey: bool
+    ) -> tuple[mx.array, list[_LayerStep], mx.array | None]:
+        """The model's own code over the layers' compiled steps: its logits,
+        each layer's new state (not yet the caches'), and the new holes."""
+        if not self._layer_list:
+            self._layer_list = _layer_list(self._model)
+            self._originals = list(self._layer_list)
+        first = cache[layout.index(_KV)]
+        marker = self._windows.get(width)
+        if marker is None:
+            marker = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
+        index = mx.array(idx)
+        holes = None
+        if holey:
+            if self._holey_masks is None:
+                self._holey_masks = mx.compile(_holey_mask)
+            for c in cache:
+                if not isinstance(c, ArraysCache):
+                    c._fit()  # holes as wide as the keys, as its own update makes them
+            mask, holes = self._holey_masks(index, first.left_padding, marker, first.holes)
+        else:
+            if self._masks is None:
+                self._masks = mx.compile(_mask)
+            mask = self._masks(index, first.left_padding, marker)
+        self._extras = [index, first.offset, marker]
+        steps: list[_LayerStep] = []
+        seen: list[_StepCache] = []
+        for i, (c, n) in enumerate(zip(cache, layout, strict=True)):
+            step = _LayerStep(self, i, n)
+            if isinstance(n, tuple):
+                step.state = c.cache if c.left_padding is None else [*c.cache, c.left_padding]
+                ssm = None if c.left_padding is None else c.left_padding <= 0
+                seen.append(_StepCache(None, None if ssm is None else ssm[:, None]))
+            else:
+                step.state = [c.keys, c.values]
+                seen.append(_StepCache(first.offset, mask))
+            steps.append(step)
+        layers = self._layer_list
+        layers[:] = steps
+        try:
+            logits = self._model(inputs, cache=seen)
+        finally:
+            layers[:] = self._originals
+        if any(step.calls != 1 for step in steps):
+            # The model's loop ran its layers from elsewhere: their caches
+            # would advance over slots never written.
+            raise _NotTraceable("the model's loop did not run each layer's step once")
+        return logits, steps, holes
 
     @property
     def off(self) -> str | None:
