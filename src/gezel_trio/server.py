@@ -47,6 +47,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
+from .core.sched import EVENT_LOOP_SLICE_NS, request_slice
 from .core.settings import setting
 from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app, served
@@ -244,6 +245,14 @@ async def serve(
         )
         if on_engine is not None:
             on_engine(engine)
+        # This thread answers /health while the compute fills the cores
+        # (core.sched); asked for once the host thread has started, which
+        # would have inherited it.
+        refused = request_slice(EVENT_LOOP_SLICE_NS)
+        if refused is None:
+            log.info("the Trio thread: %d us slices", EVENT_LOOP_SLICE_NS // 1000)
+        else:
+            log.info("the Trio thread: the default slice (%s)", refused)
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
         stdout.say_nowait("Model and processor loaded successfully.")
         stdout.say_nowait(
