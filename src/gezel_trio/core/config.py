@@ -215,9 +215,10 @@ class EngineConfig:
     compiled_step: str = setting(
         "on",
         flag="--compiled-step",
-        help="run a one-token decode step as one graph compiled by mx.compile (traced once "
-        "per batch size and attention window, its elementwise ops fused) where the model's "
-        "family and caches allow; off: build the model's graph in Python every step",
+        help="run each layer's one-token decode step as a graph compiled by mx.compile (one "
+        "per kind of layer, traced once per batch size and attention window, its elementwise "
+        "ops fused) where the model's family and caches allow; off: build the model's graph "
+        "in Python every step",
         choices=COMPILED_STEP_MODES,
         validator=_one_of(COMPILED_STEP_MODES),
     )

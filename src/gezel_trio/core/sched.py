@@ -11,7 +11,7 @@ default here is 1.4 ms).
 ``serve`` asks for ``EVENT_LOOP_SLICE_NS`` on its Trio thread. Measured on
 the dense bench model during a 5,929-token prefill on 2 cores, ``/health``
 polled every 20 ms (about 900 samples a run, docs/performance.md): p99
-5.4-5.9 ms in 7 runs with the slice, 6.5-7.0 in 8 without. A long slice
+5.2-5.9 ms in 16 runs with the slice, 6.5-7.0 in 11 without. A long slice
 for the compute threads instead, a shorter switch interval for the GIL, or
 a short slice for the polling client changed nothing measurable.
 
