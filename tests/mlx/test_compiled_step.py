@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -214,6 +215,14 @@ def test_a_hybrid_models_linear_attention_state_goes_through_the_compiled_step(
         assert {entry for i, entry in enumerate(layout) if i != 3} <= {(2, True), (2, False)}
 
 
+class _Wrapped:
+    """llama's model behind a wrapper, as a family that uses its caches
+    otherwise would be."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.layers = model, model.layers
+
+
 class _FailingBlock(nn.Module):
     """A llama block that fails while its step is traced, as a layer
     asking something of its cache that the traced step does not hold."""
@@ -235,17 +244,13 @@ def test_the_model_keeps_its_layers_and_weights_through_steps_and_failures() -> 
     layers = list(model.layers)
     weights = tree_flatten(model.parameters())
     decode = CompiledDecode(model)
-    caches = [BatchKVCache([0]) for _ in model.layers]
-    mirror = [BatchKVCache([0]) for _ in model.layers]
-    _beside(decode, model, caches, mirror, _prompt(10, 8))
+    _beside(decode, model, _prompt(10, 8))
     assert decode.steps == 4
     # The second layer fails while traced: the first's step has run.
     model.model.layers[1] = _FailingBlock(layers[1])
     changed = list(model.layers)
-    caches = [BatchKVCache([0]) for _ in model.layers]
-    mirror = [BatchKVCache([0]) for _ in model.layers]
     decode = CompiledDecode(model)
-    _beside(decode, model, caches, mirror, _prompt(12, 9))
+    _beside(decode, model, _prompt(12, 9))
     assert decode.off == "ValueError: no _idx in this layer's cache"
     assert decode.steps == 0
     assert all(a is b for a, b in zip(model.layers, changed, strict=True))
@@ -257,10 +262,15 @@ def test_the_model_keeps_its_layers_and_weights_through_steps_and_failures() -> 
 
 
 def _beside(
-    decode: CompiledDecode, model: Any, caches: list[Any], mirror: list[Any], prompt: list[int]
+    decode: CompiledDecode,
+    model: Any,
+    prompt: list[int],
+    cache: Callable[[], Any] = lambda: BatchKVCache([0]),
 ) -> None:
-    """Greedy steps through ``decode`` on ``caches`` and through ``model`` on
-    ``mirror``, each the same logits as the other's."""
+    """Greedy steps through ``decode`` and through ``model``, each on fresh
+    caches made by ``cache``, each the same logits as the other's."""
+    caches = [cache() for _ in model.layers]
+    mirror = [cache() for _ in model.layers]
     got = decode(mx.array([prompt]), cache=caches)
     want = model(mx.array([prompt]), cache=mirror)
     for _ in range(4):
@@ -272,18 +282,15 @@ def _beside(
 def test_a_quantized_cache_is_the_models_step() -> None:
     model = _model(llama, seed=2, hidden=128)  # heads of 32, one quantization group
     decode = CompiledDecode(model)
-    caches = [BatchQuantizedKVCache([0], group_size=32, bits=8) for _ in model.layers]
-    mirror = [BatchQuantizedKVCache([0], group_size=32, bits=8) for _ in model.layers]
-    _beside(decode, model, caches, mirror, _prompt(20, 5))
+    _beside(
+        decode, model, _prompt(20, 5), lambda: BatchQuantizedKVCache([0], group_size=32, bits=8)
+    )
     assert decode.steps == 0
 
 
-class _WindowedLlama:
+class _WindowedLlama(_Wrapped):
     """llama's model, asking its first cache for a sliding window's mask
     as a windowed family does: what the traced step does not hold."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.layers = model, model.layers
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         base.create_attention_mask(mx.zeros((1, inputs.shape[1])), cache[0], window_size=64)
@@ -298,9 +305,7 @@ def test_a_model_that_asks_for_a_window_turns_it_off_and_is_answered_by_the_mode
     decode.warm()
     assert decode.off is not None
     assert "window" in decode.off
-    caches = [BatchKVCache([0]) for _ in inner.layers]
-    mirror = [BatchKVCache([0]) for _ in inner.layers]
-    _beside(decode, inner, caches, mirror, _prompt(10, 6))
+    _beside(decode, inner, _prompt(10, 6))
     assert decode.steps == 0
 
 
@@ -368,12 +373,9 @@ def test_kernels_mlx_cannot_load_turn_it_off_at_load(tmp_path: Path) -> None:
     assert "Could not load C++ shared library" in off, off
 
 
-class _PickyLlama:
+class _PickyLlama(_Wrapped):
     """llama's model, reading an attribute of its cache that the traced
     step's caches do not have: a family that uses its cache otherwise."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.layers = model, model.layers
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         if not hasattr(cache[0], "_idx"):
@@ -385,9 +387,7 @@ class _PickyLlama:
 def test_a_step_that_fails_to_trace_is_the_models_and_turns_it_off() -> None:
     inner = _model(llama, seed=6)
     decode = CompiledDecode(_PickyLlama(inner))
-    caches = [BatchKVCache([0]) for _ in inner.layers]
-    mirror = [BatchKVCache([0]) for _ in inner.layers]
-    _beside(decode, inner, caches, mirror, _prompt(10, 7))
+    _beside(decode, inner, _prompt(10, 7))
     assert decode.off == "ValueError: no _idx"
     assert decode.steps == 0
 
@@ -425,12 +425,9 @@ def test_the_served_backend_compiles_its_step_and_answers_as_without_it(
     assert decode.steps >= 20
 
 
-class _TwiceLlama:
+class _TwiceLlama(_Wrapped):
     """llama's model run twice over the same caches in one call: each
     compiled layer step would be called twice, its first state lost."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.layers = model, model.layers
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         self.model(inputs, cache=cache)
@@ -441,8 +438,6 @@ class _TwiceLlama:
 def test_a_model_that_runs_a_layer_twice_in_a_step_is_answered_by_the_model() -> None:
     inner = _model(llama, seed=8)
     decode = CompiledDecode(_TwiceLlama(inner))
-    caches = [BatchKVCache([0]) for _ in inner.layers]
-    mirror = [BatchKVCache([0]) for _ in inner.layers]
-    _beside(decode, _TwiceLlama(inner), caches, mirror, _prompt(10, 9))
+    _beside(decode, _TwiceLlama(inner), _prompt(10, 9))
     assert decode.off == "the model's loop did not run each layer's step once"
     assert decode.steps == 0
