@@ -53,7 +53,9 @@ runs them unfused, which measured no faster than the model's own step, so
 the step is not compiled then. ``warm`` compiles them at load, so no request
 waits for the compiler. Only the families whose attention reads
 ``cache.offset``, ``update_and_fetch`` and ``make_mask`` as llama's does are
-compiled (``_FAMILIES``: llama, qwen2, qwen3, qwen3_5).
+compiled (``_FAMILIES``: llama, qwen2, qwen3, qwen3_5). Each layer's weights
+are read at its first compiled step: a model whose weights change after
+load would need a new ``CompiledDecode``.
 """
 
 from __future__ import annotations
@@ -317,9 +319,13 @@ class CompiledDecode:
         self._originals: list[Any] = []
         # One compiled function per kind of layer (``_layer_fn``), and the
         # masks': each traced once per batch size and window.
-        self._fns: dict[tuple[Any, ...], Any] = {}
-        # Each layer's class, weights' names and their shapes.
-        self._kinds: list[tuple[Any, ...] | None] = [None] * self._layers
+        self._fns: dict[tuple[int, str | tuple[int, bool], bool], Any] = {}
+        # Each layer's kind: its class, its weights' names and their shapes,
+        # numbered; the weights, read at its first compiled step (a model
+        # whose weights change after load needs a new CompiledDecode).
+        self._kind_ids: dict[tuple[Any, ...], int] = {}
+        self._names: dict[int, tuple[str, ...]] = {}
+        self._kinds: list[int | None] = [None] * self._layers
         self._params: list[list[mx.array]] = [[] for _ in range(self._layers)]
         self._masks: Any = None
         self._holey_masks: Any = None
@@ -356,11 +362,13 @@ class CompiledDecode:
             self._params[i] = [v for _, v in flat]
             names = tuple(k for k, _ in flat)
             shapes = tuple((v.shape, v.dtype) for _, v in flat)
-            base = self._kinds[i] = (type(layer), names, shapes)
+            base = self._kind_ids.setdefault((type(layer), names, shapes), len(self._kind_ids))
+            self._kinds[i] = base
+            self._names.setdefault(base, names)
         kind = (base, entry, no_mask)
         fn = self._fns.get(kind)
         if fn is None:
-            fn = self._fns[kind] = mx.compile(self._traced_layer(base[1], entry, no_mask))
+            fn = self._fns[kind] = mx.compile(self._traced_layer(self._names[base], entry, no_mask))
         self._tracing = layer
         return fn, self._params[i]
 
