@@ -31,6 +31,7 @@ a supervisor restarts it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -200,6 +201,31 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _tune_process(_engine: Engine) -> None:
+    """What the server process does once its engine runs, on its Trio
+    thread (``main_serve``; ``serve`` called as a library leaves the
+    caller's process as it is):
+
+    - The Trio thread asks for a short scheduler slice (``core.sched``): it
+      answers /health while the compute fills the cores. Asked for once the
+      host thread has started, which would have inherited it.
+    - What start-up made (the modules, the model's and the tokenizer's
+      objects) is left out of every later garbage collection. A full
+      collection walks every tracked object with the GIL held: on SmolLM2
+      one took 45-80 ms while streams decoded, and every thread waited for
+      it (docs/performance.md). Collected first, so that start-up's garbage
+      is not kept.
+    """
+    refused = request_slice(EVENT_LOOP_SLICE_NS)
+    if refused is None:
+        log.info("the Trio thread: %d us slices", EVENT_LOOP_SLICE_NS // 1000)
+    else:
+        log.info("the Trio thread: the default slice (%s)", refused)
+    gc.collect()
+    gc.freeze()
+    log.info("start-up's %d objects left out of garbage collection", gc.get_freeze_count())
+
+
 async def serve(
     config: ServerConfig,
     *,
@@ -245,14 +271,6 @@ async def serve(
         )
         if on_engine is not None:
             on_engine(engine)
-        # This thread answers /health while the compute fills the cores
-        # (core.sched); asked for once the host thread has started, which
-        # would have inherited it.
-        refused = request_slice(EVENT_LOOP_SLICE_NS)
-        if refused is None:
-            log.info("the Trio thread: %d us slices", EVENT_LOOP_SLICE_NS // 1000)
-        else:
-            log.info("the Trio thread: the default slice (%s)", refused)
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
         stdout.say_nowait("Model and processor loaded successfully.")
         stdout.say_nowait(
@@ -320,7 +338,7 @@ def main_serve(
     failure is one clean line and exit status 1."""
     status = 0
     try:
-        trio.run(partial(serve, config, backend_factory=backend_factory))
+        trio.run(partial(serve, config, backend_factory=backend_factory, on_engine=_tune_process))
     except* GezelError as group:
         for err in group.exceptions:
             print(f"gezel-trio: {err}", file=sys.stderr)

@@ -6,7 +6,6 @@ their scheduling."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import sys
@@ -15,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from gezel_trio.core import sched
-from gezel_trio.core.sched import EVENT_LOOP_SLICE_NS, request_slice
+from gezel_trio.core.sched import EVENT_LOOP_SLICE_NS, request_slice, slice_ns_of
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"),
@@ -25,11 +23,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _slice_ns(tid: int = 0) -> int:
-    got = sched._SchedAttr()
-    libc = ctypes.CDLL(None, use_errno=True)
-    number = sched._SCHED_SETATTR[platform.machine()] + 1  # sched_getattr
-    assert libc.syscall(number, tid, ctypes.byref(got), ctypes.sizeof(got), 0) == 0
-    return int(got.sched_runtime)
+    got = slice_ns_of(tid)
+    assert got is not None
+    return got
 
 
 def _in_a_thread(fn: Any) -> Any:

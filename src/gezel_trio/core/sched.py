@@ -8,7 +8,8 @@ shorter slice than it has (Linux 6.12+: ``sched_setattr``'s
 ``sched_runtime`` for a normal thread, 0.1-100 ms, unprivileged; the
 default here is 1.4 ms).
 
-``serve`` asks for ``EVENT_LOOP_SLICE_NS`` on its Trio thread. Measured on
+The server process (``server.main_serve``) asks for ``EVENT_LOOP_SLICE_NS``
+on its Trio thread once the engine runs. Measured on
 the dense bench model during a 5,929-token prefill on 2 cores, ``/health``
 polled every 20 ms (about 900 samples a run, docs/performance.md): p99
 5.2-5.9 ms in 16 runs with the slice, 6.5-7.0 in 11 without. A long slice
@@ -28,7 +29,7 @@ import platform
 import sys
 from typing import Final
 
-__all__ = ["EVENT_LOOP_SLICE_NS", "request_slice"]
+__all__ = ["EVENT_LOOP_SLICE_NS", "request_slice", "slice_ns_of"]
 
 EVENT_LOOP_SLICE_NS: Final = 100_000  # the shortest the kernel takes
 
@@ -69,9 +70,20 @@ def request_slice(slice_ns: int) -> str | None:
     if libc.syscall(number, 0, ctypes.byref(attr), 0) != 0:
         return os.strerror(ctypes.get_errno())
     # Kernels before 6.12 take the call and ignore the slice.
-    got = _SchedAttr()
-    if libc.syscall(number + 1, 0, ctypes.byref(got), ctypes.sizeof(got), 0) != 0:
-        return os.strerror(ctypes.get_errno())
-    if got.sched_runtime != slice_ns:
-        return f"this kernel keeps its own slice ({got.sched_runtime} ns)"
+    got = slice_ns_of(0)
+    if got != slice_ns:
+        return f"this kernel keeps its own slice ({got} ns)"
     return None
+
+
+def slice_ns_of(tid: int) -> int | None:
+    """Thread ``tid``'s slice (0: the calling thread), as the kernel reports
+    it: 0 before Linux 6.12; ``None`` where it cannot be read."""
+    number = _SCHED_SETATTR.get(platform.machine())
+    if not sys.platform.startswith("linux") or number is None:
+        return None
+    got = _SchedAttr()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number + 1, tid, ctypes.byref(got), ctypes.sizeof(got), 0) != 0:
+        return None
+    return int(got.sched_runtime)

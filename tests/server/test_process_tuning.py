@@ -1,0 +1,68 @@
+"""What the server process does once its engine runs (``server._tune_process``),
+seen from outside the real ``gezel-trio serve``: its Trio thread (the main
+thread) has the short scheduler slice and the host thread has not; the
+objects start-up made are left out of garbage collection, as its log says.
+``serve`` run in this process (other tests) changes neither."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gezel_trio.core.sched import EVENT_LOOP_SLICE_NS, slice_ns_of
+from tests.support.process import terminate
+
+pytestmark = pytest.mark.slow
+
+
+def _threads(pid: int) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        out.setdefault(name, []).append(int(tid))
+    return out
+
+
+def test_the_served_process_tunes_its_trio_thread_and_its_garbage_collection(
+    dense_model: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "stderr.txt"
+    command = [sys.executable, "-m", "gezel_trio", "serve", "--model", str(dense_model)]
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [*command, "--port", "0", "--log-level", "INFO"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if line.startswith("gezel-trio listening on "):
+                break
+        else:
+            raise AssertionError(f"exited with {proc.wait()} before listening")
+        text = log.read_text()
+        frozen = re.search(r"start-up's (\d+) objects left out of garbage collection", text)
+        assert frozen is not None, text
+        assert int(frozen[1]) > 10_000  # the modules, the model, the tokenizer
+        if sys.platform.startswith("linux") and (slice_ns_of(0) or 0) > 0:
+            assert "the Trio thread: 100 us slices" in text
+            assert slice_ns_of(proc.pid) == EVENT_LOOP_SLICE_NS  # the main thread
+            (host,) = _threads(proc.pid)["gezel-mlx-host"][:1]
+            assert slice_ns_of(host) != EVENT_LOOP_SLICE_NS  # not inherited
+    finally:
+        assert terminate(proc) == 0
+        proc.stdout.close()
+
+
+def test_serve_called_in_this_process_left_its_garbage_collection_alone() -> None:
+    # Every other test that ran serve() here did not freeze this process.
+    assert gc.get_freeze_count() == 0
