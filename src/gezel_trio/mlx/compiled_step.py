@@ -185,12 +185,18 @@ class _StepCache:
     sees of a layer's cache during a compiled step: the masks, made once for
     the step. The layer's state is its ``_LayerStep``'s."""
 
-    def __init__(self, offset: mx.array | None, mask: mx.array | None) -> None:
-        self.offset, self._mask = offset, mask
+    def __init__(
+        self, offset: mx.array | None, mask: mx.array | None, left_padding: mx.array | None = None
+    ) -> None:
+        self.offset, self._mask, self._left = offset, mask, left_padding
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> Any:
         if n != 1 or window_size is not None:
             raise _NotTraceable("a sliding window or more than one token")
+        if self._mask is None and self._left is not None:
+            # A linear-attention layer's, as ArraysCache.make_mask makes it:
+            # only for the one layer the model asks.
+            self._mask = (self._left <= 0)[:, None]
         return self._mask
 
 
@@ -458,6 +464,8 @@ class CompiledDecode:
                     # Its own array: ArraysCache.advance updates it in place.
                     c.left_padding = state[count]
                 continue
+            # The old buffers' last references go with the steps, so MLX
+            # writes the new slot in place instead of copying the buffer.
             c.keys, c.values = state
             # One offset and one holes array for every layer: the caches
             # rebind an offset, never update it in place, and update holes in
@@ -502,8 +510,7 @@ class CompiledDecode:
             step = _LayerStep(self, i, n)
             if isinstance(n, tuple):
                 step.state = c.cache if c.left_padding is None else [*c.cache, c.left_padding]
-                ssm = None if c.left_padding is None else c.left_padding <= 0
-                seen.append(_StepCache(None, None if ssm is None else ssm[:, None]))
+                seen.append(_StepCache(None, None, c.left_padding))
             else:
                 step.state = [c.keys, c.values]
                 seen.append(_StepCache(first.offset, mask))
