@@ -66,12 +66,11 @@ from .cache_diagnostics import FingerprintStore, fingerprint, system_block
 from .edge import ProtocolBlueprint, json_view, refusal
 from .images import from_base64, from_data_url
 from .sse import (
-    ChatStream,
     cache_miss_body,
-    event_stream,
     liveness_comment,
     run_chat,
     speculation_body,
+    stream_chat,
 )
 from .strict import dump_json, parse_json
 from .tenancy import current_tenant
@@ -735,7 +734,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         if req.stream:
             prompt = len(prepared.request.prompt)
             events = _Events(mid, model, prompt, show, diagnostics, system)
-            return event_stream(ChatStream(engine, prepared, events))
+            return stream_chat(engine, prepared, events)
         finished, _ = await run_chat(engine, prepared)
         body = message_body(mid, model, finished, show_thinking=show, system=system)
         if diagnostics is not None:

@@ -53,6 +53,7 @@ from .openapi import openapi_json
 from .origins import OriginPolicy, check_origins
 from .probe import HEALTH_PATH, Asgi, HealthProbe, health_first
 from .response_store import ResponseStore
+from .sse import STREAM_HOLD_KEY
 from .strict import StrictJSONProvider
 from .tenancy import NO_TENANT, KeyRing, read_key_file
 
@@ -157,6 +158,19 @@ class HttpSettings:
         "'none' leaves it in content as the model wrote it (<think> markers included); "
         "a request's reasoning_format field wins",
     )
+    # A stream's output waits up to this long for the tokens due before
+    # then (``http.sse.ChatStream``): on a CPU each send takes the compute's
+    # cores (8 streams of the dense bench model: 0.944-0.948 of raw with
+    # one frame per token, 1.005-1.010 with two; docs/performance.md).
+    stream_hold_ms: float = setting(
+        25.0,
+        flag="--stream-hold-ms",
+        flag_type=float,
+        validator=[attrs.validators.ge(0), attrs.validators.le(1000)],
+        help="a streamed answer's tokens wait up to this many ms for the next ones "
+        "(sent together, in one write) when the model makes them faster than that; "
+        "the first token and the end are never held; 0 sends each token as it comes",
+    )
     # Told of every bug a route survived (answered 500): the server's stdout
     # protocol prints it tagged, so a supervisor never reads it as a death.
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
@@ -198,6 +212,7 @@ def create_app(
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config[STREAM_HOLD_KEY] = settings.stream_hold_ms / 1000
     keys = KeyRing.of(settings.api_key, settings.api_key_file)
     policy = OriginPolicy.of(
         settings.host, bool(keys), settings.allowed_hosts, settings.allowed_origins

@@ -41,14 +41,13 @@ from .openai_wire import (
 )
 from .sse import (
     DONE,
-    ChatStream,
     chunk,
     completion,
     error_body,
-    event_stream,
     frame,
     liveness_comment,
     run_choices,
+    stream_chat,
 )
 from .strict import dump_json
 from .tenancy import current_tenant
@@ -352,7 +351,7 @@ def blueprint(
                 stream_tool_calls=stream_tool_calls,
                 custom=custom,
             )
-            return event_stream(ChatStream(engine, prepared, translator))
+            return stream_chat(engine, prepared, translator)
         results = await run_choices(engine, prepared)
         usage = combined_usage([finished.usage for finished, _ in results])
         first = _custom_message(results[0][0].message, custom)

@@ -44,12 +44,11 @@ from .openai_wire import (
 )
 from .sse import (
     DONE,
-    ChatStream,
     error_body,
-    event_stream,
     frame,
     liveness_comment,
     run_choices,
+    stream_chat,
     usage_body,
 )
 from .strict import dump_json
@@ -236,7 +235,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             translator = _TextChunks(cid, model, req.n, echo, logprobs, include_usage)
-            return event_stream(ChatStream(engine, prepared, translator))
+            return stream_chat(engine, prepared, translator)
         results = await run_choices(engine, prepared)
         choices = []
         for i, (finished, items) in enumerate(results):

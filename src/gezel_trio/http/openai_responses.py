@@ -78,11 +78,10 @@ from .responses_wire import (
     structure_items,
 )
 from .sse import (
-    ChatStream,
     cache_miss_body,
-    event_stream,
     liveness_comment,
     speculation_body,
+    stream_chat,
 )
 from .strict import dump_json
 from .tenancy import current_tenant
@@ -971,7 +970,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             prepared.request.top_logprobs is not None, frozenset(prepared.chat.custom_tools)
         )
         if req.stream:
-            stream = event_stream(ChatStream(engine, prepared, _Events(ctx, store, output)))
+            stream = stream_chat(engine, prepared, _Events(ctx, store, output))
             return _ignored(req, stream)
         with engine.submit_chat_nowait(prepared) as chat:
             end, usage = await _run(chat, output, ctx)

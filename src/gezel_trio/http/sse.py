@@ -9,7 +9,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
-from quart import Response
+from quart import Response, current_app
 
 from ..core.errors import GezelError
 from ..core.events import (
@@ -30,6 +30,7 @@ from ..engine import (
     ChatLogprobs,
     PreparedChat,
 )
+from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from .strict import dump_json
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ __all__ = [
     "liveness_comment",
     "run_chat",
     "run_choices",
+    "stream_chat",
     "usage_body",
 ]
 
@@ -57,6 +59,10 @@ log = logging.getLogger("gezel_trio.http")
 DONE = b"data: [DONE]\n\n"
 # At most this many waiting events go out in one write (``ChatStream``).
 COALESCE_EVENTS = 256
+# Where the app keeps ``--stream-hold-ms`` (seconds) for ``stream_chat``.
+STREAM_HOLD_KEY = "GEZEL_STREAM_HOLD_S"
+# The events that carry the answer's output: only these are held back.
+_OUTPUT = (TextDelta, ReasoningDelta, ToolCallDelta, ToolCallDone, ChatLogprobs)
 
 
 def frame(obj: dict[str, Any]) -> bytes:
@@ -216,16 +222,36 @@ class ChatStream:
     socket write: the frames of the event it waited for, and of every event
     already waiting behind it (up to ``COALESCE_EVENTS``), so a client that
     fell behind catches up in a few writes, not one per token.
+
+    ``hold_s`` (the server's ``--stream-hold-ms``; 0 here) lets a write wait
+    for the output the sequence is about to produce when it produces it
+    faster than that: output is held at most ``hold_s`` after it arrived,
+    and only while the next token is expected before then (the gap between
+    the last two arrivals of output). The stream's first output, and every
+    other event (progress, the end, a failure), is never held. On a CPU the
+    HTTP side's sends take cores from the compute (``docs/performance.md``).
     """
 
-    def __init__(self, engine: Engine, prepared: PreparedChat, translator: Translator) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        prepared: PreparedChat,
+        translator: Translator,
+        *,
+        hold_s: float = 0.0,
+    ) -> None:
         self._engine = engine
         self._prepared = prepared
         self._translator = translator
+        self._hold_s = hold_s
         self._chat: ChatHandle | None = None
         self._pending: deque[bytes] = deque()
         self._started = False
         self._ended = False
+        # When output last arrived (awaited), and the gap before it.
+        self._output_at: float | None = None
+        self._output_gap: float | None = None
+        self._held = False  # the pending frames hold output that may wait
 
     def __aiter__(self) -> ChatStream:
         return self
@@ -240,23 +266,56 @@ class ChatStream:
             assert self._chat is not None
             try:
                 chat, event = await self._chat.__anext__()
+                self._take(chat, event)
+                if self._held:
+                    await self._hold()
             except StopAsyncIteration:
                 self._close()
                 continue
             except BaseException:
                 self._close()
                 raise
-            self._render(chat, event)
-            # Behind its sequence (the socket was slow), the stream takes
-            # every event already waiting and writes them in one send.
-            for _ in range(COALESCE_EVENTS):
-                got = self._chat.next_nowait() if self._chat is not None else None
-                if got is None:
-                    break
-                self._render(*got)
         out = b"".join(self._pending)
         self._pending.clear()
+        self._held = False
         return out
+
+    def _take(self, chat: ChatChoice, event: ChatEvent) -> None:
+        """Render ``event`` and every event already waiting behind it."""
+        if isinstance(event, _OUTPUT):
+            now = trio.current_time()
+            if self._output_at is not None:
+                self._output_gap = now - self._output_at
+                self._held = self._hold_s > 0
+            self._output_at = now
+        else:
+            self._held = False  # progress, the end, a failure: sent at once
+        self._render(chat, event)
+        # Behind its sequence (the socket was slow), the stream takes
+        # every event already waiting and writes them in one send.
+        for _ in range(COALESCE_EVENTS):
+            got = self._chat.next_nowait() if self._chat is not None else None
+            if got is None:
+                break
+            if not isinstance(got[1], _OUTPUT):
+                self._held = False
+            self._render(*got)
+
+    async def _hold(self) -> None:
+        """Keep the pending output for the tokens due before ``hold_s`` has
+        passed since it arrived. Raises what ``ChatHandle.__anext__`` does;
+        the caller closes the chat."""
+        assert self._output_at is not None
+        assert self._output_gap is not None
+        deadline = self._output_at + self._hold_s
+        while self._held and self._chat is not None:
+            if trio.current_time() + self._output_gap > deadline:
+                return  # the next token is not due in time
+            with trio.move_on_at(deadline) as waited:
+                chat, event = await self._chat.__anext__()
+            if waited.cancelled_caught:
+                return
+            self._take(chat, event)
 
     def _render(self, chat: ChatChoice, event: ChatEvent) -> None:
         self._pending += self._translator.render(event, chat)
@@ -317,6 +376,13 @@ async def run_choices(
     if not done:
         raise GezelError("the request ended without a result")  # pragma: no cover
     return done
+
+
+def stream_chat(engine: Engine, prepared: PreparedChat, translator: Translator) -> Response:
+    """The streamed response of a chat in the app's protocol ``translator``,
+    its output held as the server's ``--stream-hold-ms`` says."""
+    hold_s = float(current_app.config.get(STREAM_HOLD_KEY, 0.0))
+    return event_stream(ChatStream(engine, prepared, translator, hold_s=hold_s))
 
 
 def event_stream(body: ChatStream) -> Response:
