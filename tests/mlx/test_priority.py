@@ -1,6 +1,6 @@
 """``--compute-priority batch|idle``: the host thread and the threads no
 Python code started run at ``SCHED_BATCH`` or ``SCHED_IDLE``; Python's other
-threads keep theirs.
+threads keep theirs. ``batch`` also runs them 5 nicer than the process.
 
 Run in a child process: a thread cannot leave ``SCHED_IDLE`` again."""
 
@@ -36,7 +36,7 @@ assert libc.pthread_create(ctypes.byref(tid), None, native, None) == 0
 
 out = {}
 def host():
-    out["said"] = set_compute_priority(sys.argv[1])
+    out["said"] = set_compute_priority(sys.argv[1], 5)
     out["host"] = threading.get_native_id()
 h = threading.Thread(target=host)
 h.start()
@@ -49,10 +49,15 @@ for t in os.listdir("/proc/self/task"):
         pass  # the host thread has exited
 main = threading.main_thread().native_id
 library = [t for t in policy if t not in (main, trio_like.native_id)]
+nice = {t: os.getpriority(os.PRIO_PROCESS, t) for t in policy}
 print(out["said"])
 want = os.SCHED_IDLE if sys.argv[1] == "idle" else os.SCHED_BATCH
 print(policy[main] == os.SCHED_OTHER, policy[trio_like.native_id] == os.SCHED_OTHER,
       bool(library) and all(policy[t] == want for t in library))
+# batch: the library threads 5 nicer than the process; Python's own kept.
+base = nice[main]
+lower = min(base + 5, 19) if sys.argv[1] == "batch" else base
+print(nice[trio_like.native_id] == base, all(nice[t] == lower for t in library))
 """
 
 
@@ -65,9 +70,20 @@ def test_the_host_and_library_threads_take_the_policy(priority: str, policy: str
         timeout=60,
         check=True,
     )
-    said, flags = done.stdout.strip().splitlines()
+    said, flags, nice = done.stdout.strip().splitlines()
     assert said.startswith(f"{priority} ({policy} on the host thread and "), said
     assert flags == "True True True", done.stdout
+    assert nice == "True True", done.stdout
+    assert (", nice " in said) == (priority == "batch"), said
+
+
+def test_the_compute_nice_is_a_setting() -> None:
+    from gezel_trio.core.config import EngineConfig
+
+    assert EngineConfig(model="m").compute_nice == 5
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="compute_nice"):
+            EngineConfig(model="m", compute_nice=bad)
 
 
 def test_normal_changes_nothing() -> None:

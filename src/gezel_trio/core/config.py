@@ -295,14 +295,26 @@ class EngineConfig:
         "batch",
         flag="--compute-priority",
         help="on Linux, the CPU scheduling of the threads that compute (the host thread, "
-        "MLX's and OpenBLAS's): batch (SCHED_BATCH: the same share of the cores, but a "
-        "thread that wakes, the HTTP side's included, is not kept waiting behind them as "
-        "long), normal, or idle (SCHED_IDLE: any other thread that wakes gets a core at "
-        "once, so /health stays fast during a long prefill; but another process that keeps "
-        "the cores busy stops decoding altogether: for a machine that serves and does "
-        "nothing else)",
+        "MLX's and OpenBLAS's): batch (SCHED_BATCH, --compute-nice above the process: "
+        "a thread that wakes, the HTTP side's included, is not kept waiting behind them "
+        "as long), normal, or idle (SCHED_IDLE: any other thread "
+        "that wakes gets a core at once, so /health stays fast during a long prefill; "
+        "but another process that keeps the cores busy stops decoding altogether: for "
+        "a machine that serves and does nothing else)",
         choices=COMPUTE_PRIORITIES,
         validator=_one_of(COMPUTE_PRIORITIES),
+    )
+    # How much nicer than the process ``batch`` runs the compute
+    # (``mlx.priority``): the HTTP side and the app beside it run first.
+    compute_nice: int = setting(
+        5,
+        flag="--compute-nice",
+        validator=[attrs.validators.ge(0), attrs.validators.le(19)],
+        help="with --compute-priority batch, run the threads that compute this much nicer "
+        "than the process (0-19): /health and the app that started the server are answered "
+        "sooner during a long prefill, and a busy process of the same session (or cgroup) "
+        "takes more of the cores from decoding; other sessions' processes are unaffected "
+        "where autogroup or cgroups are on",
     )
     # A running request whose reader drained nothing for this long is
     # withdrawn (its cache saved like any cancellation); ``None``: never.

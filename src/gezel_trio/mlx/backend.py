@@ -431,7 +431,8 @@ class MlxBackend:
     """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
 
     def __init__(self, config: EngineConfig) -> None:
-        log.info("compute threads: %s", set_compute_priority(config.compute_priority))
+        said = set_compute_priority(config.compute_priority, config.compute_nice)
+        log.info("compute threads: %s", said)
         loaded = load_model(config)
         model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
         self._vision: VisionModel | None = loaded.vision
