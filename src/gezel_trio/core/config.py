@@ -348,6 +348,17 @@ class EngineConfig:
         "Retry-After) and frees its queue slot (0: never)",
         validator=_optional_positive,
     )
+    # Qwen 3.5's prefill on a CPU is a Python loop holding the GIL
+    # (``host.gil``); 0 leaves Python's interval.
+    prefill_switch_ms: float = setting(
+        0.5,
+        flag="--prefill-switch-ms",
+        flag_type=float,
+        validator=[attrs.validators.ge(0), attrs.validators.le(100)],
+        help="while a prompt prefills, the GIL's switch interval in ms (Python's is 5): "
+        "the HTTP side gets the GIL sooner from a prefill that runs Python between its "
+        "kernels; put back once no prompt prefills; 0 leaves it alone",
+    )
     shutdown_timeout: float = setting(
         30.0,
         flag="--shutdown-timeout",

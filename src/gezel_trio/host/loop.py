@@ -74,6 +74,7 @@ from .exchange import (
     Point,
     StepReport,
 )
+from .gil import PrefillSwitch
 from .kv_events import KvEvents, block_hash
 from .persist import DiskCache
 from .prompt_cache import PromptCache
@@ -183,8 +184,11 @@ class _Host:
         observed: bool = False,
         write_behind: bool = False,
         kv_events: KvEvents | None = None,
+        prefill_switch: PrefillSwitch | None = None,
     ) -> None:
         self.backend = backend
+        # A shorter GIL switch interval while a prompt prefills (``host.gil``).
+        self.prefill_switch = prefill_switch or PrefillSwitch(None)
         self.memory_limit = memory_limit_bytes
         self.shutdown_timeout = shutdown_timeout
         self.write_behind_on = write_behind and cache.disk is not None
@@ -399,6 +403,10 @@ class _Host:
     # --- one step -----------------------------------------------------------
 
     def step(self, lane: Priority) -> StepReport:
+        # A sequence without its first token prefills in this step.
+        self.prefill_switch.prefilling(
+            any(s.first_token_at is None for s in self.seqs.values() if s.lane == lane)
+        )
         try:
             out = self.backend.step(lane)
         except Exception as exc:  # the shared step: every sequence in it fails
@@ -667,6 +675,7 @@ def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
         observed,
         config.write_behind,
         make_kv_events(cache, config),
+        PrefillSwitch(config.prefill_switch_ms / 1000 if config.prefill_switch_ms else None),
     )
 
 
@@ -723,6 +732,7 @@ def _drive(
     finally:
         try:
             if host is not None:
+                host.prefill_switch.prefilling(False)
                 host.shutdown()
         finally:
             backend.close()
