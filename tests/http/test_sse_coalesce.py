@@ -6,32 +6,13 @@ the reader falls behind is exact."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import trio
 import trio.testing
 
 from gezel_trio import ChatFinished, ChatRequest, TextDelta
-from gezel_trio.core.errors import GezelError
 from gezel_trio.http.sse import ChatStream
 from gezel_trio.testing import ScriptedBackend, open_test_engine
-
-
-class _Frames:
-    """One SSE frame per event, named by the event's type."""
-
-    def opening(self) -> list[bytes]:
-        return [b"data: open\n\n"]
-
-    def render(self, event: Any, chat: Any) -> list[bytes]:
-        return [f"data: {type(event).__name__}\n\n".encode()]
-
-    def failure(self, err: GezelError) -> list[bytes]:
-        return [b"data: failed\n\n"]
-
-
-def _events(write: bytes) -> list[str]:
-    return [f.removeprefix("data: ") for f in write.decode().split("\n\n") if f]
+from tests.support.sse_frames import NamedFrames, event_names
 
 
 def test_a_stream_behind_its_sequence_writes_every_waiting_event_at_once() -> None:
@@ -39,11 +20,11 @@ def test_a_stream_behind_its_sequence_writes_every_waiting_event_at_once() -> No
         async with open_test_engine(ScriptedBackend()) as t:
             request = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=6)
             prepared = await t.engine.prepare_chat(request)
-            stream = ChatStream(t.engine, prepared, _Frames())
-            assert _events(await stream.__anext__()) == ["open"]  # submitted now
+            stream = ChatStream(t.engine, prepared, NamedFrames())
+            assert event_names(await stream.__anext__()) == ["open"]  # submitted now
             # The reader stops reading; the sequence runs to its end meanwhile.
             await t.engine.wait_until(lambda s: s.running == () and s.queued == ())
-            write = _events(await stream.__anext__())
+            write = event_names(await stream.__anext__())
             # One write: every delta, then the end.
             assert write.count(TextDelta.__name__) == 6
             assert write[-1] == ChatFinished.__name__
@@ -62,7 +43,7 @@ def test_a_stream_that_keeps_up_writes_each_event_as_it_comes() -> None:
         async with open_test_engine(ScriptedBackend()) as t:
             request = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=6)
             prepared = await t.engine.prepare_chat(request)
-            writes = [_events(w) async for w in ChatStream(t.engine, prepared, _Frames())]
+            writes = [event_names(w) async for w in ChatStream(t.engine, prepared, NamedFrames())]
             # Read as fast as they come, each token is its own write.
             assert sum(w == [TextDelta.__name__] for w in writes) >= 5
             assert writes[-1][-1] == ChatFinished.__name__

@@ -8,35 +8,17 @@ at each one, so every arrival time is exact."""
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import trio
 import trio.testing
 
 from gezel_trio import ChatFinished, ChatRequest, TextDelta
-from gezel_trio.core.errors import GezelError
 from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.http.sse import STREAM_HOLD_KEY, ChatStream
 from gezel_trio.testing import ScriptedBackend, TestEngine, open_test_engine
+from tests.support.sse_frames import NamedFrames, event_names
 
 HOLD = 0.025
-
-
-class _Frames:
-    """One SSE frame per event, named by the event's type."""
-
-    def opening(self) -> list[bytes]:
-        return [b"data: open\n\n"]
-
-    def render(self, event: Any, chat: Any) -> list[bytes]:
-        return [f"data: {type(event).__name__}\n\n".encode()]
-
-    def failure(self, err: GezelError) -> list[bytes]:
-        return [b"data: failed\n\n"]
-
-
-def _events(write: bytes) -> list[str]:
-    return [f.removeprefix("data: ") for f in write.decode().split("\n\n") if f]
 
 
 async def _pace(t: TestEngine, step_s: float) -> None:
@@ -59,8 +41,8 @@ async def _writes(
         nursery.start_soon(_pace, t, step_s)
         request = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=tokens)
         prepared = await t.engine.prepare_chat(request)
-        stream = ChatStream(t.engine, prepared, _Frames(), hold_s=hold_s)
-        writes = [(trio.current_time(), _events(w)) async for w in stream]
+        stream = ChatStream(t.engine, prepared, NamedFrames(), hold_s=hold_s)
+        writes = [(trio.current_time(), event_names(w)) async for w in stream]
         nursery.cancel_scope.cancel()
     return writes
 
@@ -107,7 +89,7 @@ def test_a_token_late_for_its_hold_is_sent_when_the_hold_ends() -> None:
         async with open_test_engine(ScriptedBackend()) as t, trio.open_nursery() as nursery:
             request = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=8)
             prepared = await t.engine.prepare_chat(request)
-            stream = ChatStream(t.engine, prepared, _Frames(), hold_s=HOLD)
+            stream = ChatStream(t.engine, prepared, NamedFrames(), hold_s=HOLD)
             # Tokens at 10, 20 and 30 ms, then one 200 ms later.
             steps: list[float] = [0.010, 0.010, 0.010, 0.200]
             slow = trio.Event()
@@ -127,7 +109,7 @@ def test_a_token_late_for_its_hold_is_sent_when_the_hold_ends() -> None:
             nursery.start_soon(pace)
             writes: list[tuple[float, list[str]]] = []
             async for w in stream:
-                writes.append((trio.current_time(), _events(w)))
+                writes.append((trio.current_time(), event_names(w)))
                 if slow.is_set():
                     break
             await stream.aclose()
@@ -147,8 +129,8 @@ def test_a_client_gone_during_a_hold_withdraws_its_request() -> None:
             nursery.start_soon(_pace, t, 0.010)
             request = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=1000)
             prepared = await t.engine.prepare_chat(request)
-            stream = ChatStream(t.engine, prepared, _Frames(), hold_s=HOLD)
-            while TextDelta.__name__ not in _events(await stream.__anext__()):
+            stream = ChatStream(t.engine, prepared, NamedFrames(), hold_s=HOLD)
+            while TextDelta.__name__ not in event_names(await stream.__anext__()):
                 pass
             # The next write holds its token; the client leaves meanwhile.
             with trio.move_on_after(0.015) as left:
