@@ -14,7 +14,7 @@ import trio.testing
 
 from gezel_trio import ChatFinished, ChatRequest, TextDelta
 from gezel_trio.http.app import HttpSettings, create_app
-from gezel_trio.http.sse import STREAM_HOLD_KEY, ChatStream
+from gezel_trio.http.sse import STREAM_HOLD_KEY, ChatStream, stream_chat
 from gezel_trio.testing import ScriptedBackend, TestEngine, open_test_engine
 from tests.support.sse_frames import NamedFrames, event_names
 
@@ -150,5 +150,29 @@ def test_the_server_setting_reaches_the_app() -> None:
             assert create_app(t.engine, HttpSettings()).config[STREAM_HOLD_KEY] == HOLD
             off = create_app(t.engine, HttpSettings(stream_hold_ms=0))
             assert off.config[STREAM_HOLD_KEY] == 0.0
+
+    trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_every_protocols_stream_holds_as_the_server_says() -> None:
+    """``stream_chat`` (each protocol's streamed answer) reads the app's
+    ``--stream-hold-ms``."""
+
+    async def writes_under(settings: HttpSettings) -> list[int]:
+        async with open_test_engine(ScriptedBackend()) as t, trio.open_nursery() as nursery:
+            nursery.start_soon(_pace, t, 0.010)
+            request = ChatRequest([{"role": "user", "content": "hi"}], max_tokens=11)
+            prepared = await t.engine.prepare_chat(request)
+            app = create_app(t.engine, settings)
+            async with app.app_context():
+                response = stream_chat(t.engine, prepared, NamedFrames())
+            async with response.response as body:
+                writes = [(0.0, event_names(w)) async for w in body]
+            nursery.cancel_scope.cancel()
+        return _tokens(writes)
+
+    async def scenario() -> None:
+        assert await writes_under(HttpSettings()) == [1, 3, 3, 3, 1]
+        assert await writes_under(HttpSettings(stream_hold_ms=0)) == [1] * 11
 
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
