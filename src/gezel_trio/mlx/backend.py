@@ -61,6 +61,7 @@ from .compiled_step import CompiledDecode, compiled_blocker
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
+from .gated_delta import install as install_gated_delta
 from .group import rank_group, shard
 from .kv_quant import KvPlan, KvStart, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
@@ -510,6 +511,11 @@ class MlxBackend:
         # What finished sequences held, for every lane's lookups.
         self._recent = RecentBySalt()
         self._speculate = self._speculation(config, layout)
+        # A prompt through linear-attention layers, in chunks on the CPU
+        # (mlx.gated_delta; mlx-lm's function, so the process's).
+        install_gated_delta(config.gated_delta_prefill)
+        if any(type(c) is ArraysCache for c in layout):
+            log.info("gated-delta prefill: %s", config.gated_delta_prefill)
         # What BatchGenerator calls: the model, its one-token steps compiled
         # where it can be (mlx.compiled_step).
         self._decode_model = self._compiled_step(config)
