@@ -325,21 +325,32 @@ def _poll_health(
     on a raw socket and the answer read to its ``Content-Length``. The
     latency is the server's and the machine's: httpx's own Python per
     request (1-2 ms of this machine's CPU, on cores the prefill fills)
-    measured the client as much as the server."""
+    measured the client as much as the server. hypercorn closes a
+    connection after 1,000 requests (``keep_alive_max_requests``), as a
+    server may: the probe then connects again, and that request's
+    latency, which includes the connect, is not counted."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
-    with socket.create_connection((host, port), timeout=30.0) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            sock.sendall(request)
-            status = _read_response(sock)
-            t1 = time.perf_counter()
-            if status != 200:
-                raise RuntimeError(f"/health: HTTP {status}")
-            out.append((t0, t1 - t0))
-            time.sleep(interval)
+    while not stop.is_set():
+        with socket.create_connection((host, port), timeout=30.0) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    sock.sendall(request)
+                    status = _read_response(sock)
+                except (_Closed, ConnectionError):
+                    break
+                t1 = time.perf_counter()
+                if status != 200:
+                    raise RuntimeError(f"/health: HTTP {status}")
+                out.append((t0, t1 - t0))
+                time.sleep(interval)
+
+
+class _Closed(RuntimeError):
+    """The server closed the probe's connection between answers."""
 
 
 def _read_response(sock: socket.socket) -> int:
@@ -347,6 +358,8 @@ def _read_response(sock: socket.socket) -> int:
     data = b""
     while b"\r\n\r\n" not in data:
         got = sock.recv(65536)
+        if not got and not data:
+            raise _Closed("/health: the connection closed before an answer")
         if not got:
             raise RuntimeError("/health: the connection closed")
         data += got
