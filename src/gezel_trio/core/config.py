@@ -32,6 +32,8 @@ SPECULATION_MODES = ("lookup", "off")
 COMPILED_STEP_MODES = ("on", "off")
 # ``EngineConfig.gated_delta_prefill``'s values (``mlx.gated_delta``).
 GATED_DELTA_PREFILLS = ("chunked", "sequential")
+# ``EngineConfig.decode_threads``'s values (``mlx.step_threads``).
+DECODE_THREADS = ("auto", "all")
 # How a model is split over the ranks of an mlx.launch group (``mlx.group``).
 GROUP_SPLITS = ("auto", "tensor", "layers")
 # ``EngineConfig.kv_bits``'s quantized widths (what ``mx.quantize`` packs).
@@ -223,6 +225,16 @@ class EngineConfig:
         "in Python every step",
         choices=COMPILED_STEP_MODES,
         validator=_one_of(COMPILED_STEP_MODES),
+    )
+    decode_threads: str = setting(
+        "auto",
+        flag="--decode-threads",
+        help="OpenBLAS threads for a decode step: auto measures at load whether one thread "
+        "decodes a step of 1, 2, 4... sequences faster than all of them (on a small model it "
+        "can: the others wait on each call) and uses one for those; all: every step uses all "
+        "(a step that prefills always does; OPENBLAS_NUM_THREADS, when set, fixes the count)",
+        choices=DECODE_THREADS,
+        validator=_one_of(DECODE_THREADS),
     )
     gated_delta_prefill: str = setting(
         "chunked",

@@ -1,8 +1,10 @@
 """The GIL's switch interval while a prompt prefills (``--prefill-switch-ms``).
 
 Some models' prefill is a Python loop on the CPU: Qwen 3.5's linear-attention
-layers run mlx-lm's ``gated_delta_ops``, one compiled call per token of the
-chunk, with the GIL held between them. A thread that wants the GIL waits a
+layers ran mlx-lm's ``gated_delta_ops``, one compiled call per token of the
+chunk, with the GIL held between them (``--gated-delta-prefill sequential``
+still does; ``mlx.gated_delta`` now builds a chunk's graph in a tenth of
+the time). A thread that wants the GIL waits a
 whole switch interval (Python's 5 ms) each time it asks, and the Trio thread
 asks several times to answer one request (after each wait on its sockets).
 Measured on the hybrid bench model during a 5,929-token prefill, ``/health``

@@ -57,6 +57,7 @@ from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
+from . import blas
 from .compiled_step import CompiledDecode, compiled_blocker
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .draft import DraftModel, DraftPool, check_pair
@@ -83,6 +84,7 @@ from .model_source import resolve_model
 from .priority import set_compute_priority
 from .sampling import Sampling, greedy, make_sampler
 from .speculative import Roster, SpecStats, install, speculation_blocker
+from .step_threads import StepThreads, choose, measure
 from .vision import VisionModel, VisionPrefill, fresh_cache
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
@@ -519,6 +521,9 @@ class MlxBackend:
         # What BatchGenerator calls: the model, its one-token steps compiled
         # where it can be (mlx.compiled_step).
         self._decode_model = self._compiled_step(config)
+        # OpenBLAS's threads per step, one where one decodes faster
+        # (mlx.step_threads), measured on that model.
+        self._threads = self._step_threads(config)
         # A draft model's weights and the states its finished sequences left.
         self._draft: DraftModel | None = None
         self._draft_pool = DraftPool()
@@ -693,6 +698,39 @@ class MlxBackend:
             decode.warm()
         return self._model if decode.off is not None else decode
 
+    def _step_threads(self, config: EngineConfig) -> StepThreads | None:
+        """The thread count per step, measured now; ``None``: all of them
+        for every step (and says why)."""
+        most = blas.thread_count()
+        why = (
+            "--decode-threads all"
+            if config.decode_threads == "all"
+            else "OpenBLAS's thread count is not this process's to change"
+            if most is None
+            else "one thread in all"
+            if most < 2
+            else "not under a group of ranks"
+            if self._group is not None
+            else None
+        )
+        if why is not None or most is None:
+            log.info("decode threads: all, for every step (%s)", why)
+            return None
+        batches = [b for b in (1, 2, 4, 8) if b <= config.max_concurrency]
+        with mx.stream(self._stream):
+            timings = measure(self._decode_model, most, blas.set_threads, batches)
+        one_up_to = choose(timings)
+        log.info(
+            "decode threads: 1 for a decode step of up to %d sequences, %d otherwise (%s)",
+            one_up_to,
+            most,
+            "; ".join(
+                f"{b}: {1e3 * one:.1f} ms on 1, {1e3 * all_:.1f} on {most}"
+                for b, one, all_ in timings
+            ),
+        )
+        return StepThreads(most, one_up_to, blas.set_threads) if one_up_to else None
+
     def _new_generator(self, roster: Roster) -> BatchGenerator:
         n = self._config.max_concurrency
         gen = BatchGenerator(
@@ -715,6 +753,7 @@ class MlxBackend:
                 self._recent,
                 self._draft,
                 self._draft_pool,
+                self._threads,
             )
         return gen
 
@@ -1193,6 +1232,8 @@ class MlxBackend:
         return progress, failed
 
     def step(self, lane_name: Priority) -> StepOutput:
+        if self._threads is not None:
+            self._before_step(lane_name)
         image_progress, image_failed = self._step_images(lane_name)
         lane = self._lanes.get(lane_name)
         if lane is None:
@@ -1246,6 +1287,19 @@ class MlxBackend:
             self._lane_of.pop(rid, None)
         return StepOutput(prefill, tuple(tokens), failed)
 
+    def _before_step(self, lane_name: Priority) -> None:
+        """OpenBLAS's threads for what the lane's next step runs: its
+        decoding sequences, and whether a prompt or an image prefills (a
+        verify says its own rows, ``mlx.speculative``)."""
+        assert self._threads is not None
+        lane = self._lanes.get(lane_name)
+        gen = lane.gen if lane is not None else None
+        decoding = len(gen._generation_batch) if gen is not None else 0
+        prefilling = bool(self._prefills.get(lane_name)) or (
+            gen is not None and bool(gen._unprocessed_sequences or gen._currently_processing)
+        )
+        self._threads.before_step(decoding, prefilling)
+
     def _token_logprobs(
         self, rid: int, token: int, logprobs: Any
     ) -> tuple[float | None, tuple[tuple[int, float], ...]]:
@@ -1298,3 +1352,5 @@ class MlxBackend:
             self.reset(name)
         self._prefills.clear()
         mx.synchronize(self._stream)
+        if self._threads is not None:
+            self._threads.close()

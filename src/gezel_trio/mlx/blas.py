@@ -48,7 +48,7 @@ import warnings
 from pathlib import Path
 from typing import Final
 
-__all__ = ["ENV_SWITCH", "describe", "preload"]
+__all__ = ["ENV_SWITCH", "describe", "preload", "set_threads", "thread_count"]
 
 ENV_SWITCH: Final = "GEZEL_TRIO_PRELOAD_BLAS"
 _OPENBLAS_DIST: Final = "ngsolve-openblas"
@@ -56,6 +56,10 @@ _GFORTRAN_SONAME: Final = "libgfortran.so.5"
 
 # What preload() did, for describe(); set once, at import time.
 _outcome: list[str] = []
+# The OpenBLAS preload() bound and the thread count it chose, when this
+# process may change that count (``mlx.step_threads``): not when
+# ``OPENBLAS_NUM_THREADS`` chose it.
+_control: list[tuple[ctypes.CDLL, int]] = []
 
 
 def _wheel_file(dist: str, parent: str, prefix: str) -> Path | None:
@@ -133,8 +137,26 @@ def _threads(openblas: ctypes.CDLL) -> str:
         openblas.openblas_set_num_threads(threads)
     except AttributeError:
         return "its default threads"
+    _control.append((openblas, threads))
     why = "the usable cores" if sharing == 1 else f"the usable cores over {sharing} local ranks"
     return "1 thread" if threads == 1 else f"{threads} threads ({why})"
+
+
+def thread_count() -> int | None:
+    """The OpenBLAS thread count ``preload`` chose, when this process may
+    change it per call (``set_threads``); ``None`` otherwise (no OpenBLAS
+    preloaded, or ``OPENBLAS_NUM_THREADS`` set)."""
+    return _control[0][1] if _control else None
+
+
+def set_threads(n: int) -> None:
+    """Run OpenBLAS's next calls on ``n`` threads (at most the count
+    ``preload`` chose; its pool keeps that many). Call it between BLAS
+    calls, from the thread that makes them."""
+    if not _control:
+        raise RuntimeError("OpenBLAS's thread count is not this process's to change")
+    openblas, most = _control[0]
+    openblas.openblas_set_num_threads(max(1, min(n, most)))
 
 
 def _ranks_here() -> int:

@@ -72,6 +72,7 @@ from .draft import DraftModel, DraftPool, DraftState
 from .kv_quant import BatchQuantizedKVCache, QuantizedKV
 from .lookup import NgramLookup, RecentBySalt
 from .sampling import Sampling, greedy
+from .step_threads import StepThreads
 
 log = logging.getLogger("gezel_trio.mlx")
 
@@ -476,6 +477,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
     pool: DraftPool | None = None
     stats: SpecStats
     gate: _Gate
+    # OpenBLAS's threads per step (``mlx.step_threads``): a verify's rows.
+    threads: StepThreads | None = None
     # GenerationBatch's, set in its __init__.
     _next_tokens: Any
     _next_logprobs: Any
@@ -780,6 +783,8 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
         k = max(len(p) for p in proposals)
         rows = [[pending[i], *p, *([pending[i]] * (k - len(p)))] for i, p in enumerate(proposals)]
         inputs = mx.array(rows, dtype=self._next_tokens.dtype)
+        if self.threads is not None:
+            self.threads.before_step(B * (k + 1), prefilling=False)
         logits = self.model(inputs, cache=self.prompt_cache)
 
         # Position 0 is every sequence's plain step: its processors and sampler.
@@ -967,12 +972,14 @@ def install(
     recent: RecentBySalt | None = None,
     draft: DraftModel | None = None,
     pool: DraftPool | None = None,
+    threads: StepThreads | None = None,
 ) -> None:
     """Make ``gen``'s generation batch a ``SpeculativeBatch`` proposing up to
     ``num_draft`` tokens for its greedy sequences and the sampled ones in
     ``roster`` (its opted-out never), from their own tokens and from
-    ``recent``'s, and from ``draft`` (its finished states kept in ``pool``).
-    Call before anything was inserted."""
+    ``recent``'s, and from ``draft`` (its finished states kept in ``pool``);
+    ``threads`` is told each verify's rows. Call before anything was
+    inserted."""
     cls = type(
         "LaneSpeculativeBatch",
         (SpeculativeBatch,),
@@ -984,6 +991,7 @@ def install(
             "pool": pool,
             "stats": stats,
             "gate": _Gate(),
+            "threads": threads,
         },
     )
     empty: Any = cls

@@ -1,0 +1,132 @@
+"""OpenBLAS's thread count per step (``--decode-threads``): one thread for a
+decode step of few sequences where one costs the step little.
+
+A decode step of one sequence is a chain of matrix-vector products. On a
+small model OpenBLAS gains little from its second thread there, and a
+parallel call is as slow as its slower thread: when the Trio thread or the
+client takes a core from one of them (they run beside the compute on the
+same cores), the whole call waits. Through HTTP on 2 cores, one stream of
+the dense bench model decoded at 117-137 tokens/s on one thread against 101
+on two, though on its own a step took 7.2-9.3 ms on one and 7.0-8.6 on two
+(2-8% slower). From two sequences on, two threads ran a step 30-50% faster
+on their own and 8-11% faster through HTTP (4 and 8 streams); on SmolLM2,
+whose head is a 113 MB matrix, two threads ran even one sequence's step
+40% faster.
+
+So it is measured for each model when it loads: ``measure`` times decode
+steps of 1, 2, 4... sequences on one thread and on all, alternated, the
+fastest of ``REPEATS`` each, and stops at the first batch where one thread
+is more than ``TOLERANCE`` slower: the core it leaves free serves the rest
+of the process. Batches up to the last one chosen run on one thread; every
+other step, and every step that prefills a prompt or an image (matrix
+products, where both threads pay), runs on all of them. A speculative
+verify counts its rows: one sequence verifying 3 proposals is 4 rows.
+
+The count is OpenBLAS's, the process's: ``StepThreads`` sets it on the host
+thread before each step (``mlx.blas.set_threads``), only when it changes,
+and sets all of them back when the backend closes. It does nothing where
+the process may not change it: ``OPENBLAS_NUM_THREADS`` set (that count is
+kept for every step), no OpenBLAS preloaded, or one thread in all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+__all__ = ["REPEATS", "TOLERANCE", "StepThreads", "choose", "measure"]
+
+log = logging.getLogger(__name__)
+
+# One thread is chosen for a batch while its step, measured alone, is at
+# most this much slower than on all threads (the dense bench model's one
+# sequence: 2-9% slower alone, 17-35% faster through HTTP; two sequences:
+# 30-40% slower alone).
+TOLERANCE: Final = 0.15
+# Timed steps per thread count and batch (the fastest counts).
+REPEATS: Final = 3
+
+
+class StepThreads:
+    """Sets OpenBLAS's thread count before each step: one for a decode step
+    of at most ``one_up_to`` rows, ``most`` otherwise. Host thread only."""
+
+    def __init__(self, most: int, one_up_to: int, setter: Callable[[int], None]) -> None:
+        self.most = most
+        self.one_up_to = one_up_to
+        self._set = setter
+        self._now = most
+        self.switches = 0  # how many times the count changed
+
+    @property
+    def now(self) -> int:
+        return self._now
+
+    def before_step(self, rows: int, prefilling: bool) -> None:
+        """Say what the next step runs: ``rows`` positions decoded (one per
+        sequence; a speculative verify's proposals too), and whether it also
+        prefills a prompt."""
+        want = 1 if 0 < rows <= self.one_up_to and not prefilling else self.most
+        if want != self._now:
+            self._set(want)
+            self._now = want
+            self.switches += 1
+
+    def close(self) -> None:
+        """All threads again, for whatever runs after the backend."""
+        if self._now != self.most:
+            self._set(self.most)
+            self._now = self.most
+
+
+def choose(timings: Sequence[tuple[int, float, float]]) -> int:
+    """The largest batch, in ascending order, up to which one thread was at
+    most ``TOLERANCE`` slower than all of them (0: none). ``timings``:
+    (batch, seconds on one thread, seconds on all)."""
+    one_up_to = 0
+    for batch, one, most in sorted(timings):
+        if one > most * (1 + TOLERANCE):
+            break
+        one_up_to = batch
+    return one_up_to
+
+
+def measure(
+    model: Any,
+    most: int,
+    setter: Callable[[int], None],
+    batches: Sequence[int],
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[tuple[int, float, float]]:
+    """Time decode steps of ``model`` (what ``BatchGenerator`` calls) for
+    each batch in ``batches`` on one thread and on ``most``, alternated;
+    stops after the first batch ``choose`` does not give one thread. Call it on
+    the host thread, in the model's stream; it leaves ``most`` set."""
+    base = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, 16), dtype=mx.int32), cache=base))
+    timings: list[tuple[int, float, float]] = []
+    try:
+        for batch in sorted(batches):
+            cache = [c.merge([c] * batch) for c in base]
+            tokens = mx.zeros((batch, 1), dtype=mx.uint32)
+            best = {1: float("inf"), most: float("inf")}
+            for i in range(2 * REPEATS + 2):
+                n = 1 if i % 2 == 0 else most
+                setter(n)
+                t0 = clock()
+                logits = model(tokens, cache=cache)
+                state = [c.keys if type(c) is not ArraysCache else c.cache for c in cache]
+                mx.eval(logits, state)
+                if i >= 2:  # the first of each is a warm-up
+                    best[n] = min(best[n], clock() - t0)
+            timings.append((batch, best[1], best[most]))
+            if choose(timings) < batch:
+                break
+    finally:
+        setter(most)
+    return timings
