@@ -6,7 +6,10 @@ Trio thread stays (``bench decode``, ``bench scheduler``'s health section):
 the same server, in a Trio run given two watchers.
 
 * A Trio instrument times every task step; each one of ``STEP_MS`` or more
-  is kept with its task's name.
+  is kept with its task's name, the Trio thread's CPU time in it and the
+  time Python's garbage collector ran in it: a long step with little CPU
+  waited (for the GIL, for a core), one with a collection in it paid for
+  that.
 * A heartbeat task sleeps ``BEAT_S`` and records how late it woke: what any
   blocking costs a task that wants to run - a long task step, a long
   ``run_sync_soon`` callback (the host's exchange runs as one), the GIL
@@ -21,8 +24,10 @@ changes.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,15 +43,36 @@ _HEARTBEAT = f"{__name__}._heartbeat"
 class _Steps(trio.abc.Instrument):
     def __init__(self) -> None:
         self.started = 0.0
-        self.long: list[tuple[float, float, str]] = []  # (wall time, ms, task)
+        self.started_cpu = 0.0
+        self.gc_ms = 0.0  # the Trio thread's collections, in all
+        self.gc_at_start = 0.0
+        self._gc_began = 0.0
+        self._thread = threading.get_ident()  # trio.run's, where this is made
+        # (wall time, ms, task, the thread's CPU ms, the collector's ms)
+        self.long: list[tuple[float, float, str, float, float]] = []
+        gc.callbacks.append(self._collected)
+
+    def _collected(self, phase: str, info: dict[str, Any]) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        else:
+            self.gc_ms += (time.perf_counter() - self._gc_began) * 1e3
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self.started = time.perf_counter()
+        self.started_cpu = time.thread_time()
+        self.gc_at_start = self.gc_ms
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         ms = (time.perf_counter() - self.started) * 1e3
         if ms >= STEP_MS and task.name != _HEARTBEAT:  # not the watcher's own steps
-            self.long.append((time.time(), round(ms, 2), task.name))
+            cpu = (time.thread_time() - self.started_cpu) * 1e3
+            collected = self.gc_ms - self.gc_at_start
+            self.long.append(
+                (time.time(), round(ms, 2), task.name, round(cpu, 2), round(collected, 2))
+            )
 
 
 def _quantile(xs: list[float], q: float) -> float | None:
@@ -86,7 +112,8 @@ def _write(out: Path, late: list[float], steps: _Steps) -> None:
         "late_p50_ms": _quantile(late, 0.5),
         "late_p99_ms": _quantile(late, 0.99),
         "late_max_ms": max(late) if late else None,
-        "long_steps": sorted(((ms, name) for _, ms, name in steps.long), reverse=True)[:20],
+        # [ms, task, CPU ms, collector ms], the longest first
+        "long_steps": sorted((x[1:] for x in steps.long), reverse=True)[:20],
         "long_step_count": len(steps.long),
         "written": time.time(),
     }

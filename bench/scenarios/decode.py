@@ -427,7 +427,10 @@ def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Tabl
             got = [r for r in stalls if r["system"] == system and r["streams"] == n and r]
             if not got:
                 continue
-            worst = [r["long_steps"][0][0] for r in got if r.get("long_steps")]
+            worst = max(
+                (r["long_steps"][0] for r in got if r.get("long_steps")),
+                default=[0.0, "", 0.0, 0.0],
+            )
             rows.append(
                 (
                     system,
@@ -435,7 +438,9 @@ def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Tabl
                     statistics.median(r["late_p99_ms"] or 0.0 for r in got),
                     max(r["late_max_ms"] or 0.0 for r in got),
                     sum(r.get("long_step_count", 0) for r in got),
-                    max(worst) if worst else 0.0,
+                    worst[0],
+                    worst[2] if len(worst) > 2 else 0.0,
+                    worst[3] if len(worst) > 3 else 0.0,
                 )
             )
     if not rows:
@@ -444,10 +449,12 @@ def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Tabl
         table(
             "The Trio thread while streams decode",
             "system | streams:d | heartbeat late p99 ms:.2f | late max ms:.2f"
-            " | task steps >= 8 ms:d | longest step ms:.1f",
+            " | task steps >= 8 ms:d | longest step ms:.1f | its CPU ms:.1f | its GC ms:.1f",
             rows,
             "a task sleeping 5 ms, how late it woke (median over rounds of each round's p99;"
-            " max over all); task steps timed by a Trio instrument",
+            " max over all); task steps timed by a Trio instrument, with the Trio thread's CPU"
+            " time in the longest one (the rest it waited: for the GIL, for a core) and the"
+            " time Python's garbage collector ran in it",
         )
     ]
 
