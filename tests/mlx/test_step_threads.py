@@ -8,7 +8,8 @@
   count changes, and all of them again when closed.
 - ``measure`` alternates one thread and all on a real model's decode steps,
   keeps the fastest of each after a warm-up, stops at the first batch not
-  given one thread, and leaves all of them set.
+  given one thread, and leaves all of them set; a model whose warm-up step
+  on all threads is longer than ``LONG_STEP_S`` is not measured further.
 - The backend asks before each step with what the lane's next step runs
   (its decoding sequences, a prompt waiting), and closes it; a speculative
   verify asks for its rows (one sequence and its proposals: all threads).
@@ -40,7 +41,7 @@ from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import RecentBySalt
 from gezel_trio.mlx.sampling import greedy
-from gezel_trio.mlx.step_threads import TOLERANCE, StepThreads, choose, measure
+from gezel_trio.mlx.step_threads import LONG_STEP_S, TOLERANCE, StepThreads, choose, measure
 from tests.support.speculation import AlwaysPays
 
 
@@ -81,8 +82,8 @@ class _Timed:
     ``cost`` says for its batch and the thread count set; the first of each
     8 more (a warm-up), the third half as much (the fastest)."""
 
-    def __init__(self, model: Any, cost: dict[tuple[int, int], float]) -> None:
-        self.model, self.cost = model, cost
+    def __init__(self, model: Any, cost: dict[tuple[int, int], float], unit: float = 1.0) -> None:
+        self.model, self.cost, self.unit = model, cost, unit
         self.threads = 2
         self.now = 0.0
         self.calls: list[tuple[int, int]] = []
@@ -99,7 +100,8 @@ class _Timed:
             key = (batch, self.threads)
             nth = self.calls.count(key)
             self.calls.append(key)
-            self.now += self.cost[key] * (0.5 if nth == 2 else 1.0) + (8.0 if nth == 0 else 0.0)
+            step = self.cost[key] * (0.5 if nth == 2 else 1.0) + (8.0 if nth == 0 else 0.0)
+            self.now += step * self.unit
         return self.model(tokens, cache=cache)
 
     def __getattr__(self, name: str) -> Any:
@@ -113,13 +115,32 @@ def test_measure_alternates_keeps_the_fastest_and_stops_at_the_first_batch_not_c
     hold_float32(model)
     cost = {(1, 1): 1.0, (1, 2): 1.0, (2, 1): 1.125, (2, 2): 1.0, (4, 1): 1.5, (4, 2): 1.0}
     cost |= {(8, 1): 1.0, (8, 2): 1.0}
-    timed = _Timed(model, cost)
-    timings = measure(timed, 2, timed.set, [4, 1, 8, 2], clock=timed.clock)
-    assert timings == [(1, 0.5, 0.5), (2, 0.5625, 0.5), (4, 0.75, 0.5)]  # not 8
+    unit = 2.0**-7  # every step, warm-ups too, shorter than LONG_STEP_S
+    timed = _Timed(model, cost, unit)
+    measured = measure(timed, 2, timed.set, [4, 1, 8, 2], clock=timed.clock)
+    assert measured.too_long_s is None
+    timings = measured.timings
+    want = [(1, 0.5, 0.5), (2, 0.5625, 0.5), (4, 0.75, 0.5)]  # not 8
+    assert timings == [(b, one * unit, most * unit) for b, one, most in want]
     assert choose(timings) == 2
     # Alternated, 4 steps on each count per batch, the first of each a warm-up.
     assert [b for b, _ in timed.calls] == [1] * 8 + [2] * 8 + [4] * 8
     assert [n for _, n in timed.calls] == [1, 2] * 12
+    assert timed.threads == 2
+
+
+def test_a_model_whose_step_is_long_is_not_measured_past_its_first_two_steps(
+    dense_model: Path,
+) -> None:
+    model, _ = load(str(dense_model))
+    hold_float32(model)
+    # The warm-up on all threads: (8 + 1) / 64 of a second, past LONG_STEP_S.
+    timed = _Timed(model, {(1, 1): 1.0, (1, 2): 1.0}, 2.0**-6)
+    measured = measure(timed, 2, timed.set, [1, 2, 4], clock=timed.clock)
+    assert LONG_STEP_S < 9 * 2.0**-6
+    assert measured.timings == []
+    assert measured.too_long_s == pytest.approx(9 * 2.0**-6)
+    assert timed.calls == [(1, 1), (1, 2)]
     assert timed.threads == 2
 
 

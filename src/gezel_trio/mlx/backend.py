@@ -718,7 +718,15 @@ class MlxBackend:
             return None
         batches = [b for b in (1, 2, 4, 8) if b <= config.max_concurrency]
         with mx.stream(self._stream):
-            timings = measure(self._decode_model, most, blas.set_threads, batches)
+            measured = measure(self._decode_model, most, blas.set_threads, batches)
+        if measured.too_long_s is not None:
+            log.info(
+                "decode threads: all, for every step (a decode step took %.0f ms: long "
+                "enough for every thread to pay)",
+                1e3 * measured.too_long_s,
+            )
+            return None
+        timings = measured.timings
         one_up_to = choose(timings)
         log.info(
             "decode threads: 1 for a decode step of up to %d sequences, %d otherwise (%s)",

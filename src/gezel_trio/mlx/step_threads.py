@@ -17,10 +17,12 @@ So it is measured for each model when it loads: ``measure`` times decode
 steps of 1, 2, 4... sequences on one thread and on all, alternated, the
 fastest of ``REPEATS`` each, and stops at the first batch where one thread
 is more than ``TOLERANCE`` slower: the core it leaves free serves the rest
-of the process. Batches up to the last one chosen run on one thread; every
-other step, and every step that prefills a prompt or an image (matrix
-products, where both threads pay), runs on all of them. A speculative
-verify counts its rows: one sequence verifying 3 proposals is 4 rows.
+of the process. A model whose step takes longer than ``LONG_STEP_S`` is
+not measured past its first two steps: it keeps all threads. Batches up
+to the last one chosen run on one thread; every other step, and every
+step that prefills a prompt or an image (matrix products, where both
+threads pay), runs on all of them. A speculative verify counts its rows:
+one sequence verifying 3 proposals is 4 rows.
 
 The count is OpenBLAS's, the process's: ``StepThreads`` sets it on the host
 thread before each step (``mlx.blas.set_threads``), only when it changes,
@@ -36,10 +38,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-__all__ = ["REPEATS", "TOLERANCE", "StepThreads", "choose", "measure"]
+__all__ = ["LONG_STEP_S", "REPEATS", "TOLERANCE", "Measured", "StepThreads", "choose", "measure"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,11 @@ log = logging.getLogger(__name__)
 TOLERANCE: Final = 0.15
 # Timed steps per thread count and batch (the fastest counts).
 REPEATS: Final = 3
+# A model whose decode step takes longer than this on all threads is not
+# measured further (a large model's calls are long enough for every thread
+# to pay: SmolLM2's 46-52 ms step was 41% slower on one), so loading it
+# costs two steps, not dozens.
+LONG_STEP_S: Final = 0.1
 
 
 class StepThreads:
@@ -96,17 +104,29 @@ def choose(timings: Sequence[tuple[int, float, float]]) -> int:
     return one_up_to
 
 
+@attrs.frozen
+class Measured:
+    """What ``measure`` found: (batch, seconds on one thread, on all) per
+    batch it timed, and the warm-up step that stopped it when one took
+    longer than ``LONG_STEP_S`` (``None``: none did)."""
+
+    timings: list[tuple[int, float, float]]
+    too_long_s: float | None = None
+
+
 def measure(
     model: Any,
     most: int,
     setter: Callable[[int], None],
     batches: Sequence[int],
     clock: Callable[[], float] = time.perf_counter,
-) -> list[tuple[int, float, float]]:
+) -> Measured:
     """Time decode steps of ``model`` (what ``BatchGenerator`` calls) for
     each batch in ``batches`` on one thread and on ``most``, alternated;
-    stops after the first batch ``choose`` does not give one thread. Call it on
-    the host thread, in the model's stream; it leaves ``most`` set."""
+    stops after the first batch ``choose`` does not give one thread, and at
+    once when a warm-up step on all threads takes longer than
+    ``LONG_STEP_S``. Call it on the host thread, in the model's stream; it
+    leaves ``most`` set."""
     base = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, 16), dtype=mx.int32), cache=base))
     timings: list[tuple[int, float, float]] = []
@@ -122,11 +142,14 @@ def measure(
                 logits = model(tokens, cache=cache)
                 state = [c.keys if type(c) is not ArraysCache else c.cache for c in cache]
                 mx.eval(logits, state)
+                took = clock() - t0
                 if i >= 2:  # the first of each is a warm-up
-                    best[n] = min(best[n], clock() - t0)
+                    best[n] = min(best[n], took)
+                elif n == most and took > LONG_STEP_S:
+                    return Measured(timings, took)
             timings.append((batch, best[1], best[most]))
             if choose(timings) < batch:
                 break
     finally:
         setter(most)
-    return timings
+    return Measured(timings)
