@@ -3,12 +3,14 @@ decode step of few sequences where one costs the step little.
 
 A decode step of one sequence is a chain of matrix-vector products. On a
 small model OpenBLAS gains little from its second thread there, and a
-parallel call is as slow as its slower thread: when the Trio thread or the
-client takes a core from one of them (they run beside the compute on the
-same cores), the whole call waits. Through HTTP on 2 cores, one stream of
-the dense bench model decoded at 117-137 tokens/s on one thread against 101
-on two, though on its own a step took 7.2-9.3 ms on one and 7.0-8.6 on two
-(2-8% slower). From two sequences on, two threads ran a step 30-50% faster
+parallel call is as slow as its slower thread: when another thread takes
+a core from one of them, the whole call waits. Beside the compute run the
+host thread's Python for the next step, the Trio thread and the client.
+Through HTTP on 2 cores, one stream of the dense bench model decoded at
+117-137 tokens/s on one thread against 101 on two (raw mlx-lm's
+``BatchGenerator``, with no HTTP but its own Python between calls, 127
+against 90), though a step called alone took 7.2-9.3 ms on one and 7.0-8.6
+on two (2-8% slower). From two sequences on, two threads ran a step 30-50% faster
 on their own and 8-11% faster through HTTP (4 and 8 streams); on SmolLM2,
 whose head is a 113 MB matrix, two threads ran even one sequence's step
 40% faster.
