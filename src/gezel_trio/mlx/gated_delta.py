@@ -60,8 +60,8 @@ __all__ = ["CHUNK", "MIN_TOKENS", "chunked", "install", "installed_mode"]
 
 log = logging.getLogger(__name__)
 
-# Tokens per chunk: 32 ran a 512-token prompt in 7.5 ms, 64 in 10.9, 16 in
-# 12.3 (the hybrid bench model's shapes); a shorter call is one chunk.
+# Tokens per chunk: 32 ran a 512-token prompt in 7.5 ms, 64 in 10.9 (the
+# hybrid bench model's shapes); a shorter call is one chunk.
 CHUNK: Final = 32
 # Below this many tokens the token loop is mlx-lm's (at 4 tokens it took
 # 0.47 ms against 0.34 chunked, at 16 1.8 against 0.4): a speculative
