@@ -41,15 +41,15 @@ def host():
 h = threading.Thread(target=host)
 h.start()
 h.join()
-policy = {}
+policy, nice = {}, {}
 for t in os.listdir("/proc/self/task"):
     try:
-        policy[int(t)] = os.sched_getscheduler(int(t))
+        p, n = os.sched_getscheduler(int(t)), os.getpriority(os.PRIO_PROCESS, int(t))
     except OSError:
-        pass  # the host thread has exited
+        continue  # the host thread, exiting after its join, went between the two
+    policy[int(t)], nice[int(t)] = p, n
 main = threading.main_thread().native_id
 library = [t for t in policy if t not in (main, trio_like.native_id)]
-nice = {t: os.getpriority(os.PRIO_PROCESS, t) for t in policy}
 print(out["said"])
 want = os.SCHED_IDLE if sys.argv[1] == "idle" else os.SCHED_BATCH
 print(policy[main] == os.SCHED_OTHER, policy[trio_like.native_id] == os.SCHED_OTHER,
@@ -68,8 +68,8 @@ def test_the_host_and_library_threads_take_the_policy(priority: str, policy: str
         capture_output=True,
         text=True,
         timeout=60,
-        check=True,
     )
+    assert done.returncode == 0, done.stderr  # what the child raised, if it did
     said, flags, nice = done.stdout.strip().splitlines()
     assert said.startswith(f"{priority} ({policy} on the host thread and "), said
     assert flags == "True True True", done.stdout
