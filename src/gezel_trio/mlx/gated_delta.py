@@ -50,15 +50,14 @@ process's, so the last backend loaded decides for the process.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Final
 
 import mlx.core as mx
 from mlx_lm.models import gated_delta as _mlx_gated_delta
 
-__all__ = ["CHUNK", "MIN_TOKENS", "chunked", "install", "installed_mode"]
+from ..core.config import GATED_DELTA_PREFILLS
 
-log = logging.getLogger(__name__)
+__all__ = ["CHUNK", "MIN_TOKENS", "chunked", "install", "installed_mode"]
 
 # Tokens per chunk: 32 ran a 512-token prompt in 7.5 ms, 64 in 10.9 (the
 # hybrid bench model's shapes); a shorter call is one chunk.
@@ -167,7 +166,7 @@ def dispatch(
 def install(mode: str) -> None:
     """Route mlx-lm's CPU prefill of the gated delta rule: ``chunked`` or
     ``sequential`` (mlx-lm's token loop), for the whole process."""
-    if mode not in ("chunked", "sequential"):
+    if mode not in GATED_DELTA_PREFILLS:
         raise ValueError(f"unknown gated-delta prefill {mode!r}")
     module: Any = _mlx_gated_delta
     module.gated_delta_ops = dispatch

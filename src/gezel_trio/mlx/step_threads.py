@@ -35,7 +35,6 @@ kept for every step), no OpenBLAS preloaded, or one thread in all.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -45,8 +44,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 __all__ = ["LONG_STEP_S", "REPEATS", "TOLERANCE", "Measured", "StepThreads", "choose", "measure"]
-
-log = logging.getLogger(__name__)
 
 # One thread is chosen for a batch while its step, measured alone, is at
 # most this much slower than on all threads (the dense bench model's one
