@@ -6,10 +6,12 @@ Trio thread stays (``bench decode``, ``bench scheduler``'s health section):
 the same server, in a Trio run given two watchers.
 
 * A Trio instrument times every task step; each one of ``STEP_MS`` or more
-  is kept with its task's name, the Trio thread's CPU time in it and the
-  time Python's garbage collector ran in it: a long step with little CPU
-  waited (for the GIL, for a core), one with a collection in it paid for
-  that.
+  is kept with its task's name, the Trio thread's CPU time in it, the time
+  it waited runnable for a core (the kernel's ``run_delay``, from
+  ``/proc/thread-self/schedstat``) and the time Python's garbage collector
+  ran in it. What is left of a long step after its CPU and its wait for a
+  core, it was asleep: for the GIL (a task step makes no other blocking
+  call); one with a collection in it paid for that.
 * A heartbeat task sleeps ``BEAT_S`` and records how late it woke: what any
   blocking costs a task that wants to run - a long task step, a long
   ``run_sync_soon`` callback (the host's exchange runs as one), the GIL
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -48,9 +51,23 @@ class _Steps(trio.abc.Instrument):
         self.gc_at_start = 0.0
         self._gc_began = 0.0
         self._thread = threading.get_ident()  # trio.run's, where this is made
-        # (wall time, ms, task, the thread's CPU ms, the collector's ms)
-        self.long: list[tuple[float, float, str, float, float]] = []
+        self.started_queued = 0
+        # This thread's (CPU ns, ns waited runnable, slices); None where unreadable.
+        try:
+            self._schedstat: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._schedstat = None
+        # (wall time, ms, task, the thread's CPU ms, the collector's ms, ms waiting for a core)
+        self.long: list[tuple[float, float, str, float, float, float]] = []
         gc.callbacks.append(self._collected)
+
+    def _queued_ns(self) -> int:
+        if self._schedstat is None:
+            return 0
+        try:
+            return int(os.pread(self._schedstat, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def _collected(self, phase: str, info: dict[str, Any]) -> None:
         if threading.get_ident() != self._thread:
@@ -63,6 +80,7 @@ class _Steps(trio.abc.Instrument):
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self.started = time.perf_counter()
         self.started_cpu = time.thread_time()
+        self.started_queued = self._queued_ns()
         self.gc_at_start = self.gc_ms
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
@@ -70,8 +88,16 @@ class _Steps(trio.abc.Instrument):
         if ms >= STEP_MS and task.name != _HEARTBEAT:  # not the watcher's own steps
             cpu = (time.thread_time() - self.started_cpu) * 1e3
             collected = self.gc_ms - self.gc_at_start
+            queued = (self._queued_ns() - self.started_queued) / 1e6
             self.long.append(
-                (time.time(), round(ms, 2), task.name, round(cpu, 2), round(collected, 2))
+                (
+                    time.time(),
+                    round(ms, 2),
+                    task.name,
+                    round(cpu, 2),
+                    round(collected, 2),
+                    round(queued, 2),
+                )
             )
 
 
@@ -103,17 +129,21 @@ async def _heartbeat(out: Path, steps: _Steps) -> None:
         since = _marked(out)  # what came before the mark is forgotten
         late = [b for b in late if b[0] >= since]
         steps.long = [x for x in steps.long if x[0] >= since]
-        _write(out, [ms for _, ms in late], steps)
+        _write(out, [ms for _, ms in late], steps, since)
 
 
-def _write(out: Path, late: list[float], steps: _Steps) -> None:
+def _write(out: Path, late: list[float], steps: _Steps, since: float) -> None:
     data: dict[str, Any] = {
         "beats": len(late),
         "late_p50_ms": _quantile(late, 0.5),
         "late_p99_ms": _quantile(late, 0.99),
         "late_max_ms": max(late) if late else None,
-        # [ms, task, CPU ms, collector ms], the longest first
-        "long_steps": sorted((x[1:] for x in steps.long), reverse=True)[:20],
+        # [ms, task, CPU ms, collector ms, ms waiting for a core, s after the mark],
+        # the longest first
+        "long_steps": sorted(
+            ((*x[1:], round(x[0] - since, 3) if since else None) for x in steps.long),
+            reverse=True,
+        )[:20],
         "long_step_count": len(steps.long),
         "written": time.time(),
     }

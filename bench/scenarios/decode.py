@@ -429,7 +429,7 @@ def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Tabl
                 continue
             worst = max(
                 (r["long_steps"][0] for r in got if r.get("long_steps")),
-                default=[0.0, "", 0.0, 0.0],
+                default=[0.0, "", 0.0, 0.0, 0.0],
             )
             rows.append(
                 (
@@ -441,6 +441,7 @@ def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Tabl
                     worst[0],
                     worst[2] if len(worst) > 2 else 0.0,
                     worst[3] if len(worst) > 3 else 0.0,
+                    worst[4] if len(worst) > 4 else 0.0,
                 )
             )
     if not rows:
@@ -449,12 +450,14 @@ def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Tabl
         table(
             "The Trio thread while streams decode",
             "system | streams:d | heartbeat late p99 ms:.2f | late max ms:.2f"
-            " | task steps >= 8 ms:d | longest step ms:.1f | its CPU ms:.1f | its GC ms:.1f",
+            " | task steps >= 8 ms:d | longest step ms:.1f | its CPU ms:.1f | its GC ms:.1f"
+            " | its wait for a core ms:.1f",
             rows,
             "a task sleeping 5 ms, how late it woke (median over rounds of each round's p99;"
             " max over all); task steps timed by a Trio instrument, with the Trio thread's CPU"
-            " time in the longest one (the rest it waited: for the GIL, for a core) and the"
-            " time Python's garbage collector ran in it",
+            " time in the longest one, the time Python's garbage collector ran in it and the"
+            " time the thread waited runnable for a core (the kernel's run_delay); the rest"
+            " of the step it slept, waiting for the GIL",
         )
     ]
 
