@@ -427,7 +427,7 @@ def _stall_tables(stalls: list[dict[str, Any]], streams: list[int]) -> list[Tabl
             got = [r for r in stalls if r["system"] == system and r["streams"] == n and r]
             if not got:
                 continue
-            worst = max(
+            worst: list[Any] = max(
                 (r["long_steps"][0] for r in got if r.get("long_steps")),
                 default=[0.0, "", 0.0, 0.0, 0.0],
             )

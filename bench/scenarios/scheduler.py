@@ -65,6 +65,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 import socket
 import struct
@@ -289,6 +290,10 @@ class HealthResult:
     interval_s: float
     idle_ms: list[float]
     during_ms: list[float]
+    # Each answer during the prefill less the time the probe's own thread
+    # waited runnable for a core meanwhile (the kernel's run_delay): the
+    # server's part and the wire's.
+    during_less_probe_wait_ms: list[float] = attrs.Factory(list)
 
 
 def long_prompt(model_dir: Path, target: int) -> str:
@@ -318,7 +323,7 @@ def long_prompt(model_dir: Path, target: int) -> str:
 
 
 def _poll_health(
-    url: str, interval: float, stop: threading.Event, out: list[tuple[float, float]]
+    url: str, interval: float, stop: threading.Event, out: list[tuple[float, float, float]]
 ) -> None:
     """GET ``/health`` on one kept-alive connection every ``interval``
     seconds, as a load balancer's probe does: the request's bytes written
@@ -332,10 +337,12 @@ def _poll_health(
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    queued = _queued_ns_reader()
     while not stop.is_set():
         with socket.create_connection((host, port), timeout=30.0) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not stop.is_set():
+                q0 = queued()
                 t0 = time.perf_counter()
                 try:
                     sock.sendall(request)
@@ -345,8 +352,26 @@ def _poll_health(
                 t1 = time.perf_counter()
                 if status != 200:
                     raise RuntimeError(f"/health: HTTP {status}")
-                out.append((t0, t1 - t0))
+                out.append((t0, t1 - t0, (queued() - q0) / 1e9))
                 time.sleep(interval)
+
+
+def _queued_ns_reader() -> Callable[[], int]:
+    """A reader of the calling thread's time spent runnable, waiting for a
+    core (ns, the second field of ``/proc/thread-self/schedstat``); 0
+    where the kernel does not say."""
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return lambda: 0
+
+    def read() -> int:
+        try:
+            return int(os.pread(fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    return read
 
 
 class _Closed(RuntimeError):
@@ -379,7 +404,7 @@ def _read_response(sock: socket.socket) -> int:
 def run_health(r: _Run, url: str, model_dir: Path) -> HealthResult:
     a = r.args
     wait_idle(url, "gezel")
-    samples: list[tuple[float, float]] = []
+    samples: list[tuple[float, float, float]] = []
     stop = threading.Event()
     poller = threading.Thread(
         target=_poll_health, args=(url, a.health_interval, stop, samples), daemon=True
@@ -401,8 +426,11 @@ def run_health(r: _Run, url: str, model_dir: Path) -> HealthResult:
         prefill_s=log.ttft,
         prefill_comments=sum(1 for _, c in log.comments if c.startswith("prefill")),
         interval_s=a.health_interval,
-        idle_ms=[lat * 1e3 for t, lat in samples if t_idle <= t < log.sent],
-        during_ms=[lat * 1e3 for t, lat in samples if log.sent <= t < first],
+        idle_ms=[lat * 1e3 for t, lat, _ in samples if t_idle <= t < log.sent],
+        during_ms=[lat * 1e3 for t, lat, _ in samples if log.sent <= t < first],
+        during_less_probe_wait_ms=[
+            (lat - wait) * 1e3 for t, lat, wait in samples if log.sent <= t < first
+        ],
     )
 
 
@@ -710,14 +738,18 @@ def _health_table(h: HealthResult) -> Table:
         for name, vals in (
             ("idle (2 s before)", h.idle_ms),
             (f"during prefill ({h.prompt_tokens} tok, {h.prefill_s:.1f} s)", h.during_ms),
+            ("the same, less the probe's own wait for a core", h.during_less_probe_wait_ms),
         )
+        if vals or name.startswith(("idle", "during"))
     ]
     return table(
         "2. /health latency during a long prefill (gezel)",
         "/health latency ms | samples:d | p50:.1f | p99:.1f | max:.1f",
         rows,
         f"Poll: sleep {h.interval_s * 1e3:.0f} ms between requests; "
-        f"{h.prefill_comments} `: prefill` comments on the long stream.",
+        f"{h.prefill_comments} `: prefill` comments on the long stream. The probe's "
+        "own wait for a core is the kernel's run_delay of its thread during each request "
+        "(the bench's client shares the server's cores).",
     )
 
 
