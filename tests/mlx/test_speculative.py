@@ -218,7 +218,9 @@ async def _greedy_text(
     return await text_and_usage(engine, request)
 
 
-async def test_the_engine_speculates_by_default_and_counts_it(dense_model: Path) -> None:
+async def test_the_engine_speculates_by_default_and_counts_it(
+    dense_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     text = _SOURCE[:400]
     messages = [{"role": "user", "content": f"{text}\nAgain:\n{text}"}]
     with trio.fail_after(HANG):
@@ -243,7 +245,11 @@ async def test_the_engine_speculates_by_default_and_counts_it(dense_model: Path)
             # The request's own usage counts what was proposed for it.
             assert (usage.draft_tokens, usage.accepted_draft_tokens) == (drafted, accepted)
             # An unseeded sampled request speculates (near temperature 0 it
-            # is the greedy text); a seeded one does not.
+            # is the greedy text); a seeded one does not. Which requests may
+            # is what is tested here, not the gate's timing: the first
+            # request's verify, measured slow on a loaded machine, kept a
+            # fresh-clone CI run's 48 sampled tokens from proposing any.
+            monkeypatch.setattr(speculative._Gate, "pays", AlwaysPays.pays)
             cold = SamplingParams(temperature=1e-4)
             text, usage = await _greedy_text(engine, prompt, sampling=cold)
             assert text == plain
