@@ -292,9 +292,13 @@ async def test_an_image_request_cancelled_mid_prefill_saves_what_it_computed(
 async def test_a_background_image_request_is_parked_and_resumes_byte_identically(
     vision_model: Path,
 ) -> None:
+    # 800 tokens: the background request must still be decoding when the
+    # person's request arrives. With 200 a loaded fresh-clone CI run's
+    # client took longer to send it than the rest of the 200 took, and
+    # nothing was parked.
     body = {
         "messages": ask(SUN),
-        "max_tokens": 200,
+        "max_tokens": 800,
         "ignore_eos": True,
         "temperature": 0,
         "priority": "background",
@@ -307,7 +311,7 @@ async def test_a_background_image_request_is_parked_and_resumes_byte_identically
                 lambda: complete(
                     c,
                     ask(SUN),
-                    max_tokens=200,
+                    max_tokens=800,
                     extra_body={"ignore_eos": True, "priority": "background"},
                 )
             )
