@@ -78,9 +78,11 @@ class _Steps(trio.abc.Instrument):
             self.gc_ms += (time.perf_counter() - self._gc_began) * 1e3
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        # Read first: the read releases the GIL, and waiting to take it back
+        # is the watcher's, not the step's.
+        self.started_queued = self._queued_ns()
         self.started = time.perf_counter()
         self.started_cpu = time.thread_time()
-        self.started_queued = self._queued_ns()
         self.gc_at_start = self.gc_ms
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
