@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,22 +53,10 @@ class _Steps(trio.abc.Instrument):
         self._gc_began = 0.0
         self._thread = threading.get_ident()  # trio.run's, where this is made
         self.started_queued = 0
-        # This thread's (CPU ns, ns waited runnable, slices); None where unreadable.
-        try:
-            self._schedstat: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._schedstat = None
+        self._queued_ns = queued_ns_reader()  # this (the Trio) thread's
         # (wall time, ms, task, the thread's CPU ms, the collector's ms, ms waiting for a core)
         self.long: list[tuple[float, float, str, float, float, float]] = []
         gc.callbacks.append(self._collected)
-
-    def _queued_ns(self) -> int:
-        if self._schedstat is None:
-            return 0
-        try:
-            return int(os.pread(self._schedstat, 64, 0).split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0
 
     def _collected(self, phase: str, info: dict[str, Any]) -> None:
         if threading.get_ident() != self._thread:
@@ -101,6 +90,24 @@ class _Steps(trio.abc.Instrument):
                     round(queued, 2),
                 )
             )
+
+
+def queued_ns_reader() -> Callable[[], int]:
+    """A reader of the calling thread's time spent runnable, waiting for a
+    core (ns, the second field of ``/proc/thread-self/schedstat``); 0
+    where the kernel does not say. Make it on the thread it is to read."""
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
+        return lambda: 0
+
+    def read() -> int:
+        try:
+            return int(os.pread(fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+    return read
 
 
 def _quantile(xs: list[float], q: float) -> float | None:

@@ -65,7 +65,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import re
 import socket
 import struct
@@ -79,7 +78,7 @@ from urllib.parse import urlsplit
 import attrs
 import httpx2 as httpx
 
-from bench import _servers
+from bench import _gezel_stalls, _servers
 from bench._report import median as med
 from bench._report import percentile as pct
 from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
@@ -337,7 +336,7 @@ def _poll_health(
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     request = f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
-    queued = _queued_ns_reader()
+    queued = _gezel_stalls.queued_ns_reader()  # this (the probe's) thread's
     while not stop.is_set():
         with socket.create_connection((host, port), timeout=30.0) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -354,24 +353,6 @@ def _poll_health(
                     raise RuntimeError(f"/health: HTTP {status}")
                 out.append((t0, t1 - t0, (queued() - q0) / 1e9))
                 time.sleep(interval)
-
-
-def _queued_ns_reader() -> Callable[[], int]:
-    """A reader of the calling thread's time spent runnable, waiting for a
-    core (ns, the second field of ``/proc/thread-self/schedstat``); 0
-    where the kernel does not say."""
-    try:
-        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-    except OSError:
-        return lambda: 0
-
-    def read() -> int:
-        try:
-            return int(os.pread(fd, 64, 0).split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0
-
-    return read
 
 
 class _Closed(RuntimeError):
@@ -740,7 +721,6 @@ def _health_table(h: HealthResult) -> Table:
             (f"during prefill ({h.prompt_tokens} tok, {h.prefill_s:.1f} s)", h.during_ms),
             ("the same, less the probe's own wait for a core", h.during_less_probe_wait_ms),
         )
-        if vals or name.startswith(("idle", "during"))
     ]
     return table(
         "2. /health latency during a long prefill (gezel)",

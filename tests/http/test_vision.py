@@ -292,10 +292,10 @@ async def test_an_image_request_cancelled_mid_prefill_saves_what_it_computed(
 async def test_a_background_image_request_is_parked_and_resumes_byte_identically(
     vision_model: Path,
 ) -> None:
-    # 800 tokens: the background request must still be decoding when the
-    # person's request arrives. With 200 a loaded fresh-clone CI run's
-    # client took longer to send it than the rest of the 200 took, and
-    # nothing was parked.
+    # 800 tokens, a wider window for the person's request to arrive while
+    # the background one decodes than the 200 it had. (Two fresh-clone CI
+    # runs in stop 39 saw no `: parked`, at 200 and at 800, beside a change
+    # since reverted; the cause was not found, so this is not its fix.)
     body = {
         "messages": ask(SUN),
         "max_tokens": 800,
