@@ -6,7 +6,9 @@ Metal and is only logged as having no effect here)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,6 +17,7 @@ import pytest
 from gezel_trio import cli
 from gezel_trio.core.config import EngineConfig
 from gezel_trio.core.settings import MIB
+from gezel_trio.mlx import memory
 from gezel_trio.mlx.memory import (
     MemoryLimits,
     apply_buffer_cache_limit,
@@ -105,3 +108,40 @@ def test_the_buffer_cache_limit_reads_back_and_the_wired_limit_is_logged(
     assert policy in text
     if not mx.metal.is_available():
         assert "no Metal device: the wired limit (4096 MB) has no effect" in text
+
+
+def test_the_buffer_cache_is_given_back_through_ctypes_without_the_gil() -> None:
+    """``clear_buffer_cache`` calls MLX's own ``clear_cache`` through
+    ``ctypes`` (the GIL released: a plain ``CDLL`` function, not a
+    ``PyDLL`` one) in the ``libmlx`` already loaded, and empties the cache."""
+    native = memory._native_clear_cache()
+    if sys.platform.startswith("linux"):
+        assert native is not None, "the Linux wheel's libmlx exports clear_cache"
+    if native is None:
+        pytest.skip("no libmlx with clear_cache beside mlx.core here")
+    assert isinstance(native, ctypes._CFuncPtr)  # type: ignore[attr-defined]
+    assert not native._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+    parts = [mx.ones((1 << 18,)) + i for i in range(8)]
+    mx.eval(parts)
+    del parts
+    assert mx.get_cache_memory() > 0
+    memory.clear_buffer_cache()
+    assert mx.get_cache_memory() == 0
+
+
+def test_the_backend_reclaims_through_the_gil_free_call(
+    dense_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gezel_trio.mlx import backend as backend_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(backend_module, "clear_buffer_cache", lambda: calls.append("clear"))
+    monkeypatch.setattr(mx, "clear_cache", lambda: calls.append("mx"))
+    backend = backend_module.MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
+    try:
+        calls.clear()
+        backend.reclaim()
+        assert calls == ["clear"]
+    finally:
+        backend.close()
+    assert "mx" not in calls

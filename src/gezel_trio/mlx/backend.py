@@ -72,6 +72,7 @@ from .lookup import RecentBySalt
 from .memory import (
     apply_buffer_cache_limit,
     apply_wired_limit,
+    clear_buffer_cache,
     kv_footprint,
     kv_room,
     log_limits,
@@ -1341,7 +1342,7 @@ class MlxBackend:
         return self.spec_stats.figures()
 
     def reclaim(self) -> None:
-        mx.clear_cache()
+        clear_buffer_cache()
 
     def reset(self, lane_name: Priority) -> None:
         for prefill, _ in self._prefills.pop(lane_name, []):
@@ -1353,7 +1354,7 @@ class MlxBackend:
                 self._logprobs.pop(rid, None)
                 self._forget(rid)
             lane.gen.close()
-        mx.clear_cache()
+        clear_buffer_cache()
 
     def close(self) -> None:
         for name in list(self._lanes):
