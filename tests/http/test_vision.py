@@ -30,6 +30,7 @@ import trio
 from PIL import Image, ImageDraw
 
 from tests.support.inprocess import raw_stream, served
+from tests.support.sse_frames import carries_text
 
 pytestmark = pytest.mark.slow
 
@@ -317,7 +318,9 @@ async def test_a_background_image_request_is_parked_and_resumes_byte_identically
                     lines = stream.aiter_lines()
                     async for line in lines:
                         frames.append(line.encode())
-                        if _first_text(line):
+                        # Not the opening chunk: the request may still be
+                        # queued then, and the person's request would go first.
+                        if carries_text(line):
                             break
                     # The background sequence decodes; a person asks something.
                     chat = await in_thread(lambda: complete(c, ask(SEA), max_tokens=4))
@@ -334,18 +337,6 @@ async def test_a_background_image_request_is_parked_and_resumes_byte_identically
         if f.startswith(b"data: {")
     )
     assert text == alone.choices[0].message.content
-
-
-def _first_text(line: str) -> bool:
-    """Whether an SSE line carries generated text: the stream's opening
-    chunk (``"content": ""``, sent before the engine admits the request)
-    does not. Stopping at that chunk let the person's request overtake a
-    background one still queued behind an engine busy giving its buffers
-    back: both then waited, and interactive work went first, unparked."""
-    if not line.startswith("data: {"):
-        return False
-    choices = json.loads(line[6:])["choices"]
-    return bool(choices and choices[0].get("delta", {}).get("content"))
 
 
 async def test_a_failing_image_prefill_fails_that_request_alone(vision_model: Path) -> None:
