@@ -1,5 +1,7 @@
-"""``gezel-trio serve`` under ``mlx.launch``: one model split over two ranks
-on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
+"""``gezel-trio serve`` as a group: one model split over two ranks on
+loopback (the ring backend), rank 0 serving HTTP (``mlx.group``). The ranks
+are started as ``mlx.launch`` starts them; the tests about the launch (the
+hybrid model's split, a killed or stalled rank) run ``mlx.launch`` itself.
 
 - Greedy answers are the ones a single process gives, one stream and
   several at once, and a request that reuses the prompt cache (its
@@ -14,8 +16,7 @@ on loopback (the ring backend), rank 0 serving HTTP (``mlx.group``).
   bounded time; a rank that stalls (SIGSTOP) makes rank 0 answer 503 and
   exit 1 after ``--group-timeout``.
 - Rank 0 killed (SIGKILL): the other rank's order connection closes and
-  it exits 1 on its own (ranks started as mlx.launch starts them, without
-  the launcher, which would stop it anyway).
+  it exits 1 on its own (without the launcher, which would stop it anyway).
 - A model that cannot be split is refused by name.
 """
 
@@ -28,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,40 +70,93 @@ def _free_ports(n: int) -> int:
     raise AssertionError("no free ports")
 
 
-def _launch(model: Path, *args: str, stderr: Any = subprocess.DEVNULL) -> Server:
-    """Two ranks on loopback, as the README starts them (on a free port
-    range for the ring)."""
-    proc = subprocess.Popen(
-        [
-            str(BIN / "mlx.launch"),
-            "--backend",
-            "ring",
-            "--hosts",
-            "127.0.0.1",
-            "-n",
-            "2",
-            "--starting-port",
-            str(_free_ports(2)),
-            str(BIN / "gezel-trio"),
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True,
-    )
+class Group(Server):
+    """Rank 0's server, and each rank's process: its own (``ranks``), or
+    ``mlx.launch``'s descendants (``proc`` is then the launcher)."""
+
+    def __init__(
+        self,
+        url: str,
+        proc: subprocess.Popen[str],
+        ranks: list[subprocess.Popen[str]],
+        hostfile: Path | None,
+    ) -> None:
+        super().__init__(url, proc)
+        self.ranks = ranks
+        self._hostfile = hostfile
+
+    def pid(self, rank: int) -> int:
+        return self.ranks[rank].pid if self.ranks else _rank_pid(self.proc.pid, rank)
+
+    def wait(self, timeout: float) -> int:
+        """The group's exit status once every rank has exited: the
+        launcher's, or the first non-zero one of the ranks'."""
+        if not self.ranks:
+            return self.proc.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        codes = [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in self.ranks]
+        return next((c for c in codes if c != 0), 0)
+
+    def close(self) -> None:
+        self.client.close()
+        for p in self.ranks or [self.proc]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        if self._hostfile is not None:
+            self._hostfile.unlink(missing_ok=True)
+
+
+def _launch(
+    model: Path, *args: str, stderr: Any = subprocess.DEVNULL, launcher: bool = False
+) -> Group:
+    """Two ranks on loopback (on a free port range for the ring): started
+    as ``mlx.launch`` starts them (a hostfile, ``MLX_HOSTFILE`` and
+    ``MLX_RANK``), or with ``launcher`` by ``mlx.launch`` itself as the
+    README does. The launcher's relay spins on each rank's stdin, which
+    made a group on these 2 cores 3x slower to answer (docs/scale-out.md),
+    so only the tests that are about the launch use it."""
+    base = _free_ports(2)
+    serve = [str(BIN / "gezel-trio"), "serve", "--model", str(model), "--port", "0", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ranks: list[subprocess.Popen[str]] = []
+    hostfile = None
+    if launcher:
+        ring = ["--backend", "ring", "--hosts", "127.0.0.1", "-n", "2"]
+        command = [str(BIN / "mlx.launch"), *ring, "--starting-port", str(base), *serve]
+        procs = [_popen(command, env, stderr)]
+    else:
+        fd, name = tempfile.mkstemp(prefix="gezel-group-", suffix=".json")
+        os.close(fd)
+        hostfile = Path(name)
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(2)]))
+        ranks = procs = [
+            _popen(serve, {**env, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)}, stderr)
+            for r in range(2)
+        ]
+    proc = procs[0]
     assert proc.stdout is not None
     for line in proc.stdout:
         if "gezel-trio listening on " in line:
-            return Server(line.split()[-1], proc)
-    proc.kill()
-    raise AssertionError(f"mlx.launch exited with {proc.wait()} before listening")
+            return Group(line.split()[-1], proc, ranks, hostfile)
+    for p in procs:
+        p.kill()
+    if hostfile is not None:
+        hostfile.unlink()
+    raise AssertionError(f"rank 0 exited with {proc.wait()} before listening")
+
+
+def _popen(command: list[str], env: dict[str, str], stderr: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _answer(server: Server, content: str, **extra: object) -> str:
@@ -220,7 +275,7 @@ def test_the_hybrid_model_split_by_layers_answers_as_one_process_does(
     the prompt cache (an entry's linear-attention state, held on each rank
     for its own layers) are one process's."""
     want = [_answer(hybrid_server, p) for p in PROMPTS]
-    group = _launch(hybrid_model)
+    group = _launch(hybrid_model, launcher=True)  # as the README starts a group
     try:
         health = httpx.get(f"{group.url}/health", timeout=HANG).json()
         assert health["group"]["split"].startswith("by layers over 2 ranks"), health
@@ -234,14 +289,14 @@ def test_the_hybrid_model_split_by_layers_answers_as_one_process_does(
         _stop(group)
 
 
-def _stop(group: Server) -> None:
+def _stop(group: Group) -> None:
     group.client.close()
     # SIGTERM to rank 0: it drains, then closes the other rank.
-    os.kill(_rank_pid(group.proc.pid, 0), signal.SIGTERM)
-    status = group.proc.wait(timeout=HANG)
-    assert group.proc.stdout is not None
-    group.proc.stdout.close()
-    assert status == 0
+    try:
+        os.kill(group.pid(0), signal.SIGTERM)
+        assert group.wait(HANG) == 0
+    finally:
+        group.close()
 
 
 @pytest.mark.parametrize("split", ["tensor", "layers"])
@@ -440,12 +495,12 @@ def test_a_killed_rank_fails_the_live_stream_and_ends_the_group(
 ) -> None:
     stderr = tmp_path / "stderr"
     with stderr.open("w") as err:
-        group = _launch(dense_model, stderr=err)
+        group = _launch(dense_model, stderr=err, launcher=True)
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         ending = pool.submit(_stream_until_it_ends, group, started)
         assert started.wait(HANG)
-        os.kill(_rank_pid(group.proc.pid, 1), signal.SIGKILL)
+        os.kill(group.pid(1), signal.SIGKILL)
         t0 = time.monotonic()
         assert ending.result(timeout=30) == "error"
     said = _ended(group, stderr, within=30)
@@ -456,8 +511,8 @@ def test_a_killed_rank_fails_the_live_stream_and_ends_the_group(
 def test_a_stalled_rank_makes_rank_0_answer_503_and_exit(dense_model: Path, tmp_path: Path) -> None:
     stderr = tmp_path / "stderr"
     with stderr.open("w") as err:
-        group = _launch(dense_model, "--group-timeout", "3", stderr=err)
-    follower = _rank_pid(group.proc.pid, 1)
+        group = _launch(dense_model, "--group-timeout", "3", stderr=err, launcher=True)
+    follower = group.pid(1)
     started = threading.Event()
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -487,30 +542,11 @@ def test_a_stalled_rank_makes_rank_0_answer_503_and_exit(dense_model: Path, tmp_
     assert time.monotonic() - t0 < 30
 
 
-def test_a_rank_whose_rank_0_was_killed_exits_on_its_own(dense_model: Path, tmp_path: Path) -> None:
-    base = _free_ports(2)
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
-    ranks = [
-        subprocess.Popen(
-            [str(BIN / "gezel-trio"), "serve", "--model", str(dense_model), "--port", "0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)},
-        )
-        for rank in range(2)
-    ]
+def test_a_rank_whose_rank_0_was_killed_exits_on_its_own(dense_model: Path) -> None:
+    group = _launch(dense_model)
     try:
-        assert ranks[0].stdout is not None
-        assert any("gezel-trio listening on " in line for line in ranks[0].stdout)
-        ranks[0].kill()
-        ranks[0].wait()
-        assert ranks[1].wait(timeout=30) == 1
+        group.ranks[0].kill()
+        group.ranks[0].wait()
+        assert group.ranks[1].wait(timeout=30) == 1
     finally:
-        for proc in ranks:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        group.close()
