@@ -12,6 +12,8 @@
   a sliding window) go to the model, and leave the same results.
 - A hybrid model's linear-attention state (Qwen 3.5's ``ArraysCache``)
   goes through the compiled step with the attention layers' KV.
+- A step of two sequences or more traces each ``nn.Linear`` as ``W @ xᵀ``,
+  the same values to the bit; one sequence's as ``nn.Linear``.
 - The model keeps its layers and weights through compiled steps, and
   through a layer that fails while traced; a model whose loop runs a layer
   twice in a step is the model's.
@@ -118,6 +120,49 @@ def test_a_padded_batch_decodes_to_the_same_logits_across_the_buffers_growth(
     # Both layers ran one function, traced once for each window.
     assert decode.layer_traces == 2
     assert mx.array_equal(compiled[1].offset, plain[1].offset).item()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_a_linear_of_a_few_rows_computed_weights_first_is_the_same_to_the_bit(bias: bool) -> None:
+    # The demo models' and SmolLM2's shapes, and a small one.
+    for inputs, outputs in ((64, 128), (512, 1024), (1024, 512), (576, 192), (1536, 576)):
+        layer = nn.Linear(inputs, outputs, bias=bias)
+        if bias:
+            layer.bias = mx.random.normal((outputs,))
+        for rows in (1, 2, 3, 4, 8, 16):
+            x = mx.random.normal((rows, 1, inputs))
+            got = compiled_step._rows_last(layer, x)
+            assert mx.array_equal(got, layer(x)).item(), (inputs, outputs, rows)
+
+
+def test_steps_of_two_sequences_or_more_trace_their_linears_weights_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rows: list[int] = []
+    real = compiled_step._rows_last
+
+    def counted(self: nn.Linear, x: mx.array) -> mx.array:
+        rows.append(x.shape[0])
+        return real(self, x)
+
+    monkeypatch.setattr(compiled_step, "_rows_last", counted)
+    linear = nn.Linear.__call__
+    model = _model(qwen2, seed=4)  # its attention's projections have a bias
+    decode = CompiledDecode(model)
+    plain, compiled, want, got = _prefilled(model, decode, [12, 7, 9])
+    for _ in range(3):
+        token = mx.argmax(want, -1)
+        want = model(token[:, None], cache=plain)[:, -1]
+        got = decode(token[:, None], cache=compiled)[:, -1]
+        assert mx.array_equal(token, mx.argmax(got, -1)).item()
+        assert mx.allclose(want, got, rtol=0, atol=1e-4).item()
+    assert decode.steps == 3
+    # One trace of 3 rows: the layers' 7 linears each, the second layer's
+    # the same function's.
+    assert rows == [3] * 7
+    assert nn.Linear.__call__ is linear  # only while a trace runs
+    _beside(CompiledDecode(model), model, _prompt(10, 5))  # one row: as nn.Linear
+    assert rows == [3] * 7
 
 
 def _generate(model: Any, joins: dict[int, list[list[int]]], steps: int) -> dict[int, list[int]]:
