@@ -315,7 +315,8 @@ def _rows_last(self: nn.Linear, x: mx.array) -> mx.array:
 def _linear_as_rows_last(rows: int) -> Iterator[None]:
     """While a layer of ``rows`` sequences is traced, ``nn.Linear`` computes
     as ``_rows_last`` when there are two or more. A trace runs on the host
-    thread, the one thread that calls MLX, so no other call sees it."""
+    thread, the one thread that calls MLX, so no other call sees it (one
+    that did would get the same values)."""
     if rows < 2:
         yield
         return
