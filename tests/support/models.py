@@ -2,10 +2,9 @@
 
 The models are built through the real CLI (``python -m gezel_trio
 demo-model``, ``prepare-model``), so the command a user runs is exercised
-too. Under pytest-xdist (``./dev test`` does not use it: on 2 cores the
-suite ran slower with ``-n 2`` than without) the workers share one home, and
-a file lock lets one worker build each model while the others wait and then
-find it built.
+too. Under pytest-xdist (``./dev test`` runs two workers) the workers share
+one home, and a file lock lets one worker build each model while the others
+wait and then find it built.
 """
 
 from __future__ import annotations
