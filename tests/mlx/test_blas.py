@@ -16,14 +16,16 @@ pytestmark = pytest.mark.skipif(
     reason="the OpenBLAS preload is for the mlx[cpu] wheel on Linux x86-64",
 )
 
-# A 512x512 float32 matmul, timed after a warm-up; prints GFLOP/s.
+# A 512x512 float32 matmul after a warm-up; prints the GFLOP/s of the
+# fastest of 5 (the slower ones are the other tests' share of the cores).
 _MATMUL = """
 import time
 import mlx.core as mx
 a = mx.random.normal((512, 512)); b = mx.random.normal((512, 512)); mx.eval(a, b, a @ b)
-t = time.perf_counter()
-for _ in range(5): mx.eval(a @ b)
-print(2 * 512**3 * 5 / (time.perf_counter() - t) / 1e9)
+best = float("inf")
+for _ in range(5):
+    t = time.perf_counter(); mx.eval(a @ b); best = min(best, time.perf_counter() - t)
+print(2 * 512**3 / best / 1e9)
 """
 
 
@@ -71,7 +73,9 @@ def test_the_thread_count_is_the_environments_when_it_names_one() -> None:
 
 
 def test_the_preload_makes_mlx_matmuls_many_times_faster() -> None:
-    fast = float(_python("import gezel_trio\n" + _MATMUL).split()[-1])
+    # One OpenBLAS thread, as the reference BLAS has: two threads' call is
+    # as slow as the one whose core another test's process took.
+    fast = float(_python("import gezel_trio\n" + _MATMUL, threads="1").split()[-1])
     slow = float(_python("import gezel_trio\n" + _MATMUL, preload=False).split()[-1])
     # About 25x measured on 2 shared cores; 3x leaves room for a busy machine.
     assert fast > 3 * slow, (fast, slow)
