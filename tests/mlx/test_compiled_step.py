@@ -13,7 +13,8 @@
 - A hybrid model's linear-attention state (Qwen 3.5's ``ArraysCache``)
   goes through the compiled step with the attention layers' KV.
 - A step of two sequences or more traces each ``nn.Linear`` as ``W @ xᵀ``,
-  the same values to the bit; one sequence's as ``nn.Linear``.
+  the same values to the bit; one sequence's as ``nn.Linear``. A verify's
+  few tokens a sequence compute the layers' linears so, not the head.
 - The model keeps its layers and weights through compiled steps, and
   through a layer that fails while traced; a model whose loop runs a layer
   twice in a step is the model's.
@@ -55,9 +56,9 @@ from gezel_trio.mlx.speculative import HoleyKVCache
 VOCAB = 97
 
 
-def _model(family: ModuleType, seed: int = 0, hidden: int = 64) -> Any:
+def _model(family: ModuleType, seed: int = 0, hidden: int = 64, **more: Any) -> Any:
     mx.random.seed(seed)
-    extra: dict[str, Any] = {"rope_theta": 10000.0}
+    extra: dict[str, Any] = {"rope_theta": 10000.0, **more}
     if family is qwen3:
         extra |= {"head_dim": 32, "max_position_embeddings": 4096, "tie_word_embeddings": True}
     args = family.ModelArgs(
@@ -130,9 +131,11 @@ def test_a_linear_of_a_few_rows_computed_weights_first_is_the_same_to_the_bit(bi
         if bias:
             layer.bias = mx.random.normal((outputs,))
         for rows in (1, 2, 3, 4, 8, 16):
-            x = mx.random.normal((rows, 1, inputs))
-            got = compiled_step._rows_last(layer, x)
-            assert mx.array_equal(got, layer(x)).item(), (inputs, outputs, rows)
+            # A decode step's rows, and a verify's tokens of one sequence.
+            for shape in ((rows, 1, inputs), (1, rows, inputs)):
+                x = mx.random.normal(shape)
+                got = compiled_step._rows_last(layer, x)
+                assert mx.array_equal(got, layer(x)).item(), (inputs, outputs, shape)
 
 
 def test_steps_of_two_sequences_or_more_trace_their_linears_weights_first(
@@ -161,8 +164,43 @@ def test_steps_of_two_sequences_or_more_trace_their_linears_weights_first(
     # the same function's.
     assert rows == [3] * 7
     assert nn.Linear.__call__ is linear  # only while a trace runs
-    _beside(CompiledDecode(model), model, _prompt(10, 5))  # one row: as nn.Linear
-    assert rows == [3] * 7
+    # One sequence: its prompt of 10 tokens is a call of few rows (the
+    # layers' 14 linears W @ xT, a test below), its one-row steps as nn.Linear.
+    _beside(CompiledDecode(model), model, _prompt(10, 5))
+    assert rows == [3] * 7 + [1] * 14
+
+
+def test_a_verify_of_a_few_tokens_computes_its_layers_linears_weights_first_not_its_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    real = compiled_step._rows_last
+
+    def counted(self: nn.Linear, x: mx.array) -> mx.array:
+        seen.append((id(self), x.shape[:-1]))
+        return real(self, x)
+
+    monkeypatch.setattr(compiled_step, "_rows_last", counted)
+    linear = nn.Linear.__call__
+    model = _model(llama, seed=6, tie_word_embeddings=False)  # a head of its own
+    assert isinstance(model.lm_head, nn.Linear)
+    decode = CompiledDecode(model)
+    # A prefill of 2 x 12 rows is past VERIFY_ROWS: the model's own.
+    plain, compiled, want, got = _prefilled(model, decode, [12, 9])
+    assert (seen, decode.verifies) == ([], 0)
+    assert mx.array_equal(want, got).item()
+    # A verify's 4 tokens a sequence (8 rows): the same logits to the bit.
+    tokens = mx.array([_prompt(4, 1), _prompt(4, 2)])
+    want = model(tokens, cache=plain)
+    got = decode(tokens, cache=compiled)
+    assert mx.array_equal(want, got).item()
+    assert decode.verifies == 1
+    # The 2 layers' 7 linears each went W @ xT, the head did not.
+    assert len(seen) == 14
+    assert all(shape == (2, 4) for _, shape in seen)
+    assert id(model.lm_head) not in {i for i, _ in seen}
+    assert nn.Linear.__call__ is linear  # only while the graph is built
+    assert mx.array_equal(compiled[0].keys, plain[0].keys).item()
 
 
 def _generate(model: Any, joins: dict[int, list[list[int]]], steps: int) -> dict[int, list[int]]:

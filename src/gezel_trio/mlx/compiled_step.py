@@ -120,6 +120,10 @@ def window(slots: int) -> int:
 # all dropped and made again as steps need them: a bound on what a
 # long-running server keeps, where batch sizes and lengths keep changing.
 MAX_TRACES: Final = 512
+# The most rows (sequences x tokens) of a call of several tokens a sequence
+# whose layers compute as ``W @ xᵀ`` (``CompiledDecode._few_rows``): the
+# identity to the bit is tested up to 16.
+VERIFY_ROWS: Final = 16
 # How long a warm-up waits for another process's (``_kernels_lock``).
 _LOCK_WAIT_S: Final = 120.0
 
@@ -312,16 +316,25 @@ def _rows_last(self: nn.Linear, x: mx.array) -> mx.array:
 
 
 @contextlib.contextmanager
-def _linear_as_rows_last(rows: int) -> Iterator[None]:
-    """While a layer of ``rows`` sequences is traced, ``nn.Linear`` computes
-    as ``_rows_last`` when there are two or more. A trace runs on the host
-    thread, the one thread that calls MLX, so no other call sees it (one
-    that did would get the same values)."""
+def _linear_as_rows_last(rows: int, only: frozenset[int] | None = None) -> Iterator[None]:
+    """While a layer of ``rows`` rows is traced (or a model's graph of that
+    many rows is built), ``nn.Linear`` computes as ``_rows_last`` when
+    there are two or more; with ``only``, just the linears whose ``id`` it
+    holds (a model's layers, not its head), each result made contiguous: in
+    a call of 9 tokens a sequence or more, the attention read the transposed
+    result in another order (logits 1e-6 off the model's). It runs on the
+    host thread, the one thread that calls MLX, so no other call sees it
+    (one that did would get the same values)."""
     if rows < 2:
         yield
         return
     linear = nn.Linear.__call__
-    nn.Linear.__call__ = _rows_last
+    chosen = only or frozenset()
+
+    def some_rows_last(self: nn.Linear, x: mx.array) -> mx.array:
+        return mx.contiguous(_rows_last(self, x)) if id(self) in chosen else linear(self, x)
+
+    nn.Linear.__call__ = _rows_last if only is None else some_rows_last
     try:
         yield
     finally:
@@ -378,6 +391,15 @@ class CompiledDecode:
         # One marker array per window width: its shape is the width.
         self._windows: dict[int, mx.array] = {}
         self._off: str | None = None
+        # The layers' own linears: a call of a few tokens a sequence (a
+        # verify) computes them as ``W @ xᵀ``, and not the head.
+        self._layer_linears = frozenset(
+            id(m)
+            for layer in model.layers
+            for _, m in layer.named_modules()
+            if isinstance(m, nn.Linear)
+        )
+        self.verifies = 0  # such calls (for tests)
         # Steps of new shapes (layout, batch, window), and the steps that ran
         # compiled: for tests and logs.
         self.traces: set[tuple[Layout, int, int]] = set()
@@ -453,9 +475,10 @@ class CompiledDecode:
             or cache is None
             or len(cache) != self._layers
             or inputs.ndim != 2
-            or inputs.shape[1] != 1
         ):
             return self._model(inputs, cache=cache, **kwargs)
+        if inputs.shape[1] != 1:
+            return self._few_rows(inputs, cache)
         layout = _layout(cache)
         if layout is None:
             return self._model(inputs, cache=cache, **kwargs)
@@ -514,6 +537,20 @@ class CompiledDecode:
             c._idx = idx + 1
         self.steps += 1
         return logits
+
+    def _few_rows(self, inputs: mx.array, cache: Any) -> Any:
+        """A call of several tokens a sequence: the model's own, eager (a
+        prefill, or a speculative verify's k+1 tokens). Of ``VERIFY_ROWS``
+        rows or fewer, its layers' linears compute as ``W @ xᵀ``: the same
+        to the bit, 3-14% off a verify of 4-9 tokens on the dense bench
+        model (docs/performance.md, stop 42); the head stays ``x @ Wᵀ`` (a
+        large one was slower)."""
+        rows = inputs.size
+        if rows > VERIFY_ROWS:
+            return self._model(inputs, cache=cache)
+        self.verifies += 1
+        with _linear_as_rows_last(rows, only=self._layer_linears):
+            return self._model(inputs, cache=cache)
 
     def _step(
         self, inputs: mx.array, cache: Any, layout: Layout, idx: int, width: int, holey: bool
