@@ -52,7 +52,10 @@ by a few columns, where ``x @ Wᵀ`` gave it a few rows against the weights'
 columns, which its kernels tile worse. The results are the same to the bit
 (``tests/mlx/test_compiled_step.py``); the dense bench model's step took
 7% less at 4 sequences and 4% less at 8, one sequence's none
-(docs/performance.md, stop 41).
+(docs/performance.md, stop 41). A call of several tokens a sequence and
+``VERIFY_ROWS`` rows or fewer (a speculative verify, a short prompt) is the
+model's own, eager, with its layers' linears computed so (not the head,
+where a large one was slower): 3-14% off a verify (stop 42).
 
 MLX fuses the traced elementwise ops into kernels it compiles with the
 system's ``g++`` and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
