@@ -55,7 +55,8 @@ columns, which its kernels tile worse. The results are the same to the bit
 (docs/performance.md, stop 41). A call of several tokens a sequence and
 ``VERIFY_ROWS`` rows or fewer (a speculative verify, a short prompt) is the
 model's own, eager, with its layers' linears computed so (not the head,
-where a large one was slower): 3-14% off a verify (stop 42).
+where a large one was slower): 6-7% off a verify of 4 sequences x 4
+tokens, 2-5% off 2 x 5, nothing for one sequence's (stop 42).
 
 MLX fuses the traced elementwise ops into kernels it compiles with the
 system's ``g++`` and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
@@ -545,9 +546,9 @@ class CompiledDecode:
         """A call of several tokens a sequence: the model's own, eager (a
         prefill, or a speculative verify's k+1 tokens). Of ``VERIFY_ROWS``
         rows or fewer, its layers' linears compute as ``W @ xᵀ``: the same
-        to the bit, 3-14% off a verify of 4-9 tokens on the dense bench
-        model (docs/performance.md, stop 42); the head stays ``x @ Wᵀ`` (a
-        large one was slower)."""
+        to the bit, and a verify of several sequences a few percent faster
+        (docs/performance.md, stop 42); the head stays ``x @ Wᵀ`` (a large
+        one was slower)."""
         rows = inputs.size
         if rows > VERIFY_ROWS:
             return self._model(inputs, cache=cache)
