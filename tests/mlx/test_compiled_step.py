@@ -187,14 +187,14 @@ def test_a_verify_of_a_few_tokens_computes_its_layers_linears_weights_first_not_
     decode = CompiledDecode(model)
     # A prefill of 2 x 12 rows is past VERIFY_ROWS: the model's own.
     plain, compiled, want, got = _prefilled(model, decode, [12, 9])
-    assert (seen, decode.verifies) == ([], 0)
+    assert (seen, decode.few_row_calls) == ([], 0)
     assert mx.array_equal(want, got).item()
     # A verify's 4 tokens a sequence (8 rows): the same logits to the bit.
     tokens = mx.array([_prompt(4, 1), _prompt(4, 2)])
     want = model(tokens, cache=plain)
     got = decode(tokens, cache=compiled)
     assert mx.array_equal(want, got).item()
-    assert decode.verifies == 1
+    assert decode.few_row_calls == 1
     # The 2 layers' 7 linears each went W @ xT, the head did not.
     assert len(seen) == 14
     assert all(shape == (2, 4) for _, shape in seen)

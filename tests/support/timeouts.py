@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import pytest_timeout
@@ -37,7 +37,7 @@ class _Stderr:
         sys.stderr.write(text)
 
 
-def _expired_in_worker(item: pytest.Item, timeout: float) -> None:
+def _expired_in_worker(item: pytest.Item, timeout: float) -> NoReturn:
     capman = item.config.pluginmanager.getplugin("capturemanager")
     out = err = ""
     if capman is not None:

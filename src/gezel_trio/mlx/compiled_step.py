@@ -403,7 +403,7 @@ class CompiledDecode:
             for _, m in layer.named_modules()
             if isinstance(m, nn.Linear)
         )
-        self.verifies = 0  # such calls (for tests)
+        self.few_row_calls = 0  # such calls, verifies and short prompts (for tests)
         # Steps of new shapes (layout, batch, window), and the steps that ran
         # compiled: for tests and logs.
         self.traces: set[tuple[Layout, int, int]] = set()
@@ -552,7 +552,7 @@ class CompiledDecode:
         rows = inputs.size
         if rows > VERIFY_ROWS:
             return self._model(inputs, cache=cache)
-        self.verifies += 1
+        self.few_row_calls += 1
         with _linear_as_rows_last(rows, only=self._layer_linears):
             return self._model(inputs, cache=cache)
 
