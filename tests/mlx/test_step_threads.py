@@ -6,8 +6,9 @@
 - ``StepThreads`` sets one thread for a decode step of few sequences and
   all of them for a larger one or any step that prefills, only when the
   count changes, and all of them again when closed.
-- ``measure`` alternates one thread and all on a real model's decode steps,
-  keeps the fastest of each after a warm-up, stops at the first batch not
+- ``measure`` alternates one thread and all on a real model's decode steps
+  in pairs whose order turns, keeps the median of each after a warm-up (a
+  call much slower or faster than the rest moves nothing), stops at the first batch not
   given one thread, and leaves all of them set; a model whose warm-up step
   on all threads is longer than ``LONG_STEP_S`` is not measured further.
 - The backend asks before each step with what the lane's next step runs
@@ -41,7 +42,14 @@ from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import RecentBySalt
 from gezel_trio.mlx.sampling import greedy
-from gezel_trio.mlx.step_threads import LONG_STEP_S, TOLERANCE, StepThreads, choose, measure
+from gezel_trio.mlx.step_threads import (
+    LONG_STEP_S,
+    REPEATS,
+    TOLERANCE,
+    StepThreads,
+    choose,
+    measure,
+)
 from tests.support.speculation import AlwaysPays
 
 
@@ -80,7 +88,8 @@ def test_the_count_changes_only_when_the_next_step_wants_another() -> None:
 class _Timed:
     """A model whose steps a fake clock times: each call costs what
     ``cost`` says for its batch and the thread count set; the first of each
-    8 more (a warm-up), the third half as much (the fastest)."""
+    8 more (a warm-up), the second a quarter as much and the fourth four
+    times (outliers, either way)."""
 
     def __init__(self, model: Any, cost: dict[tuple[int, int], float], unit: float = 1.0) -> None:
         self.model, self.cost, self.unit = model, cost, unit
@@ -100,7 +109,8 @@ class _Timed:
             key = (batch, self.threads)
             nth = self.calls.count(key)
             self.calls.append(key)
-            step = self.cost[key] * (0.5 if nth == 2 else 1.0) + (8.0 if nth == 0 else 0.0)
+            outlier = {1: 0.25, 3: 4.0}.get(nth, 1.0)
+            step = self.cost[key] * outlier + (8.0 if nth == 0 else 0.0)
             self.now += step * self.unit
         return self.model(tokens, cache=cache)
 
@@ -108,7 +118,7 @@ class _Timed:
         return getattr(self.model, name)
 
 
-def test_measure_alternates_keeps_the_fastest_and_stops_at_the_first_batch_not_chosen(
+def test_measure_alternates_keeps_the_median_and_stops_at_the_first_batch_not_chosen(
     dense_model: Path,
 ) -> None:
     model, _ = load(str(dense_model))
@@ -120,12 +130,14 @@ def test_measure_alternates_keeps_the_fastest_and_stops_at_the_first_batch_not_c
     measured = measure(timed, 2, timed.set, [4, 1, 8, 2], clock=timed.clock)
     assert measured.too_long_s is None
     timings = measured.timings
-    want = [(1, 0.5, 0.5), (2, 0.5625, 0.5), (4, 0.75, 0.5)]  # not 8
+    want = [(1, 1.0, 1.0), (2, 1.125, 1.0), (4, 1.5, 1.0)]  # not 8
     assert timings == [(b, one * unit, most * unit) for b, one, most in want]
     assert choose(timings) == 2
-    # Alternated, 4 steps on each count per batch, the first of each a warm-up.
-    assert [b for b, _ in timed.calls] == [1] * 8 + [2] * 8 + [4] * 8
-    assert [n for _, n in timed.calls] == [1, 2] * 12
+    # Alternated in pairs whose order turns, REPEATS + 1 steps on each count
+    # per batch, the first of each a warm-up.
+    per_batch = 2 * (REPEATS + 1)
+    assert [b for b, _ in timed.calls] == [1] * per_batch + [2] * per_batch + [4] * per_batch
+    assert [n for _, n in timed.calls] == ([1, 2, 2, 1] * 9)[: 3 * per_batch]
     assert timed.threads == 2
 
 

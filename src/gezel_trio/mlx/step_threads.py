@@ -17,7 +17,7 @@ whose head is a 113 MB matrix, two threads ran even one sequence's step
 
 So it is measured for each model when it loads: ``measure`` times decode
 steps of 1, 2, 4... sequences on one thread and on all, alternated, the
-fastest of ``REPEATS`` each, and stops at the first batch where one thread
+median of ``REPEATS`` each, and stops at the first batch where one thread
 is more than ``TOLERANCE`` slower: the core it leaves free serves the rest
 of the process. A model whose step takes longer than ``LONG_STEP_S`` is
 not measured past its first two steps: it keeps all threads. Batches up
@@ -35,6 +35,7 @@ kept for every step), no OpenBLAS preloaded, or one thread in all.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -50,8 +51,13 @@ __all__ = ["LONG_STEP_S", "REPEATS", "TOLERANCE", "Measured", "StepThreads", "ch
 # sequence: 2-9% slower alone, 17-35% faster through HTTP; two sequences:
 # 30-40% slower alone).
 TOLERANCE: Final = 0.15
-# Timed steps per thread count and batch (the fastest counts).
-REPEATS: Final = 3
+# Timed steps per thread count and batch, after a warm-up of each (the
+# median counts). The calls alternate in pairs whose order turns (1, all,
+# all, 1, 1, ...), so a slow spell of the machine falls on both counts. The
+# fastest of 3 chose wrong in 4 of 40 loads of the dense bench model here:
+# all threads for one sequence (a 25-40% slower stream for the server's
+# life) or one thread for two.
+REPEATS: Final = 5
 # A model whose decode step takes longer than this on all threads is not
 # measured further (a large model's calls are long enough for every thread
 # to pay: SmolLM2's 46-52 ms step was 41% slower on one), so loading it
@@ -121,11 +127,12 @@ def measure(
     clock: Callable[[], float] = time.perf_counter,
 ) -> Measured:
     """Time decode steps of ``model`` (what ``BatchGenerator`` calls) for
-    each batch in ``batches`` on one thread and on ``most``, alternated;
-    stops after the first batch ``choose`` does not give one thread, and at
-    once when a warm-up step on all threads takes longer than
-    ``LONG_STEP_S``. Call it on the host thread, in the model's stream; it
-    leaves ``most`` set."""
+    each batch in ``batches`` on one thread and on ``most``, alternated,
+    ``REPEATS`` each after a warm-up, and keep the median of each; stops
+    after the first batch ``choose`` does not give one thread, and at once
+    when a warm-up step on all threads takes longer than ``LONG_STEP_S``.
+    Call it on the host thread, in the model's stream; it leaves ``most``
+    set."""
     base = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, 16), dtype=mx.int32), cache=base))
     timings: list[tuple[int, float, float]] = []
@@ -133,9 +140,9 @@ def measure(
         for batch in sorted(batches):
             cache = [c.merge([c] * batch) for c in base]
             tokens = mx.zeros((batch, 1), dtype=mx.uint32)
-            best = {1: float("inf"), most: float("inf")}
+            took_s: dict[int, list[float]] = {1: [], most: []}
             for i in range(2 * REPEATS + 2):
-                n = 1 if i % 2 == 0 else most
+                n = 1 if i % 4 in (0, 3) else most  # 1, all, all, 1, 1, all...
                 setter(n)
                 t0 = clock()
                 logits = model(tokens, cache=cache)
@@ -143,10 +150,10 @@ def measure(
                 mx.eval(logits, state)
                 took = clock() - t0
                 if i >= 2:  # the first of each is a warm-up
-                    best[n] = min(best[n], took)
+                    took_s[n].append(took)
                 elif n == most and took > LONG_STEP_S:
                     return Measured(timings, took)
-            timings.append((batch, best[1], best[most]))
+            timings.append((batch, statistics.median(took_s[1]), statistics.median(took_s[most])))
             if choose(timings) < batch:
                 break
     finally:
