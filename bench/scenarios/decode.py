@@ -40,7 +40,14 @@ rendered with ``enable_thinking=False``, and ask for ``max_tokens =
 --tokens``. N concurrent streams are N identical requests released together
 (a thread per stream behind a barrier; for ``raw``, N prompts inserted in one
 ``insert`` call). Every stream count is measured ``--repeats`` times and the
-median is reported.
+median is reported. Each system's round is also paired with raw's round of
+the same repeat and stream count, run just before or after it: the median
+of those ratios, a distribution-free interval for it and how many reach
+0.98 (the line issue 21 draws) are in "Paired rounds". On this shared
+2-core VM a round's speed moves by 20% from one to the next; with 5 rounds
+the interval is the whole range, and 15 give one of 96%. ``gezel-alt``
+(``--alt-flags '...'``) is gezel-trio with more serve flags: a setting
+measured against the default in one run.
 
 Decode tok/s is the metric of ``bench/_sse.py``, identical for all systems:
 ``sum_i(n_i - 1) / (max_i last_i - min_i first_i)``, where ``first_i`` is the
@@ -67,6 +74,8 @@ cache's share (raw has no cache).
 from __future__ import annotations
 
 import contextlib
+import math
+import shlex
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -81,10 +90,11 @@ from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Tab
 from bench._sse import Measurement, StreamTiming, aggregate
 
 PROMPT = "Write a short story about a lighthouse keeper and a stormy night."
-SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4", "gezel-eager")
+SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4", "gezel-eager", "gezel-alt")
 # Run only when asked for (--systems): gezel-eager is gezel-trio with
-# --compiled-step off, to show what the compiled step gives in the same run.
-_ON_REQUEST = ("gezel-q4", "gezel-eager")
+# --compiled-step off, to show what the compiled step gives in the same run;
+# gezel-alt is gezel-trio with --alt-flags, to compare a setting in one run.
+_ON_REQUEST = ("gezel-q4", "gezel-eager", "gezel-alt")
 _CORPUS = Path(__file__).resolve().parents[2] / "src/gezel_trio/mlx/demo_data/corpus.txt"
 _CHARS_PER_TOKEN = 4.4  # English BPE, measured on the corpus with SmolLM2's tokenizer
 _METRIC = "tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i"
@@ -94,7 +104,12 @@ _RATIOS = (
     ("gezel", "mlx_lm.server"),
     ("gezel-eager", "raw"),
     ("gezel", "gezel-eager"),
+    ("gezel-alt", "raw"),
+    ("gezel-alt", "gezel"),
 )
+# The line the issue draws (gezel-trio at least 0.98 of raw): how many of a
+# run's paired rounds reach it.
+_LINE = 0.98
 
 
 def long_prompt(tokens: int, part: int = 0) -> str:
@@ -260,7 +275,10 @@ def _start(
             pre.append(session.ask({"prefill": n_tokens, "part": part}))
         return lambda n: Measurement(**session.ask({"streams": n, "tokens": tokens}))
     watch = ctx.workdir / f"{system}-stalls.json" if system.startswith("gezel") else None
-    url, pid = stack.enter_context(_serve(system, model_dir, quantized, width, ctx.workdir, watch))
+    alt = shlex.split(ctx.args.alt_flags or "") if system == "gezel-alt" else []
+    url, pid = stack.enter_context(
+        _serve(system, model_dir, quantized, width, ctx.workdir, watch, alt)
+    )
     http_round(url, system, 1, min(tokens, 32), pid)  # warm-up
     for part, n_tokens in enumerate(prefill):
         pre.append(prefill_http(url, system, long_prompt(n_tokens, part)))
@@ -285,6 +303,7 @@ def _serve(
     width: int,
     workdir: Path,
     stalls: Path | None = None,
+    alt: list[str] | None = None,
 ) -> Iterator[tuple[str, int]]:
     log = workdir / f"{system}.log"
     if system == "mlx_lm.server":
@@ -296,6 +315,7 @@ def _serve(
     flags = ["--max-concurrency", str(width), "--log-level", "WARNING", "--speculation", "off"]
     if system == "gezel-eager":
         flags += ["--compiled-step", "off"]
+    flags += alt or []
     model = quantized if system == "gezel-q4" and quantized is not None else model_dir
     with _servers.gezel_server(model, log, flags, label=system, stalls=stalls) as srv:
         yield srv.url, srv.proc.pid
@@ -329,10 +349,13 @@ def run(ctx: Context) -> Result:
     if "gezel-q4" in systems and quantized is None:
         raise ValueError("gezel-q4 needs --default-model")
 
+    if "gezel-alt" in systems and not a.alt_flags:
+        raise ValueError("gezel-alt needs --alt-flags (the serve flags it adds)")
     width = max(streams)
     results: list[Measurement] = []
     pre: list[dict[str, Any]] = []
     stalls: list[dict[str, Any]] = []
+    pair_rounds: list[dict[str, float]] = []
     with contextlib.ExitStack() as stack:
         # Every system stays up for the whole run, idle while another is
         # measured, so the rounds interleave and a slow spell of the machine
@@ -350,6 +373,10 @@ def run(ctx: Context) -> Result:
                     turn = r % len(systems)
                     for system in systems[turn:] + systems[:turn]:
                         results.append(rounds[system](n))
+                    # The systems' rounds of one (repeat, streams) ran one
+                    # after another: a pair shares the machine's spell.
+                    pair_rounds.append({m.system: m.tok_s for m in results[-len(systems) :]})
+                    pair_rounds[-1]["streams"] = n
 
     data = {
         "model": str(model_dir),
@@ -362,12 +389,17 @@ def run(ctx: Context) -> Result:
         "mlx_lm_server_flags": _servers.mlx_decode_flags(width),
         "median_tok_s": {s: {str(n): median_by(results, s, n) for n in streams} for s in systems},
         "runs": results,
+        "paired": pair_rounds,
         "prefill": pre,
         "stalls": stalls,
     }
     return Result(
         data=data,
-        tables=[*_tables(results, pre, streams, systems), *_stall_tables(stalls, streams)],
+        tables=[
+            *_tables(results, pre, streams, systems),
+            *_paired_tables(pair_rounds, streams, systems),
+            *_stall_tables(stalls, streams),
+        ],
         plots=_plots(results, pre, streams, systems),
         notes=(
             ["SHORT: some stream ended before max_tokens (EOS); its tokens are still counted."]
@@ -376,6 +408,71 @@ def run(ctx: Context) -> Result:
         ),
         title=f"model {model_dir.name}, {a.tokens} tokens per stream, median of {a.repeats}",
     )
+
+
+def median_interval(xs: list[float]) -> tuple[float, float, float] | None:
+    """A distribution-free interval for the median of ``xs``: the order
+    statistics (k, n+1-k) with the largest k whose coverage
+    (1 - 2 P(Binomial(n, 1/2) < k)) is still at least 95%, and that coverage.
+    Under 6 values no such k exists: the whole range and its coverage."""
+    n = len(xs)
+    if n == 0:
+        return None
+    xs = sorted(xs)
+
+    def below(k: int) -> float:  # P(Binomial(n, 1/2) < k)
+        return sum(math.comb(n, i) for i in range(k)) / (1 << n)
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1 - 2 * below(k + 1) >= 0.95:
+        k += 1
+    return xs[k - 1], xs[n - k], 1 - 2 * below(k)
+
+
+def _paired_tables(
+    pair_rounds: list[dict[str, float]], streams: list[int], systems: list[str]
+) -> list[Table]:
+    """Each system's round over raw's round of the same repeat and stream
+    count (they ran one after the other): the median of those ratios, an
+    interval for it, and how many reached ``_LINE``. A slow spell of a shared
+    machine moves both rounds of a pair; it moves a ratio of medians more."""
+    if "raw" not in systems:
+        return []
+    rows = []
+    for system in (s for s in systems if s != "raw"):
+        for n in streams:
+            got = [
+                r[system] / r["raw"]
+                for r in pair_rounds
+                if r["streams"] == n and r.get("raw") and system in r
+            ]
+            interval = median_interval(got)
+            if interval is None:
+                continue
+            lo, hi, coverage = interval
+            rows.append(
+                (
+                    system,
+                    n,
+                    statistics.median(got),
+                    f"{lo:.3f}-{hi:.3f} ({coverage:.0%})",
+                    f"{sum(x >= _LINE for x in got)} of {len(got)}",
+                    " ".join(f"{x:.3f}" for x in got),
+                )
+            )
+    if not rows:
+        return []
+    return [
+        table(
+            "Paired rounds: each round over raw's beside it",
+            f"system | streams:d | median ratio:.3f | interval (coverage) | >= {_LINE} | ratios",
+            rows,
+            "ratio = the system's tok/s over raw's in the same repeat and stream count (the"
+            " two rounds ran back to back); interval: order statistics of the ratios that"
+            " hold the median with the coverage shown (distribution-free; under 6 rounds"
+            " the whole range)",
+        )
+    ]
 
 
 def _cost_ms(results: list[Measurement], system: str, n: int) -> float | None:
@@ -589,6 +686,12 @@ SCENARIO = Scenario(
         Option("streams", [1, 4, 8], "concurrent streams to measure", int, "+", quick=[1, 2]),
         Option("tokens", 128, "max_tokens per stream", int, quick=32),
         Option("repeats", 3, "rounds per stream count (the median is reported)", int, quick=1),
+        Option(
+            "alt_flags",
+            None,
+            "the serve flags of the gezel-alt system, one string (e.g."
+            " --alt-flags='--stream-hold-ms 0'): a setting against gezel in one run",
+        ),
         Option(
             "prefill_tokens",
             [128, 512, 1024],

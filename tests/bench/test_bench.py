@@ -135,6 +135,31 @@ def test_percentile_is_nearest_rank() -> None:
     assert _report.percentile([5.0], 1) == 5.0
 
 
+def test_decode_pairs_each_round_with_raws_beside_it() -> None:
+    from bench.scenarios.decode import _paired_tables, median_interval
+
+    assert median_interval([]) is None
+    # Under 6 values no pair of order statistics covers 95%: the whole range.
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)
+    # 15 values: the 4th and 12th, 96.5% (the binomial's own figure).
+    lo, hi, coverage = median_interval([float(x) for x in range(15, 0, -1)])  # type: ignore[misc]
+    assert (lo, hi) == (4.0, 12.0)
+    assert coverage == pytest.approx(0.96484375)
+    rounds = [
+        {"streams": 8, "raw": 100.0, "gezel": 97.0},
+        {"streams": 8, "raw": 80.0, "gezel": 80.0},
+        {"streams": 8, "raw": 120.0, "gezel": 126.0},
+        {"streams": 1, "raw": 50.0, "gezel": 60.0},
+    ]
+    (got,) = _paired_tables(rounds, [1, 8], ["raw", "gezel"])
+    assert [tuple(r[:2]) for r in got.rows] == [("gezel", 1), ("gezel", 8)]
+    eight = got.rows[1]
+    assert eight[2] == pytest.approx(1.0)  # the median of 0.97, 1.0 and 1.05
+    assert eight[4] == "2 of 3"  # at least 0.98
+    assert eight[5] == "0.970 1.000 1.050"
+    assert _paired_tables(rounds, [8], ["gezel"]) == []  # nothing to pair with
+
+
 def test_plots_become_one_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")  # the bench extra
     plots = [
