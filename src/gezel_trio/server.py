@@ -15,10 +15,12 @@
 
 Shutdown: a signal stops hypercorn from accepting, closes idle keep-alive
 connections at once (``_idle_closable``) and lets in-flight requests
-finish for up to ``graceful_timeout`` seconds; then the nursery is cancelled,
-which closes the engine (remaining requests fail with ``EngineClosed``) and
-the host thread stops after its current step and a flush bounded by
-``EngineConfig.shutdown_timeout``.
+finish for up to ``graceful_timeout`` seconds. A request still running
+then fails with ``EngineClosed`` (``_close_at_grace``): a stream gets its
+error frame and a plain request its 503, with ``GRACE_FLUSH_S`` more to
+write them, before hypercorn cancels what is left. Then the nursery is
+cancelled, which closes the engine and the host thread stops after its
+current step and a flush bounded by ``EngineConfig.shutdown_timeout``.
 
 Engine failure: when the engine stops working (its host thread died, or too
 many model steps failed in a row) every request has already failed with
@@ -67,6 +69,9 @@ log = logging.getLogger("gezel_trio.server")
 DEAD_LINGER = 1.0
 # How often the parent is checked where the kernel cannot signal its death.
 PARENT_POLL = 1.0
+# Seconds past the graceful timeout for the requests failed then to write
+# their error frames or 503s before hypercorn cancels its connections.
+GRACE_FLUSH_S = 1.0
 
 
 @attrs.frozen
@@ -115,6 +120,21 @@ async def _watch_signals(shutdown: trio.Event) -> None:
             log.info("received %s: draining", signal.Signals(signum).name)
             shutdown.set()
             return
+
+
+async def _close_at_grace(engine: Engine, shutdown: trio.Event, grace: float) -> None:
+    """``grace`` seconds after the drain began, fail every request still
+    queued or running: its client is told why (an error frame, a 503)
+    instead of finding its connection cut when hypercorn's own timeout,
+    ``GRACE_FLUSH_S`` later, cancels it. A rank of a group that died
+    leaves rank 0's step waiting on it; its streams end this way too."""
+    await shutdown.wait()
+    await trio.sleep(grace)
+    log.info("the drain's %g s are up: failing the requests still running", grace)
+    engine.close_nowait(
+        f"the server is shutting down: the request did not finish within its {grace:g} s"
+        " (--graceful-timeout)"
+    )
 
 
 async def _watch_parent(parent: int, shutdown: trio.Event) -> None:
@@ -249,7 +269,7 @@ async def serve(
     handed the engine once it is ready (tests read its state)."""
     hc = HypercornConfig()
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
-    hc.graceful_timeout = config.graceful_timeout
+    hc.graceful_timeout = config.graceful_timeout + GRACE_FLUSH_S
     hc.read_timeout = None  # a long stream must not be cut by an idle read timer
     hc.keep_alive_timeout = 75
     hc.accesslog = None
@@ -280,6 +300,7 @@ async def serve(
         )
         nursery.start_soon(stdout.watch, engine.watch(waiting_every=config.stdout.waiting_interval))
         nursery.start_soon(_watch_signals, shutdown)
+        nursery.start_soon(_close_at_grace, engine, shutdown, config.graceful_timeout)
         if config.watch_parent is not None:
             nursery.start_soon(_watch_parent, config.watch_parent, shutdown)
         http = attrs.evolve(config.http, on_bug=partial(stdout.contained_nowait, "http"))

@@ -496,15 +496,27 @@ def test_a_killed_rank_fails_the_live_stream_and_ends_the_group(
     with stderr.open("w") as err:
         group = _launch(dense_model, stderr=err, launcher=True)
     started = threading.Event()
-    with ThreadPoolExecutor(1) as pool:
-        ending = pool.submit(_stream_until_it_ends, group, started)
-        assert started.wait(HANG)
-        os.kill(group.pid(1), signal.SIGKILL)
-        t0 = time.monotonic()
-        assert ending.result(timeout=30) == "error"
-    said = _ended(group, stderr, within=30)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            ending = pool.submit(_stream_until_it_ends, group, started)
+            assert started.wait(HANG)
+            os.kill(group.pid(1), signal.SIGKILL)
+            t0 = time.monotonic()
+            assert ending.result(timeout=30) == "error"
+        said = _ended(group, stderr, within=30)
+    except BaseException:
+        _kill_launched(group)  # no rank outlives a failed test into the next one
+        raise
     assert time.monotonic() - t0 < 30
     assert "rank 1" in said
+
+
+def _kill_launched(group: Group) -> None:
+    """SIGKILL each rank under the launcher that still runs, then the launcher."""
+    for rank in (0, 1):
+        with contextlib.suppress(AssertionError, ProcessLookupError):
+            os.kill(group.pid(rank), signal.SIGKILL)
+    group.close()
 
 
 def test_a_stalled_rank_makes_rank_0_answer_503_and_exit(dense_model: Path, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """Stopping the real server as the seed's client does: SIGTERM, then SIGKILL
 3 s later. Idle keep-alive connections close at once while an in-flight
-stream drains; with write-behind every dirty cache entry is on disk when the
+stream drains, and one still running when the drain ends gets an error
+frame; with write-behind every dirty cache entry is on disk when the
 process exits, so a restart on the same persist dir reads them; the seed
 profile runs the parent-death watchdog and refuses to start as an orphan."""
 
@@ -117,6 +118,41 @@ def test_sigterm_closes_an_idle_keep_alive_connection_at_once_and_drains_a_strea
         assert server.proc.wait(timeout=30) == 0
     finally:
         idle.close()
+        stop_server(server)
+
+
+def test_a_stream_still_running_when_the_drain_ends_gets_an_error_frame_not_a_cut(
+    dense_model: Path,
+) -> None:
+    server = start_server(dense_model, "--graceful-timeout", "1")
+    try:
+        body = {
+            "messages": [{"role": "user", "content": "Count."}],
+            "max_tokens": 30000,  # far longer than the drain's 1 s on this model
+            "stream": True,
+            "ignore_eos": True,
+            **FIXED,
+        }
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as stream,
+        ):
+            lines = stream.iter_lines()
+            for line in lines:
+                if carries_text(line):
+                    break
+            server.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)  # ends when the server closes the stream
+        chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        errors = [c["error"] for c in chunks if "error" in c]
+        assert len(errors) == 1, rest[-5:]
+        assert errors[0]["code"] == "shutting_down"
+        assert "--graceful-timeout" in errors[0]["message"]
+        assert chunks[-1] == {"error": errors[0]}, "the error frame is the stream's last"
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+        assert "length" not in finishes, "the stream did not run to its end"
+        assert server.proc.wait(timeout=30) == 0
+    finally:
         stop_server(server)
 
 

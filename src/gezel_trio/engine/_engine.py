@@ -216,10 +216,10 @@ class Engine:
         channel ends it."""
         return self.link.watch(max_buffer, waiting_every)
 
-    def close_nowait(self) -> None:
+    def close_nowait(self, why: str = "the engine shut down") -> None:
         """Stop admitting; fail every queued and running request with
-        ``EngineClosed``. The host loop stops at its next exchange."""
-        self.link.close_nowait()
+        ``EngineClosed(why)``. The host loop stops at its next exchange."""
+        self.link.close_nowait(why)
 
 
 async def run_engine(

@@ -488,12 +488,12 @@ class HostLink:
 
     # --- ending --------------------------------------------------------------
 
-    def close_nowait(self) -> None:
+    def close_nowait(self, why: str = "the engine shut down") -> None:
         """Stop admitting; fail every queued and running request with
-        ``EngineClosed``. The host loop stops at its next exchange."""
+        ``EngineClosed(why)``. The host loop stops at its next exchange."""
         if self._closing:
             return
-        self._fail_everything(EngineClosed("the engine shut down"))
+        self._fail_everything(EngineClosed(why))
 
     def die(self, error: EngineFailure) -> None:
         """The engine stopped working: ``/health`` fails with the reason and
