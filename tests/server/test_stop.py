@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,28 @@ def _idle_keep_alive(url: str) -> socket.socket:
     return sock
 
 
+@contextlib.contextmanager
+def _decoding(server: Server, max_tokens: int, **extra: Any) -> Iterator[Iterator[str]]:
+    """A streamed answer of ``max_tokens``: its lines, once its first text
+    arrived (the sequence decodes, not only submitted)."""
+    body = {
+        "messages": [{"role": "user", "content": "Count."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        **extra,
+        **FIXED,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as stream,
+    ):
+        lines = stream.iter_lines()
+        for line in lines:
+            if carries_text(line):
+                break
+        yield lines
+
+
 def test_sigterm_closes_an_idle_keep_alive_connection_at_once_and_drains_a_stream(
     dense_model: Path,
 ) -> None:
@@ -92,20 +115,7 @@ def test_sigterm_closes_an_idle_keep_alive_connection_at_once_and_drains_a_strea
     server = start_server(dense_model, "--graceful-timeout", "60")
     idle = _idle_keep_alive(server.url)
     try:
-        body = {
-            "messages": [{"role": "user", "content": "Count."}],
-            "max_tokens": 1000,
-            "stream": True,
-            **FIXED,
-        }
-        with (
-            httpx.Client(timeout=60) as client,
-            client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as stream,
-        ):
-            lines = stream.iter_lines()
-            for line in lines:
-                if carries_text(line):  # decoding, not only submitted
-                    break
+        with _decoding(server, 1000) as lines:
             server.proc.send_signal(signal.SIGTERM)
             idle.settimeout(KILL_AFTER)
             assert idle.recv(1) == b"", "the idle connection is closed by the server"
@@ -126,21 +136,8 @@ def test_a_stream_still_running_when_the_drain_ends_gets_an_error_frame_not_a_cu
 ) -> None:
     server = start_server(dense_model, "--graceful-timeout", "1")
     try:
-        body = {
-            "messages": [{"role": "user", "content": "Count."}],
-            "max_tokens": 30000,  # far longer than the drain's 1 s on this model
-            "stream": True,
-            "ignore_eos": True,
-            **FIXED,
-        }
-        with (
-            httpx.Client(timeout=60) as client,
-            client.stream("POST", f"{server.url}/v1/chat/completions", json=body) as stream,
-        ):
-            lines = stream.iter_lines()
-            for line in lines:
-                if carries_text(line):
-                    break
+        # Far longer than the drain's 1 s on this model.
+        with _decoding(server, 30000, ignore_eos=True) as lines:
             server.proc.send_signal(signal.SIGTERM)
             rest = list(lines)  # ends when the server closes the stream
         chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
