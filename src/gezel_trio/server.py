@@ -11,7 +11,8 @@
                 ├─ ResponseStore.run   stored Responses, their files, background
                 │                      responses (one task each, cancellable)
                 ├─ hypercorn serve     the quart-trio app, bound after the engine
-                └─ signal watcher      SIGINT/SIGTERM -> graceful drain
+                ├─ signal watcher      SIGINT/SIGTERM -> graceful drain
+                └─ grace closer        the drain's end -> what still runs fails
 
 Shutdown: a signal stops hypercorn from accepting, closes idle keep-alive
 connections at once (``_idle_closable``) and lets in-flight requests
