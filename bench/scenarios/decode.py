@@ -375,8 +375,8 @@ def run(ctx: Context) -> Result:
                         results.append(rounds[system](n))
                     # The systems' rounds of one (repeat, streams) ran one
                     # after another: a pair shares the machine's spell.
-                    pair_rounds.append({m.system: m.tok_s for m in results[-len(systems) :]})
-                    pair_rounds[-1]["streams"] = n
+                    ran = results[-len(systems) :]
+                    pair_rounds.append({"streams": n} | {m.system: m.tok_s for m in ran})
 
     data = {
         "model": str(model_dir),

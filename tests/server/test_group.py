@@ -98,7 +98,13 @@ class Group(Server):
         return next((c for c in codes if c != 0), 0)
 
     def close(self) -> None:
+        """Kill what still runs: each rank, and under ``mlx.launch`` first the
+        ranks it started (killing the launcher alone would orphan them)."""
         self.client.close()
+        if not self.ranks:
+            for rank in (0, 1):
+                with contextlib.suppress(AssertionError, ProcessLookupError):
+                    os.kill(_rank_pid(self.proc.pid, rank), signal.SIGKILL)
         for p in self.ranks or [self.proc]:
             if p.poll() is None:
                 p.kill()
@@ -505,18 +511,10 @@ def test_a_killed_rank_fails_the_live_stream_and_ends_the_group(
             assert ending.result(timeout=30) == "error"
         said = _ended(group, stderr, within=30)
     except BaseException:
-        _kill_launched(group)  # no rank outlives a failed test into the next one
+        group.close()  # no rank outlives a failed test into the next one
         raise
     assert time.monotonic() - t0 < 30
     assert "rank 1" in said
-
-
-def _kill_launched(group: Group) -> None:
-    """SIGKILL each rank under the launcher that still runs, then the launcher."""
-    for rank in (0, 1):
-        with contextlib.suppress(AssertionError, ProcessLookupError):
-            os.kill(group.pid(rank), signal.SIGKILL)
-    group.close()
 
 
 def test_a_stalled_rank_makes_rank_0_answer_503_and_exit(dense_model: Path, tmp_path: Path) -> None:

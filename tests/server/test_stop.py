@@ -87,14 +87,13 @@ def _idle_keep_alive(url: str) -> socket.socket:
 
 
 @contextlib.contextmanager
-def _decoding(server: Server, max_tokens: int, **extra: Any) -> Iterator[Iterator[str]]:
+def _decoding(server: Server, max_tokens: int) -> Iterator[Iterator[str]]:
     """A streamed answer of ``max_tokens``: its lines, once its first text
     arrived (the sequence decodes, not only submitted)."""
     body = {
         "messages": [{"role": "user", "content": "Count."}],
         "max_tokens": max_tokens,
         "stream": True,
-        **extra,
         **FIXED,
     }
     with (
@@ -137,7 +136,7 @@ def test_a_stream_still_running_when_the_drain_ends_gets_an_error_frame_not_a_cu
     server = start_server(dense_model, "--graceful-timeout", "1")
     try:
         # Far longer than the drain's 1 s on this model.
-        with _decoding(server, 30000, ignore_eos=True) as lines:
+        with _decoding(server, 30000) as lines:
             server.proc.send_signal(signal.SIGTERM)
             rest = list(lines)  # ends when the server closes the stream
         chunks = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
