@@ -41,7 +41,7 @@ from mlx_lm.utils import load
 
 from ..core.config import EngineConfig
 from ..core.errors import ModelLoadError
-from . import blas
+from . import blas, mlx_lm_surface
 from .model_source import per_layer_embedding_table, resolve_model
 from .ple import MappedEmbedding, UnmappableTable, map_table
 from .vision import is_vision_model, load_vision
@@ -68,7 +68,10 @@ class LoadedModel:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolve, load and adapt the model; raises ``ModelLoadError``."""
+    """Resolve, load and adapt the model; raises ``ModelLoadError``, and
+    ``RuntimeError`` naming them when the installed mlx-lm lacks names the
+    backend relies on (``mlx.mlx_lm_surface``)."""
+    mlx_lm_surface.check()
     path = resolve_model(config.model)
     ple = per_layer_embedding_table(path)
     if is_vision_model(path) and ple is not None:
