@@ -222,3 +222,17 @@ def test_a_websocket_on_responses_is_refused_with_426(dense_server: Server) -> N
     assert error["code"] == "websocket_not_supported"
     assert "HTTP" in error["message"]
 
+
+@pytest.mark.parametrize(
+    ("target", "status"),
+    [("/v1/chat/completions", 405), ("/v1/models", 400), ("/health", 400), ("/nowhere", 404)],
+)
+def test_a_websocket_elsewhere_is_refused_in_the_envelope(
+    dense_server: Server, target: str, status: int
+) -> None:
+    events = _handshake(dense_server, target)
+    reject = events[0]
+    assert isinstance(reject, ws.RejectConnection), events
+    assert reject.status_code == status
+    body = b"".join(e.data for e in events[1:] if isinstance(e, ws.RejectData))
+    assert target in json.loads(body)["error"]["message"]
