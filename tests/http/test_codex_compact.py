@@ -130,6 +130,17 @@ def test_a_compaction_sealed_under_another_key_is_a_400(dense_server: Server) ->
     assert (status, param) == (400, "input[0].encrypted_content")
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"), [({"summary": "x"}, "input[0].summary"), ({"id": 7}, "input[0].id")]
+)
+def test_a_compaction_items_other_fields_are_checked(
+    dense_server: Server, extra: dict[str, Any], param: str
+) -> None:
+    (item,) = _compact(dense_server, _history(uuid.uuid4().hex)).output
+    sent = {**item.model_dump(exclude_none=True), **extra}
+    assert _status_and_param(dense_server, [sent]) == (400, param)
+
+
 def test_compact_refuses_what_responses_refuses(dense_server: Server) -> None:
     bad = [{"type": "computer_call_output", "call_id": "c", "output": {}}]
     with pytest.raises(openai.BadRequestError) as err:

@@ -215,3 +215,5 @@ def test_a_sealed_history_opens_only_here_and_only_as_a_history() -> None:
     assert seal.open("g1." + blob.partition(".")[2]) is None
     with pytest.raises(ValueError, match="more than 10 bytes"):
         seal.open_history(blob, 10)
+    with pytest.raises(ValueError, match=f"{size} bytes of JSON, over 10"):
+        seal.seal_history(items, 10)

@@ -61,6 +61,7 @@ from .edge import HttpError, NotFound, ProtocolBlueprint, error_response, json_v
 from .images import from_data_url
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
+    MAX_COMPACTED_BYTES,
     ContentItem,
     CustomTool,
     CustomToolCallItem,
@@ -993,7 +994,11 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
         def sealed(parsed: tuple[Any, list[Any]]) -> str:
             req, raw = parsed
             items_to_messages(req.items)  # what a request carrying it would refuse, now
-            return seal.seal_history(raw)
+            try:
+                # Bounded as a request expands it, so what is sealed opens.
+                return seal.seal_history(raw, MAX_COMPACTED_BYTES)
+            except ValueError as exc:
+                raise InvalidRequest(f"input cannot be compacted: {exc}", param="input") from None
 
         _, blob = await json_view(lambda body: parse_compact_request(body, seal), sealed)
         body = {

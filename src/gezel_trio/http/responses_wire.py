@@ -787,13 +787,15 @@ def expand_compactions(body: Any, seal: ReplySeal | None) -> Any:
             expanded.append(item)
             continue
         where = f"input[{i}]"
-        for key in item:
+        for key, value in item.items():
             if key not in _COMPACTION_KEYS:
                 raise InvalidRequest(
                     f"invalid request at {where}.{key}: a compaction item has no field "
                     f"{shown(key)}",
                     param=f"{where}.{key}",
                 )
+            if key in ("id", "created_by") and not isinstance(value, str | None):
+                raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
         blob = item.get("encrypted_content")
         param = f"{where}.encrypted_content"
         if not isinstance(blob, str):

@@ -257,11 +257,14 @@ class ReplySeal:
         values = tuple(ids)
         return GeneratedReply(values[:n_tail], values[n_tail:])
 
-    def seal_history(self, items: Sequence[Any]) -> str:
+    def seal_history(self, items: Sequence[Any], max_bytes: int | None = None) -> str:
         """Seal ``items`` (input items as JSON values). Not bound to the
-        model: any model renders a history."""
-        text = json.dumps(list(items), ensure_ascii=False, separators=(",", ":"))
-        return self._sign(_HISTORY_VERSION, zlib.compress(text.encode(), 6))
+        model: any model renders a history. Raises ``ValueError`` past
+        ``max_bytes`` of JSON, which ``open_history`` would refuse."""
+        text = json.dumps(list(items), ensure_ascii=False, separators=(",", ":")).encode()
+        if max_bytes is not None and len(text) > max_bytes:
+            raise ValueError(f"the history is {len(text)} bytes of JSON, over {max_bytes}")
+        return self._sign(_HISTORY_VERSION, zlib.compress(text, 6))
 
     def open_history(self, blob: str, max_bytes: int) -> tuple[list[Any], int]:
         """The items ``blob`` seals and the bytes of JSON they were. Raises
