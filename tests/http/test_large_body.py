@@ -273,8 +273,8 @@ async def test_a_large_bodys_view_is_built_and_freed_off_the_loop(
     freed_on: list[threading.Thread] = []
     parse, view = getattr(module, parse_name), getattr(module, view_name)
 
-    def watched_parse(body: Any) -> Any:
-        req = parse(body)
+    def watched_parse(body: Any, *args: Any) -> Any:
+        req = parse(body, *args)
         weakref.finalize(req, lambda: freed_on.append(threading.current_thread()))
         return req
 

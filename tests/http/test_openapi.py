@@ -52,6 +52,7 @@ def test_the_document_covers_every_route_and_field(server: Server) -> None:
         "/v1/chat/completions",
         "/chat/completions",
         "/v1/responses",
+        "/v1/responses/compact",
         "/v1/responses/{response_id}",
         "/v1/responses/{response_id}/cancel",
         "/v1/models",

@@ -8,6 +8,7 @@ trimmed: the two layout changes the splice undoes."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -190,3 +191,29 @@ def test_the_ledger_outlives_a_restart_in_the_persist_dir(
     assert load_ledger(ReplyLedger(1000), path) == 0
     assert "not a reply ledger" in caplog.text
     assert load_ledger(ReplyLedger(1000), tmp_path / "missing.bin") == 0
+
+
+def test_a_sealed_history_opens_only_here_and_only_as_a_history() -> None:
+    items = [{"role": "user", "content": "héllo"}, {"type": "function_call_output", "output": "x"}]
+    seal = ReplySeal(b"k" * 32, "model-a")
+    blob = seal.seal_history(items)
+    assert blob.startswith("h1.")
+    size = len(json.dumps(items, ensure_ascii=False, separators=(",", ":")).encode())
+    assert seal.open_history(blob, 1 << 20) == (items, size)
+    # Not bound to the model: a history renders under any.
+    assert ReplySeal(b"k" * 32, "model-b").open_history(blob, 1 << 20) == (items, size)
+    mid = len(blob) // 2
+    flipped = blob[:mid] + ("A" if blob[mid] != "A" else "B") + blob[mid + 1 :]
+    reply_blob = seal.seal(GeneratedReply((1,), (2,)))
+    relabelled = "h1." + reply_blob.partition(".")[2]
+    for bad in (flipped, relabelled, reply_blob, "h1.", "", "not a blob"):
+        with pytest.raises(ValueError, match="not sealed by this server"):
+            seal.open_history(bad, 1 << 20)
+    with pytest.raises(ValueError, match="not sealed by this server"):
+        ReplySeal(b"x" * 32, "model-a").open_history(blob, 1 << 20)  # another server's key
+    # A history sealed as a reply's blob is no reply either.
+    assert seal.open("g1." + blob.partition(".")[2]) is None
+    with pytest.raises(ValueError, match="more than 10 bytes"):
+        seal.open_history(blob, 10)
+    with pytest.raises(ValueError, match=f"{size} bytes of JSON, over 10"):
+        seal.seal_history(items, 10)

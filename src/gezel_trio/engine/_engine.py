@@ -76,6 +76,13 @@ class Engine:
         return self._prep.replies
 
     @property
+    def seal(self) -> ReplySeal | None:
+        """What signs the blobs clients carry back (``shaping.replies``):
+        sealed replies and compacted histories. ``None`` only where a
+        ``Preparer`` was built without one."""
+        return self._prep.seal
+
+    @property
     def renderer(self) -> PromptRenderer:
         return self._prep.loaded.renderer
 
@@ -266,18 +273,18 @@ async def run_engine(
             nursery.start_soon(run_host)
             await link.is_loaded.wait()
             if link.loaded is not None and not died:
+                info = link.loaded.info
+                fingerprint = info.fingerprint or info.model_id
+                secret = await trio.to_thread.run_sync(load_secret, config.persist_dir)
+                seal = ReplySeal(secret, fingerprint)
                 if config.reply_ledger_tokens:
-                    info = link.loaded.info
-                    fingerprint = info.fingerprint or info.model_id
-                    secret = await trio.to_thread.run_sync(load_secret, config.persist_dir)
-                    seal = ReplySeal(secret, fingerprint)
                     replies = ReplyLedger(config.reply_ledger_tokens, info.think_markers, seal)
                     if config.persist_dir is not None:
                         digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
                         kept = config.persist_dir / f"replies-{digest}.bin"
                         await trio.to_thread.run_sync(load_ledger, replies, kept)
                 task_status.started(
-                    Engine(config, link, Preparer(link.loaded, config, link.metrics, replies))
+                    Engine(config, link, Preparer(link.loaded, config, link.metrics, replies, seal))
                 )
     finally:
         if replies is not None and kept is not None:

@@ -31,7 +31,7 @@ from ..core.prepare import (
 )
 from ..core.request import RenderedPrompt
 from ..shaping.billing_header import drop_billing_header
-from ..shaping.replies import ReplyLedger
+from ..shaping.replies import ReplyLedger, ReplySeal
 from ._images import ImageLimits, prepare_vision
 from ._link import Loaded
 from ._metrics import EngineMetrics
@@ -51,6 +51,8 @@ class Preparer:
     metrics: EngineMetrics | None = None
     # The replies this engine generated, reused when a history carries them.
     replies: ReplyLedger | None = None
+    # The key clients' sealed blobs are signed with (``shaping.replies``).
+    seal: ReplySeal | None = None
 
     async def render_chat(
         self,

@@ -23,9 +23,10 @@ from typing import Any
 
 import attrs
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Response, g, request
+from quart import Response, g, has_websocket_context, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
+from werkzeug.routing.exceptions import WebsocketMismatch
 
 from ..core.errors import GezelError
 from ..core.settings import MIB, setting
@@ -241,8 +242,9 @@ def create_app(
         # Each protocol's errors in its own envelope, whatever raised them:
         # the blueprint of the matched route, else the one whose url_prefix
         # the path is under (an unknown path or method there).
+        incoming = _incoming()
         for protocol in protocols:
-            if request.blueprint == protocol.name or protocol.owns(request.path):
+            if incoming.blueprint == protocol.name or protocol.owns(incoming.path):
                 return protocol.refuse(err)
         return refuse_openai(err)
 
@@ -296,10 +298,14 @@ def create_app(
     @app.errorhandler(HTTPException)
     async def on_http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
+        incoming = _incoming()
         if status == 404:
-            return refuse(NotFound(f"no route {request.method} {request.path}"))
+            return refuse(NotFound(f"no route {incoming.method} {incoming.path}"))
+        if isinstance(exc, WebsocketMismatch) and has_websocket_context():
+            message = f"{incoming.path} is not served over a WebSocket"
+            return refuse(HttpError(400, "websocket_not_supported", message))
         if status == 405:
-            message = f"method {request.method} is not allowed on {request.path}"
+            message = f"method {incoming.method} is not allowed on {incoming.path}"
             resp = refuse(HttpError(405, "method_not_allowed", message))
             allowed = getattr(exc, "valid_methods", None)
             if allowed:
@@ -315,9 +321,10 @@ def create_app(
     async def on_bug(exc: Exception) -> Response:
         # A bug, not the client's fault: logged with its traceback, and
         # answered in the envelope like everything else.
-        log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+        incoming = _incoming()
+        log.error("unhandled error on %s %s", incoming.method, incoming.path, exc_info=exc)
         if settings.on_bug is not None:
-            settings.on_bug(exc, f"{request.method} {request.path} answered 500; serving on")
+            settings.on_bug(exc, f"{incoming.method} {incoming.path} answered 500; serving on")
         return refuse(GezelError(f"internal error: {type(exc).__name__}"))
 
     for protocol in protocols:
@@ -355,6 +362,13 @@ def create_app(
 
 
 _PROBE = "gezel_trio.health_probe"
+
+
+def _incoming() -> Any:
+    """The request, or the WebSocket handshake, being answered: the error
+    handlers run for both (a handshake on an HTTP route reached them with
+    no request and answered a bare 500)."""
+    return websocket if has_websocket_context() else request
 
 
 def served(app: QuartTrio) -> Asgi:

@@ -57,10 +57,11 @@ from ..engine import (
 from ..shaping.custom_tools import RawInput, as_function, custom_input, input_arguments
 from ..shaping.replies import TAIL_TOKENS, GeneratedReply, ReplyLedger, ReplySeal
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
-from .edge import NotFound, ProtocolBlueprint, error_response, json_view, refusal
+from .edge import HttpError, NotFound, ProtocolBlueprint, error_response, json_view, refusal
 from .images import from_data_url
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
+    MAX_COMPACTED_BYTES,
     ContentItem,
     CustomTool,
     CustomToolCallItem,
@@ -74,6 +75,7 @@ from .responses_wire import (
     ToolChoiceAllowed,
     ToolChoiceCustom,
     ToolChoiceFunction,
+    parse_compact_request,
     parse_responses_request,
     structure_items,
 )
@@ -913,7 +915,9 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
 
     @bp.route("", methods=["POST"])
     async def create_response() -> Response:
-        req, new = await json_view(parse_responses_request, _input_messages)
+        req, new = await json_view(
+            lambda body: parse_responses_request(body, engine.seal), _input_messages
+        )
         tenant = current_tenant()
         prev: StoredResponse | None = None
         if req.previous_response_id is not None:
@@ -980,6 +984,51 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
         if isinstance(end, Failed):
             raise end.error
         return _ignored(req, Response(dump_json(body), mimetype="application/json"))
+
+    @bp.route("/compact", methods=["POST"])
+    async def compact() -> Response:
+        seal = engine.seal
+        if seal is None:
+            raise HttpError(501, "not_implemented", "this engine has no key to seal histories")
+
+        def sealed(parsed: tuple[Any, list[Any]]) -> str:
+            req, raw = parsed
+            items_to_messages(req.items)  # what a request carrying it would refuse, now
+            try:
+                # Bounded as a request expands it, so what is sealed opens.
+                return seal.seal_history(raw, MAX_COMPACTED_BYTES)
+            except ValueError as exc:
+                raise InvalidRequest(f"input cannot be compacted: {exc}", param="input") from None
+
+        _, blob = await json_view(lambda body: parse_compact_request(body, seal), sealed)
+        body = {
+            "id": _new_id("resp"),
+            "object": "response.compaction",
+            "created_at": int(time.time()),
+            "output": [{"id": _new_id("cmp"), "type": "compaction", "encrypted_content": blob}],
+            # No model ran: the history is sealed, not summarized.
+            "usage": {
+                "input_tokens": 0,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": 0,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": 0,
+            },
+        }
+        return Response(dump_json(body), mimetype="application/json")
+
+    @bp.websocket("")
+    async def responses_websocket() -> Response:
+        # Codex with ``supports_websockets`` opens one first: a 426 makes it
+        # use HTTP for the rest of its session at once; any other refusal
+        # is retried first (codex-rs ``WebsocketStreamOutcome::FallbackToHttp``).
+        return error_response(
+            HttpError(
+                426,
+                "websocket_not_supported",
+                "Responses over a WebSocket are not served here: POST /v1/responses over HTTP",
+            )
+        )
 
     @bp.route("/<rid>", methods=["GET"])
     async def get_response(rid: str) -> Response:

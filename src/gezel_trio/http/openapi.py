@@ -76,7 +76,9 @@ _DOCS: dict[str, str] = {
     "returned as reasoning items.",
     "ResponsesRequest.conversation": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.prompt": "OpenAI platform feature: refused (400) when set.",
-    "ResponsesRequest.context_management": "OpenAI platform feature: refused (400) when set.",
+    "ResponsesRequest.context_management": (
+        "Accepted and validated; this server compacts only on POST /v1/responses/compact."
+    ),
     "ResponsesRequest.background_options": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.moderation": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.access_programs": "OpenAI platform feature: refused (400) when set.",
@@ -269,6 +271,7 @@ def document(model_id: str) -> dict[str, Any]:
     chat = b.ref(openai_wire.ChatCompletionRequest)
     warm = b.ref(openai_wire.WarmRequest)
     responses = b.ref(responses_wire.ResponsesRequest)
+    compact = b.ref(responses_wire.CompactRequest)
     response_id = [
         {
             "name": "response_id",
@@ -312,6 +315,20 @@ def document(model_id: str) -> dict[str, Any]:
                     "413",
                     "415",
                     "429",
+                ),
+            }
+        },
+        "/v1/responses/compact": {
+            "post": {
+                "operationId": "compactResponse",
+                "summary": "Seal a history into one compaction item (no model call) that "
+                "a later request expands in place (docs/clients/codex.md)",
+                "requestBody": _body(compact),
+                "responses": _responses(
+                    _json_ok("A response.compaction object: output holds the item."),
+                    "400",
+                    "413",
+                    "415",
                 ),
             }
         },

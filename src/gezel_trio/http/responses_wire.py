@@ -7,6 +7,11 @@ own converter); a type this server cannot serve (a hosted tool such as
 ``web_search``, an item such as ``computer_call_output``) is a 400 that
 names it, never silently dropped. The classes are also the source of the
 ``/openapi.json`` schemas for the route.
+
+A ``compaction`` item (made by ``POST /v1/responses/compact``) stands for
+the input items it sealed: they replace it in place, as raw JSON, before
+anything else is read, so the request is exactly the one that carried the
+whole history (``expand_compactions``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn
 
 from ..core.errors import InvalidRequest, shown
+from ..shaping.replies import ReplySeal
 from .checks import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -35,6 +41,10 @@ from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_th
 from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
 
 __all__ = [
+    "COMPACTION_TYPES",
+    "MAX_COMPACTED_BYTES",
+    "CompactRequest",
+    "ContextManagement",
     "CustomTool",
     "CustomToolCallItem",
     "CustomToolCallOutputItem",
@@ -47,6 +57,8 @@ __all__ = [
     "SkippedItem",
     "ToolChoiceAllowed",
     "ToolChoiceCustom",
+    "expand_compactions",
+    "parse_compact_request",
     "parse_responses_request",
     "structure_items",
 ]
@@ -103,8 +115,16 @@ HOSTED_ITEM_TYPES = (
     "apply_patch_call_output",
     "mcp_approval_request",
     "mcp_approval_response",
-    "compaction",
 )
+
+# A compacted history's item (``compaction_summary``: its earlier name, which
+# Codex still reads). Expanded before the body is structured.
+COMPACTION_TYPES = ("compaction", "compaction_summary")
+_COMPACTION_KEYS = frozenset({"type", "encrypted_content", "id", "created_by"})
+
+# The JSON a request's compaction items may expand to, in all: 4x the
+# default 8 MiB body. A compacted history may outgrow a body, not unbounded.
+MAX_COMPACTED_BYTES = 32 * 1024 * 1024
 
 
 @attrs.frozen
@@ -365,6 +385,17 @@ class ReasoningConfig:
 
 
 @attrs.frozen
+class ContextManagement:
+    """A ``context_management`` entry: compact the context once the input
+    reaches ``compact_threshold`` tokens. Accepted and validated; this
+    server compacts only when asked (``POST /v1/responses/compact``), so an
+    input that outgrows the model's context is a 400 as without it."""
+
+    type: Literal["compaction"]
+    compact_threshold: int | None = attrs.field(default=None, validator=Range(1, None))
+
+
+@attrs.frozen
 class ResponsesStreamOptions:
     include_obfuscation: bool | None = None
 
@@ -402,11 +433,11 @@ class ResponsesRequest:
     prompt_cache_options: dict[str, Any] | None = None
     # Codex sends it (who is calling); recorded nowhere.
     client_metadata: dict[str, Any] | None = None
+    context_management: list[ContextManagement] | None = None
     # OpenAI platform features: accepted in the body so the 400 can name
     # them (see ``_PLATFORM_FIELDS``).
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    context_management: list[dict[str, Any]] | None = None
     background_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
@@ -475,6 +506,35 @@ class ResponsesRequest:
         if fmt.strict is not None:
             spec["strict"] = fmt.strict
         return {"type": "json_schema", "json_schema": spec}
+
+
+@attrs.frozen
+class CompactRequest:
+    """``POST /v1/responses/compact`` as Codex sends it: the history to
+    compact (``input``) and the fields of the requests it belongs to, which
+    are accepted and not sealed (they travel with every request anyway)."""
+
+    model: str | None = None
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[Tool] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = None
+
+    @property
+    def items(self) -> list[InputItem]:
+        if self.input is None:
+            return []
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
 
 
 # --- structure hooks: items and tools are told apart by their ``type`` -------
@@ -612,7 +672,6 @@ _CONVERTER = _converter()
 _PLATFORM_FIELDS = {
     "conversation": "stored conversations are OpenAI's; chain with previous_response_id",
     "prompt": "stored prompt templates are OpenAI's; send instructions and input",
-    "context_management": "server-side compaction is not supported",
     "background_options": "completion windows are not supported; background runs at once",
     "moderation": "moderation is not supported",
     "access_programs": "access programs are not supported",
@@ -677,11 +736,83 @@ def _check(req: ResponsesRequest) -> None:
             )
 
 
-def parse_responses_request(body: Any) -> ResponsesRequest:
-    """Validate a decoded JSON body; raises ``InvalidRequest`` naming the field."""
-    req = structure(body, ResponsesRequest, _CONVERTER)
+def parse_responses_request(body: Any, seal: ReplySeal | None = None) -> ResponsesRequest:
+    """Validate a decoded JSON body, its compaction items expanded with
+    ``seal``'s key; raises ``InvalidRequest`` naming the field."""
+    req = structure(expand_compactions(body, seal), ResponsesRequest, _CONVERTER)
     _check(req)
     return req
+
+
+def parse_compact_request(
+    body: Any, seal: ReplySeal | None = None
+) -> tuple[CompactRequest, list[Any]]:
+    """A compact body validated as ``parse_responses_request`` validates
+    input, and its input items as raw JSON (compaction items expanded), as
+    a later request will carry them; raises ``InvalidRequest``."""
+    body = expand_compactions(body, seal)
+    req = structure(body, CompactRequest, _CONVERTER)
+    if req.previous_response_id is not None:
+        raise InvalidRequest(
+            "previous_response_id is not supported on compact: send the history as input",
+            param="previous_response_id",
+        )
+    check_cache_id(req.prompt_cache_key, "prompt_cache_key")
+    items = req.items
+    if not items:
+        raise InvalidRequest("input is required: the history to compact", param="input")
+    if len(items) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} input items", param="input")
+    raw = body["input"]
+    return req, [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+
+
+def _is_compaction(item: Any) -> bool:
+    return isinstance(item, dict) and item.get("type") in COMPACTION_TYPES
+
+
+def expand_compactions(body: Any, seal: ReplySeal | None) -> Any:
+    """``body`` with each compaction item in its ``input`` replaced by the
+    items it sealed, raw, in its place (the same body when it has none).
+    Raises ``InvalidRequest`` naming an item ``seal``'s key did not make (or
+    that was altered), and past ``MAX_COMPACTED_BYTES`` expanded in all."""
+    if not isinstance(body, dict) or not isinstance(body.get("input"), list):
+        return body
+    if not any(_is_compaction(item) for item in body["input"]):
+        return body
+    expanded: list[Any] = []
+    room = MAX_COMPACTED_BYTES
+    for i, item in enumerate(body["input"]):
+        if not _is_compaction(item):
+            expanded.append(item)
+            continue
+        where = f"input[{i}]"
+        for key, value in item.items():
+            if key not in _COMPACTION_KEYS:
+                raise InvalidRequest(
+                    f"invalid request at {where}.{key}: a compaction item has no field "
+                    f"{shown(key)}",
+                    param=f"{where}.{key}",
+                )
+            if key in ("id", "created_by") and not isinstance(value, str | None):
+                raise InvalidRequest(f"{where}.{key} must be a string", param=f"{where}.{key}")
+        blob = item.get("encrypted_content")
+        param = f"{where}.encrypted_content"
+        if not isinstance(blob, str):
+            raise InvalidRequest(f"{param} must be the string compact returned", param=param)
+        if seal is None:
+            raise InvalidRequest(
+                f"{where}: this server has no key to open compactions with", param=param
+            )
+        try:
+            items, size = seal.open_history(blob, room)
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"{where} is not a compaction this server can expand: {exc}", param=param
+            ) from None
+        room -= size
+        expanded += items
+    return {**body, "input": expanded}
 
 
 def structure_items(items: list[dict[str, Any]]) -> list[InputItem]:

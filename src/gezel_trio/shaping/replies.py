@@ -177,61 +177,117 @@ def _size(replies: Sequence[GeneratedReply]) -> int:
     return sum(len(r.tail) + len(r.tokens) for r in replies)
 
 
-# --- sealed replies: Responses' ``reasoning.encrypted_content`` -------------------
+# --- sealed blobs: ``encrypted_content`` this server reads back --------------------
 
-_SEAL_VERSION = b"g1"
+_SEAL_VERSION = b"g1"  # a generated reply (a reasoning item's)
+_HISTORY_VERSION = b"h1"  # a compacted history (a compaction item's)
 _MAC_BYTES = 16
 
 
 class ReplySeal:
-    """An opaque, authenticated spelling of a generated reply, that a
-    client carries and sends back (a reasoning item's ``encrypted_content``)
-    so this server restores the ids it generated even after a restart.
+    """Opaque, authenticated blobs a client carries and sends back as an
+    item's ``encrypted_content``, so this server restores what it made even
+    after a restart (the key is kept in the persist dir):
 
-    The blob is ``g1.`` and base64url of the zlib-compressed ids (the
-    prompt's tail and the reply's) with a digest of the model's fingerprint,
-    followed by an HMAC-SHA256 (16 bytes) under ``secret``. It is signed,
-    not encrypted: it holds token ids of text the client already has. A
-    blob that does not verify, or that another model made, is ignored."""
+    - a generated reply (``seal``/``open``): the ids it generated, so a
+      reasoning item's reply is spelled as the model wrote it;
+    - a compacted history (``seal_history``/``open_history``): the input
+      items of ``POST /v1/responses/compact``, expanded back in place when a
+      request carries the compaction item.
+
+    A blob is a version tag, ``.``, and base64url of a zlib-compressed body
+    followed by an HMAC-SHA256 (16 bytes) under ``secret`` over the tag and
+    the body (``g1`` reply blobs, the first kind, cover the body only). It
+    is signed, not encrypted: it holds what the client already has. A reply
+    blob that does not verify, or that another model made, is ignored; a
+    history that does not verify is the caller's 400."""
 
     def __init__(self, secret: bytes, fingerprint: str) -> None:
         self._secret = secret
         self._model = sha256(fingerprint.encode()).digest()[:8]
 
-    def _mac(self, body: bytes) -> bytes:
-        return hmac.new(self._secret, body, sha256).digest()[:_MAC_BYTES]
+    def _mac(self, version: bytes, body: bytes) -> bytes:
+        signed = body if version == _SEAL_VERSION else version + b"." + body
+        return hmac.new(self._secret, signed, sha256).digest()[:_MAC_BYTES]
+
+    def _sign(self, version: bytes, body: bytes) -> str:
+        mac = self._mac(version, body)
+        return (version + b"." + base64.urlsafe_b64encode(body + mac)).decode()
+
+    def _verified(self, version: bytes, blob: str) -> bytes | None:
+        """The body ``blob`` signs as a ``version`` blob of this key, or ``None``."""
+        try:
+            tag, _, data = blob.encode().partition(b".")
+            raw = base64.urlsafe_b64decode(data)
+        except (ValueError, UnicodeError):
+            return None
+        body, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
+        if tag != version or len(raw) <= _MAC_BYTES:
+            return None
+        if not hmac.compare_digest(mac, self._mac(version, body)):
+            return None
+        return body
 
     def seal(self, reply: GeneratedReply) -> str:
         ids = array("I", (*reply.tail, *reply.tokens))
         if sys.byteorder != "little":
             ids.byteswap()
         body = self._model + struct.pack("<H", len(reply.tail)) + zlib.compress(ids.tobytes(), 6)
-        blob = _SEAL_VERSION + b"." + base64.urlsafe_b64encode(body + self._mac(body))
-        return blob.decode()
+        return self._sign(_SEAL_VERSION, body)
 
     def open(self, blob: str) -> GeneratedReply | None:
         """The reply ``blob`` seals, or ``None`` (logged) when it is not one
         of this server's for this model."""
+        body = self._verified(_SEAL_VERSION, blob)
+        if body is None:
+            log.warning("encrypted_content not made by this server (or altered); ignored")
+            return None
+        if body[:8] != self._model:
+            log.info("encrypted_content made for another model; ignored")
+            return None
         try:
-            version, _, data = blob.encode().partition(b".")
-            raw = base64.urlsafe_b64decode(data)
-            body, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
-            if version != _SEAL_VERSION or not hmac.compare_digest(mac, self._mac(body)):
-                log.warning("encrypted_content not made by this server (or altered); ignored")
-                return None
-            if body[:8] != self._model:
-                log.info("encrypted_content made for another model; ignored")
-                return None
             (n_tail,) = struct.unpack("<H", body[8:10])
             ids = array("I")
             ids.frombytes(zlib.decompress(body[10:]))
-            if sys.byteorder != "little":
-                ids.byteswap()
-        except (ValueError, struct.error, zlib.error, UnicodeError):
+        except (ValueError, struct.error, zlib.error):
             log.warning("encrypted_content is not a sealed reply; ignored")
             return None
+        if sys.byteorder != "little":
+            ids.byteswap()
         values = tuple(ids)
         return GeneratedReply(values[:n_tail], values[n_tail:])
+
+    def seal_history(self, items: Sequence[Any], max_bytes: int | None = None) -> str:
+        """Seal ``items`` (input items as JSON values). Not bound to the
+        model: any model renders a history. Raises ``ValueError`` past
+        ``max_bytes`` of JSON, which ``open_history`` would refuse."""
+        text = json.dumps(list(items), ensure_ascii=False, separators=(",", ":")).encode()
+        if max_bytes is not None and len(text) > max_bytes:
+            raise ValueError(f"the history is {len(text)} bytes of JSON, over {max_bytes}")
+        return self._sign(_HISTORY_VERSION, zlib.compress(text, 6))
+
+    def open_history(self, blob: str, max_bytes: int) -> tuple[list[Any], int]:
+        """The items ``blob`` seals and the bytes of JSON they were. Raises
+        ``ValueError`` saying why when it is not a history this key sealed,
+        or when it holds more than ``max_bytes`` (checked before more is
+        inflated)."""
+        body = self._verified(_HISTORY_VERSION, blob)
+        if body is None:
+            raise ValueError("not sealed by this server (or altered)")
+        inflate = zlib.decompressobj()
+        try:
+            text = inflate.decompress(body, max_bytes + 1)
+        except zlib.error:
+            raise ValueError("not a sealed history") from None
+        if len(text) > max_bytes or inflate.unconsumed_tail:
+            raise ValueError(f"holds more than {max_bytes} bytes of history")
+        try:
+            items = json.loads(text)
+        except ValueError:
+            raise ValueError("not a sealed history") from None
+        if not isinstance(items, list):
+            raise ValueError("not a sealed history")
+        return items, len(text)
 
 
 def load_secret(persist_dir: Path | None) -> bytes:
