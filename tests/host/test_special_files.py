@@ -17,12 +17,16 @@ import contextlib
 import hashlib
 import logging
 import os
+import queue
 import socket
+import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import openai
 import pytest
 import trio
 
@@ -33,6 +37,7 @@ from gezel_trio.http.response_store import ResponseStore, StoredResponse
 from gezel_trio.mlx.fingerprint import weights_digest
 from gezel_trio.shaping.replies import SECRET_BYTES, ReplyLedger, load_ledger, load_secret
 from tests.support.fakes import FakeOps, FakeState
+from tests.support.process import spawn_server, start_server, stop_server, terminate
 
 T = TypeVar("T")
 HANG = 20.0
@@ -64,12 +69,12 @@ def special(path: Path, kind: str, sockets: list[socket.socket]) -> Path:
 def finishes(fn: Callable[[], T], fifos: list[Path]) -> T:
     """``fn()`` on a thread; a failure if it does not return within HANG."""
     out: list[T] = []
-    errors: list[BaseException] = []
+    errors: list[Exception] = []
 
     def run() -> None:
         try:
             out.append(fn())
-        except BaseException as exc:
+        except Exception as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -78,8 +83,8 @@ def finishes(fn: Callable[[], T], fifos: list[Path]) -> T:
     hung = thread.is_alive()
     if hung:
         for fifo in fifos:  # release the reader so the thread ends
-            with open(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK), "wb"):
-                pass
+            with contextlib.suppress(OSError):  # ENXIO: nobody reads this one
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         thread.join()
     assert not hung, f"still reading after {HANG} s"
     if errors:
@@ -164,3 +169,55 @@ def test_a_remembered_weight_digest_that_is_not_a_file_is_hashed_again(
     special(record, kind, sockets)
     again = finishes(lambda: weights_digest(weights, digests), [record] if kind == "fifo" else [])
     assert again == first == hashlib.sha256(b"w" * 1000).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_server_starts_beside_fifos_named_like_its_files(
+    dense_model: Path, tmp_path: Path, sockets: list[socket.socket]
+) -> None:
+    """The real server, restarted on a persist directory where a FIFO sits
+    under a cache file's name, a stored response's, the ledger's, the key's
+    and each remembered weight digest's, and a symlink to ``/dev/zero`` beside them: it listens, and
+    answers."""
+    persist_dir = tmp_path / "persist"
+    first = start_server(dense_model, "--persist-dir", str(persist_dir))
+    assert stop_server(first) == 0
+    [segment] = persist_dir.glob(f"*-v{persist.FORMAT_VERSION}")
+    [ledger] = persist_dir.glob("replies-*.bin")
+    digests = list((persist_dir / "weight-digests").iterdir())
+    for path in [ledger, persist_dir / "reply-seal.key", *digests]:
+        path.unlink()
+    cache_fifo = special(segment / (persist._file_key("odd") + ".gzc"), "fifo", sockets)
+    response_fifo = special(persist_dir / "responses" / ("0" * 64 + ".json"), "fifo", sockets)
+    for path in [*digests, ledger, persist_dir / "reply-seal.key"]:
+        special(path, "fifo", sockets)
+    special(segment / (persist._file_key("zero") + ".gzc"), "zero", sockets)
+    proc = spawn_server(dense_model, "--persist-dir", str(persist_dir))
+    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or ()], daemon=True)
+    reader.start()
+    url = None
+    deadline = time.monotonic() + HANG
+    with contextlib.suppress(queue.Empty):
+        while url is None:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if line.startswith("gezel-trio listening on "):
+                url = line.split()[-1]
+    if url is None:
+        proc.kill()
+    try:
+        assert url is not None, f"not listening after {HANG} s"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with client:
+            answer = client.completions.create(model="m", prompt="The harbour", max_tokens=3)
+        assert answer.choices[0].finish_reason == "length"
+    finally:
+        assert terminate(proc) == 0 or url is None
+        reader.join()  # the pipe's end: the process is gone
+        assert proc.stdout is not None
+        proc.stdout.close()
+    # Skipped, not removed (the key, ledger and digests were written anew).
+    assert stat.S_ISFIFO(cache_fifo.lstat().st_mode)
+    assert stat.S_ISFIFO(response_fifo.lstat().st_mode)
+    assert (persist_dir / "reply-seal.key").stat().st_size == SECRET_BYTES
