@@ -24,7 +24,6 @@ import base64
 import hmac
 import json
 import logging
-import os
 import secrets
 import struct
 import sys
@@ -291,7 +290,8 @@ _LEDGER_MOST = 64 * 1024 * 1024
 
 
 def dump_ledger(ledger: ReplyLedger, path: Path) -> None:
-    """Write ``ledger`` to ``path`` (atomically: a temporary file renamed)."""
+    """Write ``ledger`` to ``path``, whole or not at all (``write_whole``:
+    a temp file fsynced and renamed)."""
     with ledger._lock:
         items = [(k, r) for k, rs in ledger._replies.items() for r in reversed(rs)]
     out = bytearray()
@@ -301,9 +301,7 @@ def dump_ledger(ledger: ReplyLedger, path: Path) -> None:
             ids.byteswap()
         out += bytes.fromhex(key) + struct.pack("<HI", len(reply.tail), len(reply.tokens))
         out += ids.tobytes()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(_FILE_MAGIC + zlib.compress(bytes(out), 6))
-    os.replace(tmp, path)
+    write_whole(path, _FILE_MAGIC + zlib.compress(bytes(out), 6), replace=True)
 
 
 def load_ledger(ledger: ReplyLedger, path: Path) -> int:
