@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import io
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,8 @@ from gezel_trio.core.images import ImagePart
 from gezel_trio.core.request import RenderedPrompt
 from gezel_trio.engine import _images
 from gezel_trio.engine._images import ImageLimits, prepare_vision
+from tests.support import hostile_images
+from tests.support.hostile_images import HOSTILE, chunk, jpeg, png_claiming, png_with
 
 MARKER = 7
 
@@ -125,3 +128,65 @@ def test_the_request_total_is_a_flag() -> None:
     )
     config = cli._from_flags(EngineConfig, args)
     assert ImageLimits.of(config).total_pixels == 5_000_000
+
+
+# --- hostile files: each is a 400 naming the part, read from the header -------
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_image_is_refused_naming_the_part_before_its_pixels_decode(
+    name: str, loads: list[tuple[int, int]]
+) -> None:
+    raw, says = HOSTILE[name]
+    limits = ImageLimits.of(EngineConfig())
+    where = "messages[0].content[1].image_url"
+    with pytest.raises(InvalidImage) as err:
+        _images.decode_images([ImagePart(base64.b64encode(raw).decode(), where)], limits)
+    assert err.value.param == where
+    assert str(err.value).startswith(f"{where}: ")
+    assert says in str(err.value)
+    assert loads == [], "pixels were decoded for an image refused from its header"
+
+
+def test_the_limits_are_named_in_the_refusal() -> None:
+    limits = ImageLimits.of(EngineConfig())
+    assert limits.aspect == 20
+
+    def refusal(raw: bytes) -> str:
+        with pytest.raises(InvalidImage) as err:
+            _images.decode_images([ImagePart(base64.b64encode(raw).decode(), "p")], limits)
+        return str(err.value)
+
+    assert "the 16000000 allowed" in refusal(png_claiming(20_000, 20_000))
+    assert "at most 20 to 1" in refusal(hostile_images.png((1, 100_000)))
+    assert "1048576 bytes" in refusal(HOSTILE["5 MB zTXt"][0])
+
+
+def test_a_long_image_within_the_ratio_is_decoded() -> None:
+    limits = ImageLimits.of(EngineConfig())
+    part = ImagePart(png((20, 400)), "p")
+    [decoded] = _images.decode_images([part], limits)
+    assert decoded.image.size == (20, 400)
+
+
+def test_an_icc_profile_of_a_few_kilobytes_is_taken() -> None:
+    """An ICC profile of a few kilobytes (a real one is 0.5-3 KB) is fine."""
+    profile = chunk(b"iCCP", b"icc\x00\x00" + zlib.compress(b"p" * 3_000))
+    raw = png_with(profile)
+    [decoded] = _images.decode_images(
+        [ImagePart(base64.b64encode(raw).decode(), "p")], ImageLimits.of(EngineConfig())
+    )
+    assert decoded.image.size == (8, 8)
+
+
+def test_a_truncated_image_is_a_400_even_with_its_header_intact() -> None:
+    from PIL import ImageFile
+
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is False  # nothing the server imports sets it
+    whole = jpeg((256, 256))
+    with pytest.raises(InvalidImage) as err:
+        _images.decode_images(
+            [ImagePart(base64.b64encode(whole[: len(whole) // 2]).decode(), "p")],
+            ImageLimits.of(EngineConfig()),
+        )
+    assert "could not be decoded" in str(err.value)

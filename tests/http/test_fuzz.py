@@ -2,14 +2,18 @@
 
 A bounded number of hypothesis examples (``GEZEL_FUZZ_EXAMPLES``, 500 by
 default, which keeps CI in its time; ``python -m bench fuzz`` runs 50,000)
-against one server process on the tiny dense demo model, while a healthy
-greedy stream loops beside the fuzzer. The strategies and invariants are in
+against one server process on the tiny dense demo model (its window cut to
+320 tokens, so a budget of 2^63 or 10^400 goes as drawn and is cut to what
+the window leaves), while a healthy greedy stream loops beside the fuzzer.
+A fifth as many examples send broken images to a server on the demo VLM,
+whose stdout must carry no traceback. The strategies and invariants are in
 ``tests/support/fuzzing.py``.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,10 +27,12 @@ from tests.support.fuzzing import (
     Request,
     check,
     health_ok,
+    image_requests,
     requests,
     send,
 )
-from tests.support.process import Server, start_server, stop_server
+from tests.support.models import with_context
+from tests.support.process import Server, spawn_server, start_server, stop_server, terminate
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +40,12 @@ EXAMPLES = int(os.environ.get("GEZEL_FUZZ_EXAMPLES", "500"))
 
 
 @pytest.fixture(scope="module")
-def fuzzed(dense_model: Path) -> Iterator[tuple[Server, httpx.Client]]:
-    srv = start_server(dense_model, "--max-concurrency", "4", *FUZZ_SERVER_ARGS)
+def fuzzed(
+    dense_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, httpx.Client]]:
+    # A 320-token window: a budget of 2^63 is cut to what it leaves.
+    short = with_context(dense_model, tmp_path_factory.mktemp("fuzz") / "model", 320)
+    srv = start_server(short, "--max-concurrency", "4", *FUZZ_SERVER_ARGS)
     healthy = HealthyStream(srv.url)
     healthy.start()
     client = httpx.Client(base_url=srv.url, timeout=60)
@@ -55,11 +65,55 @@ def fuzzed(dense_model: Path) -> Iterator[tuple[Server, httpx.Client]]:
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(req=requests())
+@given(req=requests(huge_budgets=True))
 def test_no_request_hurts_the_server_or_another_request(
     fuzzed: tuple[Server, httpx.Client], req: Request
 ) -> None:
     _, client = fuzzed
     resp = send(client, req)
     assert check(resp) == (), f"{req.method} {req.path} {req.content!r:.300}"
+    assert health_ok(client) is None
+
+
+@pytest.fixture(scope="module")
+def vision_fuzzed(vision_model: Path) -> Iterator[tuple[httpx.Client, list[str]]]:
+    """A server on the demo VLM, its stdout (the supervisor's channel)
+    gathered line by line beside the fuzzer."""
+    proc = spawn_server(vision_model, "--max-concurrency", "4", *FUZZ_SERVER_ARGS)
+    assert proc.stdout is not None
+    url = next(
+        (line.split()[-1] for line in proc.stdout if line.startswith("gezel-trio listening on ")),
+        None,
+    )
+    assert url is not None, f"the server exited with {proc.wait()} before listening"
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+    reader.start()
+    client = httpx.Client(base_url=url, timeout=60)
+    try:
+        yield client, lines
+    finally:
+        client.close()
+        status = terminate(proc)
+        reader.join()
+        proc.stdout.close()
+    assert status == 0, "the fuzzed vision server must still drain cleanly"
+    # A client's bad image is a 400, never a traceback on the supervisor's channel.
+    assert [line for line in lines if "Traceback" in line or "[http] |" in line] == []
+
+
+@settings(
+    max_examples=max(50, EXAMPLES // 5),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(req=image_requests())
+def test_no_image_hurts_the_vision_server(
+    vision_fuzzed: tuple[httpx.Client, list[str]], req: Request
+) -> None:
+    client, _ = vision_fuzzed
+    resp = send(client, req)
+    assert check(resp) == (), f"{req.path} {req.content!r:.300}"
+    assert resp.status_code in (200, 400), resp.text
     assert health_ok(client) is None

@@ -17,6 +17,7 @@ The scripted engine checks the rule itself.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,66 @@ def test_the_cut_leaves_what_the_window_holds_and_strict_refuses() -> None:
             assert t.engine.state().live == 0
 
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# 2^63 and past it: no int64 anywhere on the way (the request's budget is cut
+# in Python before any array sees it), so each is the window's rest too.
+HUGE = [2**63 - 1, 2**63, 2**64, 10**38]
+# Not a budget: a 400 naming the field (a number past 4,300 digits is not
+# JSON Python reads; that is the body's 400).
+NOT_A_BUDGET = ["-9223372036854775809", "0", "1e300", "1.8446744073709552e19", "9" * 5000]
+
+
+@pytest.mark.slow
+async def test_huge_budgets_are_cut_and_broken_ones_refused_on_every_protocol(
+    short_model: Path,
+) -> None:
+    asks = [
+        ("/v1/chat/completions", CHAT, "max_tokens"),
+        ("/v1/chat/completions", CHAT, "max_completion_tokens"),
+        ("/v1/completions", COMPLETIONS, "max_tokens"),
+        ("/v1/responses", RESPONSES, "max_output_tokens"),
+        ("/v1/messages", MESSAGES, "max_tokens"),
+    ]
+    with trio.fail_after(HANG):
+        async with (
+            served(short_model) as (_engine, url),
+            httpx.AsyncClient(base_url=url, timeout=HANG) as client,
+        ):
+            for path, body, field in asks:
+                for huge in HUGE:
+                    answer = await _post(client, path, {**body, field: huge})
+                    usage = answer["usage"]
+                    if path == "/v1/messages":
+                        assert answer["stop_reason"] == "max_tokens"
+                        total = sum(usage[k] for k in ("input_tokens", "output_tokens"))
+                        total += usage["cache_read_input_tokens"]
+                        total += usage["cache_creation_input_tokens"]
+                    elif path == "/v1/responses":
+                        assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+                        total = usage["input_tokens"] + usage["output_tokens"]
+                    else:
+                        assert answer["choices"][0]["finish_reason"] == "length"
+                        total = usage["total_tokens"]
+                    assert total == CONTEXT, (path, field, huge)
+                for bad in NOT_A_BUDGET:
+                    raw = json.dumps(body)[:-1] + f', "{field}": {bad}}}'
+                    r = await client.post(
+                        path, content=raw, headers={"content-type": "application/json"}
+                    )
+                    assert r.status_code == 400, (path, field, bad[:20], r.text)
+                    if len(bad) < 100:
+                        assert field in r.json()["error"]["message"], (path, r.text)
+
+
+@pytest.mark.slow
+async def test_strict_refuses_a_huge_budget_naming_it(short_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with (
+            served(short_model, strict_max_tokens=True) as (_engine, url),
+            httpx.AsyncClient(base_url=url, timeout=HANG) as client,
+        ):
+            for huge in HUGE:
+                r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": huge})
+                assert r.status_code == 400, r.text
+                assert f"max_tokens={huge} plus the prompt's" in r.json()["error"]["message"]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +31,7 @@ import pytest
 import trio
 from PIL import Image, ImageDraw
 
+from tests.support.hostile_images import chunk, png_claiming, png_with
 from tests.support.inprocess import raw_stream, served
 from tests.support.sse_frames import carries_text
 
@@ -189,6 +192,7 @@ async def test_a_conversation_about_a_picture_prefills_only_the_new_turn(
     assert again.choices[0].message.content == other.choices[0].message.content
 
 
+ZTXT_5MB = chunk(b"zTXt", b"Comment\x00\x00" + zlib.compress(b"a" * 5_000_000))
 NOISE = encoded(Image.effect_noise((48, 40), 90).convert("RGB"))
 BAD = [
     ("https://example.com/cat.png", "image_url.url", "remote image URLs are not fetched"),
@@ -198,6 +202,11 @@ BAD = [
     (data_url(encoded(picture("sun"), "BMP")), "image_url.url", "not a PNG, JPEG, WebP or GIF"),
     (data_url(NOISE[: len(NOISE) // 2]), "image_url.url", "could not be decoded"),
     (data_url(encoded(picture("sun", (600, 600)))), "image_url.url", "pixels"),
+    (data_url(png_claiming(65_535, 65_535)), "image_url.url", "65535x65535 pixels"),
+    (data_url(png_with(ZTXT_5MB)), "image_url.url", "metadata"),
+    (data_url(encoded(picture("sun"), "JPEG")[:300], "image/jpeg"), "image_url.url", "cut short"),
+    (data_url(b"RIFF\x14\x00\x00\x00WEBPVP8 d\x00\x00\x00", "image/webp"), "image_url.url", "WebP"),
+    (data_url(encoded(picture("sun", (1, 5000)))), "image_url.url", "at most 20 to 1"),
     (
         data_url(encoded(Image.effect_noise((160, 160), 90).convert("RGB"))),
         "image_url.url",
@@ -206,7 +215,10 @@ BAD = [
 ]
 
 
-async def test_bad_images_get_a_400_naming_the_part(vision_model: Path) -> None:
+async def test_bad_images_get_a_400_naming_the_part(
+    vision_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     with trio.fail_after(HANG):
         async with served(
             vision_model, max_images=2, max_image_pixels=250_000, max_image_bytes=40_000
@@ -236,6 +248,9 @@ async def test_bad_images_get_a_400_naming_the_part(vision_model: Path) -> None:
             ok = await in_thread(lambda: complete(c, ask(SUN)))
             assert ok.choices[0].finish_reason == "length"
             c.close()
+    # A client's bad image is its 400, never a traceback in the log.
+    logged = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert [r.getMessage() for r in logged] == []
 
 
 async def test_a_text_only_model_refuses_images(dense_model: Path) -> None:

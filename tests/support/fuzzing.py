@@ -19,12 +19,22 @@ invariants, checked on every response:
 
 Generation is bounded so examples stay cheap: the server under test runs
 with ``--max-tokens-default 16``, and an accepted ``max_tokens``-like value
-above 64 is lowered to 64 before sending (that large values are served is
-covered elsewhere; here only the other fields matter).
+above 64 is lowered to 64 before sending, except, with
+``requests(huge_budgets=True)`` against a server whose window is short,
+values of 2^31 and more (2^63, 2^64, 10^400: where an overflow would show),
+which go as drawn and are cut to the window.
+
+``image_requests`` sends one broken image (headers stating 65,535 x 65,535,
+PNG metadata that inflates to megabytes, files cut at any byte or with a
+byte flipped, magic numbers followed by noise, broken base64) on every
+protocol that takes images, to a vision model: each is a 400, never a 500.
 """
 
 from __future__ import annotations
 
+import base64
+import functools
+import io
 import json
 import threading
 import urllib.parse
@@ -36,11 +46,14 @@ import httpx2 as httpx
 import openai
 from hypothesis import strategies as st
 
+from tests.support.hostile_images import HOSTILE
+
 __all__ = [
     "FUZZ_SERVER_ARGS",
     "HealthyStream",
     "Outcome",
     "check",
+    "image_requests",
     "requests",
     "send",
 ]
@@ -424,13 +437,20 @@ def _encode(body: Any) -> bytes:
     return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
 
 
-def _bounded(body: Any) -> Any:
+# From here on a budget is sent as drawn when the server's window is short
+# (``requests(huge_budgets=True)``): past int64 and beyond, where an overflow
+# would show.
+HUGE_BUDGET = 2**31
+
+
+def _bounded(body: Any, huge_budgets: bool = False) -> Any:
     if isinstance(body, dict):
         for key in LENGTH_FIELDS:
             value = body.get(key)
             # Any size: a max_tokens beyond the context window is served
             # (cut to fit), so a huge one would decode to the context's end.
-            if isinstance(value, int) and not isinstance(value, bool) and value > 64:
+            huge = huge_budgets and isinstance(value, int) and value >= HUGE_BUDGET
+            if isinstance(value, int) and not isinstance(value, bool) and value > 64 and not huge:
                 body[key] = 64
     return body
 
@@ -439,8 +459,11 @@ _GET_ROUTES = ["/v1/models", "/health", "/metrics", "/openapi.json", "/v1/cache/
 
 
 @st.composite
-def requests(draw: st.DrawFn) -> Request:
-    """One request to any route, well-formed or not."""
+def requests(draw: st.DrawFn, huge_budgets: bool = False) -> Request:
+    """One request to any route, well-formed or not. ``huge_budgets``: a
+    ``max_tokens``-like value of 2^31 or more goes as drawn (for a server
+    whose context window is short, so it is cut to a few hundred tokens)."""
+    bounded = functools.partial(_bounded, huge_budgets=huge_budgets)
     route = draw(
         st.sampled_from(
             [
@@ -452,7 +475,7 @@ def requests(draw: st.DrawFn) -> Request:
         )
     )
     if route == "completions":
-        body = _bounded(draw(_mutated(completion_bodies)))
+        body = bounded(draw(_mutated(completion_bodies)))
         return Request("POST", "/v1/completions", _encode(body))
     if route == "tokenize":
         return Request("POST", "/tokenize", _encode(draw(_mutated(tokenize_bodies))))
@@ -460,17 +483,17 @@ def requests(draw: st.DrawFn) -> Request:
         return Request("POST", "/detokenize", _encode(draw(_mutated(detokenize_bodies))))
     if route in ("chat", "alias"):
         path = "/v1/chat/completions" if route == "chat" else "/chat/completions"
-        return Request("POST", path, _encode(_bounded(draw(_mutated(chat_bodies)))))
+        return Request("POST", path, _encode(bounded(draw(_mutated(chat_bodies)))))
     if route == "responses":
         body = _mutated(responses_bodies, _responses_optional, "input")
-        return Request("POST", "/v1/responses", _encode(_bounded(draw(body))))
+        return Request("POST", "/v1/responses", _encode(bounded(draw(body))))
     if route == "response":
         key = urllib.parse.quote(draw(_texts).encode("utf-8", "surrogatepass"), safe="")
         method, tail = draw(st.sampled_from([("GET", ""), ("DELETE", ""), ("POST", "/cancel")]))
         return Request(method, f"/v1/responses/{key or 'x'}{tail}", None, None)
     if route == "messages":
         body = draw(_mutated(messages_bodies, _messages_optional))
-        return Request("POST", "/v1/messages", _encode(_bounded(body)))
+        return Request("POST", "/v1/messages", _encode(bounded(body)))
     if route == "count":
         body = draw(_mutated(count_bodies, _count_optional))
         return Request("POST", "/v1/messages/count_tokens", _encode(body))
@@ -497,6 +520,86 @@ def requests(draw: st.DrawFn) -> Request:
         st.sampled_from([None, "application/json", "text/plain", "application/x-www-form"])
     )
     return Request(method, path, content, ctype)
+
+
+# --- hostile images, on a vision model ------------------------------------------
+
+
+@functools.cache
+def _small_images() -> tuple[tuple[bytes, str], ...]:
+    """One small picture in each format (the same bytes every time: a
+    strategy's choices must not change between runs)."""
+    from PIL import Image
+
+    picture = Image.merge(
+        "RGB",
+        [
+            Image.linear_gradient("L").resize((24, 20)),
+            *[Image.radial_gradient("L").resize((24, 20))] * 2,
+        ],
+    )
+    out = []
+    for fmt, media in [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp")]:
+        buf = io.BytesIO()
+        picture.save(buf, fmt)
+        out.append((buf.getvalue(), media))
+    buf = io.BytesIO()
+    picture.convert("P").save(buf, "GIF")
+    out.append((buf.getvalue(), "image/gif"))
+    return tuple(out)
+
+
+@st.composite
+def _image_bytes(draw: st.DrawFn) -> tuple[bytes, str]:
+    """A hostile file, a good one cut at any byte or with bytes flipped, or
+    random bytes behind a real format's magic."""
+    kind = draw(st.sampled_from(["hostile", "cut", "flipped", "magic"]))
+    if kind == "hostile":
+        raw, _ = HOSTILE[draw(st.sampled_from(sorted(HOSTILE)))]
+        return raw, "image/png"
+    good, media = draw(st.sampled_from(_small_images()))
+    if kind == "cut":
+        return good[: draw(st.integers(1, len(good) - 1))], media
+    if kind == "flipped":
+        at = draw(st.integers(0, len(good) - 1))
+        return good[:at] + bytes([good[at] ^ draw(st.integers(1, 255))]) + good[at + 1 :], media
+    magic = draw(st.sampled_from([b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF89a", b"RIFF"]))
+    return magic + draw(st.binary(max_size=64)), media
+
+
+@st.composite
+def image_requests(draw: st.DrawFn) -> Request:
+    """A request carrying one image that is broken in some way (or, rarely,
+    a good one), on any protocol that takes images, as base64 that may
+    itself be broken."""
+    raw, media = draw(_image_bytes())
+    b64 = base64.b64encode(raw).decode()
+    b64 = draw(st.sampled_from([b64, b64, b64[:-1], "@@" + b64, b64 + "==="]))
+    url = f"data:{media};base64,{b64}"
+    text = {"type": "text", "text": "What is this?"}
+    route = draw(st.sampled_from(["chat", "images", "messages", "responses"]))
+    if route == "chat":
+        image = {"type": "image_url", "image_url": {"url": url}}
+        body: dict[str, Any] = {
+            "messages": [{"role": "user", "content": [image, text]}],
+            "max_tokens": 2,
+        }
+        return Request("POST", "/v1/chat/completions", _encode(body))
+    if route == "images":
+        body = {"messages": [{"role": "user", "content": "Hm.", "images": [b64]}], "max_tokens": 2}
+        return Request("POST", "/v1/chat/completions", _encode(body))
+    if route == "messages":
+        source = {"type": "base64", "media_type": media, "data": b64}
+        body = {
+            "model": "m",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": source}, text]}],
+        }
+        return Request("POST", "/v1/messages", _encode(body))
+    image = {"type": "input_image", "image_url": url}
+    content = [image, {"type": "input_text", "text": "What is this?"}]
+    body = {"input": [{"role": "user", "content": content}], "max_output_tokens": 2}
+    return Request("POST", "/v1/responses", _encode(body))
 
 
 @attrs.frozen

@@ -510,6 +510,16 @@ class EngineConfig:
         help="largest image once decoded, in pixels (width x height)",
         validator=[_positive, attrs.validators.le(89_478_485)],
     )
+    # The long side over the short one. A processor resizes the short side
+    # up to its input size: a 1x100,000 PNG (within the pixel limit) cost
+    # +1 GB of peak RSS in the demo VLM's processor. At 20 to 1 a 336-pixel
+    # short side is 2.3 M pixels; a full-page phone screenshot is about 18.
+    max_image_aspect: int = setting(
+        20,
+        flag="--max-image-aspect",
+        help="longest image side allowed per pixel of its shortest (20: at most 20 to 1)",
+        validator=_positive,
+    )
     # All of one request's images together, decoded: eight 16-megapixel
     # PNGs (0.75 MB as sent) were ~580 MB at once. Every header is read and
     # the sum checked before any image is decoded.

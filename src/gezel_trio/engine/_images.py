@@ -17,6 +17,8 @@ import base64
 import binascii
 import hashlib
 import io
+import struct
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,10 +30,25 @@ from ..core.errors import InvalidImage, InvalidRequest
 from ..core.images import ImagePart, ImageSpan, VisionPrompt, key_prompt, place_images
 from ..core.request import RenderedPrompt
 
-__all__ = ["ImageLimits", "decode_image", "decode_images", "open_image", "prepare_vision"]
+__all__ = [
+    "PNG_METADATA_BYTES",
+    "ImageLimits",
+    "decode_image",
+    "decode_images",
+    "open_image",
+    "prepare_vision",
+]
 
 # What Pillow calls the formats the server takes: PNG, JPEG, WebP, GIF.
 _FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}
+
+# A PNG's text, ICC and EXIF chunks, decompressed, at most this many bytes
+# together. A 5 MB zTXt is 5 KB as sent; Pillow's own bounds (1 MiB a chunk,
+# 64 MiB an image) are module-wide settings (PngImagePlugin.MAX_TEXT_CHUNK,
+# MAX_TEXT_MEMORY), so the server counts before Pillow reads any. A real ICC
+# profile is 0.5-3 KB.
+PNG_METADATA_BYTES = 1 << 20
+_PNG_METADATA = frozenset({b"tEXt", b"zTXt", b"iTXt", b"iCCP", b"eXIf"})
 
 
 @attrs.frozen
@@ -41,6 +58,8 @@ class ImageLimits:
     pixels: int
     # All of one request's images together.
     total_pixels: int
+    # The long side at most this many times the short one.
+    aspect: int = 20
 
     @classmethod
     def of(cls, config: EngineConfig) -> ImageLimits:
@@ -49,6 +68,7 @@ class ImageLimits:
             config.max_image_bytes,
             config.max_image_pixels,
             config.max_request_image_pixels,
+            config.max_image_aspect,
         )
 
 
@@ -58,12 +78,80 @@ class Decoded:
     digest: bytes
 
 
+def _png_metadata_bytes(raw: bytes, most: int) -> int:
+    """What a PNG's metadata chunks come to, decompressed, counted up to
+    ``most + 1`` (no zlib stream is inflated further): a walk over the
+    chunks' lengths, nothing else read. A broken layout is left to Pillow."""
+    at, total = 8, 0
+    while at + 8 <= len(raw) and total <= most:
+        length, kind = struct.unpack_from(">I4s", raw, at)
+        start, end = at + 8, min(at + 8 + length, len(raw))
+        at = end + 4
+        if kind == b"IEND":
+            break
+        if kind not in _PNG_METADATA:
+            continue
+        # zTXt and iCCP: keyword, NUL, method, stream; iTXt: keyword, NUL,
+        # flag, method, language, NUL, translation, NUL, text.
+        nul = raw.find(b"\0", start, end)
+        body = nul + 1 if nul >= 0 else end
+        if kind in (b"zTXt", b"iCCP"):
+            stream = raw[body + 1 : end]
+        elif kind == b"iTXt" and raw[body : body + 1] == b"\x01":
+            language = raw.find(b"\0", body + 2, end)
+            translated = raw.find(b"\0", language + 1, end) if language >= 0 else -1
+            stream = raw[translated + 1 : end] if translated >= 0 else b""
+        else:
+            total += end - start
+            continue
+        try:
+            total += len(zlib.decompressobj().decompress(stream, most - total + 1))
+        except zlib.error:
+            total += end - start  # Pillow refuses the stream when it reads it
+    return total
+
+
+def _opened(raw: bytes, where: str, pixels: int) -> Any:
+    """Pillow's plugin for ``raw``, its header read and no pixels decoded.
+    The plugins are called as ``Image.open`` calls them, without its
+    decompression-bomb check: that check warns above 89 M pixels and raises
+    above 179 M (``Image.MAX_IMAGE_PIXELS``, one setting for the process)
+    before the server's own limit could name the part."""
+    from PIL import Image
+
+    Image.init()  # registers every plugin once (WebP is not among the first)
+    prefix = raw[:16]
+    for name, shown in _FORMATS.items():
+        factory, accept = Image.OPEN[name]
+        taken = accept(prefix) if accept is not None else True
+        if not taken or isinstance(taken, str):
+            continue
+        try:
+            return factory(io.BytesIO(raw), "")
+        except MemoryError:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            # A GIF frame's own size past the screen's: Pillow checks it.
+            raise InvalidImage(
+                f"{where}: a frame of the {shown} image is more than the {pixels} pixels "
+                f"allowed ({exc})",
+                param=where,
+            ) from exc
+        except Exception as exc:
+            # Pillow says "Truncated File Read", "could not create decoder
+            # object", "not a PNG file", ...: all of them the file's fault.
+            raise InvalidImage(
+                f"{where}: the {shown} image's header is broken or cut short ({exc})", param=where
+            ) from exc
+    raise InvalidImage(
+        f"{where}: not a PNG, JPEG, WebP or GIF image (or a broken one)", param=where
+    )
+
+
 def open_image(part: ImagePart, limits: ImageLimits) -> Any:
     """One image's bytes opened by Pillow (worker thread), its header read
     and its size checked, its pixels not yet decoded: Pillow reads the size
     from the header and decodes only on ``load``."""
-    from PIL import Image, UnidentifiedImageError
-
     where = part.param
     # Base64 is 4 characters per 3 bytes: refuse before decoding anything.
     if len(part.data) // 4 * 3 > limits.bytes:
@@ -74,21 +162,33 @@ def open_image(part: ImagePart, limits: ImageLimits) -> Any:
         raise InvalidImage(f"{where}: the image is not valid base64 ({exc})", param=where) from exc
     if not raw:
         raise InvalidImage(f"{where}: the image is empty", param=where)
-    try:
-        image: Any = Image.open(io.BytesIO(raw), formats=list(_FORMATS))
-    except UnidentifiedImageError as exc:
+    if raw.startswith(b"\x89PNG") and _png_metadata_bytes(raw, PNG_METADATA_BYTES) > (
+        PNG_METADATA_BYTES
+    ):
         raise InvalidImage(
-            f"{where}: not a PNG, JPEG, WebP or GIF image (or a broken one)", param=where
-        ) from exc
+            f"{where}: the PNG's metadata (text, ICC and EXIF chunks) comes to more than "
+            f"the {PNG_METADATA_BYTES} bytes allowed, decompressed",
+            param=where,
+        )
+    image = _opened(raw, where, limits.pixels)
     width, height = image.size
     # The header's size, checked before the pixels are decoded.
     if width * height > limits.pixels:
+        image.close()
         raise InvalidImage(
             f"{where}: the image is {width}x{height} pixels, more than the {limits.pixels} allowed",
             param=where,
         )
     if width < 1 or height < 1:
+        image.close()
         raise InvalidImage(f"{where}: the image has no pixels", param=where)
+    if max(width, height) > limits.aspect * min(width, height):
+        image.close()
+        raise InvalidImage(
+            f"{where}: the image is {width}x{height} pixels; its sides may be at most "
+            f"{limits.aspect} to 1 (a processor scales the short side up)",
+            param=where,
+        )
     return image
 
 
@@ -98,8 +198,12 @@ def _decoded(image: Any, where: str) -> Decoded:
         image.seek(0)  # an animated GIF or WebP: its first frame
         image.load()
         rgb = image.convert("RGB")
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        # Pillow says "image file is truncated", "broken data stream", ...
+    except MemoryError:
+        raise
+    except Exception as exc:
+        # Pillow's decoders say "image file is truncated", "broken data
+        # stream", ... in OSError, SyntaxError, ValueError, EOFError,
+        # struct.error, DecompressionBombError (a GIF frame past the screen)
         raise InvalidImage(
             f"{where}: the {_FORMATS.get(image.format, image.format)} image could not be "
             f"decoded ({exc})",

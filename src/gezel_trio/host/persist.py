@@ -60,7 +60,15 @@ import attrs
 from ..core.cache_plan import common_prefix
 from ..core.cache_store import BLOCK_TOKENS
 from ..core.errors import EngineFailure
-from ..core.shared_dir import TEMP_MAX_AGE, DirLock, temp_is_stale, temp_name
+from ..core.shared_dir import (
+    TEMP_MAX_AGE,
+    DirLock,
+    NotRegularFile,
+    open_regular,
+    read_regular,
+    temp_is_stale,
+    temp_name,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -639,8 +647,14 @@ class DiskCache:
         self._settle(file_key)
         path = self.path_for(file_key)
         try:
-            data = path.read_bytes()
+            # Only a regular file, read to the size fstat gives (the budget
+            # bounds it), never to an end that may not come.
+            data = read_regular(path)
         except FileNotFoundError:
+            self.index.pop(file_key, None)
+            return None
+        except NotRegularFile as exc:
+            log.warning("cache file %s skipped: %s", path.name, exc.strerror)
             self.index.pop(file_key, None)
             return None
         except OSError as exc:
@@ -783,6 +797,9 @@ class DiskCache:
         for path in self.dir.glob("*" + _SUFFIX):
             try:
                 entry = self._index_entry(path)
+            except NotRegularFile as exc:
+                log.warning("cache file %s skipped: %s", path.name, exc.strerror)
+                continue
             except OSError as exc:
                 log.warning("cache file %s unreadable (%s): skipped", path.name, exc)
                 continue
@@ -800,7 +817,7 @@ class DiskCache:
         """``path``'s index entry; ``None`` for a file this index skips (too
         short to be sealed, or another layout's), the reason for one whose
         metadata is malformed. Raises ``OSError``."""
-        with path.open("rb") as f:
+        with open_regular(path) as f:
             size = f.seek(0, os.SEEK_END)
             if size < _TAIL + 8:
                 return None

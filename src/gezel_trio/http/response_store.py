@@ -47,7 +47,14 @@ from typing import Any
 import attrs
 import trio
 
-from ..core.shared_dir import DirLock, temp_is_stale, temp_name
+from ..core.shared_dir import (
+    DirLock,
+    FileTooLarge,
+    NotRegularFile,
+    read_regular,
+    temp_is_stale,
+    temp_name,
+)
 from .strict import dump_json
 
 __all__ = ["FORMAT_VERSION", "ResponseStore", "StoredResponse"]
@@ -354,10 +361,21 @@ class ResponseStore:
         total = 0
         for _, path in files:
             try:
-                raw = path.read_bytes()
+                # Only a regular file (a FIFO's open waits for a writer), and
+                # none larger than the whole store may be.
+                raw = read_regular(path, self.budget_bytes)
                 rec = StoredResponse.from_json(raw)
                 if path.name != _file_name(rec.id):
                     raise ValueError("the file's name does not match its id")
+            except NotRegularFile as exc:
+                log.warning("stored response %s skipped: %s", path.name, exc.strerror)
+                continue
+            except FileTooLarge:
+                # Beyond the budget on its own: pruned as any record beyond it.
+                if owner:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                continue
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("stored response %s unreadable (%s): removed", path.name, exc)
                 with contextlib.suppress(OSError):

@@ -50,6 +50,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from ..core.shared_dir import read_regular
+
 __all__ = ["DIGESTS_DIR", "model_fingerprint", "weights_digest"]
 
 log = logging.getLogger("gezel_trio.mlx")
@@ -97,7 +99,8 @@ def weights_digest(path: Path, digests: Path) -> str:
     resolved = str(path.resolve())
     record = digests / (hashlib.sha256(resolved.encode()).hexdigest()[:32] + ".json")
     with contextlib.suppress(OSError, ValueError):
-        known = json.loads(record.read_bytes())
+        # A regular file of a few hundred bytes, or none (a FIFO would hang).
+        known = json.loads(read_regular(record, 4096))
         if (
             isinstance(known, dict)
             and known.get("path") == resolved

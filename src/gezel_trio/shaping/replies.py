@@ -24,7 +24,6 @@ import base64
 import hmac
 import json
 import logging
-import os
 import secrets
 import struct
 import sys
@@ -39,9 +38,11 @@ from typing import Any
 
 import attrs
 
+from ..core.shared_dir import read_regular, write_whole
 from .custom_tools import INPUT_PARAMETER, partial_input
 
 __all__ = [
+    "SECRET_BYTES",
     "TAIL_TOKENS",
     "GeneratedReply",
     "ReplyLedger",
@@ -290,28 +291,42 @@ class ReplySeal:
         return items, len(text)
 
 
+# A key is 32 random bytes (HMAC-SHA256's block is 64; 32 is its output's
+# strength). A kept file of another length is not a key this server made.
+SECRET_BYTES = 32
+_KEY_FILE = "reply-seal.key"
+
+
 def load_secret(persist_dir: Path | None) -> bytes:
     """The key sealed replies are signed with: kept in ``persist_dir`` (made
     once, readable by its owner only) so blobs outlive a restart; without
-    one, a fresh key for this process."""
+    one, a fresh key for this process. The file is written whole or not at
+    all (``write_whole``) and its length checked on every start: an empty
+    or short one (a start on a full disk once left 0 bytes, a key anyone
+    could sign with) is replaced, never used."""
     if persist_dir is None:
-        return secrets.token_bytes(32)
-    path = persist_dir / "reply-seal.key"
+        return secrets.token_bytes(SECRET_BYTES)
+    path = persist_dir / _KEY_FILE
+    exists = True
     try:
-        return path.read_bytes()
+        kept = read_regular(path, SECRET_BYTES)
+        if len(kept) == SECRET_BYTES:
+            return kept
+        why = f"holds {len(kept)} bytes, not a {SECRET_BYTES}-byte key"
     except FileNotFoundError:
-        pass
+        exists, why = False, ""
     except OSError as exc:
-        log.warning("cannot read %s (%s): sealed replies last this process only", path, exc)
-        return secrets.token_bytes(32)
-    secret = secrets.token_bytes(32)
+        # Longer than a key, a FIFO, a directory, unreadable: not one to use.
+        why = f"is not a key ({exc.strerror or exc})"
+    if exists:
+        log.warning("%s %s: replaced (replies sealed under the old one are ignored)", path, why)
+    secret = secrets.token_bytes(SECRET_BYTES)
     try:
         persist_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secret)
+        write_whole(path, secret, replace=exists)
     except FileExistsError:
-        return path.read_bytes()  # another process made it first
+        # Another process made it first: use its key (checked the same way).
+        return load_secret(persist_dir)
     except OSError as exc:
         log.warning("cannot write %s (%s): sealed replies last this process only", path, exc)
     return secret
@@ -325,10 +340,14 @@ def load_secret(persist_dir: Path | None) -> bytes:
 # when the engine stops and read when it starts.
 
 _FILE_MAGIC = b"gezel-replies-1\n"
+# The most a ledger file may be: 1M ids are 4 MB before compression, plus
+# 22 bytes a reply.
+_LEDGER_MOST = 64 * 1024 * 1024
 
 
 def dump_ledger(ledger: ReplyLedger, path: Path) -> None:
-    """Write ``ledger`` to ``path`` (atomically: a temporary file renamed)."""
+    """Write ``ledger`` to ``path``, whole or not at all (``write_whole``:
+    a temp file fsynced and renamed)."""
     with ledger._lock:
         items = [(k, r) for k, rs in ledger._replies.items() for r in reversed(rs)]
     out = bytearray()
@@ -338,20 +357,18 @@ def dump_ledger(ledger: ReplyLedger, path: Path) -> None:
             ids.byteswap()
         out += bytes.fromhex(key) + struct.pack("<HI", len(reply.tail), len(reply.tokens))
         out += ids.tobytes()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(_FILE_MAGIC + zlib.compress(bytes(out), 6))
-    os.replace(tmp, path)
+    write_whole(path, _FILE_MAGIC + zlib.compress(bytes(out), 6), replace=True)
 
 
 def load_ledger(ledger: ReplyLedger, path: Path) -> int:
     """Read the replies ``dump_ledger`` wrote into ``ledger``; how many. A
     missing file is none; an unreadable one is logged and ignored."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path, _LEDGER_MOST)
     except FileNotFoundError:
         return 0
-    except OSError as exc:
-        log.warning("cannot read %s (%s): the reply ledger starts empty", path, exc)
+    except OSError as exc:  # a FIFO or a device too: never waited on or read
+        log.warning("cannot read %s (%s): the reply ledger starts empty", path, exc.strerror or exc)
         return 0
     try:
         if not data.startswith(_FILE_MAGIC):
