@@ -80,6 +80,25 @@ def test_a_forced_namespaced_call_comes_back_in_codex_shape(
     assert json.loads(call["arguments"])["order_id"] in ("A1", "B2")
 
 
+def test_a_streamed_namespaced_call_carries_its_namespace(dense_server: Server) -> None:
+    """Codex streams: the item as added and as done names the tool as the
+    request wrote it."""
+    choice = {"type": "function", "name": "cancel_order", "namespace": ORDERS_NAMESPACE}
+    body = _body([_USER], tool_choice=choice, max_output_tokens=60)
+    body.pop("stream")
+    with dense_server.client.responses.stream(**body) as stream:
+        events = [e.model_dump(exclude_none=True) for e in stream]
+    items = [
+        e["item"]
+        for e in events
+        if e["type"] in ("response.output_item.added", "response.output_item.done")
+        and e["item"]["type"] == "function_call"
+    ]
+    assert len(items) == 2, events
+    assert {(i["namespace"], i["name"]) for i in items} == {(ORDERS_NAMESPACE, "cancel_order")}
+    assert _namespaced_call(stream.get_final_response())["namespace"] == ORDERS_NAMESPACE
+
+
 def test_required_names_only_tools_the_request_has(dense_server: Server) -> None:
     """``required`` over every tool: whichever the model picks, a namespaced
     one carries its namespace and a plain one none."""
