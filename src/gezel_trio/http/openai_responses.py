@@ -57,7 +57,14 @@ from ..engine import (
 from ..shaping.custom_tools import RawInput, as_function, custom_input, input_arguments
 from ..shaping.replies import TAIL_TOKENS, GeneratedReply, ReplyLedger, ReplySeal
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
-from .edge import NotFound, ProtocolBlueprint, error_response, json_view, refusal
+from .edge import (
+    IGNORED_TOOLS_HEADER,
+    NotFound,
+    ProtocolBlueprint,
+    error_response,
+    json_view,
+    refusal,
+)
 from .images import from_data_url
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
@@ -909,9 +916,6 @@ def _max_tool_calls(req: ResponsesRequest) -> int | None:
     if req.parallel_tool_calls is False:
         return 1
     return req.max_tool_calls
-
-
-IGNORED_TOOLS_HEADER = "x-gezel-ignored-tools"
 
 
 def _ignored(req: ResponsesRequest, response: Response) -> Response:
