@@ -226,3 +226,24 @@ def test_namespace_name_clashes_are_400_naming_them(
         dense_server.client.responses.create(model="m", input="x", tools=tools)  # type: ignore[arg-type]
     assert info.value.body is not None
     assert info.value.body["param"] == param, info.value.body  # type: ignore[index]
+
+
+def test_flat_names_of_codex_namespaces() -> None:
+    """Codex's default namespace adds nothing (its "lite" protocol puts its
+    own tools there); one without a trailing separator is joined with
+    ``__``."""
+    exec_command = CODEX_TOOLS[0]
+    req = parse_responses_request(
+        {
+            "input": "x",
+            "tools": [
+                {"type": "namespace", "name": "functions", "tools": [exec_command]},
+                {"type": "namespace", "name": "docs", "tools": [{**exec_command, "name": "find"}]},
+            ],
+        }
+    )
+    assert [t.name for t in req.served_tools] == ["exec_command", "docs__find"]
+    assert req.namespaced == {
+        "exec_command": ("functions", "exec_command"),
+        "docs__find": ("docs", "find"),
+    }
