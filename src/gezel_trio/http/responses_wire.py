@@ -61,27 +61,6 @@ __all__ = [
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
-# Tools OpenAI's platform runs itself (the SDK's Tool union): left out of
-# the prompt, named in the ``x-gezel-ignored-tools`` header and a log line,
-# as is any other kind but function, custom and namespace.
-HOSTED_TOOL_TYPES = (
-    "web_search",
-    "web_search_2025_08_26",
-    "web_search_preview",
-    "web_search_preview_2025_03_11",
-    "file_search",
-    "code_interpreter",
-    "image_generation",
-    "computer",
-    "computer_use_preview",
-    "mcp",
-    "local_shell",
-    "shell",
-    "apply_patch",
-    "tool_search",
-    "programmatic_tool_calling",
-)
-
 # Records of a hosted tool's run that a client re-sends with its history:
 # skipped (the model saw their effect in the messages around them). Items
 # whose output a client-side harness must pair with a call stay a 400.
@@ -302,8 +281,10 @@ class CustomTool:
 
 @attrs.frozen
 class HostedTool:
-    """A tool OpenAI's platform runs (``HOSTED_TOOL_TYPES``), or of a kind
-    this server does not know: ignored here."""
+    """A tool of any kind but function, custom and namespace: one OpenAI's
+    platform runs (``web_search``, ``file_search``, ``tool_search`` ...) or
+    one this server does not know. Left out of the prompt, named in the
+    ``x-gezel-ignored-tools`` header and a log line."""
 
     type: str
 
