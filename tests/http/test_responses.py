@@ -355,10 +355,11 @@ def test_background_response_runs_and_can_be_cancelled(server: Server) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        # Hosted tools (web_search, file_search, computer_use_preview ...) are
-        # ignored and named in a header (tests/http/test_codex.py); a tool
-        # type that is neither hosted nor served is still refused.
-        ({"input": "x", "tools": [{"type": "namespace"}]}, "tools[0].type", "namespace"),
+        # Tools of a kind this server cannot run (web_search, an unknown kind)
+        # are ignored and named in a header (tests/http/test_codex*.py); a
+        # type that is no kind at all is refused.
+        ({"input": "x", "tools": [{"type": 7}]}, "tools[0].type", "string"),
+        ({"input": "x", "tools": [{"type": "namespace"}]}, "tools[0].name", "required"),
         (
             {"input": [{"type": "computer_call_output", "call_id": "c"}]},
             "input[0].type",

@@ -176,3 +176,86 @@ async def test_unknown_format_and_mode_are_400_naming_tool_grammar(dense_model: 
                 assert r.status_code == 400, r.text
                 error = r.json()["error"]
                 assert error["param"].startswith("tool_grammar"), error
+
+
+# --- allowed_names: the tools a turn may call, all of them in the prompt ------
+
+TIDE = {
+    "type": "object",
+    "properties": {"port": {"enum": ["Oslo", "Bergen"]}},
+    "required": ["port"],
+    "additionalProperties": False,
+}
+ROSTER = {**SCHEMAS, "get_tide": TIDE}
+ROSTER_TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": s}} for n, s in ROSTER.items()
+]
+ALLOWED = ["get_weather", "get_tide"]
+
+
+async def test_allowed_names_bound_a_forced_call_of_each_markup(
+    family_model: tuple[str, Path],
+) -> None:
+    """``required`` over three tools, two allowed: over several seeds every
+    call names an allowed tool (unbounded, these models pick ``get_time``
+    on some of them) (the grammar forces the name on these
+    random weights) and its arguments validate."""
+    family, model = family_model
+    with trio.fail_after(HANG):
+        async with served(model) as (_e, url), httpx.AsyncClient(base_url=url) as client:
+            names: list[str] = []
+            for seed in range(4):
+                payload = body(family, "name-and-params", temperature=1.0, seed=seed)
+                payload["tools"] = ROSTER_TOOLS
+                payload["tool_grammar"]["allowed_names"] = ALLOWED
+                r = await client.post("/v1/chat/completions", json=payload, timeout=HANG)
+                assert r.status_code == 200, r.text
+                (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+                name = call["function"]["name"]
+                jsonschema.validate(json.loads(call["function"]["arguments"]), ROSTER[name])
+                names.append(name)
+            assert set(names) <= set(ALLOWED), names
+
+
+async def test_allowed_names_bound_calls_in_free_text(family_model: tuple[str, Path]) -> None:
+    """Not forced, pushed towards the call opener (as above): every call
+    opened names an allowed tool."""
+    family, model = family_model
+    with trio.fail_after(HANG):
+        async with served(model) as (_e, url), httpx.AsyncClient(base_url=url) as client:
+            payload = body(family, "name-only", temperature=1.0, max_tokens=48)
+            payload.pop("tool_choice")
+            payload["tools"] = ROSTER_TOOLS
+            payload["tool_grammar"]["allowed_names"] = ["get_tide"]
+            names: list[str] = []
+            for seed in range(3):
+                payload.update(seed=seed, logit_bias={"6": 60})
+                r = await client.post("/v1/chat/completions", json=payload, timeout=HANG)
+                assert r.status_code == 200, r.text
+                calls = r.json()["choices"][0]["message"].get("tool_calls") or []
+                names += [c["function"]["name"] for c in calls]
+            assert names
+            assert set(names) == {"get_tide"}
+
+
+@pytest.mark.parametrize(
+    ("allowed", "choice", "param"),
+    [
+        ([], "required", "tool_grammar.allowed_names"),
+        (["get_time", ""], "required", "tool_grammar.allowed_names[1]"),
+        (["get_time", "get_moon"], "required", "tool_grammar.allowed_names[1]"),
+        (["get_time"], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice"),
+        ("get_time", "required", "tool_grammar.allowed_names"),
+    ],
+)
+async def test_bad_allowed_names_are_400_naming_them(
+    dense_model: Path, allowed: Any, choice: Any, param: str
+) -> None:
+    with trio.fail_after(HANG):
+        async with served(dense_model) as (_e, url), httpx.AsyncClient(base_url=url) as client:
+            payload = body("hermes", "name-only", tool_choice=choice)
+            payload["tool_grammar"]["allowed_names"] = allowed
+            r = await client.post("/v1/chat/completions", json=payload)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == param, error

@@ -21,7 +21,9 @@ from typing import Any
 __all__ = [
     "APPLY_PATCH_GRAMMAR",
     "APPLY_PATCH_TOOL",
+    "CODEX_NAMESPACE_TOOL",
     "CODEX_TOOLS",
+    "ORDERS_NAMESPACE",
     "codex_request",
     "lark_for_library",
 ]
@@ -146,3 +148,50 @@ def lark_for_library(grammar: str) -> str:
     made optional, and ``#`` lines (llguidance reads them as comments) go."""
     lines = [line for line in grammar.splitlines() if not line.startswith("#")]
     return "\n".join(lines).replace("/(.*)/", "/(.+)/?")
+
+
+# Codex groups its MCP servers' tools (and, in its "lite" protocol, its own
+# functions) in ``namespace`` tools: ``ToolSpec::Namespace`` of
+# ``ResponsesApiNamespace {name, description, tools}`` in
+# ``codex-rs/tools/src/tool_spec.rs`` (serialized shape pinned by
+# ``namespace_tool_spec_serializes_expected_wire_shape`` in
+# ``tool_spec_tests.rs``; the namespace of an MCP server is
+# ``mcp__<server>__``). Codex CLI 0.171 sends one after its own tools, so it
+# is ``tools[4]`` beside ``CODEX_TOOLS``. The model's call of a tool inside
+# comes back as a ``function_call`` item whose ``name`` is the inner tool's
+# and whose ``namespace`` is the group's (``ResponseItem::FunctionCall``,
+# ``codex-rs/protocol/src/models.rs``, routed by ``ToolName::new(namespace,
+# name)`` in ``codex-rs/core/src/tools/router.rs``); Codex re-sends it so.
+ORDERS_NAMESPACE = "mcp__orders__"
+
+CODEX_NAMESPACE_TOOL: dict[str, Any] = {
+    "type": "namespace",
+    "name": ORDERS_NAMESPACE,
+    "description": "Tools in the mcp__orders__ namespace.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "lookup_order",
+            "description": "Look up an order",
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string", "enum": ["A1", "B2"]}},
+                "required": ["order_id"],
+                "additionalProperties": False,
+            },
+        },
+        {
+            "type": "function",
+            "name": "cancel_order",
+            "description": "Cancel an order",
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string", "enum": ["A1", "B2"]}},
+                "required": ["order_id"],
+                "additionalProperties": False,
+            },
+        },
+    ],
+}

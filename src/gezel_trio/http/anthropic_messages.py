@@ -22,6 +22,7 @@ prefix from eviction for its ttl.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import uuid
 from collections.abc import Sequence
@@ -57,13 +58,14 @@ from .anthropic_wire import (
     ToolChoiceAutoParam,
     ToolChoiceNoneParam,
     ToolChoiceToolParam,
+    ToolParam,
     ToolResultBlockParam,
     ToolUseBlockParam,
     parse_count_tokens_request,
     parse_messages_request,
 )
 from .cache_diagnostics import FingerprintStore, fingerprint, system_block
-from .edge import ProtocolBlueprint, json_view, refusal
+from .edge import IGNORED_TOOLS_HEADER, ProtocolBlueprint, json_view, refusal
 from .images import from_base64, from_data_url
 from .sse import (
     cache_miss_body,
@@ -84,6 +86,9 @@ __all__ = [
 ]
 
 MESSAGES_PATH = "/v1/messages"
+
+log = logging.getLogger("gezel_trio.http")
+
 # Blocks of one turn are paragraphs of one message for the chat template.
 _JOIN = "\n\n"
 _IMAGE_HERE = "an image block may only appear in a user message, beside its text"
@@ -318,10 +323,10 @@ def chat_messages(
 
 
 def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
-    if not req.tools:
+    if not req.client_tools:
         return None
     tools = []
-    for t in req.tools:
+    for t in req.client_tools:
         fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
         if t.description is not None:
             fn["description"] = t.description
@@ -367,7 +372,7 @@ def _breakpoints(req: CountTokensRequest) -> list[tuple[str, CacheControlEphemer
     (-1: tools or system; ``len(messages)``: the top-level one)."""
     found: list[tuple[str, CacheControlEphemeralParam, int]] = []
     for j, tool in enumerate(req.tools or ()):
-        if tool.cache_control is not None:
+        if isinstance(tool, ToolParam) and tool.cache_control is not None:
             found.append((f"tools[{j}].cache_control", tool.cache_control, -1))
     if isinstance(req.system, list):
         for j, block in enumerate(req.system):
@@ -734,12 +739,12 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         if req.stream:
             prompt = len(prepared.request.prompt)
             events = _Events(mid, model, prompt, show, diagnostics, system)
-            return stream_chat(engine, prepared, events)
+            return _ignored(req, stream_chat(engine, prepared, events))
         finished, _ = await run_chat(engine, prepared)
         body = message_body(mid, model, finished, show_thinking=show, system=system)
         if diagnostics is not None:
             body.update(diagnostics)
-        return Response(dump_json(body), mimetype="application/json")
+        return _ignored(req, Response(dump_json(body), mimetype="application/json"))
 
     @bp.route("/count_tokens", methods=["POST"])
     async def count_tokens() -> Response:
@@ -764,6 +769,16 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         return Response(dump_json(body), mimetype="application/json")
 
     return bp
+
+
+def _ignored(req: MessagesRequest, response: Response) -> Response:
+    """Name the Anthropic-defined tools left out of the prompt, on the
+    response and in the log (once per request), as Responses does."""
+    if req.ignored_tools:
+        kinds = ", ".join(req.ignored_tools)
+        response.headers[IGNORED_TOOLS_HEADER] = kinds
+        log.info("messages: ignored tools this server cannot run: %s", kinds)
+    return response
 
 
 def _counted(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[ImagePart]]:

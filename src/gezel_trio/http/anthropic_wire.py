@@ -13,8 +13,9 @@ Blocks are a tagged union on ``type``: each kind is its own class, so a
 kind this server does not serve (server-tool results, PDF documents) is
 refused with a sentence saying so rather than a list of the kinds it knows.
 Anthropic-defined tools (``web_search_...``, ``bash_...``,
-``text_editor_...``) are refused the same way, before the tool list is
-structured.
+``text_editor_...``: any tool whose ``type`` is not ``custom``) are run by
+Anthropic's platform, not here: they are left out of the prompt and the
+response names them (``ServerToolParam``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Literal, TypeVar, get_args, get_type_hints
 
 import attrs
 import cattrs
+from cattrs.gen import make_dict_structure_fn
 
 from ..core.errors import InvalidRequest, shown
 from .checks import MAX_TOOLS, check_cache_salt, check_messages, check_parameters, check_stops
@@ -40,6 +42,7 @@ __all__ = [
     "MessagesRequest",
     "PlainTextSourceParam",
     "RedactedThinkingBlockParam",
+    "ServerToolParam",
     "TextBlockParam",
     "ThinkingBlockParam",
     "ToolChoice",
@@ -259,6 +262,14 @@ class ToolParam:
 
 
 @attrs.frozen
+class ServerToolParam:
+    """An Anthropic-defined tool (any ``type`` but ``custom``): this server
+    runs none, so it is left out of the prompt and named in the response."""
+
+    type: str
+
+
+@attrs.frozen
 class ToolChoiceAutoParam:
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
@@ -340,7 +351,7 @@ class CountTokensRequest:
     messages: list[MessageParam] = attrs.field(validator=check_messages)
     model: str | None = None
     system: str | list[TextBlockParam] | None = None
-    tools: list[ToolParam] | None = None
+    tools: list[ToolParam | ServerToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfigParam | None = None
@@ -350,6 +361,17 @@ class CountTokensRequest:
     speed: Literal["standard", "fast"] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+
+    @property
+    def client_tools(self) -> list[ToolParam]:
+        """The tools the model is shown: Anthropic-defined ones left out."""
+        return [t for t in self.tools or () if isinstance(t, ToolParam)]
+
+    @property
+    def ignored_tools(self) -> list[str]:
+        """The Anthropic-defined tools' types, in order, once each."""
+        kinds = [t.type for t in self.tools or () if isinstance(t, ServerToolParam)]
+        return list(dict.fromkeys(kinds))
 
 
 @attrs.frozen(kw_only=True)
@@ -421,6 +443,16 @@ def _converter() -> cattrs.Converter:
         DocumentSource, _tagged(conv, DocumentSource, "a document source's", _UNSERVED_SOURCES.get)
     )
     register(ToolChoice, _tagged(conv, ToolChoice, "tool_choice"))
+    client_tool = make_dict_structure_fn(ToolParam, conv, _cattrs_forbid_extra_keys=True)
+
+    def tool(value: Any, _: Any) -> ToolParam | ServerToolParam:
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind != "custom":
+            return ServerToolParam(kind)
+        structured: ToolParam = client_tool(value, ToolParam)
+        return structured
+
+    register(ToolParam | ServerToolParam, tool)
     register(Thinking, _tagged(conv, Thinking, "thinking"))
 
     def text_or(blocks: Any) -> Callable[[Any, Any], Any]:
@@ -459,27 +491,16 @@ def _check_unserved_fields(body: dict[str, Any]) -> None:
 
 
 def _check_tools_raw(body: dict[str, Any]) -> None:
-    """Anthropic-defined tools are named before the tool list is structured,
-    so the error says what is unsupported rather than which field is unknown."""
+    """The tool count, before the list is structured."""
     tools = body.get("tools")
-    if not isinstance(tools, list):
-        return
-    if len(tools) > MAX_TOOLS:
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(kind, str) and kind != "custom":
-            raise InvalidRequest(
-                f"tools[{i}] has type {kind[:80]!r}, an Anthropic-defined tool this server "
-                "does not provide; declare it as a custom tool (name, description, "
-                "input_schema) and run it on the client",
-                param=f"tools[{i}].type",
-            )
 
 
 def _check(req: CountTokensRequest) -> None:
     for i, tool in enumerate(req.tools or ()):
-        check_parameters(tool.input_schema, f"tools[{i}].input_schema")
+        if isinstance(tool, ToolParam):
+            check_parameters(tool.input_schema, f"tools[{i}].input_schema")
     if req.mcp_servers:
         raise InvalidRequest(
             "MCP servers are not supported; run the tools on the client", param="mcp_servers"

@@ -15,6 +15,7 @@ from .sse import error_body
 from .strict import dismantle, dump_json, parse_json, parse_json_yielding
 
 __all__ = [
+    "IGNORED_TOOLS_HEADER",
     "Envelope",
     "Forbidden",
     "ForbiddenOrigin",
@@ -31,6 +32,10 @@ __all__ = [
 
 T = TypeVar("T")
 V = TypeVar("V")
+
+# Names the tools of a request that were left out of its prompt (kinds this
+# server cannot run), comma-separated, once each, on every protocol.
+IGNORED_TOOLS_HEADER = "x-gezel-ignored-tools"
 
 
 class Unauthorized(GezelError):

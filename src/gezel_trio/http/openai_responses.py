@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -57,7 +57,15 @@ from ..engine import (
 from ..shaping.custom_tools import RawInput, as_function, custom_input, input_arguments
 from ..shaping.replies import TAIL_TOKENS, GeneratedReply, ReplyLedger, ReplySeal
 from ..shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
-from .edge import HttpError, NotFound, ProtocolBlueprint, error_response, json_view, refusal
+from .edge import (
+    IGNORED_TOOLS_HEADER,
+    HttpError,
+    NotFound,
+    ProtocolBlueprint,
+    error_response,
+    json_view,
+    refusal,
+)
 from .images import from_data_url
 from .response_store import ResponseStore, StoredResponse
 from .responses_wire import (
@@ -68,8 +76,11 @@ from .responses_wire import (
     CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
+    FunctionTool,
+    HostedTool,
     InputItem,
     MessageItem,
+    NamespaceTool,
     ReasoningItem,
     ResponsesRequest,
     ToolChoiceAllowed,
@@ -87,6 +98,7 @@ from .sse import (
 )
 from .strict import dump_json
 from .tenancy import current_tenant
+from .tool_namespaces import flat_name
 
 __all__ = ["IGNORED_TOOLS_HEADER", "RESPONSES_PATH", "blueprint", "items_to_messages"]
 
@@ -192,25 +204,21 @@ def items_to_messages(items: list[InputItem], where: str = "input") -> list[dict
                 turn = None
                 text = _content_text(content, f"{where}[{i}].content")
                 out.append({"role": "system" if role == "developer" else role, "content": text})
-            case FunctionCallItem(call_id=call_id, name=name, arguments=arguments):
+            case FunctionCallItem(call_id=call_id, name=name, namespace=ns, arguments=arguments):
+                # A namespaced tool's call under the flat name the model wrote.
                 calls = assistant().setdefault("tool_calls", [])
                 calls.append(
                     {
                         "id": call_id,
                         "type": "function",
-                        "function": {"name": name, "arguments": arguments},
+                        "function": {"name": flat_name(ns, name), "arguments": arguments},
                     }
                 )
-            case CustomToolCallItem(call_id=call_id, name=name, input=raw):
+            case CustomToolCallItem(call_id=call_id, name=name, namespace=ns, input=raw):
                 # As the model generated it: a function call of one ``input`` string.
                 calls = assistant().setdefault("tool_calls", [])
-                calls.append(
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {"name": name, "arguments": input_arguments(raw)},
-                    }
-                )
+                fn = {"name": flat_name(ns, name), "arguments": input_arguments(raw)}
+                calls.append({"id": call_id, "type": "function", "function": fn})
             case CustomToolCallOutputItem(call_id=call_id, output=output):
                 turn = None
                 text = _content_text(output, f"{where}[{i}].output")
@@ -303,30 +311,36 @@ def _usage(u: Usage | None) -> dict[str, Any] | None:
 
 
 def _tools_echo(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The served tools as the request wrote them (a namespace as one)."""
     out: list[dict[str, Any]] = []
-    for t in req.served_tools:
-        if isinstance(t, CustomTool):
-            fmt = t.format_dict or {"type": "text"}
-            out.append(
-                {"type": "custom", "name": t.name, "description": t.description, "format": fmt}
-            )
-            continue
-        out.append(
-            {
-                "type": "function",
-                "name": t.name,
-                "description": t.description,
-                "parameters": t.parameters,
-                "strict": t.strict if t.strict is not None else True,
-            }
-        )
+    for t in req.tools or []:
+        if isinstance(t, NamespaceTool):
+            inner = [_tool_echo(m) for m in t.tools if not isinstance(m, HostedTool)]
+            echo = {"type": "namespace", "name": t.name, "description": t.description}
+            out.append({**echo, "tools": inner})
+        elif not isinstance(t, HostedTool):
+            out.append(_tool_echo(t))
     return out
+
+
+def _tool_echo(t: FunctionTool | CustomTool) -> dict[str, Any]:
+    if isinstance(t, CustomTool):
+        fmt = t.format_dict or {"type": "text"}
+        return {"type": "custom", "name": t.name, "description": t.description, "format": fmt}
+    return {
+        "type": "function",
+        "name": t.name,
+        "description": t.description,
+        "parameters": t.parameters,
+        "strict": t.strict if t.strict is not None else True,
+    }
 
 
 def _tool_choice_echo(req: ResponsesRequest) -> Any:
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceFunction | ToolChoiceCustom):
-        return {"type": choice.type, "name": choice.name}
+        echo = {"type": choice.type, "name": choice.name}
+        return echo if choice.namespace is None else {**echo, "namespace": choice.namespace}
     if isinstance(choice, ToolChoiceAllowed):
         return {"type": "allowed_tools", "mode": choice.mode, "tools": choice.tools}
     return choice or "auto"
@@ -455,10 +469,18 @@ class _Output:
     events that build them. Every caller (streamed, not, background) feeds
     every event, so the three agree on the items."""
 
-    def __init__(self, logprobs: bool, custom: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        logprobs: bool,
+        custom: frozenset[str] = frozenset(),
+        namespaced: Mapping[str, tuple[str, str]] | None = None,
+    ) -> None:
         self.items: list[dict[str, Any]] = []
         # Calls of these names are custom tool calls: raw ``input``, not arguments.
         self._custom = custom
+        # Flat names of namespaced tools: their calls name the tool as the
+        # client wrote it, ``name`` and ``namespace``.
+        self._namespaced = namespaced or {}
         self._raw: RawInput | None = None
         self._open: dict[str, Any] | None = None
         self._parts: list[str] = []
@@ -529,6 +551,8 @@ class _Output:
                             "name": name,
                             "arguments": "",
                         }
+                    if name in self._namespaced:
+                        item["namespace"], item["name"] = self._namespaced[name]
                     out += self._add(item)
                 if (
                     arguments
@@ -681,6 +705,14 @@ class _Output:
         ]
 
 
+def _output(req: ResponsesRequest, prepared: PreparedChat) -> _Output:
+    return _Output(
+        prepared.request.top_logprobs is not None,
+        frozenset(prepared.chat.custom_tools),
+        req.namespaced,
+    )
+
+
 def _final_status(reason: str, output: _Output) -> str:
     """``incomplete`` when the budget ran out (``max_output_tokens``) or a
     call was cut short: a ``completed`` response's calls always parse."""
@@ -787,9 +819,7 @@ async def _background(
     """A background response's job, in the store's nursery. Whatever happens
     to it is recorded on it and goes no further: a bug here fails this
     response, never the store's nursery (nor the server it runs in)."""
-    output = _Output(
-        prepared.request.top_logprobs is not None, frozenset(prepared.chat.custom_tools)
-    )
+    output = _output(ctx.req, prepared)
     chat: ChatHandle | None = None
     body: dict[str, Any] | None = None
     try:
@@ -846,8 +876,10 @@ def _chat_request(
             tools.append({"type": "function", "function": fn})
     choice: str | dict[str, Any] | None
     match req.tool_choice:
-        case ToolChoiceFunction(name=name) | ToolChoiceCustom(name=name):
-            choice = {"type": "function", "function": {"name": name}}
+        case (
+            ToolChoiceFunction(name=name, namespace=ns) | ToolChoiceCustom(name=name, namespace=ns)
+        ):
+            choice = {"type": "function", "function": {"name": flat_name(ns, name)}}
         case ToolChoiceAllowed(mode="required") as allowed:
             choice = {"type": "allowed_tools", "names": allowed.names}
         case ToolChoiceAllowed():
@@ -889,16 +921,13 @@ def _max_tool_calls(req: ResponsesRequest) -> int | None:
     return req.max_tool_calls
 
 
-IGNORED_TOOLS_HEADER = "x-gezel-ignored-tools"
-
-
 def _ignored(req: ResponsesRequest, response: Response) -> Response:
-    """Name the hosted tools left out of the prompt, on the response and in
-    the log (once per request)."""
+    """Name the tools left out of the prompt (hosted ones, kinds this server
+    does not know), on the response and in the log (once per request)."""
     if req.ignored_tools:
         kinds = ", ".join(req.ignored_tools)
         response.headers[IGNORED_TOOLS_HEADER] = kinds
-        log.info("responses: ignored hosted tools this server cannot run: %s", kinds)
+        log.info("responses: ignored tools this server cannot run: %s", kinds)
     return response
 
 
@@ -970,9 +999,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
             store.put(ctx.record(body))
             store.start_background(rid, lambda: _background(engine, store, ctx, prepared))
             return _ignored(req, Response(dump_json(body), mimetype="application/json"))
-        output = _Output(
-            prepared.request.top_logprobs is not None, frozenset(prepared.chat.custom_tools)
-        )
+        output = _output(req, prepared)
         if req.stream:
             stream = stream_chat(engine, prepared, _Events(ctx, store, output))
             return _ignored(req, stream)

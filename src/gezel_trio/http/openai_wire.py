@@ -319,10 +319,12 @@ class ToolGrammar:
     ``name-only``: calls may name only the declared tools, arguments free;
     ``name-and-params`` (the seed's default): the whole call by the tool's
     schema. ``format`` names the markup family the client expects; the
-    template's own markup is used either way (``shaping.grammar``)."""
+    template's own markup is used either way (``shaping.grammar``).
+    ``allowed_names``: the tools this turn may call (all stay in the prompt)."""
 
     mode: Literal["name-only", "name-and-params"] = "name-and-params"
     format: Literal["hermes", "gemma", "glm", "qwen3_coder"] | None = None
+    allowed_names: list[str] | None = None
 
 
 @attrs.frozen

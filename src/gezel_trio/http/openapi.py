@@ -47,7 +47,8 @@ _DOCS: dict[str, str] = {
     "chat_template_kwargs": "gezel: extra variables for the chat template (enable_thinking ...).",
     "max_thinking_tokens": "gezel: close the think block after this many tokens.",
     "tool_grammar": "gezel: constrain tool calls with a grammar; mode name-only (names) or "
-    "name-and-params (the whole call, by schema); format hermes, gemma, glm or qwen3_coder.",
+    "name-and-params (the whole call, by schema); format hermes, gemma, glm or qwen3_coder; "
+    "allowed_names: the tools a call may name.",
     "disable_speculation": "gezel (the seed's): opt out of speculative decoding.",
     "speculation": "gezel: false opts this request out of speculative decoding "
     "(docs/speculation.md).",

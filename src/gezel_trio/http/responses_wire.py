@@ -3,10 +3,12 @@
 The same strict rules as every body (``http.strict``): wrong types are
 errors, unknown fields are refused, every error names its field path. Input
 items and tools are discriminated by their ``type`` (hooks on this module's
-own converter); a type this server cannot serve (a hosted tool such as
-``web_search``, an item such as ``computer_call_output``) is a 400 that
-names it, never silently dropped. The classes are also the source of the
-``/openapi.json`` schemas for the route.
+own converter). A tool of a kind this server cannot run (a hosted tool such
+as ``web_search``, or a kind it does not know) is left out of the prompt and
+named in the response; an input item it cannot serve (``computer_call_output``)
+is a 400 that names it, never silently dropped. The tools of a ``namespace``
+are served under flat names (``tool_namespaces``). The classes are also the
+source of the ``/openapi.json`` schemas for the route.
 
 A ``compaction`` item (made by ``POST /v1/responses/compact``) stands for
 the input items it sealed: they replace it in place, as raw JSON, before
@@ -16,6 +18,8 @@ whole history (``expand_compactions``).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import attrs
@@ -39,6 +43,7 @@ from .checks import (
 )
 from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_thinking_budget
 from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
+from .tool_namespaces import flat_name
 
 __all__ = [
     "COMPACTION_TYPES",
@@ -50,8 +55,11 @@ __all__ = [
     "CustomToolCallOutputItem",
     "FunctionCallItem",
     "FunctionCallOutputItem",
+    "FunctionTool",
+    "HostedTool",
     "InputItem",
     "MessageItem",
+    "NamespaceTool",
     "ReasoningItem",
     "ResponsesRequest",
     "SkippedItem",
@@ -64,26 +72,6 @@ __all__ = [
 ]
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
-
-# Tools OpenAI's platform runs itself (the SDK's Tool union): left out of
-# the prompt, named in the ``x-gezel-ignored-tools`` header and a log line.
-HOSTED_TOOL_TYPES = (
-    "web_search",
-    "web_search_2025_08_26",
-    "web_search_preview",
-    "web_search_preview_2025_03_11",
-    "file_search",
-    "code_interpreter",
-    "image_generation",
-    "computer",
-    "computer_use_preview",
-    "mcp",
-    "local_shell",
-    "shell",
-    "apply_patch",
-    "tool_search",
-    "programmatic_tool_calling",
-)
 
 # Records of a hosted tool's run that a client re-sends with its history:
 # skipped (the model saw their effect in the messages around them). Items
@@ -313,24 +301,45 @@ class CustomTool:
 
 @attrs.frozen
 class HostedTool:
-    """A tool OpenAI's platform runs (``HOSTED_TOOL_TYPES``): ignored here."""
+    """A tool of any kind but function, custom and namespace: one OpenAI's
+    platform runs (``web_search``, ``file_search``, ``tool_search`` ...) or
+    one this server does not know. Left out of the prompt, named in the
+    ``x-gezel-ignored-tools`` header and a log line."""
 
     type: str
 
 
-Tool = FunctionTool | CustomTool | HostedTool
+MemberTool = FunctionTool | CustomTool | HostedTool
+
+
+@attrs.frozen
+class NamespaceTool:
+    """A group of tools (Codex's MCP servers' tools): each function or custom
+    tool inside is served under ``flat_name(name, its name)``; other kinds
+    inside are ignored as at the top level."""
+
+    type: Literal["namespace"]
+    name: str = attrs.field(validator=Pattern(TOOL_NAME))
+    description: str | None = None
+    tools: list[MemberTool] = attrs.field(factory=list)
+
+
+Tool = FunctionTool | CustomTool | NamespaceTool | HostedTool
 
 
 @attrs.frozen
 class ToolChoiceFunction:
     type: Literal["function"]
     name: str
+    # A tool inside a namespace tool: named by its own name and the group's.
+    namespace: str | None = None
 
 
 @attrs.frozen
 class ToolChoiceCustom:
     type: Literal["custom"]
     name: str
+    namespace: str | None = None
 
 
 @attrs.frozen
@@ -345,7 +354,11 @@ class ToolChoiceAllowed:
 
     @property
     def names(self) -> list[str]:
-        return [str(t.get("name")) for t in self.tools if t.get("type") in ("function", "custom")]
+        return [
+            flat_name(t.get("namespace"), str(t.get("name")))
+            for t in self.tools
+            if t.get("type") in ("function", "custom")
+        ]
 
 
 ToolChoice = (
@@ -452,13 +465,39 @@ class ResponsesRequest:
 
     @property
     def served_tools(self) -> list[FunctionTool | CustomTool]:
-        """The tools the model is shown: hosted ones are left out."""
-        return [t for t in self.tools or [] if not isinstance(t, HostedTool)]
+        """The tools the model is shown: a namespace's under their flat
+        names, the kinds this server cannot run left out."""
+        out: list[FunctionTool | CustomTool] = []
+        for t in self.tools or []:
+            if isinstance(t, NamespaceTool):
+                out += [
+                    attrs.evolve(m, name=flat_name(t.name, m.name))
+                    for m in t.tools
+                    if not isinstance(m, HostedTool)
+                ]
+            elif not isinstance(t, HostedTool):
+                out.append(t)
+        return out
+
+    @property
+    def namespaced(self) -> dict[str, tuple[str, str]]:
+        """Each namespaced tool's flat name -> its namespace and own name."""
+        return {
+            flat_name(t.name, m.name): (t.name, m.name)
+            for t in self.tools or []
+            if isinstance(t, NamespaceTool)
+            for m in t.tools
+            if not isinstance(m, HostedTool)
+        }
 
     @property
     def ignored_tools(self) -> list[str]:
-        """The hosted tools' types, in order, once each."""
-        kinds = [t.type for t in self.tools or [] if isinstance(t, HostedTool)]
+        """The types of the tools left out (at the top level or in a
+        namespace), in order, once each."""
+        kinds: list[str] = []
+        for t in self.tools or []:
+            members = t.tools if isinstance(t, NamespaceTool) else [t]
+            kinds += [m.type for m in members if isinstance(m, HostedTool)]
         return list(dict.fromkeys(kinds))
 
     @property
@@ -586,21 +625,28 @@ def _converter() -> cattrs.Converter:
     plain_tool = make_dict_structure_fn(FunctionTool, conv, _cattrs_forbid_extra_keys=True)
     custom_tool = make_dict_structure_fn(CustomTool, conv, _cattrs_forbid_extra_keys=True)
 
-    def tool(value: Any, _: Any) -> Tool:
+    def member(value: Any, _: Any) -> MemberTool:
         kind = _item_type(value)
-        if kind in HOSTED_TOOL_TYPES:
-            return HostedTool(kind)
         if kind == "custom":
             structured_custom: CustomTool = custom_tool(value, CustomTool)
             return structured_custom
-        if kind != "function":
-            raise FieldInvalid(
-                "type",
-                f"tools of type {shown(kind)} are not supported: this server runs function and "
-                f"custom tools, and ignores hosted ones ({', '.join(HOSTED_TOOL_TYPES)})",
-            )
-        structured: FunctionTool = plain_tool(value, FunctionTool)
-        return structured
+        if kind == "function":
+            structured: FunctionTool = plain_tool(value, FunctionTool)
+            return structured
+        if not isinstance(kind, str) or not kind:
+            raise FieldInvalid("type", f"a tool's type must be a string; got {shown(kind)}")
+        # Hosted, or a kind this server does not know: left out and named.
+        return HostedTool(kind)
+
+    # Its members' hook first: the structure function reads it when built.
+    register_union(conv, MemberTool, member)
+    namespace_tool = make_dict_structure_fn(NamespaceTool, conv, _cattrs_forbid_extra_keys=True)
+
+    def tool(value: Any, t: Any) -> Tool:
+        if _item_type(value) == "namespace":
+            structured: NamespaceTool = namespace_tool(value, NamespaceTool)
+            return structured
+        return member(value, t)
 
     def input_format(value: Any, _: Any) -> TextInputFormat | GrammarInputFormat:
         kind = _item_type(value)
@@ -695,23 +741,7 @@ def _check(req: ResponsesRequest) -> None:
         check_cache_id(value, name)
     check_template_kwargs(req.chat_template_kwargs)
     if req.tools is not None:
-        if len(req.tools) > MAX_TOOLS:
-            raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
-        names: set[str] = set()
-        for i, tool in enumerate(req.tools):
-            if isinstance(tool, HostedTool):
-                continue
-            if tool.name in names:
-                raise InvalidRequest(
-                    f"tools[{i}].name {shown(tool.name)} is repeated", param="tools"
-                )
-            names.add(tool.name)
-            if isinstance(tool, FunctionTool):
-                check_parameters(tool.parameters, f"tools[{i}].parameters")
-            elif isinstance(tool.format, GrammarInputFormat):
-                check_custom_grammar(
-                    tool.format.syntax, tool.format.definition, f"tools[{i}].format"
-                )
+        _check_tools(req.tools)
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema" and fmt.schema is None:
         raise InvalidRequest(
@@ -734,6 +764,40 @@ def _check(req: ResponsesRequest) -> None:
                 "background responses are not streamed here: poll GET /v1/responses/{id}",
                 param="stream",
             )
+
+
+def _served(tools: list[Tool]) -> Iterator[tuple[str, str, FunctionTool | CustomTool]]:
+    """Each tool the model is shown, in order: its field path, the name it
+    is served under and the tool."""
+    for i, tool in enumerate(tools):
+        if isinstance(tool, NamespaceTool):
+            for j, member in enumerate(tool.tools):
+                if not isinstance(member, HostedTool):
+                    yield f"tools[{i}].tools[{j}]", flat_name(tool.name, member.name), member
+        elif not isinstance(tool, HostedTool):
+            yield f"tools[{i}]", tool.name, tool
+
+
+def _check_tools(tools: list[Tool]) -> None:
+    """At most ``MAX_TOOLS`` served, each name (a namespace's tools' flat
+    names included) once, each schema and grammar sound."""
+    served = list(_served(tools))
+    if len(served) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools", param="tools")
+    names: set[str] = set()
+    for where, name, tool in served:
+        if not re.fullmatch(TOOL_NAME, name):
+            raise InvalidRequest(
+                f"{where}.name is served as {shown(name)}, which must match {TOOL_NAME}",
+                param=f"{where}.name",
+            )
+        if name in names:
+            raise InvalidRequest(f"{where}.name {shown(name)} is repeated", param=f"{where}.name")
+        names.add(name)
+        if isinstance(tool, FunctionTool):
+            check_parameters(tool.parameters, f"{where}.parameters")
+        elif isinstance(tool.format, GrammarInputFormat):
+            check_custom_grammar(tool.format.syntax, tool.format.definition, f"{where}.format")
 
 
 def parse_responses_request(body: Any, seal: ReplySeal | None = None) -> ResponsesRequest:

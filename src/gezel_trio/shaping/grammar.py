@@ -32,6 +32,11 @@ generic format; ``shaping.call_syntax`` spells a call in each):
   text (which the tool-call parser would also pick up) is impossible: every
   call goes through the constrained branch. Being text, it cannot hold
   other special tokens either (EOS still ends the turn anywhere).
+  ``allowed_names`` (the gezel app's newer client) narrows the names a
+  call may take, here and in a forced call, to the tools the turn may
+  call; every tool stays in the prompt, so its cache is kept. An empty
+  list, or a name that is empty or not among the tools, is a 400 naming
+  it (``tool_grammar.allowed_names[i]``).
   ``format`` names the family the client expects (the seed's ``hermes`` is
   the ``<tool_call>`` family, which includes Qwen 3.5/3.6's Qwen3-Coder
   XML); where it disagrees with the template, the template's markup is
@@ -227,6 +232,7 @@ def build_constraint(
     response = _response_schema(response_format)
     choice = _tool_choice(tool_choice)
     hint = tool_grammar_hint(tool_grammar)
+    allowed = _allowed(hint, tools)
     if hint is not None and hint.format is not None and not hint.agrees_with(fmt.name):
         # The template's markup is what the model was taught, what the parser
         # reads and what the history renders: it wins (see the module docstring).
@@ -257,6 +263,13 @@ def build_constraint(
                 )
         else:
             chosen = all_tools
+        if allowed is not None:
+            chosen = [t for t in chosen if t.name in allowed]
+            if not chosen:
+                raise InvalidRequest(
+                    "tool_choice names only tools that tool_grammar.allowed_names leaves out",
+                    param="tool_choice",
+                )
         lark = _forced_call_lark(chosen, fmt)
         return _compile_lark("tool_call", lark, chosen, fmt, param="tool_choice", tok=llg_tokenizer)
 
@@ -264,7 +277,7 @@ def build_constraint(
     if response is not None:
         kind, schema = response
         if tools_active:
-            all_tools = _tools(tools, param="tools")
+            all_tools = _narrowed(_tools(tools, param="tools"), allowed)
             lark = _json_or_call_lark(schema, all_tools, fmt)
             return _compile_lark(
                 "json_or_tool_call",
@@ -297,7 +310,7 @@ def build_constraint(
                 "has tool-call markup (this one uses the generic JSON format)",
                 param="tool_grammar",
             )
-        all_tools = _tools(tools, param="tools")
+        all_tools = _narrowed(_tools(tools, param="tools"), allowed)
         return _compile_lark(
             "tool_name",
             _calls_in_text_lark(
@@ -403,6 +416,8 @@ class ToolGrammarHint:
 
     format: str | None
     mode: str
+    # The tools a call may name (``None``: any of the request's).
+    allowed_names: tuple[str, ...] | None = None
 
     def agrees_with(self, tool_format: str) -> bool:
         """Whether ``format`` names the family of a template's markup."""
@@ -415,10 +430,11 @@ def tool_grammar_hint(tool_grammar: Mapping[str, Any] | None) -> ToolGrammarHint
         return None
     if not isinstance(tool_grammar, Mapping):
         raise InvalidRequest("tool_grammar must be an object", param="tool_grammar")
-    unknown = sorted(set(tool_grammar) - {"format", "mode"})
+    unknown = sorted(set(tool_grammar) - {"format", "mode", "allowed_names"})
     if unknown:
         raise InvalidRequest(
-            f"tool_grammar takes format and mode, not {', '.join(unknown)}", param="tool_grammar"
+            f"tool_grammar takes format, mode and allowed_names, not {', '.join(unknown)}",
+            param="tool_grammar",
         )
     mode = tool_grammar.get("mode", "name-and-params")
     if mode not in TOOL_GRAMMAR_MODES:
@@ -432,7 +448,46 @@ def tool_grammar_hint(tool_grammar: Mapping[str, Any] | None) -> ToolGrammarHint
         raise InvalidRequest(
             f"tool_grammar.format must be one of {listed}, not {shown(fmt)}", param="tool_grammar"
         )
-    return ToolGrammarHint(fmt, mode)
+    return ToolGrammarHint(fmt, mode, _allowed_names(tool_grammar.get("allowed_names")))
+
+
+def _allowed_names(names: Any) -> tuple[str, ...] | None:
+    """``tool_grammar.allowed_names`` checked on its own (against the tools
+    in ``_allowed``)."""
+    if names is None:
+        return None
+    where = "tool_grammar.allowed_names"
+    if not isinstance(names, Sequence) or isinstance(names, str) or not names:
+        raise InvalidRequest(f"{where} must be a non-empty list of tool names", param=where)
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(
+                f"{where}[{i}] must be a tool's name, not {shown(name)}", param=f"{where}[{i}]"
+            )
+    return tuple(names)
+
+
+def _allowed(
+    hint: ToolGrammarHint | None, tools: Sequence[Mapping[str, Any]] | None
+) -> frozenset[str] | None:
+    """The names calls may take under ``allowed_names``, each one checked
+    to be among ``tools`` (``None``: no narrowing)."""
+    if hint is None or hint.allowed_names is None:
+        return None
+    declared = {
+        fn.get("name")
+        for t in tools or ()
+        if isinstance(t, Mapping) and isinstance(fn := t.get("function"), Mapping)
+    }
+    for i, name in enumerate(hint.allowed_names):
+        if name not in declared:
+            where = f"tool_grammar.allowed_names[{i}]"
+            raise InvalidRequest(f"{where} {shown(name)} is not in tools", param=where)
+    return frozenset(hint.allowed_names)
+
+
+def _narrowed(tools: list[_Tool], allowed: frozenset[str] | None) -> list[_Tool]:
+    return tools if allowed is None else [t for t in tools if t.name in allowed]
 
 
 def _tools(
