@@ -11,6 +11,10 @@ read the whole body first, and waited for it until its 60 s body timeout)."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import resource
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -198,3 +202,49 @@ def test_the_flag_sets_the_bound() -> None:
     args = cli._parser().parse_args(["serve", "--model", "m", "--max-connections", "12"])
     assert cli._from_flags(HttpSettings, args).max_connections == 12
     assert HttpSettings().max_connections == 256
+
+
+# Holds N idle connections, then asks for /health on one more: its status.
+_IDLE_CLIENT = """
+import resource, socket, sys
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # not the server's lowered one
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+held = [socket.create_connection((host, port), timeout=10) for _ in range(n)]
+probe = socket.create_connection((host, port), timeout=10)
+probe.sendall(b"GET /health HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nConnection: close\\r\\n\\r\\n")
+data = b""
+while chunk := probe.recv(65536):
+    data += chunk
+print(data.split(b" ", 2)[1].decode())
+"""
+
+
+async def test_out_of_descriptors_closes_the_longest_idle_with_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server's process out of descriptors, 100 idle connections held
+    by another process: each accept that fails closes the longest idle
+    connection, so the probe is answered, and one log line (no traceback)
+    says so. Hypercorn's accept loop logged a traceback every 0.1 s and
+    answered nobody until its keep-alive timers gave descriptors back."""
+    caplog.set_level(logging.WARNING)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with trio.fail_after(HANG):
+        async with _served(HttpSettings()) as (host, port):
+            # Room for about 40 connections beside what the process holds.
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40, hard)
+            )
+            try:
+                done = await trio.run_process(
+                    [sys.executable, "-c", _IDLE_CLIENT, host, str(port), "100"],
+                    capture_stdout=True,
+                )
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert done.stdout.decode().strip() == "200"
+    out_of_files = [r for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(out_of_files) == 1
+    assert "EMFILE" in out_of_files[0].getMessage()
+    assert all(r.exc_info is None for r in caplog.records)
