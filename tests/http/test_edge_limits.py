@@ -216,7 +216,18 @@ probe.sendall(b"GET /health HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nConnection: close
 data = b""
 while chunk := probe.recv(65536):
     data += chunk
-print(data.split(b" ", 2)[1].decode())
+# The held connections the server closed: one for each accept that found
+# no descriptor, never all of them (those it kept stay silent).
+ended = 0
+for sock in held:
+    sock.setblocking(False)
+    try:
+        ended += sock.recv(1) == b""
+    except BlockingIOError:
+        pass
+    except ConnectionResetError:
+        ended += 1
+print(data.split(b" ", 2)[1].decode(), ended)
 """
 
 
@@ -243,7 +254,10 @@ async def test_out_of_descriptors_closes_the_longest_idle_with_one_log_line(
                 )
             finally:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert done.stdout.decode().strip() == "200"
+    status, ended = done.stdout.decode().split()
+    assert status == "200"
+    # Room for about 40: at most the other 60 and the probe's closed idle ones.
+    assert int(ended) <= 100 - 20
     out_of_files = [r for r in caplog.records if "accept failed" in r.getMessage()]
     assert len(out_of_files) == 1
     assert "EMFILE" in out_of_files[0].getMessage()

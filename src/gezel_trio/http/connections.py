@@ -238,11 +238,13 @@ class ConnectionCap:
                     self.open,
                     self.idle,
                 )
-                if not self._evict_oldest():
-                    # Nothing of ours to close: wait for a connection to end,
-                    # or for a descriptor given back elsewhere.
-                    with trio.move_on_after(ACCEPT_RETRY_S):
-                        await self._released.wait()
+                # A failed accept does not yield: without this wait the loop
+                # would close every idle connection before the first closed.
+                # One closed, the next accept waits for it (or for a
+                # descriptor given back elsewhere).
+                self._evict_oldest()
+                with trio.move_on_after(ACCEPT_RETRY_S):
+                    await self._released.wait()
                 continue
             admitted = self._admit()
             if admitted is None:
