@@ -312,6 +312,11 @@ class _Connection(TCPServer):
             return  # the peer is gone: no timer for a next request
         await super().protocol_send(event)
 
+    async def _close(self) -> None:
+        # Without hypercorn's shutdown(SHUT_WR) first: close() sends the FIN
+        # itself, so a peer that sees the end knows the descriptor is gone.
+        await self.stream.aclose()
+
     async def _idle_timeout(self) -> None:
         idle_for = REFUSED_IDLE_S if self.refused else self.config.keep_alive_timeout
         with trio.move_on_after(idle_for) as timer:
