@@ -23,6 +23,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 import trio
+import trio.testing
 
 from gezel_trio import cli
 from gezel_trio.http.app import HttpSettings, create_app, served
@@ -196,6 +197,34 @@ async def test_requests_past_the_bound_get_a_503_at_once() -> None:
         sent.clear()
         await bounded(scope("/v1/completions"), nothing, record)
         assert sent[0]["status"] == 200
+
+
+async def test_with_every_connection_busy_a_new_one_is_refused_and_a_probe_answered() -> None:
+    with trio.fail_after(HANG):
+        async with _served(HttpSettings(max_connections=2)) as (host, port):
+            busy = [await trio.open_tcp_stream(host, port) for _ in range(2)]
+            for stream in busy:
+                # A request in progress: its headers whole, its body not yet sent.
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 10\r\n\r\n"
+                )
+            # The cushion lets the server read what was sent before it settles.
+            await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+            async with await trio.open_tcp_stream(host, port) as third:
+                await third.send_all(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                status, headers, body = await _head_of_response(third)
+            assert status == 503
+            assert headers["connection"] == "close"
+            assert headers["retry-after"] == "1"
+            assert "limit of 2 connections" in json.loads(body)["error"]["message"]
+            async with await trio.open_tcp_stream(host, port) as probe:
+                await probe.send_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                status, headers, _ = await _head_of_response(probe)
+            assert status == 200
+            assert headers["connection"] == "close"
+            for stream in busy:
+                await stream.aclose()
 
 
 def test_the_flag_sets_the_bound() -> None:
