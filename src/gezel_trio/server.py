@@ -10,7 +10,8 @@
                 │                      tagged contained failures
                 ├─ ResponseStore.run   stored Responses, their files, background
                 │                      responses (one task each, cancellable)
-                ├─ hypercorn serve     the quart-trio app, bound after the engine
+                ├─ serve_http          the quart-trio app under hypercorn, bound after
+                │                      the engine; its own accept loop (http.connections)
                 ├─ signal watcher      SIGINT/SIGTERM -> graceful drain
                 └─ grace closer        the drain's end -> what still runs fails
 
@@ -46,7 +47,6 @@ from typing import Any
 import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from .core.backend import Backend
 from .core.config import EngineConfig
@@ -55,9 +55,9 @@ from .core.sched import EVENT_LOOP_SLICE_NS, request_slice
 from .core.settings import setting
 from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app, served
-from .http.connections import bound_requests
+from .http.connections import ConnectionCap, bound_requests, check_connection_cap, serve_http
 from .http.response_store import ResponseStore
-from .mlx import mlx_backend
+from .mlx import mlx_backend, open_file_limit
 from .stdout_protocol import StdoutProtocol, StdoutSettings
 
 __all__ = ["Orphaned", "ServerConfig", "serve"]
@@ -197,21 +197,22 @@ def _idle_closable(app: Any) -> Any:
     return shielded_end
 
 
-async def _serve_http(  # noqa: ASYNC128 - hypercorn.serve calls started()
-    app: object,
+async def _serve_http(  # noqa: ASYNC128 - serve_http calls started()
+    app: Any,
     hc: HypercornConfig,
+    cap: ConnectionCap,
     shutdown: trio.Event,
     owner: trio.CancelScope,
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
-        await hypercorn_serve(
+        await serve_http(
             _idle_closable(app),
             hc,
+            cap,
             shutdown_trigger=shutdown.wait,
             task_status=task_status,
-            mode="asgi",
         )
     finally:
         # The HTTP server has drained (or failed): the engine goes with it.
@@ -272,7 +273,7 @@ async def serve(
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout + GRACE_FLUSH_S
     hc.read_timeout = None  # a long stream must not be cut by an idle read timer
-    hc.keep_alive_timeout = 75
+    hc.keep_alive_timeout = config.http.idle_timeout
     hc.accesslog = None
     # Route hypercorn through our logging config (its default adds a second handler).
     hc.errorlog = logging.getLogger("hypercorn.error")
@@ -312,8 +313,9 @@ async def serve(
         )
         await nursery.start(responses.run)
         app = create_app(engine, http, responses)
-        bounded = bound_requests(served(app), http.max_connections)
-        binds = await nursery.start(_serve_http, bounded, hc, shutdown, nursery.cancel_scope)
+        cap = ConnectionCap(http.max_connections)
+        bounded = bound_requests(served(app), http.max_connections, cap)
+        binds = await nursery.start(_serve_http, bounded, hc, cap, shutdown, nursery.cancel_scope)
         stdout.say_nowait("Application startup complete.")
         for bind in binds:
             # The seed printed its server's line by hand; a supervisor may key on it.
@@ -357,7 +359,22 @@ def main_serve(
     config: ServerConfig, *, backend_factory: Callable[[EngineConfig], Backend] | None = None
 ) -> int:
     """Run ``serve`` in a fresh Trio loop; a load failure or an engine
-    failure is one clean line and exit status 1."""
+    failure is one clean line and exit status 1; ``--max-connections``
+    above what the open-file limit allows, exit status 2.
+
+    The process's open-file limit is raised to its hard limit first
+    (``open_file_limit``): each connection holds a descriptor."""
+    open_files = open_file_limit()
+    try:
+        check_connection_cap(config.http.max_connections, open_files)
+    except ValueError as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
+    log.info(
+        "open-file limit %d: up to %d connections (--max-connections)",
+        open_files,
+        config.http.max_connections,
+    )
     status = 0
     try:
         trio.run(partial(serve, config, backend_factory=backend_factory, on_engine=_tune_process))

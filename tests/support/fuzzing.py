@@ -6,8 +6,8 @@ Requests are drawn by hypothesis: well-formed bodies with random valid
 values, and the same bodies with one field replaced by a hostile JSON value
 (wrong types, extreme and non-finite numbers, huge and deep values, unicode
 edge cases including lone surrogates), fields dropped or unknown ones added,
-raw bytes and wrong content types, unknown routes and methods. The
-invariants, checked on every response:
+raw bytes and wrong content types, unknown routes and methods, probes with
+a body. The invariants, checked on every response:
 
 * the status is below 500, and every 4xx is the OpenAI JSON error envelope
   (Anthropic's on ``/v1/messages``);
@@ -470,7 +470,7 @@ def requests(draw: st.DrawFn, huge_budgets: bool = False) -> Request:
                 *("chat", "chat", "chat", "alias", "messages", "messages", "count"),
                 *("warm", "delete", "flush", "get", "odd"),
                 *("completions", "tokenize", "detokenize"),
-                *("responses", "responses", "response"),
+                *("responses", "responses", "response", "probe"),
             ]
         )
     )
@@ -506,6 +506,10 @@ def requests(draw: st.DrawFn, huge_budgets: bool = False) -> Request:
         raw = str(draw(st.one_of(st.integers(), _texts))).encode("utf-8", "surrogatepass")
         settle = urllib.parse.quote(raw, safe="")
         return Request("POST", f"/admin/flush?settle_ms={settle}", None, None)
+    if route == "probe":
+        # A probe with a body: answered from its headers, the body never read.
+        content = draw(st.one_of(st.none(), st.binary(max_size=64)))
+        return Request(draw(st.sampled_from(["GET", "HEAD"])), "/health", content, None)
     if route == "get":
         path = draw(
             st.sampled_from(

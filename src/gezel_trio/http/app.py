@@ -56,7 +56,7 @@ from .probe import HEALTH_PATH, Asgi, HealthProbe, health_first
 from .response_store import ResponseStore
 from .sse import STREAM_HOLD_KEY
 from .strict import StrictJSONProvider
-from .tenancy import NO_TENANT, KeyRing, read_key_file
+from .tenancy import NO_TENANT, KeyRing, bodies_after_keys, read_key_file
 
 __all__ = ["HttpSettings", "create_app", "served"]
 
@@ -99,14 +99,28 @@ class HttpSettings:
     max_body_bytes: int = setting(
         8 * MIB, flag="--max-body-mb", flag_type=float, per_unit=MIB, help="largest request body"
     )
-    # Each request in progress holds its body, its parse and its stream;
-    # hypercorn bounds none of it (``http.connections``).
+    # Each open connection holds a descriptor, each request in progress its
+    # body, its parse and its stream; hypercorn bounds none of it
+    # (``http.connections``).
     max_connections: int = setting(
         256,
         flag="--max-connections",
         validator=attrs.validators.gt(0),
-        help="HTTP requests served at once; past it a request is answered 503 at once "
-        "(Retry-After, its connection closed, its body unread); /health is always answered",
+        help="open HTTP connections, idle keep-alive ones included, and requests in progress; "
+        "past it the longest idle connection is closed, or with none idle a request is "
+        "answered 503 at once (Retry-After, its connection closed, its body unread); "
+        "/health is always answered",
+    )
+    # 75 s outlasts the keep-alive of the clients and proxies in front
+    # (httpx 5 s, Node 4-5 s, a load balancer's 60 s), so they close first
+    # and never send on a connection closing under them.
+    idle_timeout: float = setting(
+        75.0,
+        flag="--idle-timeout",
+        flag_type=float,
+        validator=attrs.validators.gt(0),
+        help="seconds a connection with no request in progress stays open: a new one that "
+        "sends nothing, or a keep-alive one between requests",
     )
     # A browser page's state-changing requests (POST, DELETE) are refused
     # unless its Origin is the server's own, a loopback one, or one of these
@@ -237,6 +251,7 @@ def create_app(
     refuse_openai = refusal(engine, error_response)
     probe = HealthProbe(engine, store, policy)
     app.extensions[_PROBE] = probe
+    app.extensions[_KEYS] = keys
 
     def refuse(err: GezelError) -> Response:
         # Each protocol's errors in its own envelope, whatever raised them:
@@ -362,6 +377,7 @@ def create_app(
 
 
 _PROBE = "gezel_trio.health_probe"
+_KEYS = "gezel_trio.keys"
 
 
 def _incoming() -> Any:
@@ -373,6 +389,9 @@ def _incoming() -> Any:
 
 def served(app: QuartTrio) -> Asgi:
     """The ASGI callable to serve ``app`` (made by ``create_app``) with: a
-    plain ``GET /health`` is answered before Quart runs (``http.probe``)."""
+    plain ``GET /health`` is answered before Quart runs (``http.probe``),
+    and a request without a valid key never has its body read
+    (``tenancy.bodies_after_keys``)."""
     probe: HealthProbe = app.extensions[_PROBE]
-    return health_first(app, probe)
+    keys: KeyRing = app.extensions[_KEYS]
+    return health_first(bodies_after_keys(app, keys), probe)

@@ -24,6 +24,7 @@ __all__ = [
     "ProtocolBlueprint",
     "Unauthorized",
     "UnsupportedMedia",
+    "closing",
     "error_response",
     "json_body",
     "json_view",
@@ -79,6 +80,19 @@ class HttpError(GezelError):
 
 # How one protocol writes an error as a response.
 Envelope = Callable[[GezelError], Response]
+
+
+def closing(send: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """An ASGI ``send`` whose response says ``Connection: close``: the
+    server closes the connection after it."""
+
+    async def closing_send(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
 
 
 def error_response(err: GezelError) -> Response:

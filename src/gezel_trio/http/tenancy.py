@@ -17,25 +17,34 @@ Enforced here, at the HTTP edge, so the engine needs no notion of tenants:
   a prompt reuses only what prompts of the same tenant and salt left.
 * **Stored responses** carry their tenant (``StoredResponse.owner``);
   another tenant's id is answered as an unknown one.
+* **Bodies after keys.** A request without a valid key never has its body
+  read (``bodies_after_keys``, in front of the app): Quart reads a body
+  as it arrives, beside the checks, so 40 unauthenticated 7 MB uploads
+  once took 280 MB before their 401s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 from quart import g
+from werkzeug.datastructures import Headers
 
 from ..core.prepare import ChatRequest
+from .edge import closing
+from .probe import HEALTH_PATH
 
 __all__ = [
     "NO_TENANT",
     "KeyRing",
     "Tenant",
+    "bodies_after_keys",
     "current_tenant",
     "public_name",
     "read_key_file",
@@ -171,3 +180,70 @@ class KeyRing:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+# The ASGI callable the server serves.
+Asgi = Callable[[Any, Any, Any], Awaitable[None]]
+
+# What a withheld request's app reads: an empty body.
+_NO_BODY = {"type": "http.request", "body": b"", "more_body": False}
+
+
+def bodies_after_keys(app: Asgi, keys: KeyRing) -> Asgi:
+    """``app`` with the body withheld from every request that may not send
+    one: with ``keys``, one without a valid key, and a ``/health`` probe
+    always (it reads none). ``app`` reads an empty body and answers from
+    the headers (the key check's 401, the probe's answer), and the
+    connection closes after that answer when a body was announced, so the
+    body is never read, buffered or waited for.
+
+    Cancellation: as ``app``'s."""
+
+    async def keyed(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        if scope["path"] != HEALTH_PATH:
+            if not keys:
+                await app(scope, receive, send)
+                return
+            headers = Headers(
+                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+            )
+            if keys.tenant(headers) is not None:
+                await app(scope, receive, send)
+                return
+        await app(scope, _withheld(), _closing_if_body(scope, send))
+
+    return keyed
+
+
+def _headers(scope: Any) -> Headers:
+    """The request's headers, as Quart reads them from ``scope``."""
+    return Headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]])
+
+
+def _withheld() -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI ``receive`` that gives an empty body, then waits (the app
+    stops listening as its response ends)."""
+    given = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return dict(_NO_BODY)
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    return receive
+
+
+def _closing_if_body(scope: Any, send: Any) -> Any:
+    """``send``, its response closing the connection when the request
+    announced a body (which stays unread)."""
+    announced = any(
+        (name == b"content-length" and value.strip() != b"0") or name == b"transfer-encoding"
+        for name, value in scope["headers"]
+    )
+    return closing(send) if announced else send

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..core.backend import Backend
     from ..core.config import EngineConfig
 
-__all__ = ["follow_rank", "group_rank", "mlx_backend"]
+__all__ = ["follow_rank", "group_rank", "mlx_backend", "open_file_limit"]
 
 
 def mlx_backend(config: EngineConfig) -> Backend:
@@ -32,6 +32,25 @@ def mlx_backend(config: EngineConfig) -> Backend:
     if group is None:
         return backend
     return GroupBackend(backend, group, backend.stream, config.group_timeout)
+
+
+def open_file_limit() -> int:
+    """The process's open-file limit (its soft ``RLIMIT_NOFILE``), raised to
+    its hard limit. Importing mlx-lm sets both (``mlx_lm.utils``: 2048 and
+    4096, whatever the supervisor gave; a hard limit once lowered stays
+    lowered), so it is imported first: raised before, the limit would be
+    lowered again as the model loads."""
+    import contextlib
+    import resource
+
+    import mlx_lm.utils  # noqa: F401 - its import sets the limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard and hard != resource.RLIM_INFINITY:
+        # A platform's own ceiling (macOS: OPEN_MAX) leaves the soft limit as it is.
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def group_rank() -> tuple[int, int] | None:
