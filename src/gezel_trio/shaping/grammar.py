@@ -61,10 +61,13 @@ JSON is generated compactly in ``json.dumps`` style (``", "`` and ``": "``,
 no other whitespace): flexible whitespace lets a weak model loop on newlines
 forever, and the compact form is the one chat templates render.
 
-Hostile input is bounded three ways: each schema is at most
+Hostile input is bounded four ways: each schema is at most
 ``MAX_SCHEMA_BYTES`` serialized and ``MAX_SCHEMA_DEPTH`` deep (checked
 before anything recurses), the whole grammar at most ``MAX_GRAMMAR_BYTES``,
-and ``parser_limits()`` caps llguidance's lexer fuel, Earley items and lexer
+a grammar's rules, reference depth, nesting and alternatives and a schema's
+depth through its ``$ref``s by ``grammar_bounds`` (llguidance recurses on
+the native stack, where an overflow ends the process), and
+``parser_limits()`` caps llguidance's lexer fuel, Earley items and lexer
 states, so a schema that would stall mask computation is refused here or, at
 worst, ends its own sequence on the engine side. Compiling takes
 milliseconds for ordinary schemas and under a second for the largest
