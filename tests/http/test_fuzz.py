@@ -1,4 +1,4 @@
-"""Fuzz every route of the real server on the real MLX backend (issue 9).
+"""Fuzz every route of the real server on the real MLX backend.
 
 A bounded number of hypothesis examples (``GEZEL_FUZZ_EXAMPLES``, 500 by
 default, which keeps CI in its time; ``python -m bench fuzz`` runs 50,000)
@@ -19,17 +19,22 @@ from pathlib import Path
 
 import httpx2 as httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from tests.support.fuzzing import (
     FUZZ_SERVER_ARGS,
     HealthyStream,
     Request,
+    bomb_request,
     check,
+    grammar_bombs,
     health_ok,
     image_requests,
+    ref_chain,
     requests,
+    rule_chain,
     send,
+    terminal_chain,
 )
 from tests.support.models import with_context
 from tests.support.process import Server, spawn_server, start_server, stop_server, terminate
@@ -116,4 +121,28 @@ def test_no_image_hurts_the_vision_server(
     resp = send(client, req)
     assert check(resp) == (), f"{req.path} {req.content!r:.300}"
     assert resp.status_code in (200, 400), resp.text
+    assert health_ok(client) is None
+
+
+@settings(
+    max_examples=max(1, EXAMPLES // 10),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(req=grammar_bombs)
+# Each past the depth that overflowed an 8 MiB stack in llguidance 1.9.1.
+@example(req=bomb_request("responses", rule_chain(3_000)))
+@example(req=bomb_request("chat", terminal_chain(4_000)))
+@example(req=bomb_request("response_format", ref_chain(1_000)))
+def test_no_grammar_bomb_hurts_the_server_or_another_request(
+    fuzzed: tuple[Server, httpx.Client], req: Request
+) -> None:
+    """Long rule chains, deep nesting, many alternatives and deep $ref
+    chains, each in every field that reaches llguidance: the small ones
+    served, the rest refused by the grammar bounds, the server unharmed."""
+    srv, client = fuzzed
+    resp = send(client, req)
+    assert srv.proc.poll() is None, "the server died"
+    assert check(resp) == (), f"{req.method} {req.path} {req.content!r:.300}"
     assert health_ok(client) is None

@@ -52,7 +52,9 @@ __all__ = [
     "FUZZ_SERVER_ARGS",
     "HealthyStream",
     "Outcome",
+    "bomb_request",
     "check",
+    "grammar_bombs",
     "image_requests",
     "requests",
     "send",
@@ -432,6 +434,134 @@ class Request:
     content_type: str | None = "application/json"
 
 
+# --- grammar bombs -----------------------------------------------------------
+# Grammars and schemas small in bytes but deep or wide where llguidance
+# recurses or slows: on an 8 MiB stack a chain of 2,700 rules, 3,500
+# terminals or 920 "$ref"-linked object definitions overflowed it (SIGSEGV).
+
+
+def rule_chain(n: int) -> str:
+    """``start: r0``, ``r0: r1 "a"`` ... ``rn: "b"``: n rules, each the next's only user."""
+    return "\n".join(["start: r0", *(f'r{i}: r{i + 1} "a"' for i in range(n)), f'r{n}: "b"'])
+
+
+def terminal_chain(n: int) -> str:
+    lines = ["start: T0", *(f'T{i}: T{i + 1} "a"' for i in range(n)), f'T{n}: "b"']
+    return "\n".join(lines)
+
+
+def nested_parens(n: int) -> str:
+    return "start: " + "(" * n + '"a"' + ")" * n
+
+
+def many_alternatives(n: int) -> str:
+    return "start: " + " | ".join(f'"a{i}"' for i in range(n))
+
+
+def nested_groups(n: int) -> str:
+    """A regex of n nested groups."""
+    return "(" * n + "a" + ")" * n
+
+
+def ref_chain(n: int) -> dict[str, Any]:
+    """An object schema whose property is a chain of n ``$defs``, each's
+    one property a ``$ref`` to the next (1,000: 55 kB, under the schema size
+    bound; 900 overflowed an 8 MiB stack)."""
+    defs: dict[str, Any] = {
+        f"{i:x}": {"properties": {"a": {"$ref": f"#/$defs/{i + 1:x}"}}} for i in range(n)
+    }
+    defs[f"{n:x}"] = {"type": "string"}
+    return {"type": "object", "properties": {"a": {"$ref": "#/$defs/0"}}, "$defs": defs}
+
+
+def nested_schema(n: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+_ASK = [{"role": "user", "content": "Go."}]
+
+
+def bomb_request(carrier: str, bomb: str | dict[str, Any]) -> Request:
+    """``bomb`` (a Lark grammar, a regex or a JSON schema) in one of the
+    fields that reach llguidance, as a request that compiles it."""
+    if isinstance(bomb, str):
+        syntax = "regex" if carrier.endswith("regex") else "lark"
+        if carrier.startswith("responses"):
+            fmt = {"type": "grammar", "syntax": syntax, "definition": bomb}
+            body: dict[str, Any] = {
+                "input": "Go.",
+                "max_output_tokens": 4,
+                "tools": [{"type": "custom", "name": "t", "format": fmt}],
+                "tool_choice": {"type": "custom", "name": "t"},
+            }
+            return Request("POST", "/v1/responses", _encode(body))
+        grammar = {"syntax": syntax, "definition": bomb}
+        tool = {"name": "t", "format": {"type": "grammar", "grammar": grammar}}
+        body = {
+            "messages": _ASK,
+            "max_tokens": 4,
+            "tools": [{"type": "custom", "custom": tool}],
+            "tool_choice": {"type": "custom", "custom": {"name": "t"}},
+        }
+        return Request("POST", "/v1/chat/completions", _encode(body))
+    if carrier == "response_format":
+        fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": bomb}}
+        body = {"messages": _ASK, "max_tokens": 4, "response_format": fmt}
+        return Request("POST", "/v1/chat/completions", _encode(body))
+    if carrier == "text_format":
+        fmt = {"type": "json_schema", "name": "s", "schema": bomb}
+        body = {"input": "Go.", "max_output_tokens": 4, "text": {"format": fmt}}
+        return Request("POST", "/v1/responses", _encode(body))
+    if carrier == "input_schema":
+        tool = {"name": "f", "input_schema": bomb}
+        body = {
+            "messages": _ASK,
+            "max_tokens": 4,
+            "tools": [tool],
+            "tool_choice": {"type": "any"},
+        }
+        return Request("POST", "/v1/messages", _encode(body))
+    fn = {"name": "f", "parameters": bomb}
+    body = {
+        "messages": _ASK,
+        "max_tokens": 4,
+        "tools": [{"type": "function", "function": fn}],
+        "tool_choice": "required",
+    }
+    return Request("POST", "/v1/chat/completions", _encode(body))
+
+
+def _sizes(limit: int, top: int) -> st.SearchStrategy[int]:
+    """Sizes around a bound: small ones (accepted, and cheap to serve) and
+    ones past it, up to well beyond where llguidance crashed."""
+    return st.one_of(st.integers(1, min(limit, 60)), st.integers(limit - 2, top))
+
+
+_lark_bombs = st.one_of(
+    _sizes(200, 4_000).map(rule_chain),
+    _sizes(200, 5_000).map(terminal_chain),
+    _sizes(32, 200).map(nested_parens),
+    _sizes(2_000, 5_000).map(many_alternatives),
+    _sizes(100, 300).map(lambda n: f"start: /{nested_groups(n)}/"),
+    _sizes(85, 1_000).map(lambda n: "start: %json " + json.dumps(ref_chain(n))),
+)
+_schema_bombs = st.one_of(_sizes(85, 1_200).map(ref_chain), _sizes(64, 200).map(nested_schema))
+grammar_bombs = st.one_of(
+    st.tuples(st.sampled_from(["responses", "chat"]), _lark_bombs),
+    st.tuples(
+        st.sampled_from(["responses_regex", "chat_regex"]),
+        _sizes(100, 1_000).map(nested_groups),
+    ),
+    st.tuples(
+        st.sampled_from(["response_format", "text_format", "input_schema", "parameters"]),
+        _schema_bombs,
+    ),
+).map(lambda pair: bomb_request(*pair))
+
+
 def _encode(body: Any) -> bytes:
     # allow_nan: the fuzzer sends NaN/Infinity literals on purpose.
     return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
@@ -470,10 +600,12 @@ def requests(draw: st.DrawFn, huge_budgets: bool = False) -> Request:
                 *("chat", "chat", "chat", "alias", "messages", "messages", "count"),
                 *("warm", "delete", "flush", "get", "odd"),
                 *("completions", "tokenize", "detokenize"),
-                *("responses", "responses", "response", "probe"),
+                *("responses", "responses", "response", "probe", "bomb"),
             ]
         )
     )
+    if route == "bomb":
+        return draw(grammar_bombs)
     if route == "completions":
         body = bounded(draw(_mutated(completion_bodies)))
         return Request("POST", "/v1/completions", _encode(body))

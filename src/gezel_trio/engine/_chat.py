@@ -160,7 +160,7 @@ class ChatChoice:
             return False
         try:
             value = json.loads("".join(self._shaper.answer))
-        except ValueError:
+        except (ValueError, RecursionError):
             return False
         return isinstance(value, dict | list)
 

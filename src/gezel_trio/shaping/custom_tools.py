@@ -124,7 +124,7 @@ def custom_input(arguments: str) -> str | None:
     ``{"input": <string>}``."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if isinstance(value, dict) and isinstance(value.get(INPUT_PARAMETER), str):
         return str(value[INPUT_PARAMETER])

@@ -66,10 +66,13 @@ JSON is generated compactly in ``json.dumps`` style (``", "`` and ``": "``,
 no other whitespace): flexible whitespace lets a weak model loop on newlines
 forever, and the compact form is the one chat templates render.
 
-Hostile input is bounded three ways: each schema is at most
+Hostile input is bounded four ways: each schema is at most
 ``MAX_SCHEMA_BYTES`` serialized and ``MAX_SCHEMA_DEPTH`` deep (checked
 before anything recurses), the whole grammar at most ``MAX_GRAMMAR_BYTES``,
-and ``parser_limits()`` caps llguidance's lexer fuel, Earley items and lexer
+a grammar's rules, reference depth, nesting and alternatives and a schema's
+depth through its ``$ref``s by ``grammar_bounds`` (llguidance recurses on
+the native stack, where an overflow ends the process), and
+``parser_limits()`` caps llguidance's lexer fuel, Earley items and lexer
 states, so a schema that would stall mask computation is refused here or, at
 worst, ends its own sequence on the engine side. Compiling takes
 milliseconds for ordinary schemas and under a second for the largest
@@ -92,6 +95,7 @@ from ..core.constraint import Constraint, ConstraintKind
 from ..core.errors import InvalidRequest, shown
 from .call_syntax import CallSyntax, JsonSyntax, syntax_for
 from .custom_tools import INPUT_PARAMETER, escaped_grammar, grammar_of
+from .grammar_bounds import lark_problem, regex_problem, schema_problem
 
 __all__ = [
     "GRAMMAR_FORMATS",
@@ -549,6 +553,9 @@ def _custom_grammar(
     syntax, definition = grammar_of(custom[name])
     if definition is None:
         return None
+    problem = _shape_problem(syntax, definition)
+    if problem is not None:
+        raise InvalidRequest(f"{where}.format.definition: {problem}", param="tools")
     escaped = escaped_grammar(syntax, definition, where=f"{where}.format")
     _validate(escaped, param="tools", where=f"{where}.format.definition")
     return escaped
@@ -566,6 +573,9 @@ def _prepared_schema(
             f"{where} is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed",
             param=param,
         )
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise InvalidRequest(f"{where}: {problem}", param=param)
     # The client's own "x-guidance" options (whitespace patterns and the like)
     # are replaced: output shape and compile cost are the server's to decide.
     prepared = {k: v for k, v in schema.items() if k != "x-guidance"}
@@ -733,6 +743,9 @@ def custom_grammar_problem(syntax: str, definition: str) -> str | None:
     ``parser_limits()``: llguidance reads Lark natively, regexes as one lexeme."""
     if len(definition) > MAX_GRAMMAR_BYTES:
         return f"it is {len(definition)} bytes; at most {MAX_GRAMMAR_BYTES} are allowed"
+    problem = _shape_problem(syntax, definition)
+    if problem is not None:
+        return problem
     try:
         if syntax == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(definition)
@@ -744,3 +757,9 @@ def custom_grammar_problem(syntax: str, definition: str) -> str | None:
         grammar, None, limits=parser_limits()
     )
     return (messages[0] if messages else "invalid grammar")[:300] if is_error else None
+
+
+def _shape_problem(syntax: str, definition: str) -> str | None:
+    """Why a custom grammar is too large or deep for llguidance to compile
+    safely (``grammar_bounds``), checked before it sees the grammar."""
+    return regex_problem(definition) if syntax == "regex" else lark_problem(definition)

@@ -37,7 +37,8 @@ __all__ = [
 
 def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
     """Templates index into ``arguments``; OpenAI clients send it as a JSON
-    string, so parse it to a mapping (left as-is when it is not JSON)."""
+    string, so parse it to a mapping (left as-is when it is not JSON, or is
+    nested past Python's recursion limit: 5,000 "[" raised RecursionError)."""
     calls = message.get("tool_calls")
     if not calls:
         return message
@@ -46,7 +47,7 @@ def _prepare_message(message: dict[str, Any]) -> dict[str, Any]:
         fn = dict(call.get("function") or {})
         args = fn.get("arguments")
         if isinstance(args, str):
-            with contextlib.suppress(json.JSONDecodeError):
+            with contextlib.suppress(ValueError, RecursionError):
                 fn["arguments"] = json.loads(args) if args.strip() else {}
         prepared.append({**call, "function": fn})
     return {**message, "tool_calls": prepared}

@@ -66,7 +66,7 @@ def _arguments(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value) if value.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             # A freeform call cut short by the budget: the client sends back
             # the input as far as it went (``custom_tool_call``), which is
             # this prefix decoded.

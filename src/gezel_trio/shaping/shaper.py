@@ -112,7 +112,7 @@ ShapedEvent = TextDelta | ReasoningDelta | ToolCallDelta | ToolCallDone
 def _is_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):  # too deep for Python is not an object to use
         return False
 
 

@@ -59,7 +59,7 @@ def _bare_json(word: str) -> str:
         return _PYTHON_WORDS[word]
     try:
         value = json.loads(word)
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     else:
         if isinstance(value, bool | int | float) or value is None:
