@@ -55,6 +55,7 @@ def test_the_document_covers_every_route_and_field(server: Server) -> None:
         "/v1/responses/{response_id}",
         "/v1/responses/{response_id}/cancel",
         "/v1/models",
+        "/v1/models/{model_id}",
         "/health",
         "/metrics",
         "/openapi.json",

@@ -341,7 +341,24 @@ def document(model_id: str) -> dict[str, Any]:
             "get": {
                 "operationId": "listModels",
                 "summary": "The served model",
-                "responses": _responses(_json_ok("A list with the one served model.")),
+                "responses": _responses(
+                    _json_ok("A list with the one served model (its window: max_model_len).")
+                ),
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "operationId": "retrieveModel",
+                "summary": "The served model by its id; another id is a 404",
+                "parameters": [
+                    {
+                        "name": "model_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string", "minLength": 1},
+                    }
+                ],
+                "responses": _responses(_json_ok("The model, with max_model_len.")),
             }
         },
         "/health": {
