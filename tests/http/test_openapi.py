@@ -65,6 +65,7 @@ def test_the_document_covers_every_route_and_field(server: Server) -> None:
         "/admin/flush",
         "/v1/completions",
         "/completions",
+        "/infill",
         "/tokenize",
         "/detokenize",
         "/v1/messages",

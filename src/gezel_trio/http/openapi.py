@@ -65,7 +65,8 @@ _DOCS: dict[str, str] = {
     "n": "Choices of one prompt, computed once; at most --max-concurrency.",
     "echo": "Prepend the prompt to each choice's text (and its tokens to logprobs).",
     "best_of": "Must equal n: every generated sequence is returned, none ranked.",
-    "suffix": "Refused (400): no fill-in-the-middle.",
+    "suffix": "The text after the gap: a fill-in-the-middle prompt with the model's FIM "
+    "tokens (400 where it has none).",
     "add_special_tokens": "Default true for text; messages are tokenized as chat runs them.",
     "previous_response_id": "Continue a stored response's conversation; the prompt cache "
     "serves what it shares (usage.input_tokens_details.cached_tokens).",
@@ -538,6 +539,29 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
     return {
         "/v1/completions": {"post": {**completion_op, "operationId": "completions"}},
         "/completions": {"post": {**completion_op, "operationId": "completionsAlias"}},
+        "/infill": {
+            "post": {
+                "operationId": "infill",
+                "summary": "llama.cpp's fill-in-the-middle: input_prefix, input_suffix, "
+                "input_extra and prompt (after the middle token), with the model's FIM tokens",
+                "requestBody": _body(b.ref(openai_wire.InfillRequest)),
+                "responses": _responses(
+                    {
+                        "description": "llama.cpp's /completion object (content, stop, "
+                        "tokens_cached, timings), or with stream: true server-sent events "
+                        "of it.",
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {}},
+                        },
+                    },
+                    "400",
+                    "413",
+                    "415",
+                    "429",
+                ),
+            }
+        },
         "/tokenize": {
             "post": {
                 "operationId": "tokenize",
