@@ -48,6 +48,7 @@ from .core.events import (
     Progress,
     Queued,
     Resumed,
+    Started,
     TokenLogprob,
     Usage,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "Resumed",
     "SamplingParams",
     "SlowConsumer",
+    "Started",
     "TextDelta",
     "TokenLogprob",
     "ToolCallDelta",

@@ -97,7 +97,8 @@ def _claude_turn(client: anthropic.Anthropic, body: dict[str, Any]) -> Claude:
                 elif d.type == "input_json_delta":
                     partial[event.index] = partial.get(event.index, "") + d.partial_json
             elif event.type == "message_delta":
-                # The final count (message_start's is sent before admission).
+                # The final count (message_start carries the same split, known at
+                # admission; the output only comes here).
                 u = event.usage
                 cached = u.cache_read_input_tokens or 0
                 # computed + written into cache_control pins + read

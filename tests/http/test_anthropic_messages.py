@@ -29,7 +29,7 @@ import jsonschema
 import pytest
 
 from gezel_trio.core.errors import GezelError
-from gezel_trio.core.events import Failed, Progress, Queued, Usage
+from gezel_trio.core.events import Failed, Progress, Queued, Started, Usage
 from gezel_trio.engine import ChatFinished
 from gezel_trio.http.anthropic_messages import _Events, chat_request, message_body
 from gezel_trio.http.anthropic_wire import parse_messages_request
@@ -268,6 +268,15 @@ def _translate(events: list[Any]) -> bytes:
     return b"".join(out)
 
 
+def streamed_start(stream: bytes) -> dict[str, Any]:
+    """The usage ``message_start`` carries in a translated stream."""
+    for line in stream.decode().splitlines():
+        if line.startswith("data: ") and '"message_start"' in line:
+            usage: dict[str, Any] = json.loads(line[6:])["message"]["usage"]
+            return usage
+    raise AssertionError("no message_start")
+
+
 ASK: dict[str, Any] = {
     "model": "demo",
     "max_tokens": 64,
@@ -290,8 +299,12 @@ def test_the_stream_and_the_message_body_parse_to_the_same_message() -> None:
         ],
     }
     finished = ChatFinished("tool_calls", USAGE, message)
+    admitted = Usage(
+        input_tokens=40, output_tokens=0, cached_tokens=30, prompt_tps=0, generation_tps=0
+    )
     events = [
         Queued(0),
+        Started(admitted),
         Progress(16, 40),
         ReasoningDelta("Let me "),
         ReasoningDelta("think."),
@@ -305,8 +318,10 @@ def test_the_stream_and_the_message_body_parse_to_the_same_message() -> None:
         finished,
     ]
     stream = _translate(events)
-    # One ping with message_start, one per liveness note.
-    assert stream.count(b"event: ping\n") == 3
+    # message_start waits for the admission; while queued, an SSE comment
+    # alone. Then one ping with message_start, one per liveness note.
+    assert stream.startswith(b": queued 0\n\nevent: message_start\n")
+    assert stream.count(b"event: ping\n") == 2
     client = _serve(stream, message_body("msg_1", "demo", finished, show_thinking=True))
     whole = client.messages.create(**ASK)
     with client.messages.stream(**ASK) as s:
@@ -314,6 +329,8 @@ def test_the_stream_and_the_message_body_parse_to_the_same_message() -> None:
         streamed = s.get_final_message()
     assert kinds[0] == "message_start"
     assert kinds[-1] == "message_stop"
+    start = streamed_start(stream)
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (10, 30)
     for m in (whole, streamed):
         assert [b.type for b in m.content] == ["thinking", "text", "tool_use", "tool_use"]
         thinking, text, call_a, call_b = m.content
@@ -410,6 +427,50 @@ def test_stream_framing_pings_and_final_message_match_create(
         *["content_block_delta"] * (len(names) - first_block - 4),
         "content_block_stop",
     ]
+
+
+@pytest.mark.slow
+def test_message_start_carries_the_cached_prompt_known_at_admission(
+    client: anthropic.Anthropic,
+) -> None:
+    # A system block pinned by cache_control: turn one writes it into a pin
+    # (cache_creation), turn two reads the whole first turn from the cache.
+    system: list[Any] = [
+        {
+            "type": "text",
+            "text": "You keep the lighthouse log at Bergen harbour.",
+            "cache_control": {"type": "ephemeral"},
+        }
+    ]
+    ask: list[Any] = [{"role": "user", "content": "What did the night watch note?"}]
+    kw: dict[str, Any] = dict(model="demo", max_tokens=6, system=system, **NO_THINK)
+
+    def turn(messages: list[Any]) -> tuple[Any, Any, Any]:
+        with client.messages.stream(**kw, messages=messages, extra_body={"temperature": 0}) as s:
+            events = list(s)
+            final = s.get_final_message()
+        assert events[0].type == "message_start"
+        (delta,) = [e for e in events if e.type == "message_delta"]
+        return events[0].message.usage, delta.usage, final
+
+    start, end, first = turn(ask)
+    assert (end.cache_creation_input_tokens or 0) > 0
+    assert start.cache_creation_input_tokens == end.cache_creation_input_tokens
+    assert start.input_tokens == end.input_tokens
+    assert start.output_tokens == 0
+
+    history = [
+        *ask,
+        {"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in first.content]},
+        {"role": "user", "content": "And the morning watch?"},
+    ]
+    start, end, second = turn(history)
+    assert (start.cache_read_input_tokens or 0) > 0
+    assert start.cache_read_input_tokens == end.cache_read_input_tokens
+    assert start.cache_creation_input_tokens == end.cache_creation_input_tokens
+    assert start.input_tokens == end.input_tokens
+    # The SDK's final message keeps message_delta's figures.
+    assert second.usage.cache_read_input_tokens == start.cache_read_input_tokens
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ watch the engine's state while a client misbehaves."""
 
 from __future__ import annotations
 
+import json
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx2 as httpx
@@ -90,3 +92,43 @@ async def test_foreign_host_header_is_refused_on_loopback(dense_model: Path) -> 
             r = await c.get("/v1/models", headers={"Host": "evil.example:8080"})
             assert r.status_code == 403
             assert (await c.get("/v1/models", headers={"Host": "localhost:1"})).status_code == 200
+
+
+async def test_a_queued_messages_stream_shows_its_place_then_starts_at_admission(
+    dense_model: Path,
+) -> None:
+    ask = {
+        "model": "demo",
+        "max_tokens": 2,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Which ferry leaves first?"}],
+        "thinking": {"type": "disabled"},
+    }
+    with trio.fail_after(HANG):
+        async with (
+            served(dense_model, max_concurrency=1) as (_engine, url),
+            httpx.AsyncClient(base_url=url, timeout=HANG) as client,
+            AsyncExitStack() as stack,
+        ):
+            running = await stack.enter_async_context(raw_stream(url, BODY))
+            await read_content_frames(running, 1)
+            r = await stack.enter_async_context(client.stream("POST", "/v1/messages", json=ask))
+            lines = r.aiter_lines()
+            waiting = []
+            async for line in lines:
+                if line:
+                    waiting.append(line)
+                if line.startswith(": queued"):
+                    break
+            # While it waits, only the SSE comment: no event before message_start.
+            assert waiting == [": queued 0"]
+            await running.aclose()  # the running client leaves: this one is admitted
+            rest = [line async for line in lines if line]
+    names = [line[7:] for line in rest if line.startswith("event: ")]
+    assert names[0] == "message_start"
+    data = [json.loads(line[6:]) for line in rest if line.startswith("data: ")]
+    start = data[0]["message"]["usage"]
+    (end,) = [d["usage"] for d in data if d["type"] == "message_delta"]
+    for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+        assert start[key] == end[key]
+    assert start["output_tokens"] == 0

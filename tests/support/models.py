@@ -84,6 +84,11 @@ def vision_model(gezel_home: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fim_model(gezel_home: Path) -> Path:
+    return _build(gezel_home, "fim")
+
+
+@pytest.fixture(scope="session")
 def ple_model(gezel_home: Path) -> Path:
     """Gemma 4 E-series-shaped: a per-layer embedding table."""
     return _build(gezel_home, "ple")

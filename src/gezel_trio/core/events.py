@@ -1,8 +1,9 @@
 """Engine-to-request events: what arrives on a request's channel.
 
 A request's channel carries liveness notes (``Queued``, ``Parked``,
-``Resumed``, prefill ``Progress``), ``Delta`` values, and then exactly one
-``Finished`` or ``Failed``, after which the engine closes it.
+``Resumed``, prefill ``Progress``), ``Started`` once it is admitted,
+``Delta`` values, and then exactly one ``Finished`` or ``Failed``, after
+which the engine closes it.
 Consumers ``match`` on these classes.
 """
 
@@ -23,6 +24,7 @@ __all__ = [
     "FinishReason",
     "Finished",
     "Progress",
+    "Started",
     "Usage",
 ]
 
@@ -125,6 +127,15 @@ class Usage:
 
 
 @attrs.frozen
+class Started:
+    """Admitted into the batch: ``usage`` is the prompt's as known then -
+    how much of it the prompt cache serves and what it writes into pins -
+    with no output yet. Not a liveness note: a busy reader still gets it."""
+
+    usage: Usage
+
+
+@attrs.frozen
 class Delta:
     """Newly generated text, the token ids behind it, and the usage so far.
     ``text`` may be empty while a possible stop string is held back."""
@@ -150,4 +161,4 @@ class Failed:
     error: GezelError
 
 
-Event = Queued | Parked | Resumed | Progress | Delta | Finished | Failed
+Event = Queued | Parked | Resumed | Progress | Started | Delta | Finished | Failed

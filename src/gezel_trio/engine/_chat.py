@@ -20,7 +20,8 @@ iterating it yields ``(choice, event)`` pairs, the choices interleaved as
 they are generated. A choice yields the shaped events (``TextDelta``,
 ``ReasoningDelta``, ``ToolCallDelta``, ``ToolCallDone``), ``ChatLogprobs``
 when asked for, the engine's liveness notes (``Queued``, ``Progress``,
-``Parked``, ``Resumed``), and exactly one terminal event: ``ChatFinished``
+``Parked``, ``Resumed``), ``Started`` once it is admitted (the prompt's
+usage as known then), and exactly one terminal event: ``ChatFinished``
 (``stop``, ``length`` or ``tool_calls``, with usage and the whole assistant
 message) or ``Failed``.
 
@@ -50,6 +51,7 @@ from ..core.events import (
     Progress,
     Queued,
     Resumed,
+    Started,
     TokenLogprob,
     Usage,
 )
@@ -108,6 +110,7 @@ ChatEvent = (
     | Progress
     | Parked
     | Resumed
+    | Started
     | ChatFinished
     | Failed
 )
@@ -229,6 +232,9 @@ class ChatChoice:
             case Failed():
                 self._pending.append(event)
                 self._done = True
+            case Started(usage=usage):
+                self.usage = usage
+                self._pending.append(event)
             case _:
                 self._pending.append(event)
 

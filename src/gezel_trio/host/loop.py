@@ -61,6 +61,7 @@ from ..core.events import (
     Finished,
     FinishReason,
     Progress,
+    Started,
     TokenLogprob,
     Usage,
 )
@@ -364,6 +365,11 @@ class _Host:
             self.seqs.pop(rid, None)
             self._fail(rid, "insertion", err)
         self._seeded += [s for s in seeded if s[0] in self.seqs]
+        # The split between cached and computed prompt tokens is known now,
+        # before any prefill: streams that report it up front read it here.
+        self._events += [
+            (rid, Started(self.seqs[rid].usage())) for rid, _, _ in seeded if rid in self.seqs
+        ]
         for rid in ready:
             self._prefilled(rid)
 

@@ -5,9 +5,11 @@ A thin translation, like ``openai_chat``: the body becomes a ``ChatRequest``
 the assistant's ``tool_calls``, ``tool_result`` -> ``tool`` messages,
 ``thinking`` -> ``reasoning_content``), the engine prepares it before any
 byte is sent, and the chat's shaped events become Anthropic's content
-blocks - streamed as ``message_start``, ``content_block_start`` / ``_delta``
-/ ``_stop``, ``message_delta``, ``message_stop`` (with ``ping`` while the
-request waits or prefills), or returned as one ``message`` object. Errors on
+blocks - streamed as ``message_start`` (once the request is admitted, with
+the prompt's cached and computed tokens), ``content_block_start`` /
+``_delta`` / ``_stop``, ``message_delta``, ``message_stop`` (with SSE
+comments while the request waits in the queue, ``ping`` while it
+prefills), or returned as one ``message`` object. Errors on
 these routes, and on any path under ``/v1/messages``, use Anthropic's
 envelope (``{"type": "error", "error": {"type", "message"}}``).
 
@@ -33,7 +35,7 @@ import trio
 from quart import Response
 
 from ..core.errors import EngineClosed, GezelError, InvalidRequest, QueueFull, QueueTimeout, shown
-from ..core.events import Failed, Usage
+from ..core.events import Failed, Started, Usage
 from ..core.images import ImagePart
 from ..core.request import MessagePin, SamplingParams
 from ..engine import ChatChoice, ChatEvent, ChatFinished, ChatRequest, Engine
@@ -598,14 +600,31 @@ class _Events:
         # The message's ``diagnostics`` when the request asked for them.
         self._diagnostics = diagnostics
         self._system = system
+        self._started = False  # message_start sent
         self._index = -1
         self._open: str | None = None  # "text", "thinking" or "tool_use"
         self._thinking = hashlib.sha256()
 
     def opening(self) -> list[bytes]:
-        # The split between computed and cached prompt tokens is known once
-        # the request is admitted; message_delta carries it (clients take
-        # its usage as the final count).
+        # message_start waits for the admission (``Started``): clients that
+        # show the context read the cached and computed split from it.
+        return []
+
+    def _begin(self, usage: Usage | None) -> list[bytes]:
+        """``message_start`` (once) with the prompt's usage as known at
+        admission; without it (a stream that never saw ``Started``), the
+        whole prompt as computed."""
+        if self._started:
+            return []
+        self._started = True
+        body: dict[str, Any] = {
+            "input_tokens": self._prompt_tokens,
+            "output_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "cache_creation_input_tokens": 0,
+        }
+        if usage is not None:
+            body = usage_body(usage, self._system)
         message: dict[str, Any] = {
             "id": self._mid,
             "type": "message",
@@ -614,12 +633,7 @@ class _Events:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": self._prompt_tokens,
-                "output_tokens": 0,
-                "cache_read_input_tokens": 0,
-                "cache_creation_input_tokens": 0,
-            },
+            "usage": body,
         }
         if self._diagnostics is not None:
             message["diagnostics"] = self._diagnostics["diagnostics"]
@@ -628,7 +642,17 @@ class _Events:
     def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
         note = liveness_comment(event)
         if note is not None:
-            return [_PING, note]
+            # Before message_start only the SSE comment: Anthropic's streams
+            # open with message_start, and every SSE reader skips comments.
+            return [_PING, note] if self._started else [note]
+        match event:
+            case Started(usage=usage):
+                return self._begin(usage)
+            case Failed(error=error):
+                return self.failure(error)
+        return [*self._begin(None), *self._content(event)]
+
+    def _content(self, event: ChatEvent) -> list[bytes]:
         match event:
             case TextDelta(text=text):
                 return [*self._switch("text"), self._delta({"type": "text_delta", "text": text})]
@@ -662,8 +686,6 @@ class _Events:
                     ),
                     _event("message_stop", {}),
                 ]
-            case Failed(error=error):
-                return self.failure(error)
         return []
 
     def failure(self, err: GezelError) -> list[bytes]:

@@ -358,20 +358,27 @@ def create_app(
     async def openapi() -> Response:
         return Response(openapi_json(engine.info.model_id), mimetype="application/json")
 
+    def model_card() -> dict[str, Any]:
+        # The window under both names editors read: ``max_model_len``
+        # (vLLM's; Cline and opencode) and ``context_length``.
+        return {
+            "id": engine.info.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "gezel-trio",
+            "max_model_len": engine.info.context_length,
+            "context_length": engine.info.context_length,
+        }
+
     @app.route("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": engine.info.model_id,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "gezel-trio",
-                    "context_length": engine.info.context_length,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.route("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != engine.info.model_id:
+            raise HttpError(404, "model_not_found", f"the model {model_id!r} is not served here")
+        return model_card()
 
     return app
 

@@ -1,5 +1,5 @@
-"""``POST /v1/completions`` (legacy OpenAI completions), ``POST /tokenize``
-and ``POST /detokenize``.
+"""``POST /v1/completions`` (legacy OpenAI completions), llama.cpp's
+``POST /infill``, ``POST /tokenize`` and ``POST /detokenize``.
 
 A legacy completion is a chat with a raw prompt (``ChatRequest.prompt``):
 no chat template, plain text out, through the same engine path as chat
@@ -7,6 +7,9 @@ completions - prepared before any byte is sent, the same prompt cache,
 usage, liveness comments and cancellation, ``n`` choices of one prompt
 computed once. Its events become ``text_completion`` objects (streamed as
 chunks ending in ``data: [DONE]``) with the legacy ``logprobs`` object.
+With ``suffix``, and on ``/infill``, the prompt is a fill-in-the-middle one
+built with the model's FIM tokens (``http.fim``); ``/infill`` answers in
+llama.cpp's ``/completion`` shape.
 
 Tokenizing runs on a worker thread (``Engine.tokenize``), never the MLX
 thread.
@@ -16,9 +19,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import attrs
 from quart import Response
 
 from ..core.errors import GezelError, InvalidRequest
@@ -34,10 +39,12 @@ from ..engine import (
 )
 from ..shaping.shaper import TextDelta
 from .edge import ProtocolBlueprint, error_response, json_body, json_view, refusal
+from .fim import fim_prompt
 from .openai_wire import (
     CompletionRequest,
     parse_completion_request,
     parse_detokenize_request,
+    parse_infill_request,
     parse_tokenize_request,
     sampling_params,
     tool_dicts,
@@ -206,6 +213,61 @@ class _TextChunks:
         return frame(_body(self._cid, self._model, self._created, [choice], usage))
 
 
+def _infill_end(model: str, finished: ChatFinished) -> dict[str, Any]:
+    """llama.cpp's last ``/completion`` object for a finished infill."""
+    u = finished.usage
+    stop_type = "limit" if finished.reason == "length" else "eos"
+    if finished.stop_sequence is not None:
+        stop_type = "word"
+    return {
+        "content": finished.message.get("content") or "",
+        "id_slot": 0,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": u.output_tokens,
+        "tokens_evaluated": u.input_tokens,
+        "tokens_cached": u.cached_tokens,
+        "stop_type": stop_type,
+        "stopping_word": finished.stop_sequence or "",
+        "truncated": False,
+        "timings": {
+            "cache_n": u.cached_tokens,
+            "prompt_n": u.input_tokens - u.cached_tokens,
+            "predicted_n": u.output_tokens,
+            "prompt_per_second": u.prompt_tps,
+            "predicted_per_second": u.generation_tps,
+        },
+    }
+
+
+class _InfillChunks:
+    """``sse.Translator`` for a streamed ``/infill``, as llama.cpp streams
+    ``/completion``: ``{"content", "stop": false}`` per text delta, then the
+    whole last object (``stop: true``, counts and timings); no ``[DONE]``."""
+
+    def __init__(self, model: str) -> None:
+        self._model = model
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def render(self, event: ChatEvent, chat: ChatChoice) -> list[bytes]:
+        note = liveness_comment(event)
+        if note is not None:
+            return [note]
+        match event:
+            case TextDelta(text=text):
+                return [frame({"content": text, "id_slot": 0, "stop": False})]
+            case ChatFinished():
+                return [frame({**_infill_end(self._model, event), "content": ""})]
+            case Failed(error=error):
+                return self.failure(error)
+        return []
+
+    def failure(self, err: GezelError) -> list[bytes]:
+        return [frame(error_body(err))]
+
+
 async def _echo(engine: Engine, req: CompletionRequest, prompt: tuple[int, ...]) -> _Echo | None:
     if not req.echo:
         return None
@@ -227,6 +289,11 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             parse_completion_request,
             partial(completion_request, default_temperature=engine.config.default_temperature),
         )
+        if req.suffix is not None:
+            # A text prompt (parse_completion_request checked): the code before the gap.
+            assert isinstance(req.raw_prompt, str)
+            tokens = await fim_prompt(engine, req.raw_prompt, req.suffix, param="suffix")
+            chat = attrs.evolve(chat, prompt=tokens)
         prepared = await engine.prepare_chat(current_tenant().chat(chat, req.cache_salt))
         echo = await _echo(engine, req, prepared.request.prompt)
         cid = f"cmpl-{uuid.uuid4().hex}"
@@ -250,6 +317,28 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
         usage = combined_usage([finished.usage for finished, _ in results])
         body = _body(cid, model, int(time.time()), choices, usage)
         return Response(dump_json(body), mimetype="application/json")
+
+    @bp.route("/infill", methods=["POST"])
+    async def infill() -> Response:
+        req = await json_body(parse_infill_request)
+        extra: Sequence[tuple[str, str]] = [(c.filename, c.text) for c in req.input_extra or ()]
+        tokens = await fim_prompt(
+            engine,
+            req.input_prefix,
+            req.input_suffix,
+            param="input_prefix",
+            extra=extra,
+            middle=req.prompt,
+        )
+        chat = completion_request(
+            req.completion(tokens), default_temperature=engine.config.default_temperature
+        )
+        prepared = await engine.prepare_chat(current_tenant().chat(chat, req.cache_salt))
+        model = req.model or engine.info.model_id
+        if req.stream:
+            return stream_chat(engine, prepared, _InfillChunks(model))
+        ((finished, _),) = await run_choices(engine, prepared)
+        return Response(dump_json(_infill_end(model, finished)), mimetype="application/json")
 
     @bp.route("/tokenize", methods=["POST"])
     async def tokenize() -> dict[str, Any]:

@@ -64,6 +64,8 @@ __all__ = [
     "CompletionRequest",
     "ContentPart",
     "DetokenizeRequest",
+    "InfillChunk",
+    "InfillRequest",
     "Message",
     "StreamOptions",
     "TokenizeRequest",
@@ -74,6 +76,7 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
     "parse_detokenize_request",
+    "parse_infill_request",
     "parse_tokenize_request",
     "parse_warm_request",
     "sampling_params",
@@ -486,7 +489,8 @@ class ChatCompletionRequest:
 class CompletionRequest:
     """``POST /v1/completions`` (legacy): a raw prompt, no chat template.
     ``prompt`` is text, a list of one text, token ids, or a list of one list
-    of token ids; ``suffix`` is refused; ``best_of`` must equal ``n``."""
+    of token ids; ``suffix`` (with a text prompt) asks for the middle
+    between them (``http.fim``); ``best_of`` must equal ``n``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     model: str | None = None
@@ -556,6 +560,68 @@ class CompletionRequest:
         if p and isinstance(p[0], list | str):
             return p[0]
         return p  # type: ignore[return-value]
+
+
+@attrs.frozen
+class InfillChunk:
+    """One piece of ``/infill``'s ``input_extra``: another file's text."""
+
+    filename: str = ""
+    text: str = ""
+
+
+@attrs.frozen
+class InfillRequest:
+    """llama.cpp's ``POST /infill``: the code before and after the gap
+    (``input_prefix``, ``input_suffix``), other files (``input_extra``), and
+    ``prompt``, the text after the FIM middle token (the current line up to
+    the cursor), with llama.cpp's ``/completion`` sampling names.
+    ``n_predict`` -1 is no limit but the context window."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillChunk] | None = None
+    prompt: str = ""
+    model: str | None = None
+    n_predict: int = attrs.field(default=-1, validator=Range(-1, None))
+    temperature: float | None = attrs.field(default=None, validator=Range(0, 2))
+    top_p: float | None = attrs.field(default=None, validator=Range(0, 1))
+    top_k: int | None = attrs.field(default=None, validator=Range(-1, None))
+    min_p: float | None = attrs.field(default=None, validator=Range(0, 1))
+    seed: int | None = attrs.field(default=None, validator=Range(SEED_MIN, SEED_MAX))
+    stop: list[str] | None = None
+    stream: bool = False
+    repeat_penalty: float | None = attrs.field(
+        default=None, validator=Range(MIN_REPETITION_PENALTY, 10)
+    )
+    # llama.cpp's: -1 the whole context, 0 none.
+    repeat_last_n: int | None = attrs.field(default=None, validator=Range(-1, 8192))
+    presence_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
+    frequency_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
+    # Every prompt is cached: true is what happens anyway.
+    cache_prompt: bool = True
+    cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
+
+    def completion(self, tokens: list[int]) -> CompletionRequest:
+        """The legacy completion this infill runs as, over the FIM prompt ``tokens``."""
+        last_n = self.repeat_last_n
+        return CompletionRequest(
+            prompt=tokens,
+            model=self.model,
+            max_tokens=None if self.n_predict == -1 else self.n_predict,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stream=self.stream,
+            repetition_penalty=self.repeat_penalty if last_n != 0 else None,
+            repetition_context_size=last_n if last_n is not None and last_n > 0 else None,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            cache_salt=self.cache_salt,
+        )
 
 
 @attrs.frozen
@@ -776,8 +842,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     raw = req.raw_prompt
     if isinstance(raw, list) and len(raw) > MAX_PROMPT_TOKENS:
         raise InvalidRequest(f"at most {MAX_PROMPT_TOKENS} prompt tokens", param="prompt")
-    if req.suffix is not None:
-        raise InvalidRequest("suffix is not supported (no fill-in-the-middle)", param="suffix")
+    if req.suffix is not None and not isinstance(raw, str):
+        raise InvalidRequest(
+            "suffix needs a text prompt (the text before the gap), not token ids", param="suffix"
+        )
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest(
             "best_of must equal n: every generated sequence is returned, none ranked",
@@ -787,6 +855,15 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     for name, value in (("cache_id", req.cache_id), ("prefix_cache_id", req.prefix_cache_id)):
         check_cache_id(value, name)
     _check_prefix_ids(req.prefix_cache_ids)
+    return req
+
+
+def parse_infill_request(body: Any) -> InfillRequest:
+    """Validate an ``/infill`` body; ``InvalidRequest`` names the field."""
+    req = structure(body, InfillRequest, _CONVERTER)
+    if req.n_predict == 0:
+        raise InvalidRequest("n_predict must be -1 (no limit) or at least 1", param="n_predict")
+    _check_sampling_limits(tuple(req.stop or ()), None)
     return req
 
 

@@ -66,7 +66,8 @@ _DOCS: dict[str, str] = {
     "n": "Choices of one prompt, computed once; at most --max-concurrency.",
     "echo": "Prepend the prompt to each choice's text (and its tokens to logprobs).",
     "best_of": "Must equal n: every generated sequence is returned, none ranked.",
-    "suffix": "Refused (400): no fill-in-the-middle.",
+    "suffix": "The text after the gap: a fill-in-the-middle prompt with the model's FIM "
+    "tokens (400 where it has none).",
     "add_special_tokens": "Default true for text; messages are tokenized as chat runs them.",
     "previous_response_id": "Continue a stored response's conversation; the prompt cache "
     "serves what it shares (usage.input_tokens_details.cached_tokens).",
@@ -359,7 +360,24 @@ def document(model_id: str) -> dict[str, Any]:
             "get": {
                 "operationId": "listModels",
                 "summary": "The served model",
-                "responses": _responses(_json_ok("A list with the one served model.")),
+                "responses": _responses(
+                    _json_ok("A list with the one served model (its window: max_model_len).")
+                ),
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "operationId": "retrieveModel",
+                "summary": "The served model by its id; another id is a 404",
+                "parameters": [
+                    {
+                        "name": "model_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string", "minLength": 1},
+                    }
+                ],
+                "responses": _responses(_json_ok("The model, with max_model_len.")),
             }
         },
         "/health": {
@@ -539,6 +557,29 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
     return {
         "/v1/completions": {"post": {**completion_op, "operationId": "completions"}},
         "/completions": {"post": {**completion_op, "operationId": "completionsAlias"}},
+        "/infill": {
+            "post": {
+                "operationId": "infill",
+                "summary": "llama.cpp's fill-in-the-middle: input_prefix, input_suffix, "
+                "input_extra and prompt (after the middle token), with the model's FIM tokens",
+                "requestBody": _body(b.ref(openai_wire.InfillRequest)),
+                "responses": _responses(
+                    {
+                        "description": "llama.cpp's /completion object (content, stop, "
+                        "tokens_cached, timings), or with stream: true server-sent events "
+                        "of it.",
+                        "content": {
+                            "application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {}},
+                        },
+                    },
+                    "400",
+                    "413",
+                    "415",
+                    "429",
+                ),
+            }
+        },
         "/tokenize": {
             "post": {
                 "operationId": "tokenize",

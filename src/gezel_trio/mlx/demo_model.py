@@ -18,6 +18,9 @@
   writes for an image part and the processor expands to one token per patch
   (16 for the tiny size's 32x32 pixels in 8x8 patches, 64 for bench's 112x112
   in 14x14).
+* ``fim``: the dense kind with StarCoder's fill-in-the-middle tokens
+  (``<fim_prefix>``, ``<fim_suffix>``, ``<fim_middle>``, special) appended
+  after the trained vocabulary, for ``suffix`` and ``/infill``.
 
 Three more kinds have the shapes of model families in the seed's catalog that
 load differently from the others, for the loader's tests:
@@ -97,7 +100,7 @@ from .model_source import cache_root, materialize
 if TYPE_CHECKING:
     import mlx.core as mx
 
-DemoKind = Literal["dense", "hybrid", "vision", "ple", "ple-gemma3n", "lfm2", "qwen3_5-text"]
+DemoKind = Literal["dense", "hybrid", "vision", "fim", "ple", "ple-gemma3n", "lfm2", "qwen3_5-text"]
 DemoSize = Literal["tiny", "bench"]
 
 BUILDER_VERSION: Final = "v2"
@@ -121,6 +124,8 @@ IM_START_ID: Final = 2
 IM_END_ID: Final = 3
 # The vision kind's image placeholder, appended after the trained vocabulary.
 IMAGE_TOKEN: Final = "<image>"
+# The fim kind's fill-in-the-middle tokens, appended after the trained vocabulary.
+FIM_TOKENS: Final = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 _SEED: Final = 1234
 _LOGIT_SCALE: Final = 4.0
@@ -237,7 +242,7 @@ def ensure_demo_model(
 
 def _build(kind: DemoKind, size: DemoSize, dest: Path) -> None:
     dims = _dims(size)
-    vocab_size = _write_tokenizer(dest, image_token=kind == "vision")
+    vocab_size = _write_tokenizer(dest, image_token=kind == "vision", fim=kind == "fim")
     config = _model_config(kind, dims, vocab_size)
     if kind == "vision":
         config = _vision_config(size, config, vocab_size)
@@ -261,9 +266,10 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", "utf-8")
 
 
-def _write_tokenizer(dest: Path, *, image_token: bool = False) -> int:
+def _write_tokenizer(dest: Path, *, image_token: bool = False, fim: bool = False) -> int:
     """Train the BPE tokenizer and write its files; return the vocab size.
-    With ``image_token`` the vocabulary ends with ``<image>`` (special)."""
+    With ``image_token`` the vocabulary ends with ``<image>`` (special), with
+    ``fim`` with the fill-in-the-middle tokens (special)."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -314,6 +320,8 @@ def _write_tokenizer(dest: Path, *, image_token: bool = False) -> int:
         raise RuntimeError("demo tokenizer: added tokens did not get ids 0..9")
     if image_token:
         tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    if fim:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in FIM_TOKENS])
     tok.save(str(dest / "tokenizer.json"))
 
     template = (_DATA_DIR / "chat_template.jinja").read_text("utf-8")
@@ -357,7 +365,7 @@ def _model_config(kind: DemoKind, dims: _Dims, vocab_size: int) -> dict[str, Any
         "pad_token_id": ENDOFTEXT_ID,
         "torch_dtype": dims.dtype,
     }
-    if kind in ("dense", "vision"):
+    if kind in ("dense", "vision", "fim"):
         return {
             "model_type": "llama",
             "architectures": ["LlamaForCausalLM"],
@@ -576,7 +584,8 @@ def _demo_module(kind: DemoKind, config: dict[str, Any]) -> Any:
         return llava.Model(cfg)
     from mlx_lm.models import gemma3n, gemma4, lfm2, llama, qwen3_5
 
-    arch = {"dense": llama, "ple": gemma4, "ple-gemma3n": gemma3n, "lfm2": lfm2}.get(kind, qwen3_5)
+    by_kind = {"dense": llama, "fim": llama, "ple": gemma4, "ple-gemma3n": gemma3n, "lfm2": lfm2}
+    arch = by_kind.get(kind, qwen3_5)
     return arch.Model(arch.ModelArgs.from_dict(config))
 
 
