@@ -40,6 +40,8 @@ from . import (
     openai_responses,
 )
 from .edge import (
+    FIELD_NOTES,
+    FieldNotes,
     Forbidden,
     ForbiddenOrigin,
     HttpError,
@@ -171,6 +173,14 @@ class HttpSettings:
         "(sent together, in one write) when the model makes them faster than that; "
         "the first token and the end are never held; 0 sends each token as it comes",
     )
+    # Off: a field the server does not implement is ignored and named in
+    # the x-gezel-ignored-fields header (http.edge); on: it is a 400.
+    strict_fields: bool = setting(
+        False,
+        flag="--strict-fields",
+        help="refuse a request naming a field this server does not implement (400 naming "
+        "it) instead of ignoring it and naming it in the x-gezel-ignored-fields header",
+    )
     # Told of every bug a route survived (answered 500): the server's stdout
     # protocol prints it tagged, so a supervisor never reads it as a death.
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
@@ -236,6 +246,9 @@ def create_app(
     refuse_openai = refusal(engine, error_response)
     probe = HealthProbe(engine, store, policy)
     app.extensions[_PROBE] = probe
+    app.extensions[FIELD_NOTES] = FieldNotes(
+        engine.metrics.ignored_fields, strict=settings.strict_fields
+    )
 
     def refuse(err: GezelError) -> Response:
         # Each protocol's errors in its own envelope, whatever raised them:

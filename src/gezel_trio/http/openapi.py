@@ -76,7 +76,6 @@ _DOCS: dict[str, str] = {
     "returned as reasoning items.",
     "ResponsesRequest.conversation": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.prompt": "OpenAI platform feature: refused (400) when set.",
-    "ResponsesRequest.context_management": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.background_options": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.moderation": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.access_programs": "OpenAI platform feature: refused (400) when set.",

@@ -1,7 +1,9 @@
 """``POST /v1/responses`` bodies as typed, validated values (OpenAI Responses).
 
 The same strict rules as every body (``http.strict``): wrong types are
-errors, unknown fields are refused, every error names its field path. Input
+errors, every error names its field path, and a field no class here
+declares is ignored and reported (refused under ``--strict-fields``):
+``context_management`` (server-side compaction) among them. Input
 items and tools are discriminated by their ``type`` (hooks on this module's
 own converter); a type this server cannot serve (a hosted tool such as
 ``web_search``, an item such as ``computer_call_output``) is a 400 that
@@ -15,7 +17,6 @@ from typing import Any, Literal
 
 import attrs
 import cattrs
-from cattrs.gen import make_dict_structure_fn
 
 from ..core.errors import InvalidRequest, shown
 from .checks import (
@@ -32,7 +33,15 @@ from .checks import (
     check_template_kwargs,
 )
 from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_thinking_budget
-from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
+from .strict import (
+    FieldInvalid,
+    Pattern,
+    Range,
+    object_hook,
+    register_union,
+    strict_converter,
+    structure,
+)
 
 __all__ = [
     "CustomTool",
@@ -406,7 +415,6 @@ class ResponsesRequest:
     # them (see ``_PLATFORM_FIELDS``).
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    context_management: list[dict[str, Any]] | None = None
     background_options: dict[str, Any] | None = None
     moderation: dict[str, Any] | None = None
     access_programs: dict[str, Any] | None = None
@@ -523,8 +531,8 @@ def _converter() -> cattrs.Converter:
 
     # The attrs structure function itself: ``conv.structure(value,
     # FunctionTool)`` would come back to ``tool``.
-    plain_tool = make_dict_structure_fn(FunctionTool, conv, _cattrs_forbid_extra_keys=True)
-    custom_tool = make_dict_structure_fn(CustomTool, conv, _cattrs_forbid_extra_keys=True)
+    plain_tool = object_hook(FunctionTool, conv)
+    custom_tool = object_hook(CustomTool, conv)
 
     def tool(value: Any, _: Any) -> Tool:
         kind = _item_type(value)
@@ -612,7 +620,6 @@ _CONVERTER = _converter()
 _PLATFORM_FIELDS = {
     "conversation": "stored conversations are OpenAI's; chain with previous_response_id",
     "prompt": "stored prompt templates are OpenAI's; send instructions and input",
-    "context_management": "server-side compaction is not supported",
     "background_options": "completion windows are not supported; background runs at once",
     "moderation": "moderation is not supported",
     "access_programs": "access programs are not supported",
