@@ -58,7 +58,9 @@ CASES = [
     pytest.param(
         "/v1/responses",
         {
-            "input": [{"type": "message", "role": "user", "content": "hi", "status": "completed", "z": 0}],
+            "input": [
+                {"type": "message", "role": "user", "content": "hi", "status": "completed", "z": 0}
+            ],
             "max_output_tokens": 2,
             "context_management": [{"type": "compaction", "compact_threshold": 1000}],
             "text": {"format": {"type": "text"}, "verbosity_hint": "x"},
@@ -101,7 +103,9 @@ def _script(_rid: int, request: GenerationRequest) -> Sequence[int]:
 
 
 @asynccontextmanager
-async def _client(settings: HttpSettings | None = None) -> AsyncIterator[quart_typing.TestClientProtocol]:
+async def _client(
+    settings: HttpSettings | None = None,
+) -> AsyncIterator[quart_typing.TestClientProtocol]:
     async with open_test_engine(ScriptedBackend(script=_script)) as t:
         async with create_app(t.engine, settings or HttpSettings()).test_app() as app:
             yield app.test_client()

@@ -25,16 +25,16 @@ from .sse import error_body
 from .strict import (
     IgnoredFields,
     collecting_fields,
-    header_path,
     dismantle,
     dump_json,
+    header_path,
     parse_json,
     parse_json_yielding,
 )
 
 __all__ = [
-    "IGNORED_FIELDS_HEADER",
     "FIELD_NOTES",
+    "IGNORED_FIELDS_HEADER",
     "Envelope",
     "FieldNotes",
     "Forbidden",

@@ -59,10 +59,10 @@ from ..core.errors import InvalidRequest, clipped, shown
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_HEADER_CHARS",
     "FieldInvalid",
     "FieldReport",
     "IgnoredFields",
-    "MAX_HEADER_CHARS",
     "Pattern",
     "Range",
     "StrictJSONProvider",
@@ -706,7 +706,9 @@ class FieldReport:
                 ]
                 stack.extend(reversed(later))
             elif isinstance(node, list) and not only(_SCALARS, node):
-                later = [(v, (*path, i), False) for i, v in enumerate(node) if isinstance(v, dict | list)]
+                later = [
+                    (v, (*path, i), False) for i, v in enumerate(node) if isinstance(v, dict | list)
+                ]
                 stack.extend(reversed(later))
         while stack:  # paths already found below the last object
             node, path, found = stack.pop()
@@ -720,9 +722,7 @@ class FieldReport:
     @property
     def ignored(self) -> IgnoredFields:
         """What was reported, paths as placed so far."""
-        return IgnoredFields(
-            tuple(self._paths), tuple(self._names), self._more_names, self._count
-        )
+        return IgnoredFields(tuple(self._paths), tuple(self._names), self._more_names, self._count)
 
 
 _REPORT: ContextVar[FieldReport | None] = ContextVar("gezel_field_report", default=None)
