@@ -265,3 +265,11 @@ def test_without_a_report_an_unknown_field_is_refused() -> None:
     with pytest.raises(InvalidRequest) as caught:
         parse_chat_request(NEWER_CLIENT)
     assert caught.value.param == "tool_grammar.allowed_names"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+async def test_the_openapi_document_says_which(strict: bool) -> None:
+    async with _client(HttpSettings(strict_fields=strict)) as client:
+        doc = await (await client.get("/openapi.json")).get_json()
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat.get("additionalProperties", True) is not strict

@@ -347,7 +347,8 @@ def create_app(
 
     @app.route("/openapi.json")
     async def openapi() -> Response:
-        return Response(openapi_json(engine.info.model_id), mimetype="application/json")
+        document = openapi_json(engine.info.model_id, settings.strict_fields)
+        return Response(document, mimetype="application/json")
 
     @app.route("/v1/models")
     async def models() -> dict[str, Any]:
