@@ -90,6 +90,18 @@ CASES = [
         id="cache-warm",
     ),
     pytest.param(
+        "/v1/messages/count_tokens",
+        {"messages": [{"role": "user", "content": "hi", "pinned": True}]},
+        ["messages[0].pinned"],
+        id="count-tokens",
+    ),
+    pytest.param(
+        "/detokenize",
+        {"tokens": [104, 105], "skip_special": True},
+        ["skip_special"],
+        id="detokenize",
+    ),
+    pytest.param(
         "/tokenize",
         {"prompt": "hi", "add_bos": True},
         ["add_bos"],
@@ -137,6 +149,16 @@ async def test_strict_fields_refuses_them_by_name(
         assert any(p in (error.get("param") or error["message"]) for p in paths), error
         assert "unknown field" in error["message"]
         assert IGNORED_FIELDS_HEADER not in r.headers
+
+
+async def test_a_later_refusal_names_them_too() -> None:
+    # Refused after its body was read: the ignored fields are still named.
+    async with _client() as client:
+        body = {"input": "hi", "previous_response_id": "resp_nope", "q": 1}
+        r = await client.post("/v1/responses", json=body)
+        assert r.status_code == 400
+        assert (await r.get_json())["error"]["param"] == "previous_response_id"
+        assert r.headers[IGNORED_FIELDS_HEADER] == "q"
 
 
 async def test_a_request_without_unknown_fields_has_no_header() -> None:
