@@ -12,17 +12,20 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from quart import typing as quart_typing
 
+from gezel_trio import cli
 from gezel_trio.core.errors import InvalidRequest
 from gezel_trio.core.request import GenerationRequest
 from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.http.edge import IGNORED_FIELDS_HEADER
 from gezel_trio.http.openai_wire import parse_chat_request
 from gezel_trio.http.strict import collecting_fields
+from gezel_trio.profiles import STANDARD
 from gezel_trio.testing import ScriptedBackend, open_test_engine
 
 USER = [{"role": "user", "content": "hi"}]
@@ -295,3 +298,11 @@ async def test_the_openapi_document_says_which(strict: bool) -> None:
         doc = await (await client.get("/openapi.json")).get_json()
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert chat.get("additionalProperties", True) is not strict
+
+
+def test_the_flag_sets_it(tmp_path: Path) -> None:
+    def config(*argv: str) -> Any:
+        return cli.server_config(cli._parser(STANDARD).parse_args(["serve", *argv]), tmp_path)
+
+    assert config().http.strict_fields is False
+    assert config("--strict-fields").http.strict_fields is True
