@@ -614,9 +614,10 @@ FieldPath = tuple[str | int, ...]
 
 @attrs.frozen
 class IgnoredFields:
-    """What one body held that no class declares: the paths placed (body
-    order, at most ``_PLACED``), the distinct names (at most ``_NAMES``;
-    ``more_names`` beyond), and how many fields in all."""
+    """What one body held that no class declares: the paths of those in
+    the first ``_PLACED`` objects noted (body order), the distinct names (at
+    most ``_NAMES``; ``more_names``: the fields of further names), and how
+    many fields in all."""
 
     paths: tuple[FieldPath, ...] = ()
     names: tuple[str, ...] = ()
