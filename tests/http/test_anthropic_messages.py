@@ -663,7 +663,7 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
     assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     assert "max_tokens" in bad.value.body["error"]["message"]  # type: ignore[index]
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"messages": HELLO, "frobnicate": 1}, "frobnicate"),
+        ({"messages": HELLO, "temperature": 5}, "temperature"),
         (
             {
                 "messages": [
@@ -757,6 +757,16 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
         assert r.json()["type"] == "error"
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert named in r.json()["error"]["message"], (body, r.text)
+
+    # A field the server does not implement is ignored and named, not refused.
+    r = httpx.post(
+        f"{dense.url}/v1/messages",
+        json={"model": "demo", "max_tokens": 2, "messages": HELLO, "frobnicate": 1},
+        headers={"x-api-key": KEY},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert r.headers["x-gezel-ignored-fields"] == "frobnicate"
 
     with (
         anthropic.Anthropic(base_url=dense.url, api_key="wrong", max_retries=0) as wrong,

@@ -215,7 +215,7 @@ def test_tokenize_and_detokenize(server: Server) -> None:
         ("/v1/completions", {"prompt": [10**9]}, "prompt"),
         ("/v1/completions", {"prompt": []}, "prompt"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5}, "n"),
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "messages"),
         ("/tokenize", {}, None),
@@ -231,6 +231,12 @@ def test_bad_input_is_a_400_naming_the_field(
     error = r.json()["error"]
     assert error["param"] == param
     assert error["message"]
+
+
+def test_an_unknown_field_is_ignored_and_named(server: Server) -> None:
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": 1})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-gezel-ignored-fields"] == "frobnicate"
 
 
 def test_the_sdk_sees_the_400(server: Server) -> None:

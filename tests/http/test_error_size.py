@@ -11,6 +11,7 @@ from typing import Any
 import httpx2 as httpx
 import trio
 
+from gezel_trio.http.app import HttpSettings
 from tests.support.inprocess import served
 
 HANG = 120
@@ -19,7 +20,6 @@ USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 CASES: list[tuple[str, dict[str, Any]]] = [
-    ("/v1/chat/completions", {"messages": USER, HUGE: 1}),
     ("/v1/chat/completions", {"messages": [{"role": HUGE, "content": "hi"}]}),
     ("/v1/chat/completions", {"messages": USER, "reasoning_effort": HUGE}),
     (
@@ -50,11 +50,25 @@ async def test_an_error_quotes_at_most_a_bounded_part_of_a_huge_value(dense_mode
 
 
 async def test_a_quoted_value_is_cut_with_its_full_length(dense_model: Path) -> None:
+    # An unknown field is refused only under --strict-fields (ignored otherwise).
     with trio.fail_after(HANG):
-        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as client:
+        async with (
+            served(dense_model, HttpSettings(strict_fields=True)) as (_engine, url),
+            httpx.AsyncClient(base_url=url) as client,
+        ):
             r = await client.post("/v1/chat/completions", json={"messages": USER, HUGE: 1})
             assert r.status_code == 400
             error = r.json()["error"]
             assert "unknown field 'xxxx" in error["message"]
             assert "... (2000000 characters)" in error["message"]
             assert error["param"] == "x" * 200 + "... (2000000 characters)"
+
+
+async def test_a_huge_unknown_field_is_named_in_a_bounded_header(dense_model: Path) -> None:
+    with trio.fail_after(HANG):
+        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as client:
+            body = {"messages": USER, "max_tokens": 1, HUGE: 1}
+            r = await client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text[:300]
+            named = r.headers["x-gezel-ignored-fields"]
+            assert named == '["' + "x" * 64 + '... (2000000 characters)"]'

@@ -369,7 +369,6 @@ def test_background_response_runs_and_can_be_cancelled(server: Server) -> None:
         ({"input": "x", "background": True, "store": False}, "background", "store"),
         ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id", "not found"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ">= 1"),
-        ({"input": "x", "temprature": 1}, "temprature", "unknown"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
         ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "instructions"),
         ({}, "input", "required"),
@@ -383,6 +382,13 @@ def test_refusals_name_the_field(
     error = resp.json()["error"]
     assert error["param"] == param
     assert words in error["message"]
+
+
+def test_an_unknown_field_is_ignored_and_named(server: Server) -> None:
+    body = {"input": "x", "max_output_tokens": 2, "temprature": 1, "context_management": []}
+    resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-gezel-ignored-fields"] == "temprature, context_management"
 
 
 def test_fields_the_sdk_sends_are_accepted(server: Server) -> None:

@@ -3,7 +3,10 @@ sends SGLang's per-request fields on every chat and completions request
 (recorded from vllm-router 0.1.17 below), and its kv_aware policy one on
 the ``/tokenize`` that asks for a chat request's tokens. At those values
 they are what this server does, and are accepted; any other value is
-refused by name, saying what this server does instead.
+refused by name, saying what this server does instead. They are declared
+fields, not ignored ones: a value other than the one served would change
+the answer (``no_stop_trim: true`` keeps the stop string), so it is a 400
+rather than silently dropped, and ``--strict-fields`` accepts them as well.
 
 In-process over the scripted backend."""
 
@@ -68,11 +71,14 @@ def _script(_rid: int, request: GenerationRequest) -> Sequence[int]:
         ("/tokenize", ROUTED_TOKENIZE),
     ],
 )
-async def test_a_routed_request_is_answered(path: str, body: dict[str, Any]) -> None:
+@pytest.mark.parametrize("strict", [False, True])
+async def test_a_routed_request_is_answered(path: str, body: dict[str, Any], strict: bool) -> None:
     async with open_test_engine(ScriptedBackend(script=_script)) as t:
-        async with create_app(t.engine, HttpSettings()).test_app() as app:
+        async with create_app(t.engine, HttpSettings(strict_fields=strict)).test_app() as app:
             r = await app.test_client().post(path, json=body)
             assert r.status_code == 200, await r.get_data(as_text=True)
+            # Declared, so not named among the ignored.
+            assert "x-gezel-ignored-fields" not in r.headers
 
 
 @pytest.mark.parametrize(

@@ -124,7 +124,6 @@ def assert_refused(r: httpx.Response, param: str) -> None:
         ({"prompt_cache_key": "line\nbreak"}, "prompt_cache_key"),
         ({"modalities": ["text", "audio"]}, "modalities[1]"),
         ({"metadata": {"k": {"nested": 1}}}, "metadata.k"),
-        ({"frobnicate": True}, "frobnicate"),
     ],
 )
 def test_bad_requests_get_a_400_naming_the_field_and_harm_nobody(
@@ -164,6 +163,15 @@ def test_values_the_model_can_serve_are_served_beside_a_healthy_stream(
     r = beside_a_healthy_stream(server, alone, body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_an_unknown_field_is_ignored_and_named_beside_a_healthy_stream(
+    server: Server, alone: str
+) -> None:
+    body = {"messages": USER, "max_tokens": 4, "frobnicate": True}
+    r = beside_a_healthy_stream(server, alone, body)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-gezel-ignored-fields"] == "frobnicate"
 
 
 def test_openai_request_fields_are_accepted(server: Server) -> None:

@@ -11,6 +11,9 @@ a body. The invariants, checked on every response:
 
 * the status is below 500, and every 4xx is the OpenAI JSON error envelope
   (Anthropic's on ``/v1/messages``);
+* the ``x-gezel-ignored-fields`` header, where the server names the
+  unknown fields it ignored, is ASCII and at most 1024 characters, however
+  odd or long the names;
 * a 200 stream never carries an error frame of the engine's own making
   (``request_failed``, ``engine_failure``; ``api_error`` on Messages);
 * the server stays alive (``/health`` answers ``ok`` after each request);
@@ -759,6 +762,9 @@ def check(resp: httpx.Response) -> tuple[str, ...]:
     ctype = resp.headers.get("content-type", "")
     path = resp.request.url.path
     anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+    named = resp.headers.get("x-gezel-ignored-fields")
+    if named is not None and (len(named) > 1024 or not named.isascii()):
+        problems.append(f"an unbounded x-gezel-ignored-fields header: {named[:300]!r}")
     if resp.status_code >= 400:
         try:
             body = resp.json()

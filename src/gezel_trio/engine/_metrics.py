@@ -209,6 +209,13 @@ class EngineMetrics:
             ["status", "code"],
             registry=r,
         )
+        self.ignored_fields = Counter(
+            "gezel_ignored_fields",
+            "Requests that held a field this server does not implement (ignored, named in "
+            "the x-gezel-ignored-fields header), by the field's name; past 64 names, 'other'.",
+            ["field"],
+            registry=r,
+        )
         self.preemptions = Counter(
             "gezel_num_preemptions", "Background sequences parked for interactive work.", registry=r
         )

@@ -6,7 +6,8 @@ and the ``*Param`` classes it names; the classes here keep those names), so
 whatever the SDK or a Claude-style client sends is accepted: a ``system``
 role inside ``messages``, ``cache_control`` on any block, the SDK's newer
 top-level fields (``output_config``, ``container``, ``service_tier`` ...).
-Anything nobody defines is refused by name, like every body (``http.strict``).
+A field nobody defines is ignored and named in the ``x-gezel-ignored-fields``
+header, like every body's (``http.strict``; a 400 under ``--strict-fields``).
 
 Blocks are a tagged union on ``type``: each kind is its own class, so a
 ``text`` block without ``text`` is refused with that path, and a documented

@@ -41,6 +41,8 @@ from . import (
     openai_responses,
 )
 from .edge import (
+    FIELD_NOTES,
+    FieldNotes,
     Forbidden,
     ForbiddenOrigin,
     HttpError,
@@ -186,6 +188,14 @@ class HttpSettings:
         "(sent together, in one write) when the model makes them faster than that; "
         "the first token and the end are never held; 0 sends each token as it comes",
     )
+    # Off: a field the server does not implement is ignored and named in
+    # the x-gezel-ignored-fields header (http.edge); on: it is a 400.
+    strict_fields: bool = setting(
+        False,
+        flag="--strict-fields",
+        help="refuse a request naming a field this server does not implement (400 naming "
+        "it) instead of ignoring it and naming it in the x-gezel-ignored-fields header",
+    )
     # Told of every bug a route survived (answered 500): the server's stdout
     # protocol prints it tagged, so a supervisor never reads it as a death.
     on_bug: Callable[[BaseException, str], None] | None = attrs.field(default=None, eq=False)
@@ -252,6 +262,9 @@ def create_app(
     probe = HealthProbe(engine, store, policy)
     app.extensions[_PROBE] = probe
     app.extensions[_KEYS] = keys
+    app.extensions[FIELD_NOTES] = FieldNotes(
+        engine.metrics.ignored_fields, strict=settings.strict_fields
+    )
 
     def refuse(err: GezelError) -> Response:
         # Each protocol's errors in its own envelope, whatever raised them:
@@ -356,7 +369,8 @@ def create_app(
 
     @app.route("/openapi.json")
     async def openapi() -> Response:
-        return Response(openapi_json(engine.info.model_id), mimetype="application/json")
+        document = openapi_json(engine.info.model_id, settings.strict_fields)
+        return Response(document, mimetype="application/json")
 
     def model_card() -> dict[str, Any]:
         # The window under both names editors read: ``max_model_len``

@@ -1,22 +1,43 @@
 """The HTTP edge's shared pieces: error classes, the OpenAI error envelope,
-the blueprint every protocol is, and JSON bodies."""
+the blueprint every protocol is, and JSON bodies.
+
+Every body is read by ``json_body`` / ``json_view``, so the fields a body
+holds that the server does not implement (``http.strict``: dropped where
+they are structured) are reported here, once for every route: the
+``x-gezel-ignored-fields`` header on the response (a stream's too), an
+info line the first time the app meets each name, and
+``gezel_ignored_fields_total`` by name (``FieldNotes``). With
+``--strict-fields`` they are a 400 instead."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import trio
+from prometheus_client import Counter
 from quart import Blueprint, Response, after_this_request, current_app, request
 
-from ..core.errors import EngineClosed, GezelError, QueueFull, QueueTimeout
+from ..core.errors import EngineClosed, GezelError, QueueFull, QueueTimeout, clipped, shown
 from ..engine import Engine
 from .sse import error_body
-from .strict import dismantle, dump_json, parse_json, parse_json_yielding
+from .strict import (
+    IgnoredFields,
+    collecting_fields,
+    dismantle,
+    dump_json,
+    header_path,
+    parse_json,
+    parse_json_yielding,
+)
 
 __all__ = [
+    "FIELD_NOTES",
+    "IGNORED_FIELDS_HEADER",
     "IGNORED_TOOLS_HEADER",
     "Envelope",
+    "FieldNotes",
     "Forbidden",
     "ForbiddenOrigin",
     "HttpError",
@@ -32,6 +53,13 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+IGNORED_FIELDS_HEADER = "x-gezel-ignored-fields"
+
+# Where an app keeps its ``FieldNotes`` (``create_app`` puts them there).
+FIELD_NOTES = "gezel_trio.field_notes"
+
+log = logging.getLogger("gezel_trio.http")
 V = TypeVar("V")
 
 # Names the tools of a request that were left out of its prompt (kinds this
@@ -138,6 +166,55 @@ class ProtocolBlueprint(Blueprint):
         return self.refuse(err)
 
 
+# Field names with a label of their own on the counter; later ones are
+# counted as "other", so no client can grow the scrape without bound.
+_LABELLED_NAMES = 64
+# Field names logged (once each); past it, one line says logging stopped.
+_LOGGED_NAMES = 256
+# A name as a label or in the log line, at most this many characters.
+_NAME_CHARS = 64
+
+
+class FieldNotes:
+    """What an app tells of the fields its bodies held and it ignored: the
+    counter by name and a log line the first time each name is met (per
+    app: the server has one). ``strict``: such a field is a 400 instead."""
+
+    def __init__(self, counter: Counter, *, strict: bool) -> None:
+        self.strict = strict
+        self._counter = counter
+        self._labelled: set[str] = set()
+        self._logged: set[str] = set()
+
+    def tell(self, ignored: IgnoredFields, where: str) -> None:
+        """Count and log what one request's body held (``where``: its route)."""
+        for name in ignored.names:
+            label = clipped(name, _NAME_CHARS)
+            if label not in self._labelled and len(self._labelled) < _LABELLED_NAMES:
+                self._labelled.add(label)
+            self._counter.labels(label if label in self._labelled else "other").inc()
+            self._log_once(name, ignored, where)
+        if ignored.more_names:
+            self._counter.labels("other").inc(ignored.more_names)
+
+    def _log_once(self, name: str, ignored: IgnoredFields, where: str) -> None:
+        if name in self._logged or len(self._logged) > _LOGGED_NAMES:
+            return
+        self._logged.add(name)
+        if len(self._logged) > _LOGGED_NAMES:
+            log.info("ignored fields: more than %d names met; no more are logged", _LOGGED_NAMES)
+            return
+        first = next((p for p in ignored.paths if p[-1] == name), (name,))
+        log.info(
+            "ignored field %s, not implemented here (first at %s on %s); requests holding "
+            "it are named in the %s header and counted in gezel_ignored_fields_total",
+            shown(name, _NAME_CHARS),
+            header_path(first),
+            where,
+            IGNORED_FIELDS_HEADER,
+        )
+
+
 # Bodies below this size are parsed, structured and checked on the Trio
 # thread. The costliest shape measured, a chat of many short messages, takes
 # about 0.14 ms per KB (97 KB: 13.5 ms), so 16 KB holds the loop ~2 ms; a
@@ -180,12 +257,29 @@ async def _from_body(parse: Callable[[Any], T]) -> T:
         # origin without asking) must not run a completion.
         raise UnsupportedMedia("requests must be sent as application/json")
     raw = await request.get_data(as_text=False)
+    notes: FieldNotes = current_app.extensions[FIELD_NOTES]
     if len(raw) < _INLINE_BODY_BYTES:
-        return parse(parse_json(raw))
-    parsed = await trio.to_thread.run_sync(
-        _parse_body, parse, raw, limiter=_body_parsers(), abandon_on_cancel=True
-    )
-    _free_off_loop(parsed)
+        parsed, ignored = _parse_body(parse, raw, notes.strict, parse_json)
+    else:
+        parsed, ignored = await trio.to_thread.run_sync(
+            _parse_body,
+            parse,
+            raw,
+            notes.strict,
+            parse_json_yielding,
+            limiter=_body_parsers(),
+            abandon_on_cancel=True,
+        )
+        _free_off_loop(parsed)
+    if ignored:
+        notes.tell(ignored, f"{request.method} {request.path}")
+        header = ignored.header()
+
+        async def name_them(response: Any) -> Any:  # quart's or werkzeug's Response
+            response.headers[IGNORED_FIELDS_HEADER] = header
+            return response
+
+        after_this_request(name_them)
     return parsed
 
 
@@ -203,11 +297,20 @@ def _free_off_loop(parsed: object) -> None:
     after_this_request(free)
 
 
-def _parse_body(parse: Callable[[Any], T], raw: str | bytes) -> T:
-    # Parsed a piece at a time: json.loads held the GIL, and so the Trio
-    # thread, ~150 ms for an 8 MB body even here.
+def _parse_body(
+    parse: Callable[[Any], T],
+    raw: str | bytes,
+    strict: bool,
+    read: Callable[[str | bytes], Any],
+) -> tuple[T, IgnoredFields]:
+    # On a worker thread, ``read`` is ``parse_json_yielding``: parsed a
+    # piece at a time, as json.loads held the GIL, and so the Trio thread,
+    # ~150 ms for an 8 MB body even there. The report is opened here, on
+    # the thread the parse runs on.
     try:
-        return parse(parse_json_yielding(raw))
+        with collecting_fields(strict=strict) as report:
+            parsed = parse(read(raw))
+        return parsed, report.ignored
     except GezelError as err:
         # A refusal leaves without the frames it was raised through: they
         # hold the parsed body (4M ids: two lists of 4M), which would

@@ -1,11 +1,13 @@
 """OpenAI chat completions, legacy completions, ``/tokenize``,
 ``/detokenize`` and the cache-warm body as typed, validated values.
 
-Strict, as every body (``http.strict``): wrong types are errors, unknown
-fields are refused and every error names the field path. The fields
-OpenAI's own API accepts are accepted (most are recorded nowhere: ``store``,
-``metadata``, ``service_tier``, ``prediction`` ...), so a proxy may forward
-what its callers send. The checks that span fields or that a type cannot
+Strict, as every body (``http.strict``): wrong types are errors and every
+error names the field path; a field no class here declares is ignored and
+named in the ``x-gezel-ignored-fields`` header (a 400 under
+``--strict-fields``). The fields OpenAI's own API accepts are declared
+(most are recorded nowhere: ``store``, ``metadata``, ``service_tier``,
+``prediction`` ...), so a proxy may forward what its callers send, strict
+or not. The checks that span fields or that a type cannot
 say are here beside the classes (``parse_*``); the ones every protocol
 shares are in ``http.checks``.
 
@@ -352,7 +354,10 @@ class Prediction:
 
 # SGLang's per-request fields that vllm-router (grown from SGLang's
 # router) sends on every chat and completions request, at these values:
-# accepted at what this server does, refused otherwise.
+# accepted at what this server does, refused otherwise. Declared rather
+# than left to be ignored: another value would change the answer
+# (``no_stop_trim: true`` keeps the stop string), so it must be a 400, and
+# --strict-fields accepts routed requests too.
 NO_STOP_TRIM = Is(False, "a stop string is never part of the text")
 SKIP_SPECIAL_TOKENS = Is(True, "special tokens are not written into the text")
 RETURN_HIDDEN_STATES = Is(False, "hidden states are not returned")

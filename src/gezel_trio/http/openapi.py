@@ -4,8 +4,10 @@ Request schemas are generated from the attrs classes in the wire modules
 (``openai_wire``, ``responses_wire``, ``anthropic_wire``) - the same
 classes that validate requests - so the document cannot drift from what the
 server accepts: a field's annotation is its type, a ``Range`` validator its
-``minimum``/``maximum``, a ``Pattern`` its ``pattern``, and every object
-refuses unknown properties, as the server does. Routes and responses are
+``minimum``/``maximum``, a ``Pattern`` its ``pattern``. An object allows
+properties it does not declare (the server ignores them and names them in
+the ``x-gezel-ignored-fields`` header), except under ``--strict-fields``,
+where every object refuses them, as the server then does. Routes and responses are
 listed here, with the gezel extensions described.
 """
 
@@ -89,7 +91,8 @@ _DOCS: dict[str, str] = {
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, strict_fields: bool) -> None:
+        self.strict_fields = strict_fields
         self.components: dict[str, Any] = {}
         self._classes: dict[str, type] = {}
 
@@ -136,11 +139,9 @@ class _Builder:
             props[field.name] = prop
             if field.default is attrs.NOTHING:
                 required.append(field.name)
-        out: dict[str, Any] = {
-            "type": "object",
-            "properties": props,
-            "additionalProperties": False,
-        }
+        out: dict[str, Any] = {"type": "object", "properties": props}
+        if self.strict_fields:
+            out["additionalProperties"] = False
         if cls.__doc__:
             out["description"] = " ".join(cls.__doc__.split())
         if required:
@@ -268,8 +269,8 @@ def _body(ref: dict[str, Any]) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=8)
-def document(model_id: str) -> dict[str, Any]:
-    b = _Builder()
+def document(model_id: str, strict_fields: bool = False) -> dict[str, Any]:
+    b = _Builder(strict_fields)
     chat = b.ref(openai_wire.ChatCompletionRequest)
     warm = b.ref(openai_wire.WarmRequest)
     responses = b.ref(responses_wire.ResponsesRequest)
@@ -599,5 +600,5 @@ def _completion_paths(b: _Builder) -> dict[str, Any]:
     }
 
 
-def openapi_json(model_id: str) -> str:
-    return dump_json(document(model_id))
+def openapi_json(model_id: str, strict_fields: bool = False) -> str:
+    return dump_json(document(model_id, strict_fields))

@@ -1,7 +1,8 @@
 """``POST /v1/responses`` bodies as typed, validated values (OpenAI Responses).
 
 The same strict rules as every body (``http.strict``): wrong types are
-errors, unknown fields are refused, every error names its field path. Input
+errors, every error names its field path, and a field no class here
+declares is ignored and reported (refused under ``--strict-fields``). Input
 items and tools are discriminated by their ``type`` (hooks on this module's
 own converter). A tool of a kind this server cannot run (a hosted tool such
 as ``web_search``, or a kind it does not know) is left out of the prompt and
@@ -24,7 +25,6 @@ from typing import Any, Literal
 
 import attrs
 import cattrs
-from cattrs.gen import make_dict_structure_fn
 
 from ..core.errors import InvalidRequest, shown
 from ..shaping.replies import ReplySeal
@@ -42,7 +42,15 @@ from .checks import (
     check_template_kwargs,
 )
 from .reasoning_effort import ReasoningEffort, effort_template_kwargs, effort_thinking_budget
-from .strict import FieldInvalid, Pattern, Range, register_union, strict_converter, structure
+from .strict import (
+    FieldInvalid,
+    Pattern,
+    Range,
+    object_hook,
+    register_union,
+    strict_converter,
+    structure,
+)
 from .tool_namespaces import flat_name
 
 __all__ = [
@@ -622,8 +630,8 @@ def _converter() -> cattrs.Converter:
 
     # The attrs structure function itself: ``conv.structure(value,
     # FunctionTool)`` would come back to ``tool``.
-    plain_tool = make_dict_structure_fn(FunctionTool, conv, _cattrs_forbid_extra_keys=True)
-    custom_tool = make_dict_structure_fn(CustomTool, conv, _cattrs_forbid_extra_keys=True)
+    plain_tool = object_hook(FunctionTool, conv)
+    custom_tool = object_hook(CustomTool, conv)
 
     def member(value: Any, _: Any) -> MemberTool:
         kind = _item_type(value)
@@ -640,7 +648,7 @@ def _converter() -> cattrs.Converter:
 
     # Its members' hook first: the structure function reads it when built.
     register_union(conv, MemberTool, member)
-    namespace_tool = make_dict_structure_fn(NamespaceTool, conv, _cattrs_forbid_extra_keys=True)
+    namespace_tool = object_hook(NamespaceTool, conv)
 
     def tool(value: Any, t: Any) -> Tool:
         if _item_type(value) == "namespace":

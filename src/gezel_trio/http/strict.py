@@ -2,10 +2,19 @@
 the field validators every protocol's wire module builds on.
 
 Validation is strict: a wrong type is an error, never coerced ("5" is not an
-int, ``true`` is not a number), unknown fields are refused so that a typo in a
-gezel extension (``cacheid``) cannot be silently ignored, and every error
-names the field path. Every number must be finite, every string valid text
-(no lone UTF-16 surrogates) and no value nested deeper than ``MAX_DEPTH``.
+int, ``true`` is not a number), and every error names the field path. Every
+number must be finite, every string valid text (no lone UTF-16 surrogates)
+and no value nested deeper than ``MAX_DEPTH``.
+
+A field no class declares, at any depth, is the one thing not refused by
+default: peer servers ignore fields they do not implement, and clients and
+routers send new ones without asking (a gateway that refused them broke
+Claude Code the day it began sending ``context_management``). The object
+hook of every converter drops it and notes it in the ``FieldReport`` that
+``collecting_fields`` opened around the parse; ``structure`` then finds
+where in the body each noted object sits (by identity, one walk, only when
+something was noted) and, for a strict report, refuses the first one by
+path. Without an open report an unknown field is refused, as before.
 
 Each wire module builds its own converter with ``strict_converter`` and adds
 the hooks for its own unions to it (``register_union``); no module changes a
@@ -28,7 +37,9 @@ import math
 import operator
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from decimal import Decimal
 from typing import Any, Literal, TypeVar, cast, get_args, get_origin
 
@@ -48,13 +59,19 @@ from ..core.errors import InvalidRequest, clipped, shown
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_HEADER_CHARS",
     "FieldInvalid",
+    "FieldReport",
+    "IgnoredFields",
     "Pattern",
     "Range",
     "StrictJSONProvider",
     "check_text",
+    "collecting_fields",
     "dismantle",
     "dump_json",
+    "header_path",
+    "object_hook",
     "parse_json",
     "parse_json_yielding",
     "register_union",
@@ -467,6 +484,30 @@ def _strict(kind: type[T], name: str) -> Callable[[Any, Any], T]:
     return hook
 
 
+def object_hook(cls: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
+    """The structure function of the attrs class ``cls`` on ``conv``: an
+    object, its declared fields structured and checked; a field ``cls``
+    does not declare is dropped and noted in the open ``FieldReport``
+    (refused when none is open). Every converter's object hook, and the one
+    a wire module calls itself where ``conv.structure`` would come back to
+    its own union hook."""
+    inner = make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
+    known = frozenset(a.name for a in attrs.fields(cls))
+
+    def hook(value: Any, tt: Any) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected an object, got {type(value).__name__}")
+        # One C pass over the keys: the common body has nothing unknown.
+        if not known.issuperset(value):
+            report = _REPORT.get()
+            if report is not None:
+                report.note(value, [k for k in value if k not in known])
+                value = {k: v for k, v in value.items() if k in known}
+        return inner(value, tt)
+
+    return hook
+
+
 def register_union(conv: cattrs.Converter, tp: Any, hook: Callable[[Any, Any], Any]) -> None:
     """``hook`` for ``tp`` and ``tp | None`` on ``conv``: cattrs cannot tell
     these unions apart by itself, and an absent optional field is ``None``,
@@ -511,16 +552,6 @@ def strict_converter() -> cattrs.Converter:
 
         return hook
 
-    def strict_object(t: Any, c: cattrs.Converter) -> Callable[[Any, Any], Any]:
-        inner = make_dict_structure_fn(t, c, _cattrs_forbid_extra_keys=True)
-
-        def hook(value: Any, tt: Any) -> Any:
-            if not isinstance(value, dict):
-                raise TypeError(f"expected an object, got {type(value).__name__}")
-            return inner(value, tt)
-
-        return hook
-
     def literal(t: Any) -> Callable[[Any, Any], Any]:
         allowed = get_args(t)
 
@@ -537,7 +568,7 @@ def strict_converter() -> cattrs.Converter:
 
     conv.register_structure_hook_factory(origin_is(Literal), literal)
     conv.register_structure_hook_factory(origin_is(list), strict_list)
-    conv.register_structure_hook_factory(attrs.has, strict_object)
+    conv.register_structure_hook_factory(attrs.has, object_hook)
 
     def mapping_hook(value: Any, _: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -562,6 +593,152 @@ def strict_converter() -> cattrs.Converter:
 
     register_union(conv, str | dict[str, Any], str_or_object)
     return conv
+
+
+# --- fields no class declares ------------------------------------------------------
+
+# Objects whose unknown fields a body's report places (a path each); past
+# this, only counted. A body is at most 8 MB, so the count is bounded too.
+_PLACED = 64
+# Distinct field names one report keeps; past this, only counted.
+_NAMES = 64
+# The ignored-fields header: at most this many characters, paths whole.
+MAX_HEADER_CHARS = 1024
+# A path's key without these characters is written bare (``a.b[2].c``);
+# with any, as a JSON string (``a["x.y"]``), so the header stays ASCII and
+# a comma always separates two paths.
+_BARE_KEY = re.compile(r"[A-Za-z0-9_$@-]+", re.ASCII)
+
+FieldPath = tuple[str | int, ...]
+
+
+@attrs.frozen
+class IgnoredFields:
+    """What one body held that no class declares: the paths of those in
+    the first ``_PLACED`` objects noted (body order), the distinct names (at
+    most ``_NAMES``; ``more_names``: the fields of further names), and how
+    many fields in all."""
+
+    paths: tuple[FieldPath, ...] = ()
+    names: tuple[str, ...] = ()
+    more_names: int = 0
+    count: int = 0
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def header(self) -> str:
+        """The paths as the ``x-gezel-ignored-fields`` header: ``a.b[2].c``,
+        comma-separated, at most ``MAX_HEADER_CHARS`` characters; when some
+        are left out, a last ``+N`` says how many."""
+        out: list[str] = []
+        size = 0
+        for path in self.paths:
+            text = header_path(path)
+            # Room is kept for the ", +N" that may follow.
+            if size + len(text) + 2 > MAX_HEADER_CHARS - 12:
+                break
+            out.append(text)
+            size += len(text) + 2
+        if len(out) < self.count:
+            out.append(f"+{self.count - len(out)}")
+        return ", ".join(out)
+
+
+def header_path(path: FieldPath) -> str:
+    """``path`` in the header's form: ASCII, no comma outside a quoted key."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _BARE_KEY.fullmatch(part := clipped(part, 64)):
+            out += f".{part}" if out else part
+        else:
+            out += f"[{json.dumps(part)}]"
+    return out
+
+
+class FieldReport:
+    """The unknown fields met while one body is structured (``collecting_
+    fields`` opens it). ``strict``: ``structure`` refuses the first one."""
+
+    def __init__(self, *, strict: bool) -> None:
+        self.strict = strict
+        # Noted objects (held until placed) and their unknown keys.
+        self._pending: list[tuple[dict[str, Any], list[str]]] = []
+        self._paths: list[FieldPath] = []
+        self._names: dict[str, None] = {}
+        self._more_names = 0
+        self._count = 0
+
+    def note(self, obj: dict[str, Any], keys: list[str]) -> None:
+        """``keys`` of ``obj`` are declared by no class: dropped, reported."""
+        self._count += len(keys)
+        for k in keys:
+            if k in self._names:
+                continue
+            if len(self._names) < _NAMES:
+                self._names[k] = None
+            else:
+                self._more_names += 1
+        if len(self._pending) + len(self._paths) < _PLACED:
+            self._pending.append((obj, keys))
+
+    def place(self, body: Any) -> None:
+        """Find where in ``body`` each noted object sits: one walk in body
+        order, ended when all are found (costs nothing when none was
+        noted). An object not in ``body`` (a hook's own) gives bare names."""
+        if not self._pending:
+            return
+        wanted = {id(obj): set(keys) for obj, keys in self._pending}
+        # A stack of nodes to visit and of paths found, in body order.
+        stack: list[tuple[Any, FieldPath, bool]] = [(body, (), False)]
+        while stack and wanted:
+            node, path, found = stack.pop()
+            if found:
+                self._paths.append(path)
+                continue
+            if isinstance(node, dict):
+                unknown = wanted.pop(id(node), ())
+                later = [
+                    (v, (*path, k), k in unknown)
+                    for k, v in node.items()
+                    if k in unknown or isinstance(v, dict | list)
+                ]
+                stack.extend(reversed(later))
+            elif isinstance(node, list) and not only(_SCALARS, node):
+                later = [
+                    (v, (*path, i), False) for i, v in enumerate(node) if isinstance(v, dict | list)
+                ]
+                stack.extend(reversed(later))
+        while stack:  # paths already found below the last object
+            node, path, found = stack.pop()
+            if found:
+                self._paths.append(path)
+        pending, self._pending = self._pending, []
+        for obj, keys in pending:
+            if id(obj) in wanted:
+                self._paths.extend((k,) for k in keys)
+
+    @property
+    def ignored(self) -> IgnoredFields:
+        """What was reported, paths as placed so far."""
+        return IgnoredFields(tuple(self._paths), tuple(self._names), self._more_names, self._count)
+
+
+_REPORT: ContextVar[FieldReport | None] = ContextVar("gezel_field_report", default=None)
+
+
+@contextmanager
+def collecting_fields(*, strict: bool) -> Iterator[FieldReport]:
+    """A report of the unknown fields the bodies structured inside this
+    block hold (on this thread: open it where the parse runs)."""
+    report = FieldReport(strict=strict)
+    token = _REPORT.set(report)
+    try:
+        yield report
+    finally:
+        _REPORT.reset(token)
 
 
 # --- validating a body -----------------------------------------------------------------
@@ -602,11 +779,25 @@ def structure(body: Any, cls: type[T], conv: cattrs.Converter) -> T:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     check_text(body)
+    report = _REPORT.get()
     try:
-        return conv.structure(body, cls)
+        value = conv.structure(body, cls)
     except (ClassValidationError, ForbiddenExtraKeysError, IterableValidationError) as exc:
         msg, path = _describe(exc)
         where = f" at {path}" if path else ""
         raise InvalidRequest(f"invalid request{where}: {msg}", param=path) from None
     except (ValueError, TypeError) as exc:
         raise InvalidRequest(f"invalid request: {exc}") from None
+    if report is not None:
+        report.place(body)
+        ignored = report.ignored
+        if report.strict and ignored:
+            first = ignored.paths[0]
+            where = _path(first)
+            more = ignored.count - 1
+            also = f" (and {more} more unknown field{'s' if more > 1 else ''})" if more else ""
+            raise InvalidRequest(
+                f"invalid request at {where}: unknown field {shown(first[-1])}{also}",
+                param=where,
+            )
+    return value
