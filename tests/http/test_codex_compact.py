@@ -176,7 +176,6 @@ def test_context_management_compaction_is_accepted(
             {"type": "compaction", "compact_threshold": "big"},
             "context_management[0].compact_threshold",
         ),
-        ({"type": "compaction", "keep": 3}, "context_management[0].keep"),
     ],
 )
 def test_a_bad_context_management_entry_is_a_400_naming_it(
