@@ -725,7 +725,10 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             # Digests of the whole conversation: about 1 ms for 240k
             # characters, kept off the thread that serves every stream.
             prompt_tokens = len(prepared.request.prompt)
-            current = await trio.to_thread.run_sync(fingerprint, model, chat, prompt_tokens)
+            keep = engine.config.keep_billing_header
+            current = await trio.to_thread.run_sync(
+                partial(fingerprint, model, chat, prompt_tokens, keep_billing_header=keep)
+            )
             # Fingerprints by the tenant's own ids: another's message is not found.
             previous = tenant.name(req.diagnostics.previous_message_id)
             own = tenant.name(mid) or mid
