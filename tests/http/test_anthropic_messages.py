@@ -215,6 +215,41 @@ def test_a_claude_code_conversation_maps_onto_template_roles() -> None:
     assert (chat.sampling.temperature, chat.sampling.top_k, chat.max_tokens) == (0.5, 40, 64)
 
 
+def test_claude_codes_trailing_system_message_renders_as_its_next_request_sends_it() -> None:
+    """Claude Code 2.1.197 sends its mid-conversation system message after
+    the user's turn, and on the next request as a reminder block of that
+    turn, after the user's text with a line break added: both map onto the
+    same conversation up to the new text."""
+
+    def mapped(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {"model": "m", "max_tokens": 8, "messages": messages}
+        return list(chat_request(parse_messages_request(body)).messages)
+
+    agents = "Available agent types for the Agent tool:\n- Explore: read-only search."
+    first = mapped(
+        [
+            {"role": "user", "content": [{"type": "text", "text": "Say hello."}]},
+            {"role": "system", "content": agents},
+        ]
+    )
+    later = "Output token limit hit. Resume directly."
+    second = mapped(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Say hello.\n"},
+                    {"type": "text", "text": f"<system-reminder>\n{agents}\n</system-reminder>\n"},
+                    {"type": "text", "text": later},
+                ],
+            }
+        ]
+    )
+    reminder = f"Say hello.\n\n<system-reminder>\n{agents}\n</system-reminder>"
+    assert first == [{"role": "user", "content": reminder}]
+    assert second == [{"role": "user", "content": f"{reminder}\n\n{later}"}]
+
+
 @pytest.mark.parametrize(
     ("extra", "choice", "kwargs", "budget"),
     [
