@@ -11,7 +11,8 @@ Between the CLI and the server stands the recording proxy
 Every setting that would reach another host is off (docs/clients/).
 
 Per turn: the requests the CLI sent (a CLI sends side requests too: a
-title, a quota probe), and of its largest one (the turn itself) the prompt
+title; Claude Code retries a reply cut at its output cap), and of the
+turn's own request (the first that declares the most tools) the prompt
 tokens, the tokens read from the cache, TTFT (request sent by the CLI ->
 first streamed piece of output, or the whole answer when it is not
 streamed) and whether the turn completed (the CLI exited 0 and every
@@ -267,14 +268,20 @@ def run_client(
     return turns
 
 
+def _tools(record: Mapping[str, Any]) -> int:
+    return len((record.get("body") or {}).get("tools") or [])
+
+
 def _turn(n: int, records: list[dict[str, Any]], total: float, exited_ok: bool) -> ClientTurn:
-    sized = [(usage_of(r), r) for r in records]
-    main = max(sized, key=lambda s: s[0][0] or 0, default=None)
+    # The turn's own request is the first that declares the most tools: a
+    # title request declares none, and the retries a CLI sends after a reply
+    # cut at its output cap come after it.
+    main = max(records, key=_tools, default=None)
     statuses = tuple(int(r.get("status") or 0) for r in records)
     prompt = cached = ttft = None
     if main is not None:
-        (prompt, cached), record = main
-        ttft = (record.get("timing") or {}).get("first_delta_s")
+        prompt, cached = usage_of(main)
+        ttft = (main.get("timing") or {}).get("first_delta_s")
     completed = exited_ok and bool(statuses) and all(s == 200 for s in statuses)
     return ClientTurn(n, len(records), prompt, cached, ttft, round(total, 2), completed, statuses)
 

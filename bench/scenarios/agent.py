@@ -32,8 +32,8 @@ installed CLI (``--clients-bin``) runs ``--turns`` turns of one session
 against gezel alone on the dense demo model given a 262,144-token window
 (Claude Code's first request is ~33,600 tokens), ``--tokens`` the CLI's
 output cap where it has one. Per turn: the requests the CLI sent, and of
-the largest one the prompt and cached tokens, TTFT and whether the turn
-completed.
+the turn's own request the prompt and cached tokens, TTFT and whether the
+turn completed.
 
 After the last turn before the restart, both servers report the bytes their
 prompt cache holds (gezel: ``/v1/cache/stats`` ``totals.bytes``, shared
@@ -1251,9 +1251,7 @@ def run_client(ctx: Context) -> Result:
         ("turn", "requests", "prompt", "cached", "TTFT s", "CLI s", "completed"),
         rows,
         ("", "", "", "", ".1f", ".1f", ""),
-        notes=(
-            "prompt, cached, TTFT: the turn's largest request (the CLI sends side requests too)",
-        ),
+        notes=("prompt, cached, TTFT: the turn's own request (the CLI sends side requests too)",),
     )
     data = {"client": a.client, "turns": [attrs.asdict(t) for t in turns], "model": str(model)}
     return Result(data, [table_], [], title=f"real client {a.client}, {a.turns} turns")
