@@ -31,7 +31,9 @@ instead (``bench.scenarios._real_clients``, whose docstring says how): the
 installed CLI (``--clients-bin``) runs ``--turns`` turns of one session
 against gezel alone on the dense demo model given a 262,144-token window
 (Claude Code's first request is ~33,600 tokens), ``--tokens`` the CLI's
-output cap where it has one. Per turn: the requests the CLI sent, and of
+output cap where it has one and the server's ``--max-tokens-default``
+(Codex names none); ``--server-url`` drives it against a server already
+running instead. Per turn: the requests the CLI sent, and of
 the turn's own request the prompt and cached tokens, TTFT and whether the
 turn completed.
 
@@ -1220,20 +1222,30 @@ def run_client(ctx: Context) -> Result:
     bin_dir = Path(a.clients_bin)
     if not real.installed(bin_dir, a.client):
         raise ValueError(f"{a.client} is not installed in {bin_dir} (--clients-bin)")
-    model = _long_window(ctx.demo_model("dense"), ctx.workdir / "dense-long-window")
     prompts = [CLIENT_PROMPTS[i % len(CLIENT_PROMPTS)] for i in range(a.turns)]
-    log = ctx.workdir / "gezel.log"
-    flags = ["--log-level", a.gezel_log_level, "--max-concurrency", str(a.concurrency)]
-    with ctx.phase(a.client), _servers.gezel_server(model, log, flags) as server:
-        turns = real.run_client(
-            a.client,
-            bin_dir,
-            server.url,
-            ctx.workdir / a.client,
-            prompts,
-            a.tokens,
-            progress=ctx.progress,
+
+    def drive(url: str) -> list[real.ClientTurn]:
+        workdir = ctx.workdir / a.client
+        return real.run_client(
+            a.client, bin_dir, url, workdir, prompts, a.tokens, progress=ctx.progress
         )
+
+    model: Path | str
+    if a.server_url:
+        model = a.server_url
+        with ctx.phase(a.client):
+            turns = drive(a.server_url)
+    else:
+        model = _long_window(ctx.demo_model("dense"), ctx.workdir / "dense-long-window")
+        log = ctx.workdir / "gezel.log"
+        flags = [
+            "--log-level", a.gezel_log_level,
+            "--max-concurrency", str(a.concurrency),
+            # Codex names no max_output_tokens: the default caps its replies.
+            "--max-tokens-default", str(a.tokens),
+        ]  # fmt: skip
+        with ctx.phase(a.client), _servers.gezel_server(model, log, flags) as server:
+            turns = drive(server.url)
     rows = [
         (
             t.turn,
@@ -1349,6 +1361,7 @@ SCENARIO = Scenario(
             os.environ.get("GEZEL_CLIENTS_BIN", "node_modules/.bin"),
             "folder of the installed CLIs (claude, codex, opencode)",
         ),
+        Option("server_url", None, "--client: drive it against this running server"),
         Option("models", list(MODELS), "demo model kinds", str, "+", MODELS),
         Option("systems", list(SYSTEMS), "systems to run", str, "+", SYSTEMS),
         Option("turns", 10, "turns before the restart (>= 2)", int, quick=6),
