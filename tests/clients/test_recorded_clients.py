@@ -3,9 +3,10 @@
 ``tests/fixtures/clients/<client>-<version>/request-N.json`` are requests
 recorded from the real binaries (``bench._recorder`` in front of a gezel
 server; ``python -m bench agent --client ...`` drives them), one session
-each, in order; user paths, device ids and keys are scrubbed (README.md
-there). Each turn is the CLI's main request of that turn (its side requests,
-such as opencode's title, are left out).
+each, in order (Claude Code's retries of a reply cut at its output cap
+included; opencode's title requests, which share no prompt with the
+session, left out); user paths, device ids and keys are scrubbed (README.md
+there).
 
 Replayed over the in-process app on the scripted engine (tokens are
 characters; the model does not matter here): Claude Code's first request is
@@ -68,7 +69,7 @@ def usage(path: str, body: dict[str, Any]) -> tuple[int, int]:
     if path.startswith("/v1/messages"):
         read = u.get("cache_read_input_tokens") or 0
         return u["input_tokens"] + read + (u.get("cache_creation_input_tokens") or 0), read
-    if "input_tokens" in u:
+    if path.startswith("/v1/responses"):
         return u["input_tokens"], u["input_tokens_details"]["cached_tokens"]
     return u["prompt_tokens"], (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
@@ -116,6 +117,9 @@ REWRITTEN = {
     # that turn's "Output token limit hit" retries with "Continue from where
     # you left off." and an assistant turn "No response requested.".
     ("claude-code-2.1.197", 5),
+    # Likewise the next ``--continue``: that turn's retries are dropped and
+    # its user text joined with the new one.
+    ("claude-code-2.1.197", 9),
 }
 
 
