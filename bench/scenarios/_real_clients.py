@@ -54,6 +54,7 @@ class ClientTurn:
     total_s: float
     completed: bool
     statuses: tuple[int, ...]
+    exit_code: int
 
 
 def client_env(client: str, home: Path, base_url: str, max_tokens: int) -> dict[str, str]:
@@ -263,7 +264,7 @@ def run_client(
             total = time.monotonic() - t0
             (workdir / f"turn-{n}.out").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
             new = [json.loads(p.read_text()) for p in sorted(set(records.glob("*.json")) - before)]
-            turns.append(_turn(n, new, total, proc.returncode == 0))
+            turns.append(_turn(n, new, total, proc.returncode))
             progress(f"{client} turn {n}: {turns[-1]}")
     return turns
 
@@ -272,7 +273,7 @@ def _tools(record: Mapping[str, Any]) -> int:
     return len((record.get("body") or {}).get("tools") or [])
 
 
-def _turn(n: int, records: list[dict[str, Any]], total: float, exited_ok: bool) -> ClientTurn:
+def _turn(n: int, records: list[dict[str, Any]], total: float, exit_code: int) -> ClientTurn:
     # The turn's own request is the first that declares the most tools: a
     # title request declares none, and the retries a CLI sends after a reply
     # cut at its output cap come after it.
@@ -282,8 +283,10 @@ def _turn(n: int, records: list[dict[str, Any]], total: float, exited_ok: bool) 
     if main is not None:
         prompt, cached = usage_of(main)
         ttft = (main.get("timing") or {}).get("first_delta_s")
-    completed = exited_ok and bool(statuses) and all(s == 200 for s in statuses)
-    return ClientTurn(n, len(records), prompt, cached, ttft, round(total, 2), completed, statuses)
+    completed = exit_code == 0 and bool(statuses) and all(s == 200 for s in statuses)
+    return ClientTurn(
+        n, len(records), prompt, cached, ttft, round(total, 2), completed, statuses, exit_code
+    )
 
 
 def installed(bin_dir: Path, client: str) -> bool:

@@ -1250,20 +1250,26 @@ def run_client(ctx: Context) -> Result:
         (
             t.turn,
             t.requests,
+            " ".join(map(str, t.statuses)),
             t.prompt,
             t.cached,
             t.ttft_s,
             t.total_s,
+            t.exit_code,
             "yes" if t.completed else "no",
         )
         for t in turns
     ]
     table_ = Table(
         f"{a.client}: one session, {a.turns} turns",
-        ("turn", "requests", "prompt", "cached", "TTFT s", "CLI s", "completed"),
+        ("turn", "requests", "statuses", "prompt", "cached", "TTFT s", "CLI s", "exit", "done"),
         rows,
-        ("", "", "", "", ".1f", ".1f", ""),
-        notes=("prompt, cached, TTFT: the turn's own request (the CLI sends side requests too)",),
+        ("", "", "", "", "", ".1f", ".1f", "", ""),
+        notes=(
+            "prompt, cached, TTFT: the turn's own request (the CLI sends side requests too)",
+            "done: every request answered 200 and the CLI exited 0; a reply cut at the "
+            "output cap makes Claude Code and Codex exit 1",
+        ),
     )
     data = {"client": a.client, "turns": [attrs.asdict(t) for t in turns], "model": str(model)}
     return Result(data, [table_], [], title=f"real client {a.client}, {a.turns} turns")

@@ -109,7 +109,7 @@ def test_a_turn_is_its_own_request_not_its_title_or_retries() -> None:
         }
 
     title, turn, retry = record(0, 950), record(10, 12_500), record(10, 12_600)
-    got = real._turn(1, [title, turn, retry], 3.0, exited_ok=True)
+    got = real._turn(1, [title, turn, retry], 3.0, exit_code=0)
     assert (got.requests, got.prompt, got.ttft_s, got.completed) == (3, 12_500, 125.0, True)
-    failed = real._turn(2, [record(10, 100, status=400)], 1.0, exited_ok=False)
+    failed = real._turn(2, [record(10, 100, status=400)], 1.0, exit_code=0)
     assert not failed.completed
