@@ -26,6 +26,17 @@ Modes (``--mode``)
     TTFT (first streamed delta of generated text, reasoning or a tool call)
     and total time.
 
+``--client claude-code|codex|opencode`` drives the real command-line agent
+instead (``bench.scenarios._real_clients``, whose docstring says how): the
+installed CLI (``--clients-bin``) runs ``--turns`` turns of one session
+against gezel alone on the dense demo model given a 262,144-token window
+(Claude Code's first request is ~33,600 tokens), ``--tokens`` the CLI's
+output cap where it has one and the server's ``--max-tokens-default``
+(Codex names none); ``--server-url`` drives it against a server already
+running instead. Per turn: the requests the CLI sent, and of
+the turn's own request the prompt and cached tokens, TTFT and whether the
+turn completed.
+
 After the last turn before the restart, both servers report the bytes their
 prompt cache holds (gezel: ``/v1/cache/stats`` ``totals.bytes``, shared
 blocks counted once; ``mlx_lm.server``: the ``nbytes`` of its
@@ -117,7 +128,9 @@ turn's TTFT; prompt-cache bytes.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import signal
 import statistics
 import time
@@ -134,6 +147,7 @@ from bench._report import ratio
 from bench._scenario import Context, Option, Plot, Result, Scenario, Series, Table, table
 from bench._servers import Server
 from bench.scenarios import _agent_shapes as shapes
+from bench.scenarios import _real_clients as real
 
 SYSTEMS = ("gezel", "mlx_lm.server")
 SHAPE_MODES = ("claude-code", "codex")
@@ -1184,10 +1198,89 @@ def run_shapes(ctx: Context) -> Result:
 # --- the run ---------------------------------------------------------------------
 
 
+CLIENT_PROMPTS = (
+    "Say hello in one word.",
+    "What does calc.py define? One line.",
+    "Thanks. Now say goodbye.",
+)
+CLIENT_WINDOW = 262144
+
+
+def _long_window(model: Path, dest: Path) -> Path:
+    """A copy of the demo model whose window holds a coding agent's prompt
+    (the demo models' 32,768 is under Claude Code's first request)."""
+    if not dest.exists():
+        shutil.copytree(model, dest)
+        config = json.loads((dest / "config.json").read_text())
+        config["max_position_embeddings"] = CLIENT_WINDOW
+        (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def run_client(ctx: Context) -> Result:
+    a = ctx.args
+    bin_dir = Path(a.clients_bin)
+    if not real.installed(bin_dir, a.client):
+        raise ValueError(f"{a.client} is not installed in {bin_dir} (--clients-bin)")
+    prompts = [CLIENT_PROMPTS[i % len(CLIENT_PROMPTS)] for i in range(a.turns)]
+
+    def drive(url: str) -> list[real.ClientTurn]:
+        workdir = ctx.workdir / a.client
+        return real.run_client(
+            a.client, bin_dir, url, workdir, prompts, a.tokens, progress=ctx.progress
+        )
+
+    model: Path | str
+    if a.server_url:
+        model = a.server_url
+        with ctx.phase(a.client):
+            turns = drive(a.server_url)
+    else:
+        model = _long_window(ctx.demo_model("dense"), ctx.workdir / "dense-long-window")
+        log = ctx.workdir / "gezel.log"
+        flags = [
+            "--log-level", a.gezel_log_level,
+            "--max-concurrency", str(a.concurrency),
+            # Codex names no max_output_tokens: the default caps its replies.
+            "--max-tokens-default", str(a.tokens),
+        ]  # fmt: skip
+        with ctx.phase(a.client), _servers.gezel_server(model, log, flags) as server:
+            turns = drive(server.url)
+    rows = [
+        (
+            t.turn,
+            t.requests,
+            " ".join(map(str, t.statuses)),
+            t.prompt,
+            t.cached,
+            t.ttft_s,
+            t.total_s,
+            t.exit_code,
+            "yes" if t.completed else "no",
+        )
+        for t in turns
+    ]
+    table_ = Table(
+        f"{a.client}: one session, {a.turns} turns",
+        ("turn", "requests", "statuses", "prompt", "cached", "TTFT s", "CLI s", "exit", "done"),
+        rows,
+        ("", "", "", "", "", ".1f", ".1f", "", ""),
+        notes=(
+            "prompt, cached, TTFT: the turn's own request (the CLI sends side requests too)",
+            "done: every request answered 200 and the CLI exited 0; a reply cut at the "
+            "output cap makes Claude Code and Codex exit 1",
+        ),
+    )
+    data = {"client": a.client, "turns": [attrs.asdict(t) for t in turns], "model": str(model)}
+    return Result(data, [table_], [], title=f"real client {a.client}, {a.turns} turns")
+
+
 def run(ctx: Context) -> Result:
     a = ctx.args
     if a.turns < 2 or a.tokens < 1:
         raise ValueError("--turns >= 2 and --tokens >= 1 are required")
+    if a.client is not None:
+        return run_client(ctx)
     if a.mode in SHAPE_MODES:
         return run_shapes(ctx)
     agents = a.agents if a.agents is not None else (4 if a.mode == "interleaved" else 1)
@@ -1268,6 +1361,13 @@ SCENARIO = Scenario(
             ("session", "anonymous", "interleaved", *SHAPE_MODES),
         ),
         Option("agents", None, "agents of the interleaved mode (default 4)", int),
+        Option("client", None, "drive this real CLI instead", str, None, real.CLIENTS),
+        Option(
+            "clients_bin",
+            os.environ.get("GEZEL_CLIENTS_BIN", "node_modules/.bin"),
+            "folder of the installed CLIs (claude, codex, opencode)",
+        ),
+        Option("server_url", None, "--client: drive it against this running server"),
         Option("models", list(MODELS), "demo model kinds", str, "+", MODELS),
         Option("systems", list(SYSTEMS), "systems to run", str, "+", SYSTEMS),
         Option("turns", 10, "turns before the restart (>= 2)", int, quick=6),

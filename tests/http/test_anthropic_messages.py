@@ -215,6 +215,76 @@ def test_a_claude_code_conversation_maps_onto_template_roles() -> None:
     assert (chat.sampling.temperature, chat.sampling.top_k, chat.max_tokens) == (0.5, 40, 64)
 
 
+def test_claude_codes_trailing_system_message_renders_as_its_next_request_sends_it() -> None:
+    """Claude Code 2.1.197 sends its mid-conversation system message after
+    the user's turn, and on the next request as a reminder block of that
+    turn, after the user's text with a line break added: both map onto the
+    same conversation up to the new text."""
+
+    def mapped(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {"model": "m", "max_tokens": 8, "messages": messages}
+        return list(chat_request(parse_messages_request(body)).messages)
+
+    agents = "Available agent types for the Agent tool:\n- Explore: read-only search."
+    first = mapped(
+        [
+            {"role": "user", "content": [{"type": "text", "text": "Say hello."}]},
+            {"role": "system", "content": agents},
+        ]
+    )
+    later = "Output token limit hit. Resume directly."
+    second = mapped(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Say hello.\n"},
+                    {"type": "text", "text": f"<system-reminder>\n{agents}\n</system-reminder>\n"},
+                    {"type": "text", "text": later},
+                ],
+            }
+        ]
+    )
+    reminder = f"Say hello.\n\n<system-reminder>\n{agents}\n</system-reminder>"
+    assert first == [{"role": "user", "content": reminder}]
+    assert second == [{"role": "user", "content": f"{reminder}\n\n{later}"}]
+
+
+def _total_tokens(left: int, end: str = "") -> dict[str, Any]:
+    # Claude Code's countdown attachment after a tool result (its
+    # ``totalTokensReminder`` setting), as its binary writes it.
+    text = f"<system-reminder>\n<total_tokens>{left} tokens left</total_tokens>\n</system-reminder>"
+    return {"type": "text", "text": text + end}
+
+
+def _tool_round(n: int, left: int, end: str = "") -> list[dict[str, Any]]:
+    call = {"type": "tool_use", "id": f"toolu_{n}", "name": "Read", "input": {"file_path": "a.py"}}
+    result = {"type": "tool_result", "tool_use_id": f"toolu_{n}", "content": f"line {n}"}
+    return [
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result, _total_tokens(left, end)]},
+    ]
+
+
+@pytest.mark.parametrize("end", ["", "\n"], ids=["as-sent", "line-break-added"])
+def test_a_new_total_tokens_countdown_leaves_the_earlier_ones_in_place(end: str) -> None:
+    """Each request carries a new ``<total_tokens>`` countdown after its
+    newest tool result and keeps the earlier ones as they were (or with a
+    line break added): the previous request's conversation is a prefix of
+    the next one's, so the countdown costs no prefill beyond the new round."""
+
+    def mapped(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {"model": "m", "max_tokens": 8, "messages": messages}
+        return list(chat_request(parse_messages_request(body)).messages)
+
+    ask = {"role": "user", "content": "Read a.py."}
+    before = mapped([ask, *_tool_round(1, 181_000)])
+    rounds = [ask, *_tool_round(1, 181_000, end), *_tool_round(2, 180_250)]
+    after = mapped(rounds)
+    assert after[: len(before)] == before
+    assert "180250 tokens left" in after[-1]["content"]
+
+
 @pytest.mark.parametrize(
     ("extra", "choice", "kwargs", "budget"),
     [

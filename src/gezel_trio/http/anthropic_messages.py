@@ -217,7 +217,14 @@ def _user(blocks: list[Block], where: str, images: list[ImagePart]) -> list[dict
 
 def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     """Text parts as one string (what every template reads); with an image,
-    the parts themselves, adjacent text joined."""
+    the parts themselves, adjacent text joined. Each text part loses its
+    trailing line breaks, so parts are one blank line apart whatever they
+    end with: Claude Code sends ``Say hello.`` on one request and
+    ``Say hello.\n`` on the next (with a reminder block after it), and the
+    prompt must not change there (the next request prefilled 2,695 of its
+    33,668 tokens again from that line break on)."""
+    parts = [{**p, "text": p["text"].rstrip("\r\n")} if p["type"] == "text" else p for p in parts]
+    parts = [p for p in parts if p["type"] != "text" or p["text"]]
     if all(p["type"] == "text" for p in parts):
         return _JOIN.join(p["text"] for p in parts)
     out: list[dict[str, Any]] = []
@@ -264,6 +271,12 @@ def _assistant(blocks: list[Block], where: str) -> dict[str, Any]:
     return message
 
 
+def _reminder(text: str) -> str:
+    """A system message as a user-side reminder, written as Claude Code writes
+    its own."""
+    return f"<system-reminder>\n{text}\n</system-reminder>"
+
+
 def _merge(out: list[dict[str, Any]], message: dict[str, Any]) -> None:
     """Anthropic combines consecutive turns of one role; so does this, for
     plain user turns and for assistant turns (templates may insist on
@@ -290,7 +303,9 @@ def chat_messages(
 ) -> list[dict[str, Any]]:
     """The conversation in the chat template's roles. ``system`` and the
     ``system``-role messages before the first turn form one system message;
-    later ``system`` messages stay where they are. Image blocks of user
+    one right after a user turn closes that turn as a ``<system-reminder>``
+    block (how Claude Code re-sends it on its next request); other later
+    ``system`` messages stay where they are. Image blocks of user
     turns are appended to ``images`` in prompt order."""
     if images is None:
         images = []
@@ -302,7 +317,13 @@ def chat_messages(
         where = f"messages[{i}].content"
         if m.role == "system":
             text = _text_of(m.content, where)
-            if out:
+            if out and out[-1]["role"] == "user":
+                # Claude Code sends its mid-conversation system message after
+                # the user's turn, and on its next request as this very
+                # reminder block of that turn: rendered so from the first,
+                # the next request re-reads it (~2,600 tokens) from the cache.
+                _merge(out, {"role": "user", "content": _reminder(text)})
+            elif out:
                 out.append({"role": "system", "content": text})
             else:
                 head.append(text)
@@ -752,7 +773,10 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             # Digests of the whole conversation: about 1 ms for 240k
             # characters, kept off the thread that serves every stream.
             prompt_tokens = len(prepared.request.prompt)
-            current = await trio.to_thread.run_sync(fingerprint, model, chat, prompt_tokens)
+            keep = engine.config.keep_billing_header
+            current = await trio.to_thread.run_sync(
+                partial(fingerprint, model, chat, prompt_tokens, keep_billing_header=keep)
+            )
             # Fingerprints by the tenant's own ids: another's message is not found.
             previous = tenant.name(req.diagnostics.previous_message_id)
             own = tenant.name(mid) or mid

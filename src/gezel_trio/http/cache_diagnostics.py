@@ -13,7 +13,10 @@ Anthropic's does: the model name, the tools, the system prompt, each
 message, and the other fields that change the rendered prompt (thinking,
 tool choice). The comparison is of the conversation as this server renders
 it (after the Messages shapes are mapped onto the chat template's roles),
-so what it says is what changed the prompt the cache saw. The store is
+so what it says is what changed the prompt the cache saw: what the engine
+takes out of every prompt before rendering (Claude Code's billing line,
+``shaping.billing_header``, new on every request) is taken out here too,
+unless the server keeps it (``--keep-billing-header``). The store is
 bounded (``FingerprintStore.limit``, oldest first out) and lives with the
 app; a fingerprint that was dropped, or one from before a restart, is
 ``previous_message_not_found``.
@@ -38,6 +41,7 @@ import attrs
 
 from ..core.events import CacheMiss
 from ..core.prepare import ChatRequest
+from ..shaping.billing_header import drop_billing_header
 
 __all__ = ["Fingerprint", "FingerprintStore", "fingerprint", "system_block"]
 
@@ -68,10 +72,14 @@ def _chars(value: Any) -> int:
     return len(json.dumps(value, ensure_ascii=False, default=str)) if value else 0
 
 
-def fingerprint(model: str, chat: ChatRequest, prompt_tokens: int) -> Fingerprint:
+def fingerprint(
+    model: str, chat: ChatRequest, prompt_tokens: int, *, keep_billing_header: bool = False
+) -> Fingerprint:
     """The fingerprint of ``chat`` as rendered for ``model`` into
     ``prompt_tokens`` tokens."""
     messages = [dict(m) for m in chat.messages]
+    if not keep_billing_header:
+        messages, _ = drop_billing_header(messages)
     n_system = 0
     while n_system < len(messages) and messages[n_system].get("role") in ("system", "developer"):
         n_system += 1
