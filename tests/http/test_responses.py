@@ -385,10 +385,16 @@ def test_refusals_name_the_field(
 
 
 def test_an_unknown_field_is_ignored_and_named(server: Server) -> None:
-    body = {"input": "x", "max_output_tokens": 2, "temprature": 1, "context_management": []}
+    body = {
+        "input": "x",
+        "max_output_tokens": 2,
+        "temprature": 1,
+        "context_management": [],
+        "newer": {},
+    }
     resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
-    assert resp.headers["x-gezel-ignored-fields"] == "temprature, context_management"
+    assert resp.headers["x-gezel-ignored-fields"] == "temprature, newer"
 
 
 def test_fields_the_sdk_sends_are_accepted(server: Server) -> None:

@@ -129,7 +129,7 @@ def test_concurrent_streams_all_complete(server: Server) -> None:
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages[0].role"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "cacheid": "typo"}', "cacheid"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_p": 7}', "top_p"),
         # Beyond the context window (32768 on the demo models): a max_tokens
         # is cut to fit (tests/server/test_seed_launch.py), a prompt is refused.
         pytest.param(
