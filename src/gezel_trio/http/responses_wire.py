@@ -414,7 +414,8 @@ class ReasoningConfig:
 class ContextManagement:
     """A ``context_management`` entry: compact the context once the input
     reaches ``compact_threshold`` tokens. Accepted and validated; this
-    server compacts only when asked (``POST /v1/responses/compact``), so an
+    server compacts only when asked (``POST /v1/responses/compact``, a
+    ``compaction_trigger`` item), so an
     input that outgrows the model's context is a 400 as without it."""
 
     type: Literal["compaction"]
