@@ -131,6 +131,20 @@ def test_a_compaction_trigger_answers_one_compaction_item(
     assert carried.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens - 1
 
 
+def test_a_compaction_trigger_with_a_bad_stream_is_a_400_naming_it(
+    dense_server: Server,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        dense_server.client.responses.create(
+            model="m",
+            input=[*_history("bad"), {"type": "compaction_trigger"}],  # type: ignore[list-item]
+            extra_body={"stream": "yes"},
+        )
+    body = err.value.body
+    assert isinstance(body, dict)
+    assert body.get("param") == "stream"
+
+
 def test_a_compaction_inside_compacted_input_is_expanded_first(dense_server: Server) -> None:
     tag = uuid.uuid4().hex
     history = _history(tag)
