@@ -108,7 +108,8 @@ def client_env(client: str, home: Path, base_url: str, max_tokens: int) -> dict[
 
 def codex_config(base_url: str) -> str:
     """Codex's ``config.toml``: a Responses provider with no key, no update
-    check, no analytics; the sub-agent tools (a ``namespace`` tool) off."""
+    check, no analytics; its default features (the sub-agent tools come as a
+    ``namespace`` tool)."""
     return f"""\
 model = "{MODEL}"
 model_provider = "gezel"
@@ -122,9 +123,6 @@ enabled = false
 
 [feedback]
 enabled = false
-
-[features]
-multi_agent = false
 
 [model_providers.gezel]
 name = "gezel-trio"

@@ -33,6 +33,7 @@ import pytest
 
 from gezel_trio.core.request import GenerationRequest
 from gezel_trio.http.app import HttpSettings, create_app
+from gezel_trio.http.tool_namespaces import flat_name
 from gezel_trio.testing import EOS, ScriptedBackend, open_test_engine
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "clients"
@@ -53,6 +54,10 @@ def tool_names(body: dict[str, Any]) -> list[str]:
     function tool's name is nested in chat completions)."""
     names = []
     for tool in body.get("tools") or []:
+        if tool.get("type") == "namespace":
+            # Codex's sub-agent tools: each shown under its flat name.
+            names += [flat_name(tool["name"], t["name"]) for t in tool.get("tools") or []]
+            continue
         name = tool.get("name") or (tool.get("function") or {}).get("name")
         if name and tool.get("type") not in _HOSTED:
             names.append(name)
@@ -60,7 +65,7 @@ def tool_names(body: dict[str, Any]) -> list[str]:
 
 
 # Hosted tools a server does not run; they are ignored and reported.
-_HOSTED = {"web_search", "web_search_preview", "namespace"}
+_HOSTED = {"web_search", "web_search_preview"}
 
 
 def usage(path: str, body: dict[str, Any]) -> tuple[int, int]:

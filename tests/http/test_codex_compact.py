@@ -91,6 +91,60 @@ def test_compaction_round_trips_and_the_prompt_cache_serves_it(dense_server: Ser
     assert carried.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens - 1
 
 
+def _trigger(server: Server, history: list[dict[str, Any]], *, stream: bool) -> Any:
+    """Codex 0.171's compaction: its history and a ``compaction_trigger``
+    item, on ``/v1/responses`` as any turn (streamed, as Codex sends it)."""
+    asked = server.client.responses.create(
+        model="m",
+        instructions=SYSTEM,
+        input=[*history, {"type": "compaction_trigger"}],  # type: ignore[list-item]
+        store=False,
+        stream=stream,
+    )
+    if not stream:
+        return asked
+    events = list(asked)
+    assert [e.type for e in events][-1] == "response.completed"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["compaction"]
+    return events[-1].response
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_compaction_trigger_answers_one_compaction_item(
+    dense_server: Server, stream: bool
+) -> None:
+    tag = uuid.uuid4().hex
+    history = _history(tag)
+    turn = {"role": "user", "content": f"Now read README.md ({tag})."}
+
+    whole = _ask(dense_server, [*history, turn])
+
+    compacted = _trigger(dense_server, history, stream=stream)
+    assert compacted.status == "completed"
+    (item,) = compacted.output
+    assert item.type == "compaction"
+    assert compacted.usage.output_tokens == 0  # no model call
+
+    carried = _ask(dense_server, [item.model_dump(exclude_none=True), turn])
+    assert carried.usage.input_tokens == whole.usage.input_tokens
+    assert carried.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens - 1
+
+
+def test_a_compaction_trigger_with_a_bad_stream_is_a_400_naming_it(
+    dense_server: Server,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        dense_server.client.responses.create(
+            model="m",
+            input=[*_history("bad"), {"type": "compaction_trigger"}],  # type: ignore[list-item]
+            extra_body={"stream": "yes"},
+        )
+    body = err.value.body
+    assert isinstance(body, dict)
+    assert body.get("param") == "stream"
+
+
 def test_a_compaction_inside_compacted_input_is_expanded_first(dense_server: Server) -> None:
     tag = uuid.uuid4().hex
     history = _history(tag)

@@ -89,6 +89,7 @@ from .responses_wire import (
     parse_compact_request,
     parse_responses_request,
     structure_items,
+    without_compaction_trigger,
 )
 from .sse import (
     cache_miss_body,
@@ -931,6 +932,75 @@ def _ignored(req: ResponsesRequest, response: Response) -> Response:
     return response
 
 
+def _no_seal() -> HttpError:
+    return HttpError(501, "not_implemented", "this engine has no key to seal histories")
+
+
+def _seal_history(engine: Engine, body: Any) -> str:
+    """The ``encrypted_content`` of a compaction of ``body``'s input, which
+    is validated as a request carrying it would be; raises ``InvalidRequest``."""
+    seal = engine.seal
+    if seal is None:
+        raise _no_seal()
+    req, raw = parse_compact_request(body, seal)
+    items_to_messages(req.items)  # what a request carrying it would refuse, now
+    try:
+        # Bounded as a request expands it, so what is sealed opens.
+        return seal.seal_history(raw, MAX_COMPACTED_BYTES)
+    except ValueError as exc:
+        raise InvalidRequest(f"input cannot be compacted: {exc}", param="input") from None
+
+
+@attrs.frozen
+class _Sealed:
+    """A Responses request that ends in a ``compaction_trigger``: its model
+    and the compaction of the items before the trigger."""
+
+    model: Any
+    stream: bool
+    blob: str
+
+
+_NO_USAGE: dict[str, Any] = {
+    "input_tokens": 0,
+    "input_tokens_details": {"cached_tokens": 0},
+    "output_tokens": 0,
+    "output_tokens_details": {"reasoning_tokens": 0},
+    "total_tokens": 0,
+}
+
+
+def _compaction_response(asked: _Sealed) -> Response:
+    """A completed response whose one output item is the compaction (what
+    Codex's compaction turn accepts: exactly one ``compaction`` item), as
+    JSON or as the events of a streamed response. No model runs."""
+    item = {"id": _new_id("cmp"), "type": "compaction", "encrypted_content": asked.blob}
+    body: dict[str, Any] = {
+        "id": _new_id("resp"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "completed",
+        "model": asked.model if isinstance(asked.model, str) else "",
+        "output": [item],
+        "usage": _NO_USAGE,
+    }
+    if not asked.stream:
+        return Response(dump_json(body), mimetype="application/json")
+    opened = {**body, "status": "in_progress", "output": []}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": opened},
+        {"type": "response.in_progress", "response": opened},
+        {"type": "response.output_item.added", "output_index": 0, "item": item},
+        {"type": "response.output_item.done", "output_index": 0, "item": item},
+        {"type": "response.completed", "response": body},
+    ]
+    frames = []
+    for n, e in enumerate(events):
+        data = dump_json(e | {"sequence_number": n}, compact=True)
+        frames.append(f"event: {e['type']}\ndata: {data}\n\n".encode())
+    return Response(b"".join(frames), mimetype="text/event-stream")
+
+
 def _not_found(rid: str) -> NotFound:
     return NotFound(f"no stored response {shown(rid)}", param="response_id")
 
@@ -942,11 +1012,23 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
         "openai_responses", __name__, refusal(engine, error_response), url_prefix=RESPONSES_PATH
     )
 
+    def parse(body: Any) -> ResponsesRequest | _Sealed:
+        rest = without_compaction_trigger(body)
+        if rest is not None:
+            stream = rest.pop("stream", None)
+            if stream is not None and not isinstance(stream, bool):
+                raise InvalidRequest("stream must be a boolean", param="stream")
+            return _Sealed(rest.get("model"), stream is True, _seal_history(engine, rest))
+        return parse_responses_request(body, engine.seal)
+
+    def view(req: ResponsesRequest | _Sealed) -> list[dict[str, Any]]:
+        return [] if isinstance(req, _Sealed) else _input_messages(req)
+
     @bp.route("", methods=["POST"])
     async def create_response() -> Response:
-        req, new = await json_view(
-            lambda body: parse_responses_request(body, engine.seal), _input_messages
-        )
+        req, new = await json_view(parse, view)
+        if isinstance(req, _Sealed):
+            return _compaction_response(req)
         tenant = current_tenant()
         prev: StoredResponse | None = None
         if req.previous_response_id is not None:
@@ -1014,33 +1096,16 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
 
     @bp.route("/compact", methods=["POST"])
     async def compact() -> Response:
-        seal = engine.seal
-        if seal is None:
-            raise HttpError(501, "not_implemented", "this engine has no key to seal histories")
-
-        def sealed(parsed: tuple[Any, list[Any]]) -> str:
-            req, raw = parsed
-            items_to_messages(req.items)  # what a request carrying it would refuse, now
-            try:
-                # Bounded as a request expands it, so what is sealed opens.
-                return seal.seal_history(raw, MAX_COMPACTED_BYTES)
-            except ValueError as exc:
-                raise InvalidRequest(f"input cannot be compacted: {exc}", param="input") from None
-
-        _, blob = await json_view(lambda body: parse_compact_request(body, seal), sealed)
+        if engine.seal is None:
+            raise _no_seal()
+        _, blob = await json_view(lambda body: _seal_history(engine, body), lambda b: b)
         body = {
             "id": _new_id("resp"),
             "object": "response.compaction",
             "created_at": int(time.time()),
             "output": [{"id": _new_id("cmp"), "type": "compaction", "encrypted_content": blob}],
             # No model ran: the history is sealed, not summarized.
-            "usage": {
-                "input_tokens": 0,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": 0,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": 0,
-            },
+            "usage": _NO_USAGE,
         }
         return Response(dump_json(body), mimetype="application/json")
 

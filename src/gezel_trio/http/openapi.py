@@ -81,7 +81,8 @@ _DOCS: dict[str, str] = {
     "ResponsesRequest.conversation": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.prompt": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.context_management": (
-        "Accepted and validated; this server compacts only on POST /v1/responses/compact."
+        "Accepted and validated; this server compacts only when asked: "
+        "POST /v1/responses/compact, or a compaction_trigger input item."
     ),
     "ResponsesRequest.background_options": "OpenAI platform feature: refused (400) when set.",
     "ResponsesRequest.moderation": "OpenAI platform feature: refused (400) when set.",

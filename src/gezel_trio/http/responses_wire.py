@@ -54,6 +54,7 @@ from .strict import (
 from .tool_namespaces import flat_name
 
 __all__ = [
+    "COMPACTION_TRIGGER",
     "COMPACTION_TYPES",
     "MAX_COMPACTED_BYTES",
     "CompactRequest",
@@ -77,6 +78,7 @@ __all__ = [
     "parse_compact_request",
     "parse_responses_request",
     "structure_items",
+    "without_compaction_trigger",
 ]
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -116,6 +118,9 @@ HOSTED_ITEM_TYPES = (
 # A compacted history's item (``compaction_summary``: its earlier name, which
 # Codex still reads). Expanded before the body is structured.
 COMPACTION_TYPES = ("compaction", "compaction_summary")
+# The last input item of a Responses request that asks for a compaction of
+# the items before it instead of a reply (Codex's built-in provider).
+COMPACTION_TRIGGER = "compaction_trigger"
 _COMPACTION_KEYS = frozenset({"type", "encrypted_content", "id", "created_by"})
 
 # The JSON a request's compaction items may expand to, in all: 4x the
@@ -409,7 +414,8 @@ class ReasoningConfig:
 class ContextManagement:
     """A ``context_management`` entry: compact the context once the input
     reaches ``compact_threshold`` tokens. Accepted and validated; this
-    server compacts only when asked (``POST /v1/responses/compact``), so an
+    server compacts only when asked (``POST /v1/responses/compact``, a
+    ``compaction_trigger`` item), so an
     input that outgrows the model's context is a 400 as without it."""
 
     type: Literal["compaction"]
@@ -837,6 +843,20 @@ def parse_compact_request(
         raise InvalidRequest(f"at most {MAX_MESSAGES} input items", param="input")
     raw = body["input"]
     return req, [{"role": "user", "content": raw}] if isinstance(raw, str) else list(raw)
+
+
+def without_compaction_trigger(body: Any) -> dict[str, Any] | None:
+    """``body`` without its last input item when that item is a
+    ``compaction_trigger`` (the request then asks for a compaction); None
+    for any other body."""
+    if not isinstance(body, dict) or not isinstance(body.get("input"), list):
+        return None
+    items = body["input"]
+    if not items or not isinstance(items[-1], dict):
+        return None
+    if items[-1].get("type") != COMPACTION_TRIGGER:
+        return None
+    return {**body, "input": items[:-1]}
 
 
 def _is_compaction(item: Any) -> bool:
