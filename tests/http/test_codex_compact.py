@@ -91,6 +91,21 @@ def test_compaction_round_trips_and_the_prompt_cache_serves_it(dense_server: Ser
     assert carried.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens - 1
 
 
+def test_items_before_a_compaction_are_the_clients_copies_and_go(dense_server: Server) -> None:
+    """Codex re-sends the user messages it keeps and its context before the
+    compaction item: the item stands for all of it, so the prompt is the
+    whole history's, read from the cache, not the history twice."""
+    tag = uuid.uuid4().hex
+    history = _history(tag)
+    turn = {"role": "user", "content": f"Now read README.md ({tag})."}
+    whole = _ask(dense_server, [*history, turn])
+    (item,) = _compact(dense_server, history).output
+    kept = [history[0], {"role": "developer", "content": f"<environment_context>{tag}"}]
+    carried = _ask(dense_server, [*kept, item.model_dump(exclude_none=True), turn])
+    assert carried.usage.input_tokens == whole.usage.input_tokens
+    assert carried.usage.input_tokens_details.cached_tokens >= whole.usage.input_tokens - 1
+
+
 def _trigger(server: Server, history: list[dict[str, Any]], *, stream: bool) -> Any:
     """Codex 0.171's compaction: its history and a ``compaction_trigger``
     item, on ``/v1/responses`` as any turn (streamed, as Codex sends it)."""
