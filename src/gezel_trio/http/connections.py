@@ -98,7 +98,8 @@ FD_HEADROOM = 256
 # after this long when no connection was closed meanwhile.
 CAPACITY_LOG_S = 10.0
 ACCEPT_RETRY_S = 0.1
-# A bound on the listening sockets' close on the way out (it does not wait).
+# A bound on each close: a connection's, its idle timer's, the listening
+# sockets' on the way out (none of them waits on a peer).
 CLOSE_S = 1.0
 _CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
@@ -274,7 +275,7 @@ class ConnectionCap:
         finally:
             # Hypercorn's own close sends an EOF first, which a cancelled
             # connection (a stop without a drain) never gets past.
-            with trio.CancelScope(shield=True):
+            with trio.move_on_after(CLOSE_S, shield=True):
                 await stream.aclose()
             self._closed(conn, admitted)
 
@@ -304,7 +305,7 @@ class _Connection(TCPServer):
             # descriptor (it held it 75 s), the connection ends with its
             # last request.
             self._reading = False
-            with trio.CancelScope(shield=True):
+            with trio.move_on_after(CLOSE_S, shield=True):
                 await self.idle_task.stop()
 
     async def protocol_send(self, event: Event) -> None:
@@ -328,7 +329,7 @@ class _Connection(TCPServer):
         if not self.evicted:
             # Stopped by hypercorn (a request began): the connection stays.
             await trio.lowlevel.checkpoint_if_cancelled()
-        with trio.CancelScope(shield=True):
+        with trio.move_on_after(CLOSE_S, shield=True):
             await self._initiate_server_close()
 
 

@@ -723,6 +723,13 @@ def _final_status(reason: str, output: _Output) -> str:
 # --- streamed responses --------------------------------------------------------
 
 
+def _event_frame(event: dict[str, Any], seq: int) -> bytes:
+    """``event`` as a named SSE frame, numbered ``seq`` (set on it)."""
+    event["sequence_number"] = seq
+    data = dump_json(event, compact=True)
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
 class _Events:
     """``sse.Translator`` for Responses: named events with sequence numbers.
     The response is stored before its terminal event is written, so a client
@@ -736,10 +743,8 @@ class _Events:
         self._opened = False
 
     def _frame(self, event: dict[str, Any]) -> bytes:
-        event["sequence_number"] = self._seq
         self._seq += 1
-        data = dump_json(event, compact=True)
-        return f"event: {event['type']}\ndata: {data}\n\n".encode()
+        return _event_frame(event, self._seq - 1)
 
     def _frames(self, events: list[dict[str, Any]]) -> list[bytes]:
         return [self._frame(e) for e in events]
@@ -994,11 +999,8 @@ def _compaction_response(asked: _Sealed) -> Response:
         {"type": "response.output_item.done", "output_index": 0, "item": item},
         {"type": "response.completed", "response": body},
     ]
-    frames = []
-    for n, e in enumerate(events):
-        data = dump_json(e | {"sequence_number": n}, compact=True)
-        frames.append(f"event: {e['type']}\ndata: {data}\n\n".encode())
-    return Response(b"".join(frames), mimetype="text/event-stream")
+    frames = b"".join(_event_frame(e, n) for n, e in enumerate(events))
+    return Response(frames, mimetype="text/event-stream")
 
 
 def _not_found(rid: str) -> NotFound:

@@ -207,10 +207,7 @@ def bodies_after_keys(app: Asgi, keys: KeyRing) -> Asgi:
             if not keys:
                 await app(scope, receive, send)
                 return
-            headers = Headers(
-                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
-            )
-            if keys.tenant(headers) is not None:
+            if keys.tenant(_headers(scope)) is not None:
                 await app(scope, receive, send)
                 return
         await app(scope, _withheld(), _closing_if_body(scope, send))
