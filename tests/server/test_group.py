@@ -17,7 +17,8 @@ hybrid model's split, a killed or stalled rank) run ``mlx.launch`` itself.
   exit 1 after ``--group-timeout``.
 - Rank 0 killed (SIGKILL): the other rank's order connection closes and
   it exits 1 on its own (without the launcher, which would stop it anyway).
-- A model that cannot be split is refused by name.
+- A model that cannot be split is refused by name; the split by layers
+  keeps the model's weights and output as they were, on a group of one.
 """
 
 from __future__ import annotations
@@ -462,6 +463,34 @@ def test_a_model_that_cannot_split_is_refused_by_name(
         match=r"its vocabulary of 2173 tokens \(the head's split\) is not a multiple of 2",
     ):
         shard(hybrid, _Group(2), "hybrid-tiny", "tensor")
+
+
+def test_the_split_by_layers_keeps_the_model_as_it_was(dense_model: Path) -> None:
+    """``pipeline`` on a group of one: the outer model's inner model is
+    replaced, none of the loaded objects changes its class, the weights keep
+    their paths, and a prefill and a step give the unsplit model's logits."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from gezel_trio.mlx.group import pipeline
+
+    plain, _ = load(str(dense_model))
+    split, _ = load(str(dense_model))
+    inner = split.model
+    kinds = {id(m): type(m) for _, m in split.named_modules()}
+    said = pipeline(split, mx.distributed.init(strict=False))
+    assert said == "by layers over 1 ranks: rank 0 runs layers 0-3"
+    assert split.model is not inner
+    assert all(type(m) is kinds[id(m)] for _, m in inner.named_modules())
+    assert [k for k, _ in tree_flatten(split.parameters())] == [
+        k for k, _ in tree_flatten(plain.parameters())
+    ]
+    plain_cache, split_cache = make_prompt_cache(plain), make_prompt_cache(split)
+    for tokens in ([5, 7, 9, 11, 13], [3]):
+        want = plain(mx.array([tokens]), cache=plain_cache)
+        assert mx.array_equal(split(mx.array([tokens]), cache=split_cache), want)
 
 
 def _stream_until_it_ends(server: Server, started: threading.Event) -> str:

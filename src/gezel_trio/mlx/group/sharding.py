@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ...core.errors import ModelLoadError
 
-__all__ = ["pipeline", "rank_group", "shard"]
+__all__ = ["PipelinedLlama", "pipeline", "rank_group", "shard"]
 
 
 def rank_group() -> Any | None:
@@ -70,7 +71,7 @@ def _tensor_blocker(model: Any, n: int) -> str | None:
     return None
 
 
-# The inner models whose forward pass ``_pipelined`` reproduces (embed,
+# The inner models whose forward pass ``PipelinedLlama`` reproduces (embed,
 # masks, layers, norm), and those mlx-lm splits by layers itself.
 _OWN_PIPELINE = {"mlx_lm.models.llama.LlamaModel"}
 
@@ -105,48 +106,64 @@ def pipeline(model: Any, group: Any) -> str:
     sizes = [base + (1 if r < extra else 0) for r in range(n)]
     start = sum(sizes[rank + 1 :])
     end = start + sizes[rank]
-    inner.layers = inner.layers[start:end]
-    inner.fa_idx = next((i for i, la in enumerate(inner.layers) if not la.use_sliding), 0)
-    inner.swa_idx = next((i for i, la in enumerate(inner.layers) if la.use_sliding), None)
-    inner.group, inner.rank, inner.size = group, rank, n
-    inner.__class__ = type(
-        f"Pipelined{type(inner).__name__}",
-        (type(inner),),
-        {
-            "__call__": _pipelined,
-        },
-    )
+    model.model = PipelinedLlama(inner, start, end, group)
     return f"by layers over {n} ranks: rank {rank} runs layers {start}-{end - 1}"
 
 
-def _pipelined(
-    self: Any, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None
-) -> mx.array:
-    """A llama-style inner model's forward pass over its run of layers."""
-    from mlx_lm.models.base import create_attention_mask
+# The settings of mlx-lm's llama inner model that the outer one reads
+# (``make_cache``: its sliding window) or a reader of the model might.
+_KEPT = ("args", "vocab_size", "num_hidden_layers", "layer_types", "sliding_window")
 
-    h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
-    if cache is None:
-        cache = [None] * len(self.layers)
-    fa_mask = create_attention_mask(h, cache[self.fa_idx])
-    swa_mask = None
-    if self.swa_idx is not None:
-        swa_mask = create_attention_mask(h, cache[self.swa_idx], window_size=self.sliding_window)
-    if self.rank < self.size - 1:
-        h = mx.distributed.recv_like(h, self.rank + 1, group=self.group)
-    for layer, c in zip(self.layers, cache, strict=True):
-        h = layer(h, swa_mask if layer.use_sliding else fa_mask, cache=c)
-    if self.rank != 0:
-        h = mx.distributed.send(h, self.rank - 1, group=self.group)
-        last = cache[-1]
-        if last is not None and last.keys is not None:
-            # A prefill evaluates only the caches: the send must be part of
-            # what they depend on, or the rank below waits for it forever.
-            keys = last.keys
-            if isinstance(keys, tuple):
-                last.keys = (mx.depends(keys[0], h), *keys[1:])
-            else:
-                last.keys = mx.depends(keys, h)
-    h = mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]
-    out: mx.array = self.norm(h)
-    return out
+
+# mlx ships no type information for nn.Module, which mypy sees as Any.
+class PipelinedLlama(nn.Module):  # type: ignore[misc]
+    """A llama-style inner model over its run of layers, in the outer
+    model's place for it (``model.model``). It keeps the inner model's
+    parts under their own names (``embed_tokens``, ``layers``, ``norm``),
+    so the outer model's head, its ``layers`` and ``make_cache``, and the
+    weights' paths are as they were."""
+
+    def __init__(self, inner: Any, start: int, end: int, group: Any) -> None:
+        super().__init__()
+        for name in _KEPT:
+            if hasattr(inner, name):
+                setattr(self, name, getattr(inner, name))
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers[start:end]
+        self.norm = inner.norm
+        self.fa_idx = next((i for i, la in enumerate(self.layers) if not la.use_sliding), 0)
+        self.swa_idx = next((i for i, la in enumerate(self.layers) if la.use_sliding), None)
+        self.group, self.rank, self.size = group, int(group.rank()), int(group.size())
+
+    def __call__(
+        self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None
+    ) -> mx.array:
+        from mlx_lm.models.base import create_attention_mask
+
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        fa_mask = create_attention_mask(h, cache[self.fa_idx])
+        swa_mask = None
+        if self.swa_idx is not None:
+            swa_mask = create_attention_mask(
+                h, cache[self.swa_idx], window_size=self.sliding_window
+            )
+        if self.rank < self.size - 1:
+            h = mx.distributed.recv_like(h, self.rank + 1, group=self.group)
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, swa_mask if layer.use_sliding else fa_mask, cache=c)
+        if self.rank != 0:
+            h = mx.distributed.send(h, self.rank - 1, group=self.group)
+            last = cache[-1]
+            if last is not None and last.keys is not None:
+                # A prefill evaluates only the caches: the send must be part of
+                # what they depend on, or the rank below waits for it forever.
+                keys = last.keys
+                if isinstance(keys, tuple):
+                    last.keys = (mx.depends(keys[0], h), *keys[1:])
+                else:
+                    last.keys = mx.depends(keys, h)
+        h = mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]
+        out: mx.array = self.norm(h)
+        return out
