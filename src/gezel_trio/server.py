@@ -57,7 +57,7 @@ from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app, served
 from .http.connections import ConnectionCap, bound_requests, check_connection_cap, serve_http
 from .http.response_store import ResponseStore
-from .mlx import mlx_backend, open_file_limit
+from .mlx import group_backend, group_rank, mlx_backend, open_file_limit
 from .stdout_protocol import StdoutProtocol, StdoutSettings
 
 __all__ = ["Orphaned", "ServerConfig", "serve"]
@@ -148,6 +148,13 @@ async def _watch_parent(parent: int, shutdown: trio.Event) -> None:
     shutdown.set()
 
 
+def _backend(config: EngineConfig) -> Backend:
+    """The composition root's backend: MLX's, and under ``mlx.launch``
+    rank 0's of the group (``mlx.group``); the other ranks follow it
+    (``cli``). Called on the host thread, as every backend factory is."""
+    return group_backend(config) if group_rank() is not None else mlx_backend(config)
+
+
 async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the model loaded
     config: EngineConfig,
     shutdown: trio.Event,
@@ -159,7 +166,7 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
 ) -> None:
     try:
         # The composition root picks the backend: MLX unless a test injects one.
-        await run_engine(config, backend_factory or mlx_backend, task_status=task_status)
+        await run_engine(config, backend_factory or _backend, task_status=task_status)
     except EngineFailure as failure:  # only raised once the engine was ready
         died.append(failure)
         log.critical("the engine failed (%s): exiting after a drain", failure.message)

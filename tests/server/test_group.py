@@ -17,7 +17,8 @@ hybrid model's split, a killed or stalled rank) run ``mlx.launch`` itself.
   exit 1 after ``--group-timeout``.
 - Rank 0 killed (SIGKILL): the other rank's order connection closes and
   it exits 1 on its own (without the launcher, which would stop it anyway).
-- A model that cannot be split is refused by name; the split by layers
+- A model that cannot be split is refused by name (an image model too,
+  and rank 0's backend outside a group); the split by layers
   keeps the model's weights and output as they were, on a group of one.
 """
 
@@ -463,6 +464,26 @@ def test_a_model_that_cannot_split_is_refused_by_name(
         match=r"its vocabulary of 2173 tokens \(the head's split\) is not a multiple of 2",
     ):
         shard(hybrid, _Group(2), "hybrid-tiny", "tensor")
+
+
+def test_the_group_backend_wants_a_group_and_a_text_model(
+    dense_model: Path, vision_model: Path
+) -> None:
+    """Rank 0's backend outside ``mlx.launch`` is refused before a model
+    loads, and an image model is refused by name before it is split."""
+    from gezel_trio.core.config import EngineConfig
+    from gezel_trio.core.errors import ModelLoadError
+    from gezel_trio.mlx import group_backend
+    from gezel_trio.mlx.group import Sharding
+    from gezel_trio.mlx.loading import load_model
+
+    with pytest.raises(ModelLoadError, match=r"not started by mlx\.launch in a group"):
+        group_backend(EngineConfig(model=dense_model))
+    loaded = load_model(EngineConfig(model=vision_model))
+    with pytest.raises(
+        ModelLoadError, match=rf"{vision_model.name}: an image model is not split over ranks"
+    ):
+        Sharding(_Group(2))(loaded)
 
 
 def test_the_split_by_layers_keeps_the_model_as_it_was(dense_model: Path) -> None:

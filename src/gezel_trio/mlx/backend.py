@@ -12,7 +12,7 @@ import io
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, cast
 
@@ -63,7 +63,6 @@ from .constraints import GrammarTokenizer, make_grammar_processor
 from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
 from .gated_delta import install as install_gated_delta
-from .group import rank_group, shard
 from .kv_quant import KvPlan, KvStart, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
 from .kv_quant import plan as kv_plan
@@ -432,24 +431,21 @@ class _Lane:
 
 
 class MlxBackend:
-    """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
+    """``backend.Backend`` over mlx-lm. Construct it on the host thread.
+    ``split`` keeps a rank's part of the loaded model and says how
+    (``mlx.group.Sharding``, under ``mlx.launch``)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, split: Callable[[LoadedModel], GroupInfo] | None = None
+    ) -> None:
         said = set_compute_priority(config.compute_priority, config.compute_nice)
         log.info("compute threads: %s", said)
         loaded = load_model(config)
         model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
         self._vision: VisionModel | None = loaded.vision
         # Under mlx.launch each rank holds its shard of the model (mlx.group).
-        self._group = rank_group()
-        if self._group is not None:
-            if self._vision is not None:
-                raise ModelLoadError(f"{model_dir.name}: an image model is not split over ranks")
-            split = shard(model, self._group, model_dir.name, config.group_split)
-            log.info("rank %d of %d: %s", self._group.rank(), self._group.size(), split)
-            group_info: GroupInfo | None = GroupInfo(int(self._group.size()), split)
-        else:
-            group_info = None
+        group_info = split(loaded) if split is not None else None
+        self._group = group_info
         self._model = model
         self._tokenizer = tokenizer
         self._config = config
@@ -661,7 +657,7 @@ class MlxBackend:
         if self._group is not None:
             # Its gate decides from each rank's own wall times, and its
             # rejection sampling draws from numpy: the ranks would part.
-            log.info("speculation: off under a group of %d ranks", self._group.size())
+            log.info("speculation: off under a group of %d ranks", self._group.world_size)
             return False
         blocker = (
             "an image model's generator is not speculated yet"

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from .follower import DivergedError, follow
 from .rank0 import GroupBackend
-from .sharding import pipeline, rank_group, shard
+from .sharding import Sharding, pipeline, rank_group, shard
 from .states import Held
 from .wire import GroupLost
 
@@ -66,6 +66,7 @@ __all__ = [
     "GroupBackend",
     "GroupLost",
     "Held",
+    "Sharding",
     "follow",
     "pipeline",
     "rank_group",

@@ -3,14 +3,20 @@ splits it and the heads divide the group, else a run of layers per rank."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
 from ...core.errors import ModelLoadError
+from ...core.model import GroupInfo
+from ..loading import LoadedModel
 
-__all__ = ["PipelinedLlama", "pipeline", "rank_group", "shard"]
+__all__ = ["PipelinedLlama", "Sharding", "pipeline", "rank_group", "shard"]
+
+log = logging.getLogger("gezel_trio.mlx")
 
 
 def rank_group() -> Any | None:
@@ -20,6 +26,24 @@ def rank_group() -> Any | None:
         return None
     group = mx.distributed.init(strict=False)
     return group if group.size() > 1 else None
+
+
+@attrs.frozen
+class Sharding:
+    """What ``MlxBackend`` calls on the model it loaded (its ``split``) under
+    ``mlx.launch``: this rank keeps its part of it (``shard``, split as
+    ``how`` asks: ``--group-split``), and the backend learns how."""
+
+    group: Any
+    how: str = "auto"
+
+    def __call__(self, loaded: LoadedModel) -> GroupInfo:
+        name = loaded.path.name
+        if loaded.vision is not None:
+            raise ModelLoadError(f"{name}: an image model is not split over ranks")
+        split = shard(loaded.model, self.group, name, self.how)
+        log.info("rank %d of %d: %s", self.group.rank(), self.group.size(), split)
+        return GroupInfo(int(self.group.size()), split)
 
 
 def shard(model: Any, group: Any, name: str, how: str = "auto") -> str:
