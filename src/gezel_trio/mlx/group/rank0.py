@@ -108,8 +108,10 @@ class _Watchdog:
 
 
 class GroupBackend:
-    """Rank 0's backend: each call that changes what the ranks hold is an
-    order to every rank first (see the module)."""
+    """Rank 0's backend, a decorator over ``local`` (rank 0's own backend,
+    holding its part of the model: ``Sharding``): each call that changes
+    what the ranks hold is an order to every rank first (``mlx.group``),
+    the rest is ``local``'s."""
 
     def __init__(self, local: Any, group: Any, stream: Any, timeout: float) -> None:
         self._local = local
