@@ -18,7 +18,7 @@ a field's type, its ``Range`` and its ``Pattern`` become its schema.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import cattrs
@@ -28,6 +28,7 @@ from ..core.images import ImagePart
 from ..core.prepare import MIN_REPETITION_PENALTY
 from ..core.request import SamplingParams
 from ..shaping.custom_tools import as_function, input_arguments
+from ..shaping.toolcalls import TOOL_GRAMMAR_NAMES
 from .checks import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -93,6 +94,13 @@ MAX_N = 8
 MAX_PROMPT_TOKENS = 1_000_000
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+if TYPE_CHECKING:
+    ToolGrammarFormat = str
+else:
+    # The names tool_grammar.format takes, read from the markup families
+    # (``shaping.toolcalls``): checked as a literal, listed in /openapi.json.
+    ToolGrammarFormat = Literal[TOOL_GRAMMAR_NAMES]
 
 
 @attrs.frozen
@@ -328,7 +336,7 @@ class ToolGrammar:
     ``allowed_names``: the tools this turn may call (all stay in the prompt)."""
 
     mode: Literal["name-only", "name-and-params"] = "name-and-params"
-    format: Literal["hermes", "gemma", "glm", "qwen3_coder"] | None = None
+    format: ToolGrammarFormat | None = None
     allowed_names: list[str] | None = None
 
 
