@@ -51,7 +51,7 @@ _DOCS: dict[str, str] = {
     "max_thinking_tokens": "gezel: close the think block after this many tokens.",
     "tool_grammar": "gezel: constrain tool calls with a grammar; mode name-only (names) or "
     "name-and-params (the whole call, by schema); format "
-    + ", ".join(TOOL_GRAMMAR_NAMES)
+    + " or ".join([", ".join(TOOL_GRAMMAR_NAMES[:-1]), TOOL_GRAMMAR_NAMES[-1]])
     + "; allowed_names: the tools a call may name.",
     "disable_speculation": "gezel (the seed's): opt out of speculative decoding.",
     "speculation": "gezel: false opts this request out of speculative decoding "
