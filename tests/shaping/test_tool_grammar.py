@@ -149,7 +149,16 @@ def test_each_client_format_names_its_families() -> None:
     assert ToolGrammarHint("hermes", "name-only").agrees_with("qwen3_coder")
     assert ToolGrammarHint("hermes", "name-only").agrees_with("hermes")
     assert not ToolGrammarHint("gemma", "name-only").agrees_with("hermes")
-    assert set(TOOL_GRAMMAR_FORMATS) == {"hermes", "gemma", "glm", "qwen3_coder"}
+    # Each family's own name, and the seed client's "gemma" for Gemma 4.
+    assert set(TOOL_GRAMMAR_FORMATS) == {"hermes", "gemma4", "gemma", "glm", "qwen3_coder"}
+
+
+def test_the_seed_clients_gemma_names_the_family_its_own_name_does() -> None:
+    for name in ("gemma4", "gemma"):
+        assert tool_grammar_hint({"format": name}) == ToolGrammarHint(name, "name-and-params")
+        assert ToolGrammarHint(name, "name-only").agrees_with(GEMMA4.name)
+        assert not ToolGrammarHint(name, "name-only").agrees_with("glm")
+    assert TOOL_GRAMMAR_FORMATS["gemma"] == TOOL_GRAMMAR_FORMATS["gemma4"] == ("gemma4",)
 
 
 def test_a_format_that_disagrees_with_the_template_uses_the_templates_markup(tok: Any) -> None:
