@@ -37,8 +37,8 @@ from gezel_trio import (
 from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.mlx import demo_model, kv_quant
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import greedy
+from gezel_trio.mlx.speculation.lookup import NgramLookup
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
 

@@ -88,7 +88,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
 from ..core.shared_dir import DirLock
-from .speculative import HoleyKVCache
+from .mlx_lm_surface import HoleyKVCache, cache_index, right_padding, set_cache_index
 
 __all__ = ["CompiledDecode", "compiled_blocker"]
 
@@ -237,15 +237,15 @@ def _layout(cache: Sequence[Any]) -> Layout | None:
                 return None
             layout.append((len(c.cache), c.left_padding is not None))
             continue
-        if type(c) not in _KINDS or c.keys is None or c._right_padding is not None:
+        if type(c) not in _KINDS or c.keys is None or right_padding(c) is not None:
             return None
         if first is None:
             first, holey = c, getattr(c, "holes", None) is not None
-            if c._idx >= c.keys.shape[2]:
+            if cache_index(c) >= c.keys.shape[2]:
                 return None
         elif (
             type(c) is not type(first)
-            or c._idx != first._idx
+            or cache_index(c) != cache_index(first)
             or c.keys.shape[2] != first.keys.shape[2]
             or (getattr(c, "holes", None) is not None) != holey
         ):
@@ -487,7 +487,7 @@ class CompiledDecode:
         if layout is None:
             return self._model(inputs, cache=cache, **kwargs)
         first = cache[layout.index(_KV)]
-        idx = first._idx
+        idx = cache_index(first)
         width = min(first.keys.shape[2], window(idx + 1))
         holey = getattr(first, "holes", None) is not None
         key = (layout, inputs.shape[0], width)
@@ -538,7 +538,7 @@ class CompiledDecode:
             c.offset = offset
             if holes is not None:
                 c.holes = holes
-            c._idx = idx + 1
+            set_cache_index(c, idx + 1)
         self.steps += 1
         return logits
 
@@ -575,7 +575,7 @@ class CompiledDecode:
                 self._holey_masks = mx.compile(_holey_mask)
             for c in cache:
                 if not isinstance(c, ArraysCache):
-                    c._fit()  # holes as wide as the keys, as its own update makes them
+                    c.fit_holes()  # holes as wide as the keys, as its own update makes them
             mask, holes = self._holey_masks(index, first.left_padding, marker, first.holes)
         else:
             if self._masks is None:
