@@ -309,19 +309,25 @@ def test_a_layer_gets_holes_and_is_quantized_as_a_new_cache_holding_its_state() 
     layer.update_and_fetch(keys, keys + 100)
     holey = with_holes(layer)
     # A new object; the layer it replaces keeps its class.
-    assert holey is not layer and type(layer) is BatchKVCache
-    assert holey.keys is layer.keys and cache_index(holey) == 3
+    assert holey is not layer
+    assert type(layer) is BatchKVCache
+    assert holey.keys is layer.keys
+    assert cache_index(holey) == 3
     holey.reject([1, 0])  # row 0's last slot is a hole now
     quantized = kv_quant.quantized_batch_layer(holey, 32, 8)
-    assert quantized is not holey and type(holey) is HoleyKVCache
+    assert quantized is not holey
+    assert type(holey) is HoleyKVCache
     assert isinstance(quantized, kv_quant.BatchQuantizedKVCache)
     assert isinstance(quantized, HoleyKVCache)
-    assert quantized.holes is not None and holey.holes is not None
+    assert quantized.holes is not None
+    assert holey.holes is not None
     assert mx.array_equal(quantized.holes, holey.holes).item()
-    assert cache_index(quantized) == 3 and quantized.offset.tolist() == [1, 3]
+    assert cache_index(quantized) == 3
+    assert quantized.offset.tolist() == [1, 3]
     # Row 0 extracts its one valid slot (slot 1; slot 0 is padding, slot 2 a hole).
     one = quantized.extract(0)
-    assert isinstance(one, kv_quant.QuantizedKV) and one.offset == 1
+    assert isinstance(one, kv_quant.QuantizedKV)
+    assert one.offset == 1
     got = mx.dequantize(*one.keys, group_size=32, bits=8)
     assert got.shape == (1, 2, 1, 32)
     assert mx.allclose(got, mx.full(got.shape, 1.0), atol=0.02).item()
