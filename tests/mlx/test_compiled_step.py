@@ -51,7 +51,7 @@ from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker, window
 from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.speculative import HoleyKVCache
+from gezel_trio.mlx.mlx_lm_surface import with_holes
 
 VOCAB = 97
 
@@ -242,11 +242,12 @@ def test_speculations_holes_are_masked_and_cleared_as_the_models_step_does() -> 
     model(proposal, cache=plain)
     decode(proposal, cache=compiled)
     for caches in (plain, compiled):
-        for c in caches:
-            HoleyKVCache.of(c).reject([2, 0, 1])
+        for j, c in enumerate(caches):
+            holey = caches[j] = with_holes(c)
+            holey.reject([2, 0, 1])
             # One slot back: the next token is written over a hole (of the
             # first and third sequences), which it must clear.
-            c.trim(1)
+            holey.trim(1)
     assert plain[0].holes is not None
     assert plain[0].holes[:, plain[0]._idx].tolist() == [True, False, True]
     token = mx.array([20, 21, 22])

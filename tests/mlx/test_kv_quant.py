@@ -25,7 +25,7 @@ import mlx.core as mx
 import pytest
 import trio
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import load
 
 from gezel_trio import (
@@ -37,8 +37,9 @@ from gezel_trio import (
 from gezel_trio.http.app import HttpSettings, create_app
 from gezel_trio.mlx import demo_model, kv_quant
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup
+from gezel_trio.mlx.mlx_lm_surface import HoleyKVCache, cache_index, with_holes
 from gezel_trio.mlx.sampling import greedy
+from gezel_trio.mlx.speculation.lookup import NgramLookup
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
 
@@ -298,3 +299,35 @@ def test_speculation_runs_on_the_quantized_batch(
         for c in final.prompt_cache:
             assert isinstance(c, kv_quant.QuantizedKV)
             assert c.offset == len(final.all_tokens) == c.keys[0].shape[2]
+
+
+def test_a_layer_gets_holes_and_is_quantized_as_a_new_cache_holding_its_state() -> None:
+    # Two rows of 3 slots, the first left-padded by one; each slot's keys
+    # are its row and slot, so what a cache holds can be read back.
+    layer = BatchKVCache([1, 0])
+    keys = mx.broadcast_to(mx.arange(6, dtype=mx.float32).reshape(2, 1, 3, 1), (2, 2, 3, 32))
+    layer.update_and_fetch(keys, keys + 100)
+    holey = with_holes(layer)
+    # A new object; the layer it replaces keeps its class.
+    assert holey is not layer
+    assert type(layer) is BatchKVCache
+    assert holey.keys is layer.keys
+    assert cache_index(holey) == 3
+    holey.reject([1, 0])  # row 0's last slot is a hole now
+    quantized = kv_quant.quantized_batch_layer(holey, 32, 8)
+    assert quantized is not holey
+    assert type(holey) is HoleyKVCache
+    assert isinstance(quantized, kv_quant.BatchQuantizedKVCache)
+    assert isinstance(quantized, HoleyKVCache)
+    assert quantized.holes is not None
+    assert holey.holes is not None
+    assert mx.array_equal(quantized.holes, holey.holes).item()
+    assert cache_index(quantized) == 3
+    assert quantized.offset.tolist() == [1, 3]
+    # Row 0 extracts its one valid slot (slot 1; slot 0 is padding, slot 2 a hole).
+    one = quantized.extract(0)
+    assert isinstance(one, kv_quant.QuantizedKV)
+    assert one.offset == 1
+    got = mx.dequantize(*one.keys, group_size=32, bits=8)
+    assert got.shape == (1, 2, 1, 32)
+    assert mx.allclose(got, mx.full(got.shape, 1.0), atol=0.02).item()

@@ -42,10 +42,10 @@ from gezel_trio import (
 )
 from gezel_trio.core.backend import Admission
 from gezel_trio.mlx.backend import MlxBackend
-from gezel_trio.mlx.kv_quant import KvStart, QuantizedKV, layout
+from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache, KvStart, QuantizedKV, layout
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup
-from gezel_trio.mlx.speculative import HoleyQuantizedKVCache
+from gezel_trio.mlx.mlx_lm_surface import HoleyKVCache
+from gezel_trio.mlx.speculation.lookup import NgramLookup
 from tests.mlx.test_kv_quant import _prompts, _wide_heads
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
@@ -277,7 +277,8 @@ def test_speculation_goes_on_over_a_lane_that_switches(
             switched.append(True)
             cache = gen._generation_batch.prompt_cache
             holes_kept.append(
-                isinstance(cache[0], HoleyQuantizedKVCache)
+                isinstance(cache[0], HoleyKVCache)
+                and isinstance(cache[0], BatchQuantizedKVCache)
                 and cache[0].holes is not None
                 and bool(mx.any(cache[0].holes).item())
             )

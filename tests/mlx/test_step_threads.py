@@ -37,11 +37,11 @@ from mlx_lm.utils import load
 from gezel_trio import EngineConfig
 from gezel_trio.core.backend import Admission
 from gezel_trio.core.request import GenerationRequest, SamplingParams
-from gezel_trio.mlx import blas, speculative
+from gezel_trio.mlx import blas, speculation
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import RecentBySalt
 from gezel_trio.mlx.sampling import greedy
+from gezel_trio.mlx.speculation.lookup import RecentBySalt
 from gezel_trio.mlx.step_threads import (
     LONG_STEP_S,
     REPEATS,
@@ -195,9 +195,9 @@ def test_a_verify_asks_for_its_rows_and_the_plain_steps_for_one(dense_model: Pat
     calls: list[int] = []
     threads = StepThreads(2, 1, calls.append)
     gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4, stop_tokens=None)
-    stats = speculative.SpecStats()
+    stats = speculation.SpecStats()
     # The second turn proposes the first one's answer (RecentBySalt).
-    speculative.install(gen, 3, speculative.Roster(), stats, RecentBySalt(), threads=threads)
+    speculation.install(gen, 3, speculation.Roster(), stats, RecentBySalt(), threads=threads)
     type(gen._generation_batch).gate = AlwaysPays()
     try:
         for _ in range(2):
@@ -234,8 +234,8 @@ import gezel_trio
 from gezel_trio import EngineConfig
 from mlx_lm.generate import BatchGenerator
 
-from gezel_trio.mlx import blas, speculative
-from gezel_trio.mlx.lookup import RecentBySalt
+from gezel_trio.mlx import blas, speculation
+from gezel_trio.mlx.speculation.lookup import RecentBySalt
 from gezel_trio.mlx.sampling import greedy
 from gezel_trio.mlx.backend import MlxBackend
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)

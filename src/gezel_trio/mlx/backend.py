@@ -57,17 +57,15 @@ from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
-from . import blas
+from . import blas, mlx_lm_surface
 from .compiled_step import CompiledDecode, compiled_blocker
 from .constraints import GrammarTokenizer, make_grammar_processor
-from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
 from .gated_delta import install as install_gated_delta
 from .kv_quant import KvPlan, KvStart, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
 from .kv_quant import plan as kv_plan
 from .loading import LoadedModel, load_model
-from .lookup import RecentBySalt
 from .memory import (
     apply_buffer_cache_limit,
     apply_wired_limit,
@@ -83,7 +81,16 @@ from .memory import (
 from .model_source import resolve_model
 from .priority import set_compute_priority
 from .sampling import Sampling, greedy, make_sampler
-from .speculative import Roster, SpecStats, install, speculation_blocker
+from .speculation import (
+    DraftModel,
+    DraftPool,
+    RecentBySalt,
+    Roster,
+    SpecStats,
+    check_pair,
+    install,
+    speculation_blocker,
+)
 from .step_threads import StepThreads, choose, measure
 from .vision import VisionModel, VisionPrefill, fresh_cache
 
@@ -1295,13 +1302,13 @@ class MlxBackend:
     def _before_step(self, lane_name: Priority) -> None:
         """OpenBLAS's threads for what the lane's next step runs: its
         decoding sequences, and whether a prompt or an image prefills (a
-        verify says its own rows, ``mlx.speculative``)."""
+        verify says its own rows, ``mlx.speculation``)."""
         assert self._threads is not None
         lane = self._lanes.get(lane_name)
         gen = lane.gen if lane is not None else None
-        decoding = len(gen._generation_batch) if gen is not None else 0
+        decoding = len(mlx_lm_surface.generation_batch(gen)) if gen is not None else 0
         prefilling = bool(self._prefills.get(lane_name)) or (
-            gen is not None and bool(gen._unprocessed_sequences or gen._currently_processing)
+            gen is not None and mlx_lm_surface.prefilling(gen)
         )
         self._threads.before_step(decoding, prefilling)
 

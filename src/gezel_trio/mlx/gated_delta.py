@@ -50,12 +50,12 @@ process's, so the last backend loaded decides for the process.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final
 
 import mlx.core as mx
-from mlx_lm.models import gated_delta as _mlx_gated_delta
 
 from ..core.config import GATED_DELTA_PREFILLS
+from . import mlx_lm_surface
 
 __all__ = ["CHUNK", "MIN_TOKENS", "chunked", "install", "installed_mode"]
 
@@ -68,7 +68,7 @@ CHUNK: Final = 32
 MIN_TOKENS: Final = 16
 
 _TINY: Final = 1.1754944e-38  # the smallest normal float32
-_SEQUENTIAL: Final = _mlx_gated_delta.gated_delta_ops
+_SEQUENTIAL: Final = mlx_lm_surface.gated_delta_kernel()
 _mode: list[str] = ["sequential"]
 
 
@@ -168,11 +168,10 @@ def install(mode: str) -> None:
     ``sequential`` (mlx-lm's token loop), for the whole process."""
     if mode not in GATED_DELTA_PREFILLS:
         raise ValueError(f"unknown gated-delta prefill {mode!r}")
-    module: Any = _mlx_gated_delta
-    module.gated_delta_ops = dispatch
+    mlx_lm_surface.set_gated_delta_kernel(dispatch)
     _mode[0] = mode
 
 
 def installed_mode() -> str:
     """What the process's prefill of the gated delta rule does now."""
-    return _mode[0] if _mlx_gated_delta.gated_delta_ops is dispatch else "sequential"
+    return _mode[0] if mlx_lm_surface.gated_delta_kernel() is dispatch else "sequential"

@@ -42,6 +42,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..core.errors import ModelLoadError
 from ..core.images import VisionPrompt
+from . import mlx_lm_surface
 
 __all__ = ["VisionModel", "VisionPrefill", "is_vision_model", "load_vision"]
 
@@ -119,7 +120,7 @@ def load_vision(path: Path, adapt: Callable[[Any], str]) -> tuple[VisionModel, A
         raise ModelLoadError(
             f"{path} is a vision model; install the vision extra (mlx-vlm): {exc}"
         ) from exc
-    from mlx_lm.utils import _get_classes, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
     cfg = _read_config(path)
     model_type = str(cfg.get("model_type"))
@@ -140,7 +141,7 @@ def load_vision(path: Path, adapt: Callable[[Any], str]) -> tuple[VisionModel, A
     # The text config as mlx-vlm completed it (its defaults), then as stored.
     full = {**_asdict(getattr(language, "config", None)), **text_cfg}
     try:
-        model_cls, args_cls = _get_classes(full)
+        model_cls, args_cls = mlx_lm_surface.model_classes(full)
         text = model_cls(args_cls.from_dict(full))
     except Exception as exc:
         raise ModelLoadError(
