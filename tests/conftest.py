@@ -14,7 +14,7 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # First, before any test module imports mlx: the package binds MLX to
-# OpenBLAS at import time (gezel_trio.mlx.blas) and warns when it is too late.
+# OpenBLAS at import time (gezel_trio.tuning.blas) and warns when it is too late.
 import gezel_trio  # noqa: F401
 
 pytest_plugins = [

@@ -15,10 +15,10 @@ Cancelling the scope around the ``with`` block withdraws the request.
 with the backend as a required argument.
 
 Importing the package binds MLX to OpenBLAS on Linux (see
-``gezel_trio.mlx.blas``), so import it before anything imports ``mlx``.
+``gezel_trio.tuning.blas``), so import it before anything imports ``mlx``.
 """
 
-from .mlx import blas
+from .tuning import blas
 
 blas.preload()  # before any of our modules (or yours) imports mlx
 

@@ -51,7 +51,6 @@ from hypercorn.config import Config as HypercornConfig
 from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
-from .core.sched import EVENT_LOOP_SLICE_NS, request_slice
 from .core.settings import setting
 from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app, served
@@ -59,6 +58,7 @@ from .http.connections import ConnectionCap, bound_requests, check_connection_ca
 from .http.response_store import ResponseStore
 from .mlx import mlx_backend, open_file_limit
 from .stdout_protocol import StdoutProtocol, StdoutSettings
+from .tuning.sched import EVENT_LOOP_SLICE_NS, request_slice
 
 __all__ = ["Orphaned", "ServerConfig", "serve"]
 
@@ -228,7 +228,7 @@ def _tune_process(_engine: Engine) -> None:
     thread (``main_serve``; ``serve`` called as a library leaves the
     caller's process as it is):
 
-    - The Trio thread asks for a short scheduler slice (``core.sched``): it
+    - The Trio thread asks for a short scheduler slice (``tuning.sched``): it
       answers /health while the compute fills the cores. Asked for once the
       host thread has started, which would have inherited it.
     - What start-up made (the modules, the model's and the tokenizer's

@@ -1,4 +1,4 @@
-"""The gated delta rule in chunks (``mlx.gated_delta``) against mlx-lm's token loop.
+"""The gated delta rule in chunks (``tuning.gated_delta``) against mlx-lm's token loop.
 
 - ``chunked`` gives ``gated_delta_ops``'s outputs and final state within
   float rounding: prompts shorter than a chunk, of whole chunks and not;
@@ -26,9 +26,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from gezel_trio import EngineConfig
-from gezel_trio.mlx import gated_delta
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
+from gezel_trio.tuning import gated_delta
 
 SEQUENTIAL = gated_delta._SEQUENTIAL
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gezel_trio.core.sched import EVENT_LOOP_SLICE_NS, request_slice, slice_ns_of
+from gezel_trio.tuning.sched import EVENT_LOOP_SLICE_NS, request_slice, slice_ns_of
 from tests.support.process import terminate
 
 pytestmark = pytest.mark.slow

@@ -24,15 +24,15 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 
 # ``EngineConfig.mlx_memory_policy``'s values (``mlx.memory``).
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
-# ``EngineConfig.compute_priority``'s values (``mlx.priority``).
+# ``EngineConfig.compute_priority``'s values (``tuning.priority``).
 COMPUTE_PRIORITIES = ("normal", "batch", "idle")
 # ``EngineConfig.speculation``'s values (``mlx.speculative``).
 SPECULATION_MODES = ("lookup", "off")
 # ``EngineConfig.compiled_step``'s values (``mlx.compiled_step``).
 COMPILED_STEP_MODES = ("on", "off")
-# ``EngineConfig.gated_delta_prefill``'s values (``mlx.gated_delta``).
+# ``EngineConfig.gated_delta_prefill``'s values (``tuning.gated_delta``).
 GATED_DELTA_PREFILLS = ("chunked", "sequential")
-# ``EngineConfig.decode_threads``'s values (``mlx.step_threads``).
+# ``EngineConfig.decode_threads``'s values (``tuning.step_threads``).
 DECODE_THREADS = ("auto", "all")
 # How a model is split over the ranks of an mlx.launch group (``mlx.group``).
 GROUP_SPLITS = ("auto", "tensor", "layers")
@@ -329,7 +329,7 @@ class EngineConfig:
         validator=_one_of(COMPUTE_PRIORITIES),
     )
     # How much nicer than the process ``batch`` runs the compute
-    # (``mlx.priority``): the HTTP side and the app beside it run first.
+    # (``tuning.priority``): the HTTP side and the app beside it run first.
     compute_nice: int = setting(
         5,
         flag="--compute-nice",
@@ -373,7 +373,7 @@ class EngineConfig:
         validator=_optional_positive,
     )
     # Qwen 3.5's prefill on a CPU is a Python loop holding the GIL
-    # (``host.gil``); 0 leaves Python's interval.
+    # (``tuning.gil``); 0 leaves Python's interval.
     prefill_switch_ms: float = setting(
         0.5,
         flag="--prefill-switch-ms",

@@ -67,6 +67,7 @@ from ..core.events import (
 )
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
+from ..tuning.gil import PrefillSwitch
 from .exchange import (
     CommandFailed,
     EngineLink,
@@ -75,7 +76,6 @@ from .exchange import (
     Point,
     StepReport,
 )
-from .gil import PrefillSwitch
 from .kv_events import KvEvents, block_hash
 from .persist import DiskCache
 from .prompt_cache import PromptCache
@@ -188,7 +188,7 @@ class _Host:
         prefill_switch: PrefillSwitch | None = None,
     ) -> None:
         self.backend = backend
-        # A shorter GIL switch interval while a prompt prefills (``host.gil``).
+        # A shorter GIL switch interval while a prompt prefills (``tuning.gil``).
         self.prefill_switch = prefill_switch or PrefillSwitch(None)
         self.memory_limit = memory_limit_bytes
         self.shutdown_timeout = shutdown_timeout

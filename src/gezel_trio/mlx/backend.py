@@ -57,12 +57,14 @@ from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
-from . import blas
+from ..tuning import blas
+from ..tuning.gated_delta import install as install_gated_delta
+from ..tuning.priority import set_compute_priority
+from ..tuning.step_threads import StepThreads, choose, measure
 from .compiled_step import CompiledDecode, compiled_blocker
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .draft import DraftModel, DraftPool, check_pair
 from .fingerprint import DIGESTS_DIR, model_fingerprint
-from .gated_delta import install as install_gated_delta
 from .group import rank_group, shard
 from .kv_quant import KvPlan, KvStart, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
@@ -82,10 +84,8 @@ from .memory import (
     weight_bytes,
 )
 from .model_source import resolve_model
-from .priority import set_compute_priority
 from .sampling import Sampling, greedy, make_sampler
 from .speculative import Roster, SpecStats, install, speculation_blocker
-from .step_threads import StepThreads, choose, measure
 from .vision import VisionModel, VisionPrefill, fresh_cache
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
@@ -515,7 +515,7 @@ class MlxBackend:
         self._recent = RecentBySalt()
         self._speculate = self._speculation(config, layout)
         # A prompt through linear-attention layers, in chunks on the CPU
-        # (mlx.gated_delta; mlx-lm's function, so the process's).
+        # (tuning.gated_delta; mlx-lm's function, so the process's).
         install_gated_delta(config.gated_delta_prefill)
         if any(type(c) is ArraysCache for c in layout):
             log.info("gated-delta prefill: %s", config.gated_delta_prefill)
@@ -523,7 +523,7 @@ class MlxBackend:
         # where it can be (mlx.compiled_step).
         self._decode_model = self._compiled_step(config)
         # OpenBLAS's threads per step, one where one decodes faster
-        # (mlx.step_threads), measured on that model.
+        # (tuning.step_threads), measured on that model.
         self._threads = self._step_threads(config)
         # A draft model's weights and the states its finished sequences left.
         self._draft: DraftModel | None = None

@@ -24,7 +24,7 @@ Checked with mlx-lm 0.32.2 (the version ``pyproject.toml`` allows is
 * ``BatchKVCache._idx``, ``_right_padding``: speculation's and KV
   quantization's caches (subclasses), and the compiled step's fast path.
 * ``mlx_lm.models.gated_delta.gated_delta_ops``: the CPU chunked gated-delta
-  kernel (``mlx.gated_delta``) swaps it.
+  kernel (``tuning.gated_delta``) swaps it.
 * ``mlx_lm.utils._get_classes``: vision builds a text model's classes from
   its config.
 """

@@ -68,11 +68,11 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ..core.backend import SpecFigures
+from ..tuning.step_threads import StepThreads
 from .draft import DraftModel, DraftPool, DraftState
 from .kv_quant import BatchQuantizedKVCache, QuantizedKV
 from .lookup import NgramLookup, RecentBySalt
 from .sampling import Sampling, greedy
-from .step_threads import StepThreads
 
 log = logging.getLogger("gezel_trio.mlx")
 
@@ -477,7 +477,7 @@ class SpeculativeBatch(GenerationBatch):  # type: ignore[misc]  # mlx-lm is unty
     pool: DraftPool | None = None
     stats: SpecStats
     gate: _Gate
-    # OpenBLAS's threads per step (``mlx.step_threads``): a verify's rows.
+    # OpenBLAS's threads per step (``tuning.step_threads``): a verify's rows.
     threads: StepThreads | None = None
     # GenerationBatch's, set in its __init__.
     _next_tokens: Any

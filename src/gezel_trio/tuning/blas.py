@@ -57,7 +57,7 @@ _GFORTRAN_SONAME: Final = "libgfortran.so.5"
 # What preload() did, for describe(); set once, at import time.
 _outcome: list[str] = []
 # The OpenBLAS preload() bound and the thread count it chose, when this
-# process may change that count (``mlx.step_threads``): not when
+# process may change that count (``tuning.step_threads``): not when
 # ``OPENBLAS_NUM_THREADS`` chose it.
 _control: list[tuple[ctypes.CDLL, int]] = []
 
