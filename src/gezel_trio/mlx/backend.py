@@ -58,7 +58,7 @@ from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
 from ..tuning import blas
-from ..tuning.gated_delta import install as install_gated_delta
+from ..tuning.gated_delta import routed
 from ..tuning.priority import set_compute_priority
 from ..tuning.step_threads import StepThreads, choose, measure
 from .compiled_step import CompiledDecode, compiled_blocker
@@ -83,6 +83,7 @@ from .memory import (
     recommended_working_set,
     weight_bytes,
 )
+from .mlx_lm_surface import gated_delta_ops, gated_delta_ops_as
 from .model_source import resolve_model
 from .sampling import Sampling, greedy, make_sampler
 from .speculative import Roster, SpecStats, install, speculation_blocker
@@ -515,8 +516,8 @@ class MlxBackend:
         self._recent = RecentBySalt()
         self._speculate = self._speculation(config, layout)
         # A prompt through linear-attention layers, in chunks on the CPU
-        # (tuning.gated_delta; mlx-lm's function, so the process's).
-        install_gated_delta(config.gated_delta_prefill)
+        # (tuning.gated_delta), while this backend's steps run.
+        self._gated_delta = routed(config.gated_delta_prefill, gated_delta_ops())
         if any(type(c) is ArraysCache for c in layout):
             log.info("gated-delta prefill: %s", config.gated_delta_prefill)
         # What BatchGenerator calls: the model, its one-token steps compiled
@@ -1241,6 +1242,13 @@ class MlxBackend:
         return progress, failed
 
     def step(self, lane_name: Priority) -> StepOutput:
+        if self._gated_delta is None:
+            return self._step(lane_name)
+        # mlx-lm's gated delta rule is this backend's for the step only.
+        with gated_delta_ops_as(self._gated_delta):
+            return self._step(lane_name)
+
+    def _step(self, lane_name: Priority) -> StepOutput:
         if self._threads is not None:
             self._before_step(lane_name)
         image_progress, image_failed = self._step_images(lane_name)

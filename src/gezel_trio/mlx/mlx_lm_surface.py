@@ -24,7 +24,8 @@ Checked with mlx-lm 0.32.2 (the version ``pyproject.toml`` allows is
 * ``BatchKVCache._idx``, ``_right_padding``: speculation's and KV
   quantization's caches (subclasses), and the compiled step's fast path.
 * ``mlx_lm.models.gated_delta.gated_delta_ops``: the CPU chunked gated-delta
-  kernel (``tuning.gated_delta``) swaps it.
+  kernel (``tuning.gated_delta``) stands in for it while a backend's step
+  runs (``gated_delta_ops_as``).
 * ``mlx_lm.utils._get_classes``: vision builds a text model's classes from
   its config.
 """
@@ -32,13 +33,21 @@ Checked with mlx-lm 0.32.2 (the version ``pyproject.toml`` allows is
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import textwrap
-from collections.abc import Iterable, Mapping
-from typing import Final
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Final
 
-__all__ = ["RELIED_ON", "check", "missing", "private_names"]
+__all__ = [
+    "RELIED_ON",
+    "check",
+    "gated_delta_ops",
+    "gated_delta_ops_as",
+    "missing",
+    "private_names",
+]
 
 #: Each mlx-lm class or module, by dotted name, and the names of it relied on.
 RELIED_ON: Final[Mapping[str, tuple[str, ...]]] = {
@@ -140,3 +149,27 @@ def _allowed() -> str:
     except PackageNotFoundError:
         wanted = []
     return next((r for r in wanted if r.startswith("mlx-lm")), "mlx-lm")
+
+
+def gated_delta_ops() -> Callable[..., Any]:
+    """The function mlx-lm's linear-attention layers call for the gated
+    delta rule on the CPU now: its own token loop, outside
+    ``gated_delta_ops_as``."""
+    module: Any = importlib.import_module("mlx_lm.models.gated_delta")
+    ops: Callable[..., Any] = module.gated_delta_ops
+    return ops
+
+
+@contextlib.contextmanager
+def gated_delta_ops_as(ops: Callable[..., Any]) -> Iterator[None]:
+    """mlx-lm's layers call ``ops`` in place of ``gated_delta_ops`` inside
+    the block (mlx-lm looks the name up at each call); the function before
+    it is back when the block ends, whatever happens in it. Host thread
+    only: the name is the process's."""
+    module: Any = importlib.import_module("mlx_lm.models.gated_delta")
+    before = module.gated_delta_ops
+    module.gated_delta_ops = ops
+    try:
+        yield
+    finally:
+        module.gated_delta_ops = before
