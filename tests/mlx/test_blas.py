@@ -91,3 +91,13 @@ def test_an_embedder_that_imported_mlx_first_is_warned() -> None:
     said = _python("import mlx.core\nimport gezel_trio", warnings_as_errors=True)
     assert "RuntimeWarning: mlx was imported before gezel_trio" in said
     assert "import gezel_trio first" in said
+
+
+def test_the_platform_tuning_off_decided_before_mlx_loads_keeps_mlxs_own_blas() -> None:
+    # As the CLI decides for --platform-tuning off, before anything imports mlx.
+    code = (
+        "import gezel_trio.tuning.blas as b; b.preload(False); import mlx.core; print(b.describe())"
+    )
+    said = _python(code)
+    assert "MLX's own (platform tuning off)" in said
+    assert "libopenblas" not in said

@@ -24,6 +24,8 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 
 # ``EngineConfig.mlx_memory_policy``'s values (``mlx.memory``).
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
+# ``EngineConfig.platform_tuning``'s values (``gezel_trio.tuning``).
+PLATFORM_TUNINGS = ("auto", "off")
 # ``EngineConfig.compute_priority``'s values (``tuning.priority``).
 COMPUTE_PRIORITIES = ("normal", "batch", "idle")
 # ``EngineConfig.speculation``'s values (``mlx.speculative``).
@@ -314,6 +316,17 @@ class EngineConfig:
         help="under mlx.launch, stop (503, then exit 1) when the other ranks have not "
         "answered an order for this many seconds: a rank stalled",
         validator=attrs.validators.gt(0),
+    )
+    platform_tuning: str = setting(
+        "auto",
+        flag="--platform-tuning",
+        help="the Linux-CPU extras beyond the plain MLX path (OpenBLAS bound before MLX "
+        "loads, its threads per step, the compute's CPU policy and nice, the event loop's "
+        "scheduler slice, the GIL's switch interval while a prompt prefills, the gated delta "
+        "rule in chunks, linears as W @ xT for a few rows): auto applies each where its "
+        "platform has it; off runs the plain path, whatever their own flags say",
+        choices=PLATFORM_TUNINGS,
+        validator=_one_of(PLATFORM_TUNINGS),
     )
     compute_priority: str = setting(
         "batch",

@@ -67,6 +67,7 @@ from ..core.events import (
 )
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
+from ..tuning import plain
 from ..tuning.gil import PrefillSwitch
 from .exchange import (
     CommandFailed,
@@ -681,7 +682,7 @@ def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
         observed,
         config.write_behind,
         make_kv_events(cache, config),
-        PrefillSwitch(config.prefill_switch_ms / 1000 if config.prefill_switch_ms else None),
+        PrefillSwitch(switch_ms / 1000 if (switch_ms := plain(config).prefill_switch_ms) else None),
     )
 
 

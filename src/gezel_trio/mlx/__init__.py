@@ -24,6 +24,9 @@ def mlx_backend(config: EngineConfig) -> Backend:
     thread that will run it: MLX streams are thread-local, so the engine's
     host loop calls it there. Under ``mlx.launch`` (rank 0 of a group) it
     sends its calls to the other ranks too (``mlx.group``)."""
+    from ..tuning import applies, blas
+
+    blas.preload(applies(config))  # before the backend's modules import mlx
     from .backend import MlxBackend
     from .group import GroupBackend, rank_group
 
@@ -68,6 +71,9 @@ def follow_rank(config: EngineConfig) -> None:
     thread, which is then this rank's one MLX thread."""
     import signal
 
+    from ..tuning import applies, blas
+
+    blas.preload(applies(config))  # before the backend's modules import mlx
     from .backend import MlxBackend
     from .group import follow, rank_group
 

@@ -57,7 +57,7 @@ from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
-from ..tuning import blas
+from ..tuning import applies, blas, plain
 from ..tuning.gated_delta import routed
 from ..tuning.priority import set_compute_priority
 from ..tuning.step_threads import StepThreads, choose, measure
@@ -436,6 +436,9 @@ class MlxBackend:
     """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if not applies(config):
+            log.info("platform tuning: off (the plain path: each tuning flag's plain value)")
+        config = plain(config)
         said = set_compute_priority(config.compute_priority, config.compute_nice)
         log.info("compute threads: %s", said)
         loaded = load_model(config)
@@ -695,7 +698,7 @@ class MlxBackend:
         if blocker is not None:
             log.info("compiled step: off for this model (%s)", blocker)
             return self._model
-        decode = CompiledDecode(self._model)
+        decode = CompiledDecode(self._model, rows_last=applies(config))
         with mx.stream(self._stream):
             decode.warm()
         return self._model if decode.off is not None else decode

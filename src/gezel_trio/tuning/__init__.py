@@ -27,8 +27,40 @@ each measured on 2 cores (docs/performance.md has the runs):
 - ``rows_last``: ``nn.Linear`` as ``W @ xᵀ`` while a compiled step of a
   few sequences or a short verify is built (a step of 4 sequences 7% less).
 
-This module imports nothing: ``tuning.blas`` must run before ``mlx`` loads,
-and the host loop and the server use ``gil`` and ``sched`` without it.
+``--platform-tuning off`` turns every one of them off, whatever their own
+flags say: MLX's own BLAS, OpenBLAS's default threads, the normal CPU
+policy and slice, Python's switch interval, mlx-lm's gated delta loop and
+``nn.Linear``'s own product. ``applies`` says whether a config has them,
+``plain`` is the config with each flag at its plain value.
+
+This module imports no ``mlx``: ``tuning.blas`` must run before ``mlx``
+loads, and the host loop and the server use ``gil`` and ``sched`` without it.
 """
 
 from __future__ import annotations
+
+import attrs
+
+from ..core.config import EngineConfig
+
+__all__ = ["applies", "plain"]
+
+
+def applies(config: EngineConfig) -> bool:
+    """Whether ``config`` runs the platform tuning (``--platform-tuning``)."""
+    return config.platform_tuning != "off"
+
+
+def plain(config: EngineConfig) -> EngineConfig:
+    """``config`` as it runs: with the platform tuning off, each tuning
+    flag at its plain value (the normal CPU policy, all threads for every
+    step, mlx-lm's gated delta loop, Python's switch interval)."""
+    if applies(config):
+        return config
+    return attrs.evolve(
+        config,
+        compute_priority="normal",
+        decode_threads="all",
+        gated_delta_prefill="sequential",
+        prefill_switch_ms=0.0,
+    )
