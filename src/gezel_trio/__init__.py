@@ -14,13 +14,14 @@ Cancelling the scope around the ``with`` block withdraws the request.
 (``gezel_trio.mlx.mlx_backend``); ``gezel_trio.engine`` has the same two
 with the backend as a required argument.
 
-Importing the package binds MLX to OpenBLAS on Linux (see
-``gezel_trio.mlx.blas``), so import it before anything imports ``mlx``.
+Importing the package has MLX bound to OpenBLAS on Linux when ``mlx`` is
+first imported (see ``gezel_trio.tuning.blas``), so import it before
+anything imports ``mlx``.
 """
 
-from .mlx import blas
+from .tuning import blas
 
-blas.preload()  # before any of our modules (or yours) imports mlx
+blas.preload_before_mlx()  # binds MLX's BLAS before anything (ours or yours) imports mlx
 
 from contextlib import AbstractAsyncContextManager
 

@@ -22,6 +22,7 @@ from .mlx.model_source import per_layer_embedding_table, resolve_model
 from .profiles import PROFILES, SEED, STANDARD
 from .server import ServerConfig
 from .stdout_protocol import LogFormatter, StdoutSettings
+from .tuning import blas
 
 __all__ = ["main", "seed_server_path", "server_config"]
 
@@ -352,6 +353,8 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
     ``gezel_mlx_server.py`` (``serve``, the seed profile)."""
     argv, profile = _command_line(sys.argv[1:] if argv is None else list(argv), seed_launch)
     args = _parser(profile).parse_args(argv)
+    # MLX's BLAS is bound once, before anything imports mlx (tuning.blas).
+    blas.preload(getattr(args, "platform_tuning", "auto") != "off")
     if args.command == "seed-server-path":
         print(seed_server_path())
         return 0

@@ -51,7 +51,6 @@ from hypercorn.config import Config as HypercornConfig
 from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
-from .core.sched import EVENT_LOOP_SLICE_NS, request_slice
 from .core.settings import setting
 from .engine import Engine, run_engine
 from .http.app import HttpSettings, create_app, served
@@ -59,6 +58,8 @@ from .http.connections import ConnectionCap, bound_requests, check_connection_ca
 from .http.response_store import ResponseStore
 from .mlx import group_backend, group_rank, mlx_backend, open_file_limit
 from .stdout_protocol import StdoutProtocol, StdoutSettings
+from .tuning import applies
+from .tuning.sched import EVENT_LOOP_SLICE_NS, request_slice
 
 __all__ = ["Orphaned", "ServerConfig", "serve"]
 
@@ -230,14 +231,15 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _tune_process(_engine: Engine) -> None:
+def _tune_process(_engine: Engine, *, tuned: bool = True) -> None:
     """What the server process does once its engine runs, on its Trio
     thread (``main_serve``; ``serve`` called as a library leaves the
     caller's process as it is):
 
-    - The Trio thread asks for a short scheduler slice (``core.sched``): it
+    - The Trio thread asks for a short scheduler slice (``tuning.sched``): it
       answers /health while the compute fills the cores. Asked for once the
-      host thread has started, which would have inherited it.
+      host thread has started, which would have inherited it. Not with
+      the platform tuning off (``tuned``).
     - What start-up made (the modules, the model's and the tokenizer's
       objects) is left out of every later garbage collection. A full
       collection walks every tracked object with the GIL held: on SmolLM2
@@ -245,7 +247,7 @@ def _tune_process(_engine: Engine) -> None:
       it (docs/performance.md). Collected first, so that start-up's garbage
       is not kept.
     """
-    refused = request_slice(EVENT_LOOP_SLICE_NS)
+    refused = request_slice(EVENT_LOOP_SLICE_NS) if tuned else "platform tuning off"
     if refused is None:
         log.info("the Trio thread: %d us slices", EVENT_LOOP_SLICE_NS // 1000)
     else:
@@ -384,7 +386,8 @@ def main_serve(
     )
     status = 0
     try:
-        trio.run(partial(serve, config, backend_factory=backend_factory, on_engine=_tune_process))
+        tune = partial(_tune_process, tuned=applies(config.engine))
+        trio.run(partial(serve, config, backend_factory=backend_factory, on_engine=tune))
     except* GezelError as group:
         for err in group.exceptions:
             print(f"gezel-trio: {err}", file=sys.stderr)

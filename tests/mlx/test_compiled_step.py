@@ -52,6 +52,7 @@ from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker, windo
 from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.mlx_lm_surface import with_holes
+from gezel_trio.tuning import rows_last
 
 VOCAB = 97
 
@@ -134,7 +135,7 @@ def test_a_linear_of_a_few_rows_computed_weights_first_is_the_same_to_the_bit(bi
             # A decode step's rows, and a verify's tokens of one sequence.
             for shape in ((rows, 1, inputs), (1, rows, inputs)):
                 x = mx.random.normal(shape)
-                got = compiled_step._rows_last(layer, x)
+                got = rows_last.computed_rows_last(layer, x)
                 assert mx.array_equal(got, layer(x)).item(), (inputs, outputs, shape)
 
 
@@ -142,13 +143,13 @@ def test_steps_of_two_sequences_or_more_trace_their_linears_weights_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rows: list[int] = []
-    real = compiled_step._rows_last
+    real = rows_last.computed_rows_last
 
     def counted(self: nn.Linear, x: mx.array) -> mx.array:
         rows.append(x.shape[0])
         return real(self, x)
 
-    monkeypatch.setattr(compiled_step, "_rows_last", counted)
+    monkeypatch.setattr(rows_last, "computed_rows_last", counted)
     linear = nn.Linear.__call__
     model = _model(qwen2, seed=4)  # its attention's projections have a bias
     decode = CompiledDecode(model)
@@ -174,13 +175,13 @@ def test_a_verify_of_a_few_tokens_computes_its_layers_linears_weights_first_not_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seen: list[tuple[int, tuple[int, ...]]] = []
-    real = compiled_step._rows_last
+    real = rows_last.computed_rows_last
 
     def counted(self: nn.Linear, x: mx.array) -> mx.array:
         seen.append((id(self), x.shape[:-1]))
         return real(self, x)
 
-    monkeypatch.setattr(compiled_step, "_rows_last", counted)
+    monkeypatch.setattr(rows_last, "computed_rows_last", counted)
     linear = nn.Linear.__call__
     model = _model(llama, seed=6, tie_word_embeddings=False)  # a head of its own
     assert isinstance(model.lm_head, nn.Linear)

@@ -19,7 +19,7 @@ import ctypes, os, sys, threading
 # built a backend on the runner's main thread set it): start from normal,
 # before anything starts a thread.
 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-from gezel_trio.mlx.priority import set_compute_priority
+from gezel_trio.tuning.priority import set_compute_priority
 
 # A thread no Python code started (as OpenBLAS's workers are): pthreads via libc.
 libc = ctypes.CDLL(None)
@@ -87,6 +87,6 @@ def test_the_compute_nice_is_a_setting() -> None:
 
 
 def test_normal_changes_nothing() -> None:
-    from gezel_trio.mlx.priority import set_compute_priority
+    from gezel_trio.tuning.priority import set_compute_priority
 
     assert set_compute_priority("normal") == "normal"

@@ -1,4 +1,4 @@
-"""OpenBLAS's thread count per step (``mlx.step_threads``, ``--decode-threads``).
+"""OpenBLAS's thread count per step (``tuning.step_threads``, ``--decode-threads``).
 
 - ``choose`` gives one thread to the batches, in ascending order, whose
   step on one thread was at most ``TOLERANCE`` slower, and stops at the
@@ -37,12 +37,13 @@ from mlx_lm.utils import load
 from gezel_trio import EngineConfig
 from gezel_trio.core.backend import Admission
 from gezel_trio.core.request import GenerationRequest, SamplingParams
-from gezel_trio.mlx import blas, speculation
+from gezel_trio.mlx import speculation
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.sampling import greedy
 from gezel_trio.mlx.speculation.lookup import RecentBySalt
-from gezel_trio.mlx.step_threads import (
+from gezel_trio.tuning import blas
+from gezel_trio.tuning.step_threads import (
     LONG_STEP_S,
     REPEATS,
     TOLERANCE,
@@ -234,8 +235,9 @@ import gezel_trio
 from gezel_trio import EngineConfig
 from mlx_lm.generate import BatchGenerator
 
-from gezel_trio.mlx import blas, speculation
+from gezel_trio.mlx import speculation
 from gezel_trio.mlx.speculation.lookup import RecentBySalt
+from gezel_trio.tuning import blas
 from gezel_trio.mlx.sampling import greedy
 from gezel_trio.mlx.backend import MlxBackend
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)

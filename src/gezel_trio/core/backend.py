@@ -49,7 +49,7 @@ class MemoryFigures:
 
 @attrs.frozen
 class SpecFigures:
-    """What speculative decoding did since the start (``mlx.speculative``),
+    """What speculative decoding did since the start (``mlx.speculation``),
     as vLLM counts it: sequences that verified a proposal (summed over
     steps), tokens proposed, tokens accepted; the steps that verified; and
     of the tokens, those a draft model proposed (``--draft-model``)."""

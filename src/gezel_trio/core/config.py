@@ -24,15 +24,17 @@ def _positive(_: object, attr: attrs.Attribute[int], value: int) -> None:
 
 # ``EngineConfig.mlx_memory_policy``'s values (``mlx.memory``).
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
-# ``EngineConfig.compute_priority``'s values (``mlx.priority``).
+# ``EngineConfig.platform_tuning``'s values (``gezel_trio.tuning``).
+PLATFORM_TUNINGS = ("auto", "off")
+# ``EngineConfig.compute_priority``'s values (``tuning.priority``).
 COMPUTE_PRIORITIES = ("normal", "batch", "idle")
-# ``EngineConfig.speculation``'s values (``mlx.speculative``).
+# ``EngineConfig.speculation``'s values (``mlx.speculation``).
 SPECULATION_MODES = ("lookup", "off")
 # ``EngineConfig.compiled_step``'s values (``mlx.compiled_step``).
 COMPILED_STEP_MODES = ("on", "off")
-# ``EngineConfig.gated_delta_prefill``'s values (``mlx.gated_delta``).
+# ``EngineConfig.gated_delta_prefill``'s values (``tuning.gated_delta``).
 GATED_DELTA_PREFILLS = ("chunked", "sequential")
-# ``EngineConfig.decode_threads``'s values (``mlx.step_threads``).
+# ``EngineConfig.decode_threads``'s values (``tuning.step_threads``).
 DECODE_THREADS = ("auto", "all")
 # How a model is split over the ranks of an mlx.launch group (``mlx.group``).
 GROUP_SPLITS = ("auto", "tensor", "layers")
@@ -252,7 +254,7 @@ class EngineConfig:
         help="most tokens proposed per sequence per step (0: no speculation)",
         validator=attrs.validators.ge(0),
     )
-    # A second model that proposes what the target verifies (``mlx.draft``).
+    # A second model that proposes what the target verifies (``mlx.speculation.draft``).
     draft_model: Path | None = setting(
         None,
         flag="--draft-model",
@@ -315,6 +317,17 @@ class EngineConfig:
         "answered an order for this many seconds: a rank stalled",
         validator=attrs.validators.gt(0),
     )
+    platform_tuning: str = setting(
+        "auto",
+        flag="--platform-tuning",
+        help="the Linux-CPU extras beyond the plain MLX path (OpenBLAS bound before MLX "
+        "loads, its threads per step, the compute's CPU policy and nice, the event loop's "
+        "scheduler slice, the GIL's switch interval while a prompt prefills, the gated delta "
+        "rule in chunks, linears as W @ xT for a few rows): auto applies each where its "
+        "platform has it; off runs the plain path, whatever their own flags say",
+        choices=PLATFORM_TUNINGS,
+        validator=_one_of(PLATFORM_TUNINGS),
+    )
     compute_priority: str = setting(
         "batch",
         flag="--compute-priority",
@@ -329,7 +342,7 @@ class EngineConfig:
         validator=_one_of(COMPUTE_PRIORITIES),
     )
     # How much nicer than the process ``batch`` runs the compute
-    # (``mlx.priority``): the HTTP side and the app beside it run first.
+    # (``tuning.priority``): the HTTP side and the app beside it run first.
     compute_nice: int = setting(
         5,
         flag="--compute-nice",
@@ -373,7 +386,7 @@ class EngineConfig:
         validator=_optional_positive,
     )
     # Qwen 3.5's prefill on a CPU is a Python loop holding the GIL
-    # (``host.gil``); 0 leaves Python's interval.
+    # (``tuning.gil``); 0 leaves Python's interval.
     prefill_switch_ms: float = setting(
         0.5,
         flag="--prefill-switch-ms",

@@ -67,6 +67,8 @@ from ..core.events import (
 )
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
+from ..tuning import plain
+from ..tuning.gil import PrefillSwitch
 from .exchange import (
     CommandFailed,
     EngineLink,
@@ -75,7 +77,6 @@ from .exchange import (
     Point,
     StepReport,
 )
-from .gil import PrefillSwitch
 from .kv_events import KvEvents, block_hash
 from .persist import DiskCache
 from .prompt_cache import PromptCache
@@ -188,7 +189,7 @@ class _Host:
         prefill_switch: PrefillSwitch | None = None,
     ) -> None:
         self.backend = backend
-        # A shorter GIL switch interval while a prompt prefills (``host.gil``).
+        # A shorter GIL switch interval while a prompt prefills (``tuning.gil``).
         self.prefill_switch = prefill_switch or PrefillSwitch(None)
         self.memory_limit = memory_limit_bytes
         self.shutdown_timeout = shutdown_timeout
@@ -681,7 +682,7 @@ def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
         observed,
         config.write_behind,
         make_kv_events(cache, config),
-        PrefillSwitch(config.prefill_switch_ms / 1000 if config.prefill_switch_ms else None),
+        PrefillSwitch(switch_ms / 1000 if (switch_ms := plain(config).prefill_switch_ms) else None),
     )
 
 

@@ -1,8 +1,8 @@
-"""The MLX backend - the only package that imports ``mlx`` and ``mlx_lm``:
-the backend over mlx-lm's ``BatchGenerator`` (``backend``), its grammar
-processors (``constraints``), model loading and the default model
-(``loading``, ``model_source``, ``gguf``), the demo models (``demo_model``),
-and binding MLX to an optimized BLAS before anything imports it (``blas``).
+"""The MLX backend - with the platform tuning (``gezel_trio.tuning``), the
+only package that imports ``mlx`` and ``mlx_lm``: the backend over mlx-lm's
+``BatchGenerator`` (``backend``), its grammar processors (``constraints``),
+model loading and the default model (``loading``, ``model_source``,
+``gguf``), the demo models (``demo_model``).
 
 The backend factories: ``mlx_backend`` is one process's backend, with the
 whole model. Under ``mlx.launch`` (``group_rank`` says so) rank 0 serves
@@ -12,7 +12,7 @@ rank runs ``follow_rank``; ``gezel-trio serve`` composes them so
 (``server``, ``cli``), and a library user under ``mlx.launch`` does the
 same.
 
-This module imports nothing, so ``gezel_trio.mlx.blas`` can run before
+This module imports nothing, so ``gezel_trio.tuning.blas`` can run before
 ``mlx`` is loaded.
 """
 
@@ -31,6 +31,9 @@ def mlx_backend(config: EngineConfig) -> Backend:
     """The MLX backend for ``config``, one process's, with the whole model
     (a ``BackendFactory``). Call it on the thread that will run it: MLX
     streams are thread-local, so the engine's host loop calls it there."""
+    from ..tuning import applies, blas
+
+    blas.preload(applies(config))  # before the backend's modules import mlx
     from .backend import MlxBackend
 
     return MlxBackend(config)
@@ -43,6 +46,9 @@ def group_backend(config: EngineConfig) -> Backend:
     the other ranks first (``mlx.group.GroupBackend``). Outside a group it
     raises ``ModelLoadError``."""
     from ..core.errors import ModelLoadError
+    from ..tuning import applies, blas
+
+    blas.preload(applies(config))  # before the backend's modules import mlx
     from .backend import MlxBackend
     from .group import GroupBackend, Sharding, rank_group
 
@@ -87,6 +93,9 @@ def follow_rank(config: EngineConfig) -> None:
     thread, which is then this rank's one MLX thread."""
     import signal
 
+    from ..tuning import applies, blas
+
+    blas.preload(applies(config))  # before the backend's modules import mlx
     from .backend import MlxBackend
     from .group import Sharding, follow, rank_group
 

@@ -57,11 +57,14 @@ from ..shaping.reasoning import prompt_opens_thinking_tokens
 from ..shaping.template_budget import TemplateBudget
 from ..shaping.text import COMMON_FRAMING_MARKERS
 from ..shaping.toolcalls import GENERIC, resolve_format
-from . import blas, mlx_lm_surface
+from ..tuning import applies, blas, plain
+from ..tuning.gated_delta import routed
+from ..tuning.priority import set_compute_priority
+from ..tuning.step_threads import StepThreads, choose, measure
+from . import mlx_lm_surface
 from .compiled_step import CompiledDecode, compiled_blocker
 from .constraints import GrammarTokenizer, make_grammar_processor
 from .fingerprint import DIGESTS_DIR, model_fingerprint
-from .gated_delta import install as install_gated_delta
 from .kv_quant import KvPlan, KvStart, QuantizedKV, kv_format
 from .kv_quant import layout as kv_layout
 from .kv_quant import plan as kv_plan
@@ -78,8 +81,8 @@ from .memory import (
     recommended_working_set,
     weight_bytes,
 )
+from .mlx_lm_surface import gated_delta_ops, gated_delta_ops_as
 from .model_source import resolve_model
-from .priority import set_compute_priority
 from .sampling import Sampling, greedy, make_sampler
 from .speculation import (
     DraftModel,
@@ -91,7 +94,6 @@ from .speculation import (
     install,
     speculation_blocker,
 )
-from .step_threads import StepThreads, choose, measure
 from .vision import VisionModel, VisionPrefill, fresh_cache
 
 __all__ = ["MlxBackend", "resolve_model_dir"]
@@ -431,7 +433,7 @@ class _Lane:
         self.gen = gen
         self.uid_of: dict[int, int] = {}
         self.rid_of: dict[int, int] = {}
-        # How its sequences speculate (``mlx.speculative``).
+        # How its sequences speculate (``mlx.speculation``).
         self.roster = roster
         # Whether its KV is quantized yet (``--quantized-kv-start``).
         self.quantized = False
@@ -445,6 +447,9 @@ class MlxBackend:
     def __init__(
         self, config: EngineConfig, *, split: Callable[[LoadedModel], GroupInfo] | None = None
     ) -> None:
+        if not applies(config):
+            log.info("platform tuning: off (the plain path: each tuning flag's plain value)")
+        config = plain(config)
         said = set_compute_priority(config.compute_priority, config.compute_nice)
         log.info("compute threads: %s", said)
         loaded = load_model(config)
@@ -518,15 +523,15 @@ class MlxBackend:
         self._recent = RecentBySalt()
         self._speculate = self._speculation(config, layout)
         # A prompt through linear-attention layers, in chunks on the CPU
-        # (mlx.gated_delta; mlx-lm's function, so the process's).
-        install_gated_delta(config.gated_delta_prefill)
+        # (tuning.gated_delta), while this backend's steps run.
+        self._gated_delta = routed(config.gated_delta_prefill, gated_delta_ops())
         if any(type(c) is ArraysCache for c in layout):
             log.info("gated-delta prefill: %s", config.gated_delta_prefill)
         # What BatchGenerator calls: the model, its one-token steps compiled
         # where it can be (mlx.compiled_step).
         self._decode_model = self._compiled_step(config)
         # OpenBLAS's threads per step, one where one decodes faster
-        # (mlx.step_threads), measured on that model.
+        # (tuning.step_threads), measured on that model.
         self._threads = self._step_threads(config)
         # A draft model's weights and the states its finished sequences left.
         self._draft: DraftModel | None = None
@@ -697,7 +702,7 @@ class MlxBackend:
         if blocker is not None:
             log.info("compiled step: off for this model (%s)", blocker)
             return self._model
-        decode = CompiledDecode(self._model)
+        decode = CompiledDecode(self._model, rows_last=applies(config))
         with mx.stream(self._stream):
             decode.warm()
         return self._model if decode.off is not None else decode
@@ -1244,6 +1249,13 @@ class MlxBackend:
         return progress, failed
 
     def step(self, lane_name: Priority) -> StepOutput:
+        if self._gated_delta is None:
+            return self._step(lane_name)
+        # mlx-lm's gated delta rule is this backend's for the step only.
+        with gated_delta_ops_as(self._gated_delta):
+            return self._step(lane_name)
+
+    def _step(self, lane_name: Priority) -> StepOutput:
         if self._threads is not None:
             self._before_step(lane_name)
         image_progress, image_failed = self._step_images(lane_name)

@@ -47,16 +47,12 @@ model's own step in their last bits (up to 3e-6 on the test models; with
 needs ``--compiled-step off``.
 
 A step of two sequences or more computes each ``nn.Linear`` as ``W @ xᵀ``
-(``_rows_last``): OpenBLAS then multiplies a matrix of the weights' rows
-by a few columns, where ``x @ Wᵀ`` gave it a few rows against the weights'
-columns, which its kernels tile worse. The results are the same to the bit
-(``tests/mlx/test_compiled_step.py``); the dense bench model's step took
-7% less at 4 sequences and 4% less at 8, one sequence's none
-(docs/performance.md, stop 41). A call of several tokens a sequence and
+while its layer is traced, and a call of several tokens a sequence and
 ``VERIFY_ROWS`` rows or fewer (a speculative verify, a short prompt) is the
-model's own, eager, with its layers' linears computed so (not the head,
-where a large one was slower): 6-7% off a verify of 4 sequences x 4
-tokens, 2-5% off 2 x 5, nothing for one sequence's (stop 42).
+model's own, eager, with its layers' linears computed so (not the head):
+the same values to the bit, a few percent faster on OpenBLAS
+(``tuning.rows_last``, which says by how much). ``rows_last=False`` (the
+platform tuning off) keeps ``nn.Linear``'s own product.
 
 MLX fuses the traced elementwise ops into kernels it compiles with the
 system's ``g++`` and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
@@ -88,6 +84,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..core.shared_dir import DirLock
+from ..tuning.rows_last import linears_rows_last
 from .mlx_lm_surface import cache_index, set_cache_index
 from .step_caches import (
     KV,
@@ -184,42 +181,6 @@ class _LayerStep:
         return h
 
 
-def _rows_last(self: nn.Linear, x: mx.array) -> mx.array:
-    """``nn.Linear``'s product as ``W @ xᵀ``, transposed back: the same
-    values to the bit, faster for a few rows (the module docstring). The
-    bias starts the sum as ``addmm`` starts it in ``nn.Linear``."""
-    w = self["weight"]
-    columns = x.reshape(-1, x.shape[-1]).T
-    y = mx.addmm(self["bias"][:, None], w, columns) if "bias" in self else w @ columns
-    return y.T.reshape(*x.shape[:-1], w.shape[0])
-
-
-@contextlib.contextmanager
-def _linear_as_rows_last(rows: int, only: frozenset[int] | None = None) -> Iterator[None]:
-    """While a layer of ``rows`` rows is traced (or a model's graph of that
-    many rows is built), ``nn.Linear`` computes as ``_rows_last`` when
-    there are two or more; with ``only``, just the linears whose ``id`` it
-    holds (a model's layers, not its head), each result made contiguous: in
-    a call of 9 tokens a sequence or more, the attention read the transposed
-    result in another order (logits 1e-6 off the model's). It runs on the
-    host thread, the one thread that calls MLX, so no other call sees it
-    (one that did would get the same values)."""
-    if rows < 2:
-        yield
-        return
-    linear = nn.Linear.__call__
-    chosen = only or frozenset()
-
-    def some_rows_last(self: nn.Linear, x: mx.array) -> mx.array:
-        return mx.contiguous(_rows_last(self, x)) if id(self) in chosen else linear(self, x)
-
-    nn.Linear.__call__ = _rows_last if only is None else some_rows_last
-    try:
-        yield
-    finally:
-        nn.Linear.__call__ = linear
-
-
 def _layer_list(model: Any) -> list[Any]:
     """The list the model's loop runs its layers from (``model.layers`` may
     be a fresh slice of it, as in mlx-lm's pipelined models)."""
@@ -245,8 +206,10 @@ class CompiledDecode:
     the caches allow (the module docstring). Attributes it does not have are
     the model's."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, rows_last: bool = True) -> None:
         self._model = model
+        # Linears as ``W @ xᵀ`` for a few rows (``tuning.rows_last``).
+        self._rows_last = rows_last
         self._layers = len(model.layers)
         # The list the model's loop reads its layers from, and its layers.
         self._layer_list: list[Any] = []
@@ -339,7 +302,7 @@ class CompiledDecode:
             weights = layer.parameters()
             layer.update(tree_unflatten(list(zip(names, arrays[at:], strict=True))))
             try:
-                with _linear_as_rows_last(x.shape[0]):
+                with linears_rows_last(x.shape[0]) if self._rows_last else contextlib.nullcontext():
                     h = layer(x, mask, cache=cache)
             finally:
                 layer.update(weights)
@@ -422,13 +385,13 @@ class CompiledDecode:
         prefill, or a speculative verify's k+1 tokens). Of ``VERIFY_ROWS``
         rows or fewer, its layers' linears compute as ``W @ xᵀ``: the same
         to the bit, and a verify of several sequences a few percent faster
-        (docs/performance.md, stop 42); the head stays ``x @ Wᵀ`` (a large
+        (``tuning.rows_last``); the head stays ``x @ Wᵀ`` (a large
         one was slower)."""
         rows = inputs.size
-        if rows > VERIFY_ROWS:
+        if rows > VERIFY_ROWS or not self._rows_last:
             return self._model(inputs, cache=cache)
         self.few_row_calls += 1
-        with _linear_as_rows_last(rows, only=self._layer_linears):
+        with linears_rows_last(rows, only=self._layer_linears):
             return self._model(inputs, cache=cache)
 
     def _step(

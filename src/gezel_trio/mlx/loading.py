@@ -41,7 +41,8 @@ from mlx_lm.utils import load
 
 from ..core.config import EngineConfig
 from ..core.errors import ModelLoadError
-from . import blas, mlx_lm_surface
+from ..tuning import blas
+from . import mlx_lm_surface
 from .model_source import per_layer_embedding_table, resolve_model
 from .ple import MappedEmbedding, UnmappableTable, map_table
 from .vision import is_vision_model, load_vision

@@ -19,9 +19,10 @@ naming the file and line of one that does):
   cache whose rows may mask slots: speculation's rejected proposals);
   ``taken_over``, a cache of another class holding a cache's state (no
   class is swapped on a live object);
-* ``gated_delta_kernel``, ``set_gated_delta_kernel``: mlx-lm's gated-delta
-  kernel, which the CPU chunked one replaces; ``model_classes``: a text
-  model's classes from its config (vision).
+* ``gated_delta_ops``, ``gated_delta_ops_as``: mlx-lm's gated-delta
+  kernel, which the CPU chunked one (``tuning.gated_delta``) stands in for
+  while a backend's step runs; ``model_classes``: a text model's classes
+  from its config (vision).
 
 mlx-lm may rename any of these names in a patch release, and the break would
 show as an ``AttributeError`` far from its cause. So they are listed here,
@@ -44,7 +45,8 @@ Checked with mlx-lm 0.32.2 (the version ``pyproject.toml`` allows is
 * ``BatchKVCache._idx``, ``_right_padding``: the holey and quantized batch
   caches, and the compiled step's fast path.
 * ``mlx_lm.models.gated_delta.gated_delta_ops``: the CPU chunked gated-delta
-  kernel (``mlx.gated_delta``) swaps it.
+  kernel (``tuning.gated_delta``) stands in for it while a backend's step
+  runs (``gated_delta_ops_as``).
 * ``mlx_lm.utils._get_classes``: vision builds a text model's classes from
   its config.
 """
@@ -52,16 +54,16 @@ Checked with mlx-lm 0.32.2 (the version ``pyproject.toml`` allows is
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import textwrap
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, GenerationBatch
-from mlx_lm.models import gated_delta as _gated_delta
 from mlx_lm.models.cache import BatchKVCache
 
 __all__ = [
@@ -71,7 +73,8 @@ __all__ = [
     "HoleyKVCache",
     "cache_index",
     "check",
-    "gated_delta_kernel",
+    "gated_delta_ops",
+    "gated_delta_ops_as",
     "generation_batch",
     "holey_class",
     "install_generation_batch",
@@ -82,7 +85,6 @@ __all__ = [
     "prompt_batch",
     "right_padding",
     "set_cache_index",
-    "set_gated_delta_kernel",
     "taken_over",
     "waiting_caches",
     "with_holes",
@@ -225,21 +227,6 @@ def model_classes(config: dict[str, Any]) -> tuple[type[Any], type[Any]]:
 
     classes: tuple[type[Any], type[Any]] = _get_classes(config)
     return classes
-
-
-def gated_delta_kernel() -> Callable[..., Any]:
-    """The function mlx-lm's gated-delta layers call now (looked up per call)."""
-    ops: Callable[..., Any] = _gated_delta.gated_delta_ops
-    return ops
-
-
-def set_gated_delta_kernel(ops: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``ops`` what mlx-lm's gated-delta layers call, for the whole
-    process; returns the one it replaces, to put back."""
-    module: Any = _gated_delta
-    before: Callable[..., Any] = module.gated_delta_ops
-    module.gated_delta_ops = ops
-    return before
 
 
 # --- the generation batch ----------------------------------------------------------------
@@ -497,3 +484,27 @@ def with_holes(cache: Any) -> HoleyKVCache:
         return cache
     holey: HoleyKVCache = taken_over(cache, holey_class(type(cache)))
     return holey
+
+
+def gated_delta_ops() -> Callable[..., Any]:
+    """The function mlx-lm's linear-attention layers call for the gated
+    delta rule on the CPU now: its own token loop, outside
+    ``gated_delta_ops_as``."""
+    module: Any = importlib.import_module("mlx_lm.models.gated_delta")
+    ops: Callable[..., Any] = module.gated_delta_ops
+    return ops
+
+
+@contextlib.contextmanager
+def gated_delta_ops_as(ops: Callable[..., Any]) -> Iterator[None]:
+    """mlx-lm's layers call ``ops`` in place of ``gated_delta_ops`` inside
+    the block (mlx-lm looks the name up at each call); the function before
+    it is back when the block ends, whatever happens in it. Host thread
+    only: the name is the process's."""
+    module: Any = importlib.import_module("mlx_lm.models.gated_delta")
+    before = module.gated_delta_ops
+    module.gated_delta_ops = ops
+    try:
+        yield
+    finally:
+        module.gated_delta_ops = before

@@ -13,9 +13,9 @@ import numpy as np
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator
 
+from ...tuning.step_threads import StepThreads
 from ..mlx_lm_surface import GenerationBatchBase, install_generation_batch, with_holes
 from ..sampling import greedy
-from ..step_threads import StepThreads
 from .draft import DraftModel, DraftPool, DraftState
 from .gate import PRIOR_RATE, Gate, SpecStats, ema
 from .lookup import NgramLookup, RecentBySalt
@@ -44,7 +44,7 @@ class SpeculativeBatch(GenerationBatchBase):
     pool: DraftPool | None = None
     stats: SpecStats
     gate: Gate
-    # OpenBLAS's threads per step (``mlx.step_threads``): a verify's rows.
+    # OpenBLAS's threads per step (``tuning.step_threads``): a verify's rows.
     threads: StepThreads | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
