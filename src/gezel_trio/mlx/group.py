@@ -73,11 +73,10 @@ import numpy as np
 
 from ..core.backend import (
     Admission,
+    BackendFigures,
     Captured,
     Detokenizer,
-    MemoryFigures,
     RankStep,
-    SpecFigures,
     StepOutput,
 )
 from ..core.errors import EngineFailure, ModelLoadError
@@ -288,6 +287,13 @@ _CALLS: dict[str, tuple[tuple[str, ...], str]] = {
     "reset": (("",), ""),
     "reclaim": ((), ""),
 }
+# Of those, the calls of the backend's state codec (``states``).
+_STATE_CALLS = frozenset({"state_blocks", "state_rest", "join_state"})
+
+
+def _method(local: Any, name: str) -> Any:
+    """The local backend's method that runs the call ``name``."""
+    return getattr(local.states if name in _STATE_CALLS else local, name)
 
 
 def _in(kind: str, value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -628,25 +634,24 @@ class GroupBackend:
         return detok
 
     def state_offsets(self, state: Any) -> list[int | None]:
-        offsets: list[int | None] = self._local.state_offsets(_local(state))
+        offsets: list[int | None] = self._local.states.state_offsets(_local(state))
         return offsets
 
     def memory_in_use(self) -> int:
         return int(self._local.memory_in_use())
 
-    def memory_figures(self) -> MemoryFigures:
-        figures: MemoryFigures = self._local.memory_figures()
-        return figures
+    @property
+    def states(self) -> GroupBackend:
+        """Its own state codec: each state is a shard held on every rank."""
+        return self
 
-    def speculation_figures(self) -> SpecFigures:
-        figures: SpecFigures = self._local.speculation_figures()
-        return figures
-
-    def rank_steps(self) -> tuple[RankStep, ...]:
+    def figures(self) -> BackendFigures:
+        """Rank 0's figures, with each rank's last step."""
         now = time.monotonic()
         for rank, steps in self._wire.acks().items():
             self._ranks[rank] = RankStep(rank, steps, now)
-        return tuple(self._ranks.values())
+        figures: BackendFigures = self._local.figures()
+        return attrs.evolve(figures, ranks=tuple(self._ranks.values()))
 
     # Cache files: rank 0's shard in the file the disk cache seals, each
     # other rank's in a file of its own beside it (``_ShardFiles``).
@@ -655,7 +660,7 @@ class GroupBackend:
             self._send(
                 "dump_shard", (_number(state), str(path.parent), metadata["gezel_file"], metadata)
             )
-            self._local.dump_state(
+            self._local.states.dump_state(
                 _local(state), {**metadata, **_shard_meta(0, self.world_size)}, path
             )
 
@@ -664,9 +669,9 @@ class GroupBackend:
             self._send("load_shard", (str(path.parent), path.stem))
             # The check of a loaded state's shapes runs the model once (its
             # collectives with it): on every rank, before any file is read.
-            self._local.ready_state_checks()
+            self._local.states.ready_state_checks()
             try:
-                state, meta = self._local.load_state(payload, path)
+                state, meta = self._local.states.load_state(payload, path)
                 _check_shard(meta, path.stem, 0, self.world_size)
             except Exception:
                 self._wire.count(1)
@@ -702,7 +707,7 @@ class GroupBackend:
         self._send(name, tuple(_in(k, a, _number) for k, a in zip(kinds, args, strict=True)))
         mine = tuple(_in(k, a, _local) for k, a in zip(kinds, args, strict=True))
         try:
-            out = getattr(self._local, name)(*mine)
+            out = _method(self._local, name)(*mine)
         except RuntimeError as exc:
             if "[ring]" not in str(exc) and "distributed" not in str(exc):
                 raise
@@ -826,7 +831,9 @@ class _ShardFiles:
                     old.unlink(missing_ok=True)
         tmp = final.with_name(temp_name(name, _TMP_SUFFIX))
         try:
-            self.local.dump_state(state, {**metadata, **_shard_meta(self.rank, self.size)}, tmp)
+            self.local.states.dump_state(
+                state, {**metadata, **_shard_meta(self.rank, self.size)}, tmp
+            )
             # No fsync: a shard torn by a crash fails its load, and the
             # entry is a miss on every rank (``load``).
             os.replace(tmp, final)
@@ -835,7 +842,7 @@ class _ShardFiles:
 
     def load(self, directory: str, name: str) -> Any:
         path = self.path(directory, name)
-        state, meta = self.local.load_state(path.read_bytes(), path)
+        state, meta = self.local.states.load_state(path.read_bytes(), path)
         _check_shard(meta, name, self.rank, self.size)
         return state
 
@@ -856,7 +863,7 @@ def _on_file_order(order: _Order, files: _ShardFiles, table: _Table, wire: _Wire
     is logged and costs a later miss; a load is agreed: every rank holds
     the loaded state, or none does."""
     if order.name == "load_shard":
-        files.local.ready_state_checks()  # as rank 0 does: the model runs once
+        files.local.states.ready_state_checks()  # as rank 0 does: the model runs once
         try:
             state = files.load(*order.args)
         except Exception as exc:
@@ -937,7 +944,7 @@ def follow(local: Any, group: Any, stream: Any) -> None:
                 _in(k, a, table.held.__getitem__) for k, a in zip(kinds, order.args, strict=True)
             )
             try:
-                out = getattr(local, order.name)(*args)
+                out = _method(local, order.name)(*args)
             except Exception:
                 # Rank 0's call raised too, or the next order says it did not.
                 log.exception("rank %d: %s failed", rank, order.name)
