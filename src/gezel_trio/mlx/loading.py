@@ -24,6 +24,12 @@ cannot batch its sliding-window and KV-shared layers). With
 table is replaced, before it is ever read, by one that reads its rows from
 the model's files (``ple``); a table that cannot be read that way is held in
 memory like any weight, with a warning.
+
+``model_facts`` reads what the model's files and tokenizer say of it (its
+end-of-sequence and stop ids, context, framing markers, vocabulary,
+thinking and tool-call markup); ``ModelFacts.info`` adds what the backend
+decided (the KV format, the room for KV, the group) and the model's
+fingerprint (``mlx.fingerprint``).
 """
 
 from __future__ import annotations
