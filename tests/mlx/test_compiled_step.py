@@ -490,7 +490,7 @@ def _answer(config: EngineConfig) -> tuple[list[int], Any]:
             tokens += [t.token for t in out.tokens]
             if any(t.finish is not None for t in out.tokens):
                 break
-        return tokens, backend._decode_model
+        return tokens, backend._lanes.kit.decode_model
     finally:
         backend.close()
 

@@ -31,7 +31,7 @@ from gezel_trio.core.backend import Admission
 from gezel_trio.core.request import GenerationRequest, SamplingParams
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.mlx_lm_surface import gated_delta_ops_as
+from gezel_trio.mlx.mlx_lm_surface import gated_delta_kernel_as
 from gezel_trio.tuning import gated_delta
 
 SEQUENTIAL = mlx_gated_delta.gated_delta_ops
@@ -168,7 +168,7 @@ def test_routed_mlx_lm_runs_it_for_a_prompt_and_its_own_loop_for_a_few_tokens(
     few = _inputs(gated_delta.MIN_TOKENS - 1)
     routed = gated_delta.routed("chunked", SEQUENTIAL)
     assert routed is not None
-    with gated_delta_ops_as(routed):
+    with gated_delta_kernel_as(routed):
         chunked = _update(prompt)
         assert calls == [gated_delta.MIN_TOKENS + 20]
         _update(few)
@@ -188,7 +188,7 @@ def test_mlx_lms_own_function_is_back_after_a_block_that_raised() -> None:
     seen: list[Any] = []
 
     def step() -> None:
-        with gated_delta_ops_as(routed):
+        with gated_delta_kernel_as(routed):
             seen.append(mlx_gated_delta.gated_delta_ops)
             raise RuntimeError("in the step")
 
@@ -217,7 +217,7 @@ def test_the_hybrid_demo_model_answers_as_with_mlx_lms_loop(hybrid_model: Path) 
     want, want_logits = _greedy(model, prompt, 24)
     routed = gated_delta.routed("chunked", SEQUENTIAL)
     assert routed is not None
-    with gated_delta_ops_as(routed):
+    with gated_delta_kernel_as(routed):
         got, got_logits = _greedy(model, prompt, 24)
     assert got == want
     assert mx.abs(got_logits - want_logits).max().item() <= 1e-4

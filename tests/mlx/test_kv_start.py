@@ -157,7 +157,7 @@ def test_a_lane_switches_whole_and_starts_unquantized_once_empty(kv_model: Path)
         EngineConfig(model=kv_model, kv_bits=8, kv_group_size=32, quantized_kv_start=50)
     )
     try:
-        lane = backend._lanes
+        lane = backend._lanes.lanes
         # A short sequence alone: unquantized.
         assert backend.insert([_admission(1, [7, 8, 9, 10], 200)]) == {}
         _until(backend, lambda: backend.capture(1) is not None)
@@ -188,8 +188,8 @@ def test_a_lane_switches_whole_and_starts_unquantized_once_empty(kv_model: Path)
         third = backend.capture(3)
         assert third is not None
         assert not _quantized(third.state)
-        seed = backend.join_state(
-            [b for b, _ in backend.state_blocks(long.state, [(0, len(long.tokens))])],
+        seed = backend.states.join_state(
+            [b for b, _ in backend.states.state_blocks(long.state, [(0, len(long.tokens))])],
             len(long.tokens),
             None,
         )

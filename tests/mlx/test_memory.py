@@ -132,12 +132,13 @@ def test_the_buffer_cache_is_given_back_through_ctypes_without_the_gil() -> None
 def test_the_backend_reclaims_through_the_gil_free_call(
     dense_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gezel_trio.mlx import backend as backend_module
+    from gezel_trio.mlx import generators
+    from gezel_trio.mlx.backend import MlxBackend
 
     calls: list[str] = []
-    monkeypatch.setattr(backend_module, "clear_buffer_cache", lambda: calls.append("clear"))
+    monkeypatch.setattr(generators, "clear_buffer_cache", lambda: calls.append("clear"))
     monkeypatch.setattr(mx, "clear_cache", lambda: calls.append("mx"))
-    backend = backend_module.MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
+    backend = MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
     try:
         calls.clear()
         backend.reclaim()

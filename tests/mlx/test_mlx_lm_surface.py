@@ -34,6 +34,7 @@ _MLX_LM_MODULES = (
     "mlx_lm.models.cache",
     "mlx_lm.models.gated_delta",
     "mlx_lm.sample_utils",
+    "mlx_lm.tokenizer_utils",
     "mlx_lm.utils",
 )
 

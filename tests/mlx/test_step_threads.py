@@ -159,9 +159,9 @@ def test_a_model_whose_step_is_long_is_not_measured_past_its_first_two_steps(
 
 def test_the_backend_asks_before_each_step_with_what_the_lane_runs(dense_model: Path) -> None:
     backend = MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
-    assert backend._threads is None
+    assert backend._lanes.kit.threads is None
     calls: list[int] = []
-    backend._threads = StepThreads(2, 1, calls.append)
+    backend._lanes.kit.threads = StepThreads(2, 1, calls.append)
     prompt = tuple(range(10, 40))
 
     def admit(rid: int) -> None:
@@ -225,7 +225,7 @@ def test_a_count_fixed_by_the_environment_is_kept(
     with caplog.at_level(logging.INFO, logger="gezel_trio.mlx"):
         backend = MlxBackend(EngineConfig(model=dense_model))
     backend.close()
-    assert backend._threads is None
+    assert backend._lanes.kit.threads is None
     assert "decode threads: all, for every step (OpenBLAS's thread count" in caplog.text
 
 
@@ -249,7 +249,7 @@ blas.set_threads(99)
 print("set 99", get())
 backend = MlxBackend(EngineConfig(model=sys.argv[1], decode_threads=sys.argv[2]))
 print("after load", get())
-plan = backend._threads
+plan = backend._lanes.kit.threads
 print("plan", None if plan is None else plan.one_up_to)
 backend.close()
 print("after close", get())

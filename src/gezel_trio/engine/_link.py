@@ -25,14 +25,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..core.backend import (
-    ConstraintCompiler,
-    ImagePreparer,
-    MemoryFigures,
-    PromptRenderer,
-    RankStep,
-    SpecFigures,
-)
+from ..core.backend import ConstraintCompiler, ImagePreparer, PromptRenderer
 from ..core.config import EngineConfig
 from ..core.errors import (
     EngineClosed,
@@ -43,6 +36,7 @@ from ..core.errors import (
     SlowConsumer,
 )
 from ..core.events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed
+from ..core.figures import BackendFigures, RankStep
 from ..core.model import ModelInfo
 from ..core.request import CacheRequest, GenerationRequest
 from ..core.scheduler import Scheduler
@@ -289,9 +283,7 @@ class HostLink:
         self._next_call = 0
         self.cache = CacheBook()
         self._memory = 0
-        self._figures = MemoryFigures()
-        self._speculation = SpecFigures()
-        self._ranks: tuple[RankStep, ...] = ()
+        self._figures = BackendFigures()
         # Consecutive failed model steps, and the last failure (time, reason).
         self._step_failures = 0
         self._last_step_failure: tuple[float, str] | None = None
@@ -414,7 +406,7 @@ class HostLink:
             live=len(self._live),
             closing=self._closing,
             recent_removals=tuple(self._removals),
-            ranks=self._ranks,
+            ranks=self._figures.ranks,
         )
 
     async def wait_until(self, predicate: Callable[[EngineState], bool]) -> EngineState:
@@ -475,15 +467,8 @@ class HostLink:
             cache_lookups=totals.lookups,
             cache_hits=totals.hits,
             memory_bytes=self._memory,
-            mlx_peak_bytes=self._figures.peak,
-            mlx_cache_bytes=self._figures.cache,
-            mlx_cache_limit_bytes=self._figures.cache_limit,
             rss_bytes=resident_bytes(),
-            spec_drafts=self._speculation.num_drafts,
-            spec_draft_tokens=self._speculation.num_draft_tokens,
-            spec_accepted_tokens=self._speculation.num_accepted_tokens,
-            spec_draft_model_tokens=self._speculation.draft_model_tokens,
-            spec_draft_model_accepted_tokens=self._speculation.draft_model_accepted_tokens,
+            backend=self._figures,
         )
 
     # --- ending --------------------------------------------------------------
@@ -569,10 +554,6 @@ class HostLink:
             self._memory = report.memory
         if report.figures is not None:
             self._figures = report.figures
-        if report.speculation is not None:
-            self._speculation = report.speculation
-        if report.ranks:
-            self._ranks = report.ranks
         plan = self._scheduler.plan(
             memory_tight=self.memory_tight, now=now, kv_held=self.cache.totals.bytes
         )

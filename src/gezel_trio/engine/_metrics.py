@@ -31,6 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..core.figures import BackendFigures, published
+
 __all__ = ["EngineMetrics", "Snapshot", "resident_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -72,15 +74,10 @@ class Snapshot:
     cache_blocks: int = 0
     cache_lookups: int = 0
     cache_hits: int = 0
-    mlx_peak_bytes: int = 0
-    mlx_cache_bytes: int = 0
-    mlx_cache_limit_bytes: int = 0
     rss_bytes: int = 0
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_draft_model_tokens: int = 0
-    spec_draft_model_accepted_tokens: int = 0
+    # What the backend measured: each figure that declares a metric
+    # (``core.figures.metric``) is shown under its own name.
+    backend: BackendFigures = attrs.field(factory=BackendFigures)
 
 
 class _StateCollector(Collector):
@@ -101,17 +98,6 @@ class _StateCollector(Collector):
             ),
             ("gezel_cache_blocks", "Shared KV blocks in the prompt cache.", s.cache_blocks),
             ("gezel_mlx_active_memory_bytes", "Live MLX memory.", s.memory_bytes),
-            ("gezel_mlx_peak_memory_bytes", "The peak of live MLX memory.", s.mlx_peak_bytes),
-            (
-                "gezel_mlx_cache_memory_bytes",
-                "MLX's buffer cache: freed buffers kept for reuse, given back at idle.",
-                s.mlx_cache_bytes,
-            ),
-            (
-                "gezel_mlx_cache_limit_bytes",
-                "The cap on MLX's buffer cache (0: MLX's own, unknown).",
-                s.mlx_cache_limit_bytes,
-            ),
             ("gezel_process_resident_memory_bytes", "The process's resident set.", s.rss_bytes),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
@@ -122,27 +108,9 @@ class _StateCollector(Collector):
         yield CounterMetricFamily(
             "gezel_prefix_cache_hits", "Requests that reused a cached prefix.", s.cache_hits
         )
-        # vLLM's spec_decode counters (vllm:spec_decode_num_drafts ...).
-        for name, doc, value in (
-            (
-                "drafts",
-                "Sequences that verified proposed tokens, summed over steps.",
-                s.spec_drafts,
-            ),
-            ("draft_tokens", "Tokens proposed for verification.", s.spec_draft_tokens),
-            ("accepted_tokens", "Proposed tokens the model accepted.", s.spec_accepted_tokens),
-            (
-                "draft_model_tokens",
-                "Of the proposed tokens, those the draft model proposed (--draft-model).",
-                s.spec_draft_model_tokens,
-            ),
-            (
-                "draft_model_accepted_tokens",
-                "Of the accepted tokens, those the draft model proposed.",
-                s.spec_draft_model_accepted_tokens,
-            ),
-        ):
-            yield CounterMetricFamily(f"gezel_spec_decode_num_{name}", doc, value=value)
+        for declared, value in published(s.backend):
+            family = CounterMetricFamily if declared.kind == "counter" else GaugeMetricFamily
+            yield family(declared.name, declared.help, value=value)
 
 
 class _SizesCollector(Collector):

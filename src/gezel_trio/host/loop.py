@@ -139,9 +139,9 @@ class _Group:
 def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
     disk = None
     if config.persist_dir is not None:
-        disk = DiskCache(config.persist_dir, backend.info.fingerprint, backend)
+        disk = DiskCache(config.persist_dir, backend.info.fingerprint, backend.states)
     return PromptCache(
-        backend,
+        backend.states,
         model_trimmable=backend.info.trimmable,
         budget_bytes=int(config.cache_budget_mb * 1024 * 1024),
         disk=disk,
@@ -382,7 +382,7 @@ class _Host:
             self._reported_version = self.cache.version
             view = self.cache.delta()
         replies, self._replies = tuple(self._replies), []
-        figures = self.backend.memory_figures()
+        figures = self.backend.figures()
         memory = self.backend.memory_in_use()
         if self.memory_limit and memory > 0.85 * self.memory_limit:
             self.backend.reclaim()  # under pressure: give cached buffers back now
@@ -403,8 +403,6 @@ class _Host:
             persistence=disk.problem if disk is not None else None,
             seeded=seeded,
             figures=figures,
-            speculation=self.backend.speculation_figures(),
-            ranks=self.backend.rank_steps(),
         )
 
     # --- one step -----------------------------------------------------------

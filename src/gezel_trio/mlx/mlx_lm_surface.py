@@ -19,7 +19,7 @@ naming the file and line of one that does):
   cache whose rows may mask slots: speculation's rejected proposals);
   ``taken_over``, a cache of another class holding a cache's state (no
   class is swapped on a live object);
-* ``gated_delta_ops``, ``gated_delta_ops_as``: mlx-lm's gated-delta
+* ``gated_delta_kernel``, ``gated_delta_kernel_as``: mlx-lm's gated-delta
   kernel, which the CPU chunked one (``tuning.gated_delta``) stands in for
   while a backend's step runs; ``model_classes``: a text model's classes
   from its config (vision).
@@ -46,7 +46,7 @@ Checked with mlx-lm 0.32.2 (the version ``pyproject.toml`` allows is
   caches, and the compiled step's fast path.
 * ``mlx_lm.models.gated_delta.gated_delta_ops``: the CPU chunked gated-delta
   kernel (``tuning.gated_delta``) stands in for it while a backend's step
-  runs (``gated_delta_ops_as``).
+  runs (``gated_delta_kernel_as``).
 * ``mlx_lm.utils._get_classes``: vision builds a text model's classes from
   its config.
 """
@@ -73,11 +73,13 @@ __all__ = [
     "HoleyKVCache",
     "cache_index",
     "check",
-    "gated_delta_ops",
-    "gated_delta_ops_as",
+    "gated_delta_kernel",
+    "gated_delta_kernel_as",
     "generation_batch",
+    "hf_tokenizer",
     "holey_class",
     "install_generation_batch",
+    "keep_leading_space",
     "missing",
     "model_classes",
     "prefilling",
@@ -111,6 +113,8 @@ RELIED_ON: Final[Mapping[str, tuple[str, ...]]] = {
     "mlx_lm.models.cache.BatchKVCache": ("_idx", "_right_padding"),
     "mlx_lm.models.gated_delta": ("gated_delta_ops",),
     "mlx_lm.utils": ("_get_classes",),
+    "mlx_lm.tokenizer_utils.TokenizerWrapper": ("_tokenizer",),
+    "mlx_lm.tokenizer_utils.BPEStreamingDetokenizer": ("_maybe_trim_space",),
 }
 
 
@@ -227,6 +231,25 @@ def model_classes(config: dict[str, Any]) -> tuple[type[Any], type[Any]]:
 
     classes: tuple[type[Any], type[Any]] = _get_classes(config)
     return classes
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face tokenizer inside mlx-lm's ``TokenizerWrapper``."""
+    return tokenizer._tokenizer
+
+
+def keep_leading_space(detok: Any) -> None:
+    """Make ``detok`` (a fresh streaming detokenizer) keep the first space
+    of its text: mlx-lm's SPM detokenizer trims it unless told not to, its
+    BPE one always does (``_maybe_trim_space``)."""
+    if hasattr(detok, "trim_space"):
+        detok.trim_space = False
+    if hasattr(detok, "_maybe_trim_space"):
+        detok._maybe_trim_space = _untrimmed
+
+
+def _untrimmed(text: str) -> str:
+    return text
 
 
 # --- the generation batch ----------------------------------------------------------------
@@ -486,17 +509,17 @@ def with_holes(cache: Any) -> HoleyKVCache:
     return holey
 
 
-def gated_delta_ops() -> Callable[..., Any]:
+def gated_delta_kernel() -> Callable[..., Any]:
     """The function mlx-lm's linear-attention layers call for the gated
     delta rule on the CPU now: its own token loop, outside
-    ``gated_delta_ops_as``."""
+    ``gated_delta_kernel_as``."""
     module: Any = importlib.import_module("mlx_lm.models.gated_delta")
     ops: Callable[..., Any] = module.gated_delta_ops
     return ops
 
 
 @contextlib.contextmanager
-def gated_delta_ops_as(ops: Callable[..., Any]) -> Iterator[None]:
+def gated_delta_kernel_as(ops: Callable[..., Any]) -> Iterator[None]:
     """mlx-lm's layers call ``ops`` in place of ``gated_delta_ops`` inside
     the block (mlx-lm looks the name up at each call); the function before
     it is back when the block ends, whatever happens in it. Host thread

@@ -45,7 +45,7 @@ few tokens), calls with a gate per key dimension (``g`` of 4 dimensions),
 and calls while the default device is a GPU go to mlx-lm's own function.
 ``routed`` makes the function that decides; the backend has mlx-lm call it
 in place of ``gated_delta_ops`` only while its step runs
-(``mlx.mlx_lm_surface.gated_delta_ops_as``), and mlx-lm's own is back
+(``mlx.mlx_lm_surface.gated_delta_kernel_as``), and mlx-lm's own is back
 after each step, so two backends in one process each run their own mode.
 """
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .states import CALLS, ShardFiles, Table, digest, map_args, map_result
+from .states import CALLS, ShardFiles, Table, digest, map_args, map_result, method_of
 from .wire import Order, Wire, log_times
 
 __all__ = ["DivergedError", "follow"]
@@ -31,7 +31,7 @@ def _on_file_order(order: Order, files: ShardFiles, table: Table, wire: Wire) ->
     is logged and costs a later miss; a load is agreed: every rank holds
     the loaded state, or none does."""
     if order.name == "load_shard":
-        files.local.ready_state_checks()  # as rank 0 does: the model runs once
+        files.local.states.ready_state_checks()  # as rank 0 does: the model runs once
         try:
             state = files.load(*order.args)
         except Exception as exc:
@@ -101,7 +101,7 @@ def follow(local: Any, group: Any, stream: Any) -> None:
             held = table.held.__getitem__
             args = tuple(map_args(k, a, held) for k, a in zip(kinds, order.args, strict=True))
             try:
-                out = getattr(local, order.name)(*args)
+                out = method_of(local, order.name)(*args)
             except Exception:
                 # Rank 0's call raised too, or the next order says it did not.
                 log.exception("rank %d: %s failed", rank, order.name)

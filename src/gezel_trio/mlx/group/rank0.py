@@ -17,15 +17,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import mlx.core as mx
 
 from ...core.backend import (
     Admission,
+    BackendFigures,
     Captured,
     Detokenizer,
-    MemoryFigures,
     RankStep,
-    SpecFigures,
     StepOutput,
 )
 from ...core.errors import EngineFailure
@@ -39,6 +39,7 @@ from .states import (
     local_of,
     map_args,
     map_result,
+    method_of,
     number_of,
     shard_meta,
 )
@@ -169,25 +170,24 @@ class GroupBackend:
         return detok
 
     def state_offsets(self, state: Any) -> list[int | None]:
-        offsets: list[int | None] = self._local.state_offsets(local_of(state))
+        offsets: list[int | None] = self._local.states.state_offsets(local_of(state))
         return offsets
 
     def memory_in_use(self) -> int:
         return int(self._local.memory_in_use())
 
-    def memory_figures(self) -> MemoryFigures:
-        figures: MemoryFigures = self._local.memory_figures()
-        return figures
+    @property
+    def states(self) -> GroupBackend:
+        """Its own state codec: each state is a shard held on every rank."""
+        return self
 
-    def speculation_figures(self) -> SpecFigures:
-        figures: SpecFigures = self._local.speculation_figures()
-        return figures
-
-    def rank_steps(self) -> tuple[RankStep, ...]:
+    def figures(self) -> BackendFigures:
+        """Rank 0's figures, with each rank's last step."""
         now = time.monotonic()
         for rank, steps in self._wire.acks().items():
             self._ranks[rank] = RankStep(rank, steps, now)
-        return tuple(self._ranks.values())
+        figures: BackendFigures = self._local.figures()
+        return attrs.evolve(figures, ranks=tuple(self._ranks.values()))
 
     # Cache files: rank 0's shard in the file the disk cache seals, each
     # other rank's in a file of its own beside it (``ShardFiles``).
@@ -196,7 +196,7 @@ class GroupBackend:
             self._send(
                 "dump_shard", (number_of(state), str(path.parent), metadata["gezel_file"], metadata)
             )
-            self._local.dump_state(
+            self._local.states.dump_state(
                 local_of(state), {**metadata, **shard_meta(0, self.world_size)}, path
             )
 
@@ -205,9 +205,9 @@ class GroupBackend:
             self._send("load_shard", (str(path.parent), path.stem))
             # The check of a loaded state's shapes runs the model once (its
             # collectives with it): on every rank, before any file is read.
-            self._local.ready_state_checks()
+            self._local.states.ready_state_checks()
             try:
-                state, meta = self._local.load_state(payload, path)
+                state, meta = self._local.states.load_state(payload, path)
                 check_shard(meta, path.stem, 0, self.world_size)
             except Exception:
                 self._wire.count(1)
@@ -243,7 +243,7 @@ class GroupBackend:
         self._send(name, tuple(map_args(k, a, number_of) for k, a in zip(kinds, args, strict=True)))
         mine = tuple(map_args(k, a, local_of) for k, a in zip(kinds, args, strict=True))
         try:
-            out = getattr(self._local, name)(*mine)
+            out = method_of(self._local, name)(*mine)
         except RuntimeError as exc:
             if "[ring]" not in str(exc) and "distributed" not in str(exc):
                 raise

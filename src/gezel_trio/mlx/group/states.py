@@ -17,6 +17,7 @@ from ...core.shared_dir import temp_is_stale, temp_name
 
 __all__ = [
     "CALLS",
+    "STATE_CALLS",
     "Held",
     "ShardFiles",
     "Table",
@@ -25,6 +26,7 @@ __all__ = [
     "local_of",
     "map_args",
     "map_result",
+    "method_of",
     "number_of",
     "shard_meta",
 ]
@@ -85,6 +87,13 @@ CALLS: dict[str, tuple[tuple[str, ...], str]] = {
     "reset": (("",), ""),
     "reclaim": ((), ""),
 }
+# Of those, the calls of the backend's state codec (``states``).
+STATE_CALLS = frozenset({"state_blocks", "state_rest", "join_state"})
+
+
+def method_of(local: Any, name: str) -> Any:
+    """The local backend's method that runs the call ``name``."""
+    return getattr(local.states if name in STATE_CALLS else local, name)
 
 
 def map_args(kind: str, value: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -176,7 +185,9 @@ class ShardFiles:
                     old.unlink(missing_ok=True)
         tmp = final.with_name(temp_name(name, _TMP_SUFFIX))
         try:
-            self.local.dump_state(state, {**metadata, **shard_meta(self.rank, self.size)}, tmp)
+            self.local.states.dump_state(
+                state, {**metadata, **shard_meta(self.rank, self.size)}, tmp
+            )
             # No fsync: a shard torn by a crash fails its load, and the
             # entry is a miss on every rank (``load``).
             os.replace(tmp, final)
@@ -185,7 +196,7 @@ class ShardFiles:
 
     def load(self, directory: str, name: str) -> Any:
         path = self.path(directory, name)
-        state, meta = self.local.load_state(path.read_bytes(), path)
+        state, meta = self.local.states.load_state(path.read_bytes(), path)
         check_shard(meta, name, self.rank, self.size)
         return state
 
