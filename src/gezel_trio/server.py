@@ -54,13 +54,15 @@ from .core.errors import EngineFailure, GezelError
 from .core.sched import EVENT_LOOP_SLICE_NS, request_slice
 from .core.settings import setting
 from .engine import Engine, run_engine
+from .host.block_events import BlockEventsFactory
+from .host.loop import HostRunner, in_thread
 from .http.app import HttpSettings, create_app, served
 from .http.connections import ConnectionCap, bound_requests, check_connection_cap, serve_http
 from .http.response_store import ResponseStore
 from .mlx import mlx_backend, open_file_limit
 from .stdout_protocol import StdoutProtocol, StdoutSettings
 
-__all__ = ["Orphaned", "ServerConfig", "serve"]
+__all__ = ["MissingExtra", "Orphaned", "ServerConfig", "serve"]
 
 log = logging.getLogger("gezel_trio.server")
 
@@ -115,6 +117,29 @@ class ServerConfig:
     )
 
 
+class MissingExtra(GezelError):
+    """A flag asks for an add-on whose libraries (an extra) are not installed."""
+
+
+def kv_events_publisher(config: EngineConfig) -> BlockEventsFactory | None:
+    """The KV-event publisher ``--kv-events`` asks for (``host.kv_events``),
+    made on the host thread; ``None`` without the flag. Its libraries
+    (pyzmq, msgspec, cbor2) are the ``kv-events`` extra, imported only here:
+    a server without the flag loads none of them. Raises ``MissingExtra``
+    when they are not installed."""
+    endpoint = config.kv_events
+    if endpoint is None:
+        return None
+    try:
+        from .host.kv_events import KvEvents
+    except ImportError as exc:
+        raise MissingExtra(
+            f"--kv-events needs the kv-events extra: pip install 'gezel-trio[kv-events]' ({exc})"
+        ) from exc
+    replay, topic = config.kv_events_replay, config.kv_events_topic
+    return lambda block_size: KvEvents(endpoint, block_size=block_size, replay=replay, topic=topic)
+
+
 async def _watch_signals(shutdown: trio.Event) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -155,11 +180,12 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
     linger: float,
     *,
     backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    host: HostRunner = in_thread,
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
         # The composition root picks the backend: MLX unless a test injects one.
-        await run_engine(config, backend_factory or mlx_backend, task_status=task_status)
+        await run_engine(config, backend_factory or mlx_backend, host=host, task_status=task_status)
     except EngineFailure as failure:  # only raised once the engine was ready
         died.append(failure)
         log.critical("the engine failed (%s): exiting after a drain", failure.message)
@@ -266,9 +292,13 @@ async def serve(
 
     Raises ``EngineFailure`` after draining if the engine stopped working;
     a model that does not load is a ``ModelLoadError`` out of its nursery
-    (in an exception group), before ``started``. ``backend_factory``
+    (in an exception group), before ``started``; a flag whose add-on is
+    not installed, ``MissingExtra`` before anything starts. ``backend_factory``
     replaces the MLX backend (fault-injection tests); ``on_engine`` is
     handed the engine once it is ready (tests read its state)."""
+    # The add-ons a flag asks for attach here, at the composition root.
+    blocks = kv_events_publisher(config.engine)
+    host = in_thread if blocks is None else partial(in_thread, blocks=blocks)
     hc = HypercornConfig()
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout + GRACE_FLUSH_S
@@ -285,7 +315,7 @@ async def serve(
         await nursery.start(stdout.run)
         stdout.startup_nowait(config.engine.model or "the default model")
         engine: Engine = await nursery.start(
-            partial(_run_engine, backend_factory=backend_factory),
+            partial(_run_engine, backend_factory=backend_factory, host=host),
             config.engine,
             shutdown,
             died,
@@ -360,10 +390,16 @@ def main_serve(
 ) -> int:
     """Run ``serve`` in a fresh Trio loop; a load failure or an engine
     failure is one clean line and exit status 1; ``--max-connections``
-    above what the open-file limit allows, exit status 2.
+    above what the open-file limit allows, or a flag whose extra is not
+    installed, exit status 2.
 
     The process's open-file limit is raised to its hard limit first
     (``open_file_limit``): each connection holds a descriptor."""
+    try:
+        kv_events_publisher(config.engine)  # first: before the model loads
+    except MissingExtra as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
     open_files = open_file_limit()
     try:
         check_connection_cap(config.http.max_connections, open_files)
