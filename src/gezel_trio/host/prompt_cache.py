@@ -1272,7 +1272,3 @@ class PromptCache:
             evictions=c["evictions"],
             seeded_prefixes=len(self._seeded_prefixes),
         )
-
-    @property
-    def live_sequences(self) -> int:
-        return len(self._seqs)
