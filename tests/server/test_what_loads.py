@@ -1,6 +1,8 @@
-"""``--kv-events`` is an add-on the server attaches: its libraries (pyzmq,
-msgspec, cbor2: the ``kv-events`` extra) are imported only when the flag is
-given, and a server asked for it without them says which extra to install.
+"""What a process loads. ``--kv-events`` is an add-on the server attaches:
+its libraries (pyzmq, msgspec, cbor2: the ``kv-events`` extra) are
+imported only when the flag is given, and a server asked for it without
+them says which extra to install. The testing module and its demo-model
+builders load no MLX until a model is built.
 
 Each case runs in a fresh interpreter, whose ``sys.modules`` is then that
 start's alone.
@@ -110,3 +112,15 @@ def test_the_extra_declares_the_libraries_and_the_tests_install_it() -> None:
     assert names(extras["kv-events"]) == {"pyzmq", "msgspec", "cbor2"}
     assert not names(project["dependencies"]) & {"pyzmq", "msgspec", "cbor2"}
     assert "gezel-trio[kv-events]" in extras["test"]
+
+
+def test_the_testing_module_and_its_demo_models_import_no_mlx() -> None:
+    script = (
+        "import sys, gezel_trio.testing, gezel_trio.testing.demo_models\n"
+        "print(sorted(m for m in ('mlx', 'mlx_lm', 'mlx_vlm') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]"]
