@@ -48,13 +48,13 @@ import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from .addons import MissingExtra, host_runner, kv_events_publisher
 from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
 from .core.sched import EVENT_LOOP_SLICE_NS, request_slice
 from .core.settings import setting
 from .engine import Engine, run_engine
-from .host.block_events import BlockEventsFactory
 from .host.loop import HostRunner, in_thread
 from .http.app import HttpSettings, create_app, served
 from .http.connections import ConnectionCap, bound_requests, check_connection_cap, serve_http
@@ -62,7 +62,7 @@ from .http.response_store import ResponseStore
 from .mlx import mlx_backend, open_file_limit
 from .stdout_protocol import StdoutProtocol, StdoutSettings
 
-__all__ = ["MissingExtra", "Orphaned", "ServerConfig", "serve"]
+__all__ = ["Orphaned", "ServerConfig", "serve"]
 
 log = logging.getLogger("gezel_trio.server")
 
@@ -115,29 +115,6 @@ class ServerConfig:
         "with --persist-dir also on disk",
         validator=attrs.validators.gt(0),
     )
-
-
-class MissingExtra(GezelError):
-    """A flag asks for an add-on whose libraries (an extra) are not installed."""
-
-
-def kv_events_publisher(config: EngineConfig) -> BlockEventsFactory | None:
-    """The KV-event publisher ``--kv-events`` asks for (``host.kv_events``),
-    made on the host thread; ``None`` without the flag. Its libraries
-    (pyzmq, msgspec, cbor2) are the ``kv-events`` extra, imported only here:
-    a server without the flag loads none of them. Raises ``MissingExtra``
-    when they are not installed."""
-    endpoint = config.kv_events
-    if endpoint is None:
-        return None
-    try:
-        from .host.kv_events import KvEvents
-    except ImportError as exc:
-        raise MissingExtra(
-            f"--kv-events needs the kv-events extra: pip install 'gezel-trio[kv-events]' ({exc})"
-        ) from exc
-    replay, topic = config.kv_events_replay, config.kv_events_topic
-    return lambda block_size: KvEvents(endpoint, block_size=block_size, replay=replay, topic=topic)
 
 
 async def _watch_signals(shutdown: trio.Event) -> None:
@@ -297,8 +274,7 @@ async def serve(
     replaces the MLX backend (fault-injection tests); ``on_engine`` is
     handed the engine once it is ready (tests read its state)."""
     # The add-ons a flag asks for attach here, at the composition root.
-    blocks = kv_events_publisher(config.engine)
-    host = in_thread if blocks is None else partial(in_thread, blocks=blocks)
+    host = host_runner(config.engine)
     hc = HypercornConfig()
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout + GRACE_FLUSH_S

@@ -41,6 +41,21 @@ async def main():
 trio.run(main)
 """
 
+# The same through the package facade, the other place an engine is composed.
+_FACADE = """
+import sys
+import trio
+from gezel_trio import EngineConfig, open_engine
+
+async def main():
+    config = EngineConfig(model=sys.argv[1], kv_events=(sys.argv[2:] or [None])[0])
+    async with open_engine(config):
+        loaded = sorted(m for m in {modules!r} if m in sys.modules)
+        print("loaded:", loaded, file=sys.stderr)
+
+trio.run(main)
+"""
+
 # The command with the add-on's modules not importable, as where the extra
 # is not installed.
 _WITHOUT_EXTRA = """
@@ -68,15 +83,16 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.parametrize("script", [_START, _FACADE], ids=["serve", "open_engine"])
 @pytest.mark.parametrize(
     ("flag", "loaded"),
     [((), []), (("tcp://127.0.0.1:*",), list(ADD_ON_MODULES))],
     ids=["without-the-flag", "with-the-flag"],
 )
 def test_the_kv_event_libraries_load_only_with_the_flag(
-    dense_model: Path, flag: tuple[str, ...], loaded: list[str]
+    dense_model: Path, script: str, flag: tuple[str, ...], loaded: list[str]
 ) -> None:
-    out = _run(_START, str(dense_model), *flag)
+    out = _run(script, str(dense_model), *flag)
     assert out.returncode == 0, out.stderr
     assert f"loaded: {loaded!r}" in out.stderr.splitlines()
 

@@ -1,8 +1,9 @@
 """What the host loop tells an add-on of the prompt cache's full blocks.
 
-The loop knows only this contract; the composition root (``server``)
-attaches an implementation when a flag asks for one (``--kv-events``:
-``host.kv_events.KvEvents``, whose libraries are an extra), so a server
+The loop knows only this contract; where an engine is composed
+(``addons``, for the server and the package facade) an implementation is
+attached when a flag asks for one (``--kv-events``:
+``host.kv_events.KvEvents``, whose libraries are an extra), so an engine
 without it loads none of them.
 """
 

@@ -208,7 +208,7 @@ def block_events(
 
 
 class KvEvents:
-    """The ``BlockEvents`` add-on that ``--kv-events`` attaches (``server``;
+    """The ``BlockEvents`` add-on that ``--kv-events`` attaches (``addons``;
     ``host.block_events``): a ZMQ PUB socket bound at ``endpoint`` (and a
     replay ROUTER socket at ``replay``) that sends the prompt cache's block
     events, from its own thread. Made on the host thread, which alone calls

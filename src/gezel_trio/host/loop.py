@@ -795,7 +795,7 @@ async def in_thread(
     streams are thread-local). The thread is never abandoned: cancelling this
     ends the loop at its next exchange or idle wait, after the shutdown.
     ``blocks`` makes the add-on told of the prompt cache's blocks, on that
-    thread (``host.block_events``; the server attaches it with ``partial``)."""
+    thread (``host.block_events``; ``addons.host_runner`` attaches it)."""
     pipe = _Pipe(trio.lowlevel.current_trio_token(), link)
     await trio.to_thread.run_sync(
         _in_thread, pipe, make_backend, config, blocks, thread_name="gezel-mlx-host"
