@@ -62,7 +62,7 @@ def measure(
     from gezel_trio.core.cache_store import BLOCK_TOKENS, CacheStore
     from gezel_trio.core.config import EngineConfig
     from gezel_trio.mlx.backend import MlxBackend
-    from gezel_trio.mlx.demo_model import ensure_demo_model
+    from gezel_trio.testing.demo_models import ensure_demo_model
 
     def join(backend: Any, blocks: list[Any], n: int, rest: Any) -> None:
         seed = backend.states.join_state(blocks, n, rest)

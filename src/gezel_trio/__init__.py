@@ -28,6 +28,7 @@ from contextlib import AbstractAsyncContextManager
 import trio
 
 from . import engine as _engine
+from .addons import host_runner
 from .core.config import EngineConfig
 from .core.errors import (
     EngineClosed,
@@ -69,7 +70,7 @@ from .engine import (
     RequestHandle,
     Warmed,
 )
-from .host.loop import HostRunner, in_thread
+from .host.loop import HostRunner
 from .mlx import mlx_backend
 from .shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 
@@ -78,10 +79,12 @@ def open_engine(
     config: EngineConfig,
     backend_factory: BackendFactory = mlx_backend,
     *,
-    host: HostRunner = in_thread,
+    host: HostRunner | None = None,
 ) -> AbstractAsyncContextManager[Engine]:
-    """``gezel_trio.engine.open_engine`` over the MLX backend by default."""
-    return _engine.open_engine(config, backend_factory, host=host)
+    """``gezel_trio.engine.open_engine`` over the MLX backend by default,
+    its host loop on a thread with the add-ons ``config`` asks for
+    (``addons``; ``MissingExtra`` when one's extra is not installed)."""
+    return _engine.open_engine(config, backend_factory, host=host or host_runner(config))
 
 
 async def run_engine(  # noqa: ASYNC128 - the engine's run_engine calls started()
@@ -90,8 +93,11 @@ async def run_engine(  # noqa: ASYNC128 - the engine's run_engine calls started(
     *,
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """``gezel_trio.engine.run_engine`` over the MLX backend by default."""
-    await _engine.run_engine(config, backend_factory, task_status=task_status)
+    """``gezel_trio.engine.run_engine`` over the MLX backend by default,
+    with the add-ons ``config`` asks for (``addons``)."""
+    await _engine.run_engine(
+        config, backend_factory, host=host_runner(config), task_status=task_status
+    )
 
 
 __all__ = [

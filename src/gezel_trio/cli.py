@@ -17,11 +17,13 @@ from .core.errors import GezelError, ModelLoadError
 from .core.settings import flag_default, from_flag, settings_of
 from .http.app import HttpSettings
 from .mlx import follow_rank, group_rank
-from .mlx.demo_model import DemoKind
 from .mlx.model_source import per_layer_embedding_table, resolve_model
 from .profiles import PROFILES, SEED, STANDARD
 from .server import ServerConfig
 from .stdout_protocol import LogFormatter, StdoutSettings
+
+# The one place the package uses its testing module: the demo-model command.
+from .testing.demo_models import DemoKind
 from .tuning import blas
 
 __all__ = ["main", "seed_server_path", "server_config"]
@@ -360,7 +362,7 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
         return 0
     if args.command == "demo-model":
         # No Trio loop here: the builder runs on this, the only, thread.
-        from .mlx.demo_model import ensure_demo_model
+        from .testing.demo_models import ensure_demo_model
 
         print(ensure_demo_model(args.kind, args.size))
         return 0

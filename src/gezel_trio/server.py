@@ -48,11 +48,13 @@ import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from .addons import MissingExtra, host_runner, kv_events_publisher
 from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
 from .core.settings import setting
 from .engine import Engine, run_engine
+from .host.loop import HostRunner, in_thread
 from .http.app import HttpSettings, create_app, served
 from .http.connections import ConnectionCap, bound_requests, check_connection_cap, serve_http
 from .http.response_store import ResponseStore
@@ -163,11 +165,12 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
     linger: float,
     *,
     backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    host: HostRunner = in_thread,
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
         # The composition root picks the backend: MLX unless a test injects one.
-        await run_engine(config, backend_factory or _backend, task_status=task_status)
+        await run_engine(config, backend_factory or _backend, host=host, task_status=task_status)
     except EngineFailure as failure:  # only raised once the engine was ready
         died.append(failure)
         log.critical("the engine failed (%s): exiting after a drain", failure.message)
@@ -275,9 +278,12 @@ async def serve(
 
     Raises ``EngineFailure`` after draining if the engine stopped working;
     a model that does not load is a ``ModelLoadError`` out of its nursery
-    (in an exception group), before ``started``. ``backend_factory``
+    (in an exception group), before ``started``; a flag whose add-on is
+    not installed, ``MissingExtra`` before anything starts. ``backend_factory``
     replaces the MLX backend (fault-injection tests); ``on_engine`` is
     handed the engine once it is ready (tests read its state)."""
+    # The add-ons a flag asks for attach here, at the composition root.
+    host = host_runner(config.engine)
     hc = HypercornConfig()
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout + GRACE_FLUSH_S
@@ -294,7 +300,7 @@ async def serve(
         await nursery.start(stdout.run)
         stdout.startup_nowait(config.engine.model or "the default model")
         engine: Engine = await nursery.start(
-            partial(_run_engine, backend_factory=backend_factory),
+            partial(_run_engine, backend_factory=backend_factory, host=host),
             config.engine,
             shutdown,
             died,
@@ -369,10 +375,16 @@ def main_serve(
 ) -> int:
     """Run ``serve`` in a fresh Trio loop; a load failure or an engine
     failure is one clean line and exit status 1; ``--max-connections``
-    above what the open-file limit allows, exit status 2.
+    above what the open-file limit allows, or a flag whose extra is not
+    installed, exit status 2.
 
     The process's open-file limit is raised to its hard limit first
     (``open_file_limit``): each connection holds a descriptor."""
+    try:
+        kv_events_publisher(config.engine)  # first: before the model loads
+    except MissingExtra as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
     open_files = open_file_limit()
     try:
         check_connection_cap(config.http.max_connections, open_files)

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from gezel_trio.mlx.demo_model import CONTROL_TOKENS, SPECIAL_TOKENS
 from gezel_trio.mlx.gguf import UnsupportedGguf, convert_gguf
 from gezel_trio.mlx.model_source import ensure_gguf_converted
+from gezel_trio.testing.demo_models import CONTROL_TOKENS, SPECIAL_TOKENS
 
 Q = gguf.GGMLQuantizationType
 
@@ -262,7 +262,7 @@ def _sentencepiece() -> Any:
 
     import sentencepiece as spm
 
-    from gezel_trio.mlx.demo_model import _DATA_DIR
+    from gezel_trio.testing.demo_models._builder import _DATA_DIR
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(

@@ -35,11 +35,12 @@ from gezel_trio import (
     open_engine,
 )
 from gezel_trio.http.app import HttpSettings, create_app
-from gezel_trio.mlx import demo_model, kv_quant
+from gezel_trio.mlx import kv_quant
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.mlx_lm_surface import HoleyKVCache, cache_index, with_holes
 from gezel_trio.mlx.sampling import greedy
 from gezel_trio.mlx.speculation.lookup import NgramLookup
+from gezel_trio.testing.demo_models import _builder as demo_model
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
 

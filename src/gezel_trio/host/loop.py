@@ -51,6 +51,7 @@ import outcome
 import trio
 
 from ..core.backend import Backend, Captured, Detokenizer, FailsFromAfar, TokenOut
+from ..core.cache_store import BLOCK_TOKENS
 from ..core.config import EngineConfig
 from ..core.errors import EngineFailure, GezelError, RequestFailed
 from ..core.events import (
@@ -69,6 +70,7 @@ from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
 from ..tuning import plain
 from ..tuning.gil import PrefillSwitch
+from .block_events import BlockEvents, BlockEventsFactory
 from .exchange import (
     CommandFailed,
     EngineLink,
@@ -77,7 +79,6 @@ from .exchange import (
     Point,
     StepReport,
 )
-from .kv_events import KvEvents, block_hash
 from .persist import DiskCache
 from .prompt_cache import PromptCache
 
@@ -136,7 +137,9 @@ class _Group:
     waiting: list[tuple[int, GenerationRequest]] = attrs.field(factory=list)
 
 
-def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
+def make_prompt_cache(
+    backend: Backend, config: EngineConfig, blocks: BlockEvents | None = None
+) -> PromptCache:
     disk = None
     if config.persist_dir is not None:
         disk = DiskCache(config.persist_dir, backend.info.fingerprint, backend.states)
@@ -147,19 +150,8 @@ def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
         disk=disk,
         disk_budget_bytes=int(config.disk_cache_budget_mb * 1024 * 1024),
         decode=getattr(backend, "decode", None),
-        block_hasher=block_hash if config.kv_events is not None else None,
-    )
-
-
-def make_kv_events(cache: PromptCache, config: EngineConfig) -> KvEvents | None:
-    """The KV-event publisher ``--kv-events`` asks for, over ``cache``'s blocks."""
-    if config.kv_events is None:
-        return None
-    return KvEvents(
-        config.kv_events,
-        block_size=cache.store.block_tokens,
-        replay=config.kv_events_replay,
-        topic=config.kv_events_topic,
+        # With an add-on told of the blocks (host.block_events): it hashes them.
+        block_hasher=blocks.hash_block if blocks is not None else None,
     )
 
 
@@ -185,7 +177,7 @@ class _Host:
         shutdown_timeout: float | None = None,
         observed: bool = False,
         write_behind: bool = False,
-        kv_events: KvEvents | None = None,
+        blocks: BlockEvents | None = None,
         prefill_switch: PrefillSwitch | None = None,
     ) -> None:
         self.backend = backend
@@ -198,8 +190,8 @@ class _Host:
         # (time.perf_counter()): at most a tenth of its time goes to them.
         self._behind_next = 0.0
         self.cache = cache
-        # Publishes the cache's block changes once per step (report).
-        self.kv_events = kv_events
+        # Told the cache's block changes once per step (report).
+        self.blocks = blocks
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
         self._eos = backend.info.eos_ids
@@ -375,8 +367,8 @@ class _Host:
             self._prefilled(rid)
 
     def report(self) -> StepReport:
-        if self.kv_events is not None:
-            self.kv_events.publish_nowait(self.cache.store.take_block_log())
+        if self.blocks is not None:
+            self.blocks.publish_nowait(self.cache.store.take_block_log())
         view = None
         if self.cache.version != self._reported_version:
             self._reported_version = self.cache.version
@@ -594,9 +586,9 @@ class _Host:
             try:
                 self.cache.close_disk(deadline)
             finally:
-                if self.kv_events is not None:
-                    self.kv_events.publish_nowait(self.cache.store.take_block_log())
-                    self.kv_events.close()
+                if self.blocks is not None:
+                    self.blocks.publish_nowait(self.cache.store.take_block_log())
+                    self.blocks.close()
 
 
 # --- the one loop, and the two ways to run it ------------------------------
@@ -669,9 +661,20 @@ def _malloc_trim() -> None:
         _MALLOC_TRIM(0)
 
 
-def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
+def _make_host(
+    backend: Backend,
+    config: EngineConfig,
+    observed: bool,
+    blocks: BlockEventsFactory | None = None,
+) -> _Host:
     limit = config.memory_limit_mb
-    cache = make_prompt_cache(backend, config)
+    events = blocks(BLOCK_TOKENS) if blocks is not None else None
+    try:
+        cache = make_prompt_cache(backend, config, events)
+    except BaseException:
+        if events is not None:
+            events.close()
+        raise
     return _Host(
         backend,
         cache,
@@ -679,13 +682,16 @@ def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
         config.shutdown_timeout,
         observed,
         config.write_behind,
-        make_kv_events(cache, config),
+        events,
         PrefillSwitch(switch_ms / 1000 if (switch_ms := plain(config).prefill_switch_ms) else None),
     )
 
 
 def _drive(
-    backend: Backend, config: EngineConfig, observed: bool
+    backend: Backend,
+    config: EngineConfig,
+    observed: bool,
+    blocks: BlockEventsFactory | None = None,
 ) -> Generator[_Need, tuple[Orders, ...] | None, None]:
     """The host loop. It yields what it needs from the Trio side and is sent
     the answer (the ``Orders`` that came back, for an ``_Exchange``; ``None``
@@ -695,7 +701,7 @@ def _drive(
     host: _Host | None = None
     chunks: dict[int, int] = {}
     try:
-        host = _make_host(backend, config, observed)
+        host = _make_host(backend, config, observed, blocks)
         yield _Ready(backend)
         report = host.report()
         lane: Priority | None = None
@@ -778,14 +784,20 @@ class HostRunner(Protocol):
 
 
 async def in_thread(
-    link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig
+    link: EngineLink,
+    make_backend: Callable[[], Backend],
+    config: EngineConfig,
+    *,
+    blocks: BlockEventsFactory | None = None,
 ) -> None:
     """Run the host loop on one thread for the engine's whole life (MLX
     streams are thread-local). The thread is never abandoned: cancelling this
-    ends the loop at its next exchange or idle wait, after the shutdown."""
+    ends the loop at its next exchange or idle wait, after the shutdown.
+    ``blocks`` makes the add-on told of the prompt cache's blocks, on that
+    thread (``host.block_events``; ``addons.host_runner`` attaches it)."""
     pipe = _Pipe(trio.lowlevel.current_trio_token(), link)
     await trio.to_thread.run_sync(
-        _in_thread, pipe, make_backend, config, thread_name="gezel-mlx-host"
+        _in_thread, pipe, make_backend, config, blocks, thread_name="gezel-mlx-host"
     )
 
 
@@ -820,12 +832,17 @@ class _Pipe:
         self._answers.put(outcome.capture(self.link.exchange, report))
 
 
-def _in_thread(pipe: _Pipe, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
+def _in_thread(
+    pipe: _Pipe,
+    make_backend: Callable[[], Backend],
+    config: EngineConfig,
+    blocks: BlockEventsFactory | None,
+) -> None:
     link = pipe.link
     backend = make_backend()
     if isinstance(backend, FailsFromAfar):
         backend.on_failure(lambda error: pipe.token.run_sync_soon(link.die, error))
-    driver = _drive(backend, config, observed=False)
+    driver = _drive(backend, config, observed=False, blocks=blocks)
     try:
         need = next(driver)
         while True:

@@ -1257,7 +1257,3 @@ class PromptCache:
             evictions=c["evictions"],
             seeded_prefixes=len(self._seeded_prefixes),
         )
-
-    @property
-    def live_sequences(self) -> int:
-        return len(self._seqs)

@@ -2,7 +2,7 @@
 only package that imports ``mlx`` and ``mlx_lm``: the backend over mlx-lm's
 ``BatchGenerator`` (``backend``), its grammar processors (``constraints``),
 model loading and the default model (``loading``, ``model_source``,
-``gguf``), the demo models (``demo_model``).
+``gguf``).
 
 The backend factories: ``mlx_backend`` is one process's backend, with the
 whole model. Under ``mlx.launch`` (``group_rank`` says so) rank 0 serves

@@ -54,7 +54,13 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 
 from ..core.errors import ModelLoadError
-from .gguf_tokenizer import PRE_TOKENIZERS, generation_config, tokenizer, tokenizer_config
+from .gguf_tokenizer import (
+    PRE_TOKENIZERS,
+    UnsupportedGguf,
+    generation_config,
+    tokenizer,
+    tokenizer_config,
+)
 
 if TYPE_CHECKING:
     import gguf
@@ -67,11 +73,6 @@ __all__ = ["CONVERTER_VERSION", "UnsupportedGguf", "convert_gguf"]
 CONVERTER_VERSION: Final = "v1"
 
 Progress = Callable[[str], None]
-
-
-class UnsupportedGguf(ModelLoadError):
-    """The file uses an architecture, tokenizer or tensor type this converter
-    does not handle; the message names it."""
 
 
 # --- what is supported --------------------------------------------------------

@@ -16,7 +16,14 @@ import attrs
 
 from ..core.errors import ModelLoadError
 
-__all__ = ["PRE_TOKENIZERS", "Header", "generation_config", "tokenizer", "tokenizer_config"]
+__all__ = [
+    "PRE_TOKENIZERS",
+    "Header",
+    "UnsupportedGguf",
+    "generation_config",
+    "tokenizer",
+    "tokenizer_config",
+]
 
 
 class Header(Protocol):
@@ -27,9 +34,12 @@ class Header(Protocol):
     def need(self, key: str) -> Any: ...
 
 
-def _unsupported(message: str) -> ModelLoadError:
-    from .gguf import UnsupportedGguf  # the converter's error, defined beside it
+class UnsupportedGguf(ModelLoadError):
+    """The file uses an architecture, tokenizer or tensor type this converter
+    does not handle; the message names it."""
 
+
+def _unsupported(message: str) -> ModelLoadError:
     return UnsupportedGguf(message)
 
 
