@@ -208,7 +208,7 @@ def test_the_hybrid_demo_model_answers_as_with_mlx_lms_loop(hybrid_model: Path) 
 def test_the_served_backend_installs_its_configs_mode(hybrid_model: Path, mode: str) -> None:
     other = "chunked" if mode == "sequential" else "sequential"
     gated_delta.install(other)
-    backend = MlxBackend(EngineConfig(model=hybrid_model, gated_delta_prefill=mode))
+    backend = MlxBackend(EngineConfig.from_flags(model=hybrid_model, gated_delta_prefill=mode))
     try:
         assert gated_delta.installed_mode() == mode
     finally:

@@ -180,11 +180,11 @@ def bound_max_tokens(
     """The ``max_tokens`` a request may have: at most what the context
     window and the KV room (``ModelInfo.kv_room``) leave (``None``: that,
     up to the configured default; more: that, unless
-    ``config.strict_max_tokens``). Raises ``InvalidRequest`` when the prompt
+    ``config.requests.strict_max_tokens``). Raises ``InvalidRequest`` when the prompt
     leaves no room, or when strict and it does not fit."""
     if requested is None:
-        room = min(_room(info, prompt_len), config.default_max_tokens)
-    elif config.strict_max_tokens:
+        room = min(_room(info, prompt_len), config.requests.default_max_tokens)
+    elif config.requests.strict_max_tokens:
         _check_fits(info, prompt_len, requested)
         _check_kv_fits(info, prompt_len, requested)
         return requested
@@ -321,7 +321,7 @@ def _pins(asked: Sequence[MessagePin], rendered: RenderedPrompt) -> tuple[Pin, .
 
 def check_n(config: EngineConfig, n: int) -> None:
     """``n`` sequences of one prompt must fit in one batch."""
-    limit = config.max_concurrency
+    limit = config.scheduling.max_concurrency
     if not 1 <= n <= limit:
         raise InvalidRequest(f"n must be in [1, {limit}] (--max-concurrency)", param="n")
 

@@ -275,13 +275,15 @@ async def run_engine(
             if link.loaded is not None and not died:
                 info = link.loaded.info
                 fingerprint = info.fingerprint or info.model_id
-                secret = await trio.to_thread.run_sync(load_secret, config.persist_dir)
+                secret = await trio.to_thread.run_sync(load_secret, config.cache.persist_dir)
                 seal = ReplySeal(secret, fingerprint)
-                if config.reply_ledger_tokens:
-                    replies = ReplyLedger(config.reply_ledger_tokens, info.think_markers, seal)
-                    if config.persist_dir is not None:
+                if config.shaping.reply_ledger_tokens:
+                    replies = ReplyLedger(
+                        config.shaping.reply_ledger_tokens, info.think_markers, seal
+                    )
+                    if config.cache.persist_dir is not None:
                         digest = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-                        kept = config.persist_dir / f"replies-{digest}.bin"
+                        kept = config.cache.persist_dir / f"replies-{digest}.bin"
                         await trio.to_thread.run_sync(load_ledger, replies, kept)
                 task_status.started(
                     Engine(config, link, Preparer(link.loaded, config, link.metrics, replies, seal))

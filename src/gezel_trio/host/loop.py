@@ -137,28 +137,28 @@ class _Group:
 
 def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
     disk = None
-    if config.persist_dir is not None:
-        disk = DiskCache(config.persist_dir, backend.info.fingerprint, backend)
+    if config.cache.persist_dir is not None:
+        disk = DiskCache(config.cache.persist_dir, backend.info.fingerprint, backend)
     return PromptCache(
         backend,
         model_trimmable=backend.info.trimmable,
-        budget_bytes=int(config.cache_budget_mb * 1024 * 1024),
+        budget_bytes=int(config.cache.budget_mb * 1024 * 1024),
         disk=disk,
-        disk_budget_bytes=int(config.disk_cache_budget_mb * 1024 * 1024),
+        disk_budget_bytes=int(config.cache.disk_budget_mb * 1024 * 1024),
         decode=getattr(backend, "decode", None),
-        block_hasher=block_hash if config.kv_events is not None else None,
+        block_hasher=block_hash if config.kv_events.endpoint is not None else None,
     )
 
 
 def make_kv_events(cache: PromptCache, config: EngineConfig) -> KvEvents | None:
     """The KV-event publisher ``--kv-events`` asks for, over ``cache``'s blocks."""
-    if config.kv_events is None:
+    if config.kv_events.endpoint is None:
         return None
     return KvEvents(
-        config.kv_events,
+        config.kv_events.endpoint,
         block_size=cache.store.block_tokens,
-        replay=config.kv_events_replay,
-        topic=config.kv_events_topic,
+        replay=config.kv_events.replay,
+        topic=config.kv_events.topic,
     )
 
 
@@ -671,17 +671,19 @@ def _malloc_trim() -> None:
 
 
 def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
-    limit = config.memory_limit_mb
+    limit = config.memory.limit_mb
     cache = make_prompt_cache(backend, config)
     return _Host(
         backend,
         cache,
         None if limit is None else int(limit * 1024 * 1024),
-        config.shutdown_timeout,
+        config.cache.shutdown_timeout,
         observed,
-        config.write_behind,
+        config.cache.write_behind,
         make_kv_events(cache, config),
-        PrefillSwitch(config.prefill_switch_ms / 1000 if config.prefill_switch_ms else None),
+        PrefillSwitch(
+            config.tuning.prefill_switch_ms / 1000 if config.tuning.prefill_switch_ms else None
+        ),
     )
 
 

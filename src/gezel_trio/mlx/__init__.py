@@ -31,7 +31,7 @@ def mlx_backend(config: EngineConfig) -> Backend:
     group = rank_group()
     if group is None:
         return backend
-    return GroupBackend(backend, group, backend.stream, config.group_timeout)
+    return GroupBackend(backend, group, backend.stream, config.group.timeout)
 
 
 def open_file_limit() -> int:

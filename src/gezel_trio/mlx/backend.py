@@ -146,7 +146,9 @@ def _untrimmed(text: str) -> str:
 def _fingerprint(config: EngineConfig, loaded: LoadedModel) -> str:
     """The model's fingerprint (``fingerprint``): the weights' bytes are read
     for it only with a persist directory, where their digests are kept."""
-    digests = config.persist_dir / DIGESTS_DIR if config.persist_dir is not None else None
+    digests = (
+        config.cache.persist_dir / DIGESTS_DIR if config.cache.persist_dir is not None else None
+    )
     return model_fingerprint(loaded.path, held=loaded.held, digests=digests)
 
 
@@ -404,8 +406,8 @@ class _Compiler:
 def _load_draft(config: EngineConfig, tokenizer: Any) -> DraftModel:
     """The ``--draft-model``, loaded and adapted as the target is; one that
     cannot propose for the target is refused by name (``ModelLoadError``)."""
-    assert config.draft_model is not None
-    loaded = load_model(attrs.evolve(config, model=config.draft_model))
+    assert config.speculation.draft_model is not None
+    loaded = load_model(attrs.evolve(config, model=config.speculation.draft_model))
     name = loaded.path.name
     if loaded.vision is not None:
         raise ModelLoadError(f"draft model {name}: an image model cannot draft")
@@ -415,7 +417,7 @@ def _load_draft(config: EngineConfig, tokenizer: Any) -> DraftModel:
         name,
         weight_bytes(loaded.model) / 2**20,
     )
-    return DraftModel(loaded.model, name, prefill_step=config.prefill_step_size)
+    return DraftModel(loaded.model, name, prefill_step=config.scheduling.prefill_step_size)
 
 
 class _Lane:
@@ -435,7 +437,7 @@ class MlxBackend:
     """``backend.Backend`` over mlx-lm. Construct it on the host thread."""
 
     def __init__(self, config: EngineConfig) -> None:
-        said = set_compute_priority(config.compute_priority, config.compute_nice)
+        said = set_compute_priority(config.tuning.compute_priority, config.tuning.compute_nice)
         log.info("compute threads: %s", said)
         loaded = load_model(config)
         model, tokenizer, model_dir = loaded.model, loaded.tokenizer, loaded.path
@@ -445,7 +447,7 @@ class MlxBackend:
         if self._group is not None:
             if self._vision is not None:
                 raise ModelLoadError(f"{model_dir.name}: an image model is not split over ranks")
-            split = shard(model, self._group, model_dir.name, config.group_split)
+            split = shard(model, self._group, model_dir.name, config.group.split)
             log.info("rank %d of %d: %s", self._group.rank(), self._group.size(), split)
             group_info: GroupInfo | None = GroupInfo(int(self._group.size()), split)
         else:
@@ -455,10 +457,10 @@ class MlxBackend:
         self._config = config
         self._stream = mx.new_stream(mx.default_device())
         # The buffer cache and wired limits of the configured policy (mlx.memory).
-        self._memory_limits = memory_limits(config, recommended_working_set())
+        self._memory_limits = memory_limits(config.memory, recommended_working_set())
         self._cache_limit = apply_buffer_cache_limit(self._memory_limits)
         apply_wired_limit(self._memory_limits)
-        log_limits(config, self._memory_limits)
+        log_limits(config.memory, self._memory_limits)
         model_cfg = _read_json(model_dir / "config.json")
         gen_cfg = _read_json(model_dir / "generation_config.json")
         eos = set(tokenizer.eos_token_ids) | _ids(gen_cfg.get("eos_token_id"))
@@ -476,31 +478,31 @@ class MlxBackend:
         ]
         # The KV format (mlx.kv_quant): with --kv-bits, every plain attention
         # layer's cache is quantized, in the batch, the blocks and on disk.
-        self._kv_bits = config.kv_bits
+        self._kv_bits = config.kv_quant.bits
         self._kv_plan = KvPlan(frozenset(), {})
         if self._kv_bits and self._vision is not None:
             log.warning("kv-bits: off for this model (an image model's KV stays unquantized)")
             self._kv_bits = 0
         if self._kv_bits:
-            self._kv_plan = kv_plan(model, self._kv_bits, config.kv_group_size, self._stream)
-            kept = self._kv_plan.describe(config.kv_group_size)
+            self._kv_plan = kv_plan(model, self._kv_bits, config.kv_quant.group_size, self._stream)
+            kept = self._kv_plan.describe(config.kv_quant.group_size)
             if kept is not None:
                 log.warning("kv-bits %d: %s", self._kv_bits, kept)
             if not self._kv_plan.layers:
                 self._kv_bits = 0
         # --quantized-kv-start: unquantized until a lane's sequence is long.
         self._kv_start: KvStart | None = None
-        if self._kv_bits and config.quantized_kv_start > 0:
+        if self._kv_bits and config.kv_quant.start > 0:
             self._kv_start = KvStart(
-                config.quantized_kv_start,
+                config.kv_quant.start,
                 self._kv_bits,
-                config.kv_group_size,
+                config.kv_quant.group_size,
                 self._kv_plan.layers,
             )
             log.info(
                 "kv-bits %d: a lane's KV is quantized once one of its sequences holds %d tokens",
                 self._kv_bits,
-                config.quantized_kv_start,
+                config.kv_quant.start,
             )
         # Plain KV layers grow by appending, so the prompt cache can cut them
         # into shared token blocks and any prefix is a valid state; a sliding
@@ -516,9 +518,9 @@ class MlxBackend:
         self._speculate = self._speculation(config, layout)
         # A prompt through linear-attention layers, in chunks on the CPU
         # (mlx.gated_delta; mlx-lm's function, so the process's).
-        install_gated_delta(config.gated_delta_prefill)
+        install_gated_delta(config.tuning.gated_delta_prefill)
         if any(type(c) is ArraysCache for c in layout):
-            log.info("gated-delta prefill: %s", config.gated_delta_prefill)
+            log.info("gated-delta prefill: %s", config.tuning.gated_delta_prefill)
         # What BatchGenerator calls: the model, its one-token steps compiled
         # where it can be (mlx.compiled_step).
         self._decode_model = self._compiled_step(config)
@@ -528,24 +530,26 @@ class MlxBackend:
         # A draft model's weights and the states its finished sequences left.
         self._draft: DraftModel | None = None
         self._draft_pool = DraftPool()
-        if config.draft_model is not None:
+        if config.speculation.draft_model is not None:
             if self._speculate:
                 self._draft = _load_draft(config, tokenizer)
             else:
-                log.info("draft model %s: not loaded (no speculation)", config.draft_model)
+                log.info(
+                    "draft model %s: not loaded (no speculation)", config.speculation.draft_model
+                )
         # KV-aware admission: each sequence's KV, and the room the memory
         # limit (or the machine) leaves for it beside the weights.
         weights = weight_bytes(model)
         if self._draft is not None:
             weights += weight_bytes(self._draft.model)
         footprint = kv_footprint(model, self._stream, self._new_cache())
-        room = kv_room(config, weights)
+        room = kv_room(config.memory, weights)
         if footprint is not None:
             log.info(
                 "KV%s: %d bytes per token (+%s windowed, %d fixed); %.0f MB of weights leave "
                 "%.0f MB for running sequences",
                 (
-                    f" (unquantized until {config.quantized_kv_start} tokens: admission plans "
+                    f" (unquantized until {config.kv_quant.start} tokens: admission plans "
                     "with this size)"
                     if self._kv_start is not None
                     else f" ({self._kv_bits}-bit)"
@@ -569,11 +573,11 @@ class MlxBackend:
             fingerprint="+".join(
                 f
                 for f in (
-                    config.model_fingerprint or _fingerprint(config, loaded),
+                    config.loading.fingerprint or _fingerprint(config, loaded),
                     kv_format(
                         self._kv_bits,
-                        config.kv_group_size,
-                        config.quantized_kv_start if self._kv_start is not None else 0,
+                        config.kv_quant.group_size,
+                        config.kv_quant.start if self._kv_start is not None else 0,
                     ),
                     # A shard's state only seeds the same split: tensor
                     # (tp) or by layers (pp), over as many ranks.
@@ -598,9 +602,9 @@ class MlxBackend:
             tokenizer,
             boundaries=not trimmable,
             generic_tools=self._info.tool_format == GENERIC.name,
-            drop_past_tool_calls=config.drop_past_tool_calls,
+            drop_past_tool_calls=config.shaping.drop_past_tool_calls,
             template_budget=TemplateBudget(
-                config.template_render_seconds, config.template_max_chars
+                config.shaping.template_render_seconds, config.shaping.template_max_chars
             ),
         )
         self._grammar_tok: GrammarTokenizer | None = None
@@ -618,7 +622,7 @@ class MlxBackend:
             else None
         )
         stops = set(eos)
-        if config.stop_at_tool_call_end:
+        if config.shaping.stop_at_tool_call_end:
             tool_stops = tool_call_stop_ids(gen_cfg, _added_tokens(tokenizer))
             if tool_stops:
                 # A stop, not an eos: its text stays in the output (the
@@ -651,11 +655,11 @@ class MlxBackend:
         """A fresh cache for one sequence, in the configured KV format
         (unquantized until a start, ``--quantized-kv-start``)."""
         bits = 0 if self._kv_start is not None else self._kv_bits
-        return kv_layout(self._model, bits, self._config.kv_group_size, self._kv_plan.layers)
+        return kv_layout(self._model, bits, self._config.kv_quant.group_size, self._kv_plan.layers)
 
     def _speculation(self, config: EngineConfig, layout: Sequence[Any]) -> bool:
         """Whether the lanes speculate; says so, and why not, once."""
-        if config.speculation == "off" or config.num_draft_tokens == 0:
+        if config.speculation.mode == "off" or config.speculation.num_draft_tokens == 0:
             log.info("speculation: off")
             return False
         if self._group is not None:
@@ -673,15 +677,15 @@ class MlxBackend:
             return False
         log.info(
             "speculation: %s, up to %d tokens per step, greedy and unseeded sampled requests",
-            config.speculation,
-            config.num_draft_tokens,
+            config.speculation.mode,
+            config.speculation.num_draft_tokens,
         )
         return True
 
     def _compiled_step(self, config: EngineConfig) -> Any:
         """The model for BatchGenerator, its decode step compiled where it
         can be; says so, and why not, once."""
-        if config.compiled_step == "off":
+        if config.loading.compiled_step == "off":
             log.info("compiled step: off")
             return self._model
         blocker = (
@@ -705,7 +709,7 @@ class MlxBackend:
         most = blas.thread_count()
         why = (
             "--decode-threads all"
-            if config.decode_threads == "all"
+            if config.tuning.decode_threads == "all"
             else "OpenBLAS's thread count is not this process's to change"
             if most is None
             else "one thread in all"
@@ -717,7 +721,7 @@ class MlxBackend:
         if why is not None or most is None:
             log.info("decode threads: all, for every step (%s)", why)
             return None
-        batches = [b for b in (1, 2, 4, 8) if b <= config.max_concurrency]
+        batches = [b for b in (1, 2, 4, 8) if b <= config.scheduling.max_concurrency]
         with mx.stream(self._stream):
             measured = measure(self._decode_model, most, blas.set_threads, batches)
         if measured.too_long_s is not None:
@@ -741,12 +745,12 @@ class MlxBackend:
         return StepThreads(most, one_up_to, blas.set_threads) if one_up_to else None
 
     def _new_generator(self, roster: Roster) -> BatchGenerator:
-        n = self._config.max_concurrency
+        n = self._config.scheduling.max_concurrency
         gen = BatchGenerator(
             self._decode_model,
             completion_batch_size=n,
             prefill_batch_size=n,
-            prefill_step_size=self._config.prefill_step_size,
+            prefill_step_size=self._config.scheduling.prefill_step_size,
             stream=self._stream,
         )
         # BatchGenerator wires Metal's whole recommended working set; wired
@@ -756,7 +760,7 @@ class MlxBackend:
         if self._speculate:
             install(
                 gen,
-                self._config.num_draft_tokens,
+                self._config.speculation.num_draft_tokens,
                 roster,
                 self.spec_stats,
                 self._recent,
@@ -1071,7 +1075,7 @@ class MlxBackend:
                 k = _joined(self._one_format([b[j][0] for b in blocks]), length)
                 v = _joined(self._one_format([b[j][1] for b in blocks]), length)
                 c = (
-                    QuantizedKV(self._config.kv_group_size, self._kv_bits)
+                    QuantizedKV(self._config.kv_quant.group_size, self._kv_bits)
                     if isinstance(k, tuple)
                     else KVCache()
                 )
@@ -1094,7 +1098,7 @@ class MlxBackend:
         would have made of them)."""
         if all(isinstance(p, tuple) for p in parts) or not any(isinstance(p, tuple) for p in parts):
             return parts
-        group, bits = self._config.kv_group_size, self._kv_bits
+        group, bits = self._config.kv_quant.group_size, self._kv_bits
         return [
             p if isinstance(p, tuple) else tuple(mx.quantize(p, group_size=group, bits=bits))
             for p in parts
@@ -1221,7 +1225,7 @@ class MlxBackend:
             prefill = pending[0][0]
             try:
                 with mx.stream(self._stream):
-                    prefill.advance(self._vision, self._config.prefill_step_size)
+                    prefill.advance(self._vision, self._config.scheduling.prefill_step_size)
             except Exception as exc:
                 pending.pop(0)
                 failed.append((prefill.rid, exc))
