@@ -142,7 +142,7 @@ class Engine:
         ``seed + i``). Raises ``EngineClosed``, ``EngineFailure``,
         ``QueueFull`` (unless all ``n`` fit) or ``InvalidRequest``. Use the
         handle in a ``with`` block: leaving it withdraws the request."""
-        check_n(self.config, n)
+        check_n(self.config.scheduling, n)
         check_request(request, self.info, self.config, image_token=self._prep.image_token)
         return self.link.submit(request, n)
 
@@ -251,7 +251,7 @@ async def run_engine(
     model steps failed in a row) - every live request was failed with it.
     Neither comes wrapped in an exception group.
     """
-    link = HostLink(config, EngineMetrics())
+    link = HostLink(config.scheduling, config.memory, EngineMetrics())
     died: list[GezelError] = []
 
     async def run_host() -> None:

@@ -186,10 +186,12 @@ class Preparer:
     async def prepare(self, chat: ChatRequest) -> PreparedChat:
         """Render, bound by the context window, compile and check ``chat``;
         raises ``InvalidRequest`` naming the field."""
-        check_n(self.config, chat.n)
+        check_n(self.config.scheduling, chat.n)
         rendered, vision = await self.render(chat)
         info = self.loaded.info
-        max_tokens = bound_max_tokens(info, self.config, len(rendered.tokens), chat.max_tokens)
+        max_tokens = bound_max_tokens(
+            info, self.config.requests, len(rendered.tokens), chat.max_tokens
+        )
         constraint = await self.compile_constraint(
             response_format=dict(chat.response_format) if chat.response_format else None,
             tools=[dict(t) for t in chat.tools] if chat.tools else None,
