@@ -48,7 +48,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 # The config classes whose settings are serve's flags, with their group's
 # title; each section of one (``core.settings.section``) is a group of its own.
 _SETTINGS: list[tuple[type, str]] = [
-    (EngineConfig, "the engine"),
+    (EngineConfig, "the model"),
     (HttpSettings, "the HTTP edge"),
     (ServerConfig, "the server"),
     (StdoutSettings, "the stdout lines a supervisor reads"),
@@ -111,6 +111,7 @@ def _from_flags(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
     """``cls`` with each setting that has a flag, its sections' too, taken
     from ``args`` (``core.settings.build``), and the fields in ``given``."""
     config = build(cls, _flag_values(cls, args))
+    # mypy cannot see that a class with settings is an attrs class.
     return attrs.evolve(config, **given) if given else config  # type: ignore[misc]
 
 

@@ -153,3 +153,65 @@ async def test_the_test_factory_takes_any_engine_setting() -> None:
     with pytest.raises(TypeError, match="no_such_setting"):
         async with open_test_engine(no_such_setting=1):
             pass
+
+
+def test_the_engine_config_is_the_model_and_its_parts_sections() -> None:
+    sections = {field.name for field, _, _ in sections_of(EngineConfig)}
+    assert [f.name for f in attrs.fields(EngineConfig) if f.name not in sections] == ["model"]
+    flags = [meta.flag for _, _, meta in _flagged()]
+    assert len(flags) == len(set(flags))
+
+
+def test_serve_help_shows_each_section_under_its_title(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    under: dict[str, list[str]] = {}
+    heading = ""
+    for line in _serve_parser().format_help().splitlines():
+        if line and not line.startswith(" "):
+            heading = line.removesuffix(":")
+        elif line.startswith("  --") and not line.startswith("  --no-"):
+            under.setdefault(heading, []).append(line.split()[0])
+    for _, part, title in sections_of(EngineConfig):
+        assert under[title] == [meta.flag for _, meta in settings_of(part)], title
+    assert under["the model"] == ["--model"]
+
+
+def test_from_flags_builds_what_the_command_line_does(tmp_path: Path) -> None:
+    argv = ["serve", "--kv-bits", "4", "--static-waves", "--max-image-mb", "0.5"]
+    argv += ["--stall-timeout", "0", "--write-behind", "on", "--max-tokens-default", "9"]
+    parsed = cli.server_config(cli._parser().parse_args(argv), tmp_path).engine
+    built = EngineConfig.from_flags(
+        model=tmp_path,
+        kv_bits=4,
+        static_waves=True,
+        max_image_mb=0.5,
+        stall_timeout=0,
+        write_behind=True,
+        max_tokens_default=9,
+    )
+    assert built == parsed
+    assert built.kv_quant.bits == 4
+    assert built.scheduling.continuous_batching is False
+    assert built.scheduling.stall_timeout is None
+    assert (built.images.bytes, built.cache.write_behind) == (MIB // 2, True)
+    assert built.requests.default_max_tokens == 9
+    with pytest.raises(TypeError, match="kv_bitz"):
+        EngineConfig.from_flags(kv_bitz=4)
+
+
+def test_a_setting_that_needs_another_names_both(tmp_path: Path) -> None:
+    replay = "tcp://127.0.0.1:5558"
+    with pytest.raises(
+        ValueError, match="kv_events_replay replays the KV events: it needs kv_events"
+    ):
+        EngineConfig.from_flags(kv_events_replay=replay)
+    args = cli._parser().parse_args(["serve", "--kv-events-replay", replay])
+    with pytest.raises(ValueError, match="it needs kv_events"):
+        cli.server_config(args, tmp_path)
+    config = EngineConfig.from_flags(kv_events="tcp://127.0.0.1:5557", kv_events_replay=replay)
+    assert (config.kv_events.endpoint, config.kv_events.replay) == ("tcp://127.0.0.1:5557", replay)
+    # A value out of range is named by its flag, whichever section holds it.
+    with pytest.raises(ValueError, match="kv_group_size must be 32, 64 or 128"):
+        EngineConfig.from_flags(kv_group_size=48)
+    with pytest.raises(ValueError, match="cache_budget_mb must be > 0"):
+        EngineConfig.from_flags(cache_budget_mb=0)

@@ -676,14 +676,14 @@ class EngineConfig:
         "fetched once from the package index and converted",
     )
     loading: LoadingSettings = section(
-        LoadingSettings, title="the model: how it loads and runs its step"
+        LoadingSettings, title="loading the model and building its step"
     )
     scheduling: SchedulingSettings = section(
         SchedulingSettings, title="scheduling: the batch and the queue"
     )
     requests: RequestDefaults = section(RequestDefaults, title="a request's defaults")
     cache: CacheSettings = section(CacheSettings, title="the prompt cache and its persistence")
-    memory: MemorySettings = section(MemorySettings, title="memory")
+    memory: MemorySettings = section(MemorySettings, title="memory: the ceiling and what MLX keeps")
     speculation: SpeculationSettings = section(SpeculationSettings, title="speculative decoding")
     kv_quant: KvQuantSettings = section(KvQuantSettings, title="KV-cache quantization")
     group: GroupSettings = section(GroupSettings, title="a group of ranks (mlx.launch)")
