@@ -664,9 +664,10 @@ class EngineConfig:
     (``gezel_trio.mlx.model_source``). Nothing is ever loaded from a model hub.
 
     Every other setting lives in the section of the part that reads it,
-    that part's defaults unless given: ``EngineConfig(model=path,
-    memory=MemorySettings(limit_mb=8192))``, or by flag names,
-    ``EngineConfig.from_flags(model=path, memory_limit_mb=8192)``.
+    that part's defaults unless given::
+
+        EngineConfig(model=path, memory=MemorySettings(limit_mb=8192))
+        EngineConfig.from_flags(model=path, memory_limit_mb=8192)
     """
 
     model: Path | None = setting(
