@@ -72,15 +72,15 @@ def _at_most(bound: float) -> Any:
 
 # ``MemorySettings.policy``'s values (``mlx.memory``).
 MLX_MEMORY_POLICIES = ("quarter", "bounded")
-# ``TuningSettings.compute_priority``'s values (``mlx.priority``).
+# ``TuningSettings.compute_priority``'s values (``tuning.priority``).
 COMPUTE_PRIORITIES = ("normal", "batch", "idle")
 # ``SpeculationSettings.mode``'s values (``mlx.speculative``).
 SPECULATION_MODES = ("lookup", "off")
 # ``LoadingSettings.compiled_step``'s values (``mlx.compiled_step``).
 COMPILED_STEP_MODES = ("on", "off")
-# ``TuningSettings.gated_delta_prefill``'s values (``mlx.gated_delta``).
+# ``TuningSettings.gated_delta_prefill``'s values (``tuning.gated_delta``).
 GATED_DELTA_PREFILLS = ("chunked", "sequential")
-# ``TuningSettings.decode_threads``'s values (``mlx.step_threads``).
+# ``TuningSettings.decode_threads``'s values (``tuning.step_threads``).
 DECODE_THREADS = ("auto", "all")
 # How a model is split over the ranks of an mlx.launch group (``mlx.group``).
 GROUP_SPLITS = ("auto", "tensor", "layers")
@@ -472,9 +472,9 @@ class KvEventsSettings:
 
 @attrs.frozen
 class TuningSettings:
-    """The CPU path's tuning: thread priorities (``mlx.priority``), OpenBLAS
-    threads per step (``mlx.step_threads``), the gated-delta prefill
-    (``mlx.gated_delta``) and the GIL's switch interval (``host.gil``)."""
+    """The CPU path's tuning (``gezel_trio.tuning``): the compute threads'
+    priority, OpenBLAS threads per decode step, the gated-delta prefill and
+    the GIL's switch interval while a prompt prefills."""
 
     compute_priority: str = setting(
         "batch",
@@ -490,7 +490,7 @@ class TuningSettings:
         validator=_one_of(COMPUTE_PRIORITIES),
     )
     # How much nicer than the process ``batch`` runs the compute
-    # (``mlx.priority``): the HTTP side and the app beside it run first.
+    # (``tuning.priority``): the HTTP side and the app beside it run first.
     compute_nice: int = setting(
         5,
         flag="--compute-nice",
@@ -522,7 +522,7 @@ class TuningSettings:
         validator=_one_of(GATED_DELTA_PREFILLS),
     )
     # Qwen 3.5's prefill on a CPU is a Python loop holding the GIL
-    # (``host.gil``); 0 leaves Python's interval.
+    # (``tuning.gil``); 0 leaves Python's interval.
     prefill_switch_ms: float = setting(
         0.5,
         flag="--prefill-switch-ms",
