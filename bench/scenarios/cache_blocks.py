@@ -72,7 +72,7 @@ def measure(
         mx.eval([mx.array(a) for a in arrays])
 
     for kind in kinds:
-        backend = MlxBackend(EngineConfig(model=ensure_demo_model(kind, size)))  # type: ignore[arg-type]
+        backend = MlxBackend(EngineConfig.from_flags(model=ensure_demo_model(kind, size)))  # type: ignore[arg-type]
         layout = make_prompt_cache(backend._model)
         probe = backend._model(mx.array([[1, 2, 3, 4]]), cache=layout)
         mx.eval(probe, [c.state for c in layout])

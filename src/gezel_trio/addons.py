@@ -26,7 +26,7 @@ def kv_events_publisher(config: EngineConfig) -> BlockEventsFactory | None:
     (pyzmq, msgspec, cbor2) are the ``kv-events`` extra, imported only here:
     an engine without the flag loads none of them. Raises ``MissingExtra``
     when they are not installed."""
-    endpoint = config.kv_events
+    endpoint = config.kv_events.endpoint
     if endpoint is None:
         return None
     try:
@@ -35,7 +35,7 @@ def kv_events_publisher(config: EngineConfig) -> BlockEventsFactory | None:
         raise MissingExtra(
             f"--kv-events needs the kv-events extra: pip install 'gezel-trio[kv-events]' ({exc})"
         ) from exc
-    replay, topic = config.kv_events_replay, config.kv_events_topic
+    replay, topic = config.kv_events.replay, config.kv_events.topic
     return lambda block_size: KvEvents(endpoint, block_size=block_size, replay=replay, topic=topic)
 
 

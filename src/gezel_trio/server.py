@@ -22,7 +22,7 @@ then fails with ``EngineClosed`` (``_close_at_grace``): a stream gets its
 error frame and a plain request its 503, with ``GRACE_FLUSH_S`` more to
 write them, before hypercorn cancels what is left. Then the nursery is
 cancelled, which closes the engine and the host thread stops after its
-current step and a flush bounded by ``EngineConfig.shutdown_timeout``.
+current step and a flush bounded by ``EngineConfig.cache.shutdown_timeout``.
 
 Engine failure: when the engine stops working (its host thread died, or too
 many model steps failed in a row) every request has already failed with
@@ -311,8 +311,8 @@ async def serve(
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
         stdout.say_nowait("Model and processor loaded successfully.")
         stdout.say_nowait(
-            f"[batch] engine ready max_concurrency={config.engine.max_concurrency} "
-            f"prefill_step_size={config.engine.prefill_step_size} "
+            f"[batch] engine ready max_concurrency={config.engine.scheduling.max_concurrency} "
+            f"prefill_step_size={config.engine.scheduling.prefill_step_size} "
             f"context={engine.info.context_length}"
         )
         nursery.start_soon(stdout.watch, engine.watch(waiting_every=config.stdout.waiting_interval))
@@ -321,7 +321,7 @@ async def serve(
         if config.watch_parent is not None:
             nursery.start_soon(_watch_parent, config.watch_parent, shutdown)
         http = attrs.evolve(config.http, on_bug=partial(stdout.contained_nowait, "http"))
-        persist = config.engine.persist_dir
+        persist = config.engine.cache.persist_dir
         responses = ResponseStore(
             int(config.responses_budget_mb * 1024 * 1024),
             persist / "responses" if persist is not None else None,
@@ -398,7 +398,7 @@ def main_serve(
     )
     status = 0
     try:
-        tune = partial(_tune_process, tuned=applies(config.engine))
+        tune = partial(_tune_process, tuned=applies(config.engine.tuning))
         trio.run(partial(serve, config, backend_factory=backend_factory, on_engine=tune))
     except* GezelError as group:
         for err in group.exceptions:

@@ -76,7 +76,9 @@ async def test_generates_to_max_tokens_with_usage(any_model: Path) -> None:
 async def test_batched_greedy_matches_solo_greedy(dense_model: Path) -> None:
     """Four sequences decoded together give what each gives alone."""
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model, max_concurrency=4)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, max_concurrency=4)
+        ) as engine:
             prompts = [await prompt_for(engine, f"Question number {i}?") for i in range(4)]
             solo = [await collect(engine, greedy(p, 10, ignore_eos=True)) for p in prompts]
             together: list[str] = [""] * 4
@@ -120,7 +122,9 @@ async def test_same_seed_same_text_whatever_shares_the_batch(dense_model: Path) 
 async def test_more_requests_than_slots_all_complete(any_model: Path) -> None:
     """Requests arriving while a batch runs join it or wait; none is lost."""
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=any_model, max_concurrency=2)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=any_model, max_concurrency=2)
+        ) as engine:
             prompt = await prompt_for(engine)
             lengths = [3, 9, 5, 7, 4, 6]
             done: dict[int, Finished] = {}
@@ -182,7 +186,7 @@ async def test_cancelled_caller_scope_withdraws_the_request(dense_model: Path) -
 
 async def test_queued_request_that_leaves_is_never_admitted(dense_model: Path) -> None:
     with trio.fail_after(HANG):
-        config = EngineConfig(model=dense_model, max_concurrency=1)
+        config = EngineConfig.from_flags(model=dense_model, max_concurrency=1)
         async with open_engine(config) as engine:
             prompt = await prompt_for(engine)
             with engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True)) as first:
@@ -227,7 +231,7 @@ async def test_min_tokens_holds_back_eos(dense_model: Path) -> None:
 
 async def test_bad_requests_are_refused_at_submit(dense_model: Path) -> None:
     async with open_engine(
-        EngineConfig(model=dense_model, max_queue=0, max_concurrency=1)
+        EngineConfig.from_flags(model=dense_model, max_queue=0, max_concurrency=1)
     ) as engine:
         window = engine.info.context_length
         with pytest.raises(InvalidRequest):
@@ -242,7 +246,9 @@ async def test_bad_requests_are_refused_at_submit(dense_model: Path) -> None:
 async def test_closing_fails_live_requests_with_engine_closed(dense_model: Path) -> None:
     with trio.fail_after(HANG):
         events: list[object] = []
-        async with open_engine(EngineConfig(model=dense_model, max_concurrency=1)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, max_concurrency=1)
+        ) as engine:
             prompt = await prompt_for(engine)
             running = engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True))
             queued = engine.submit_nowait(greedy(prompt, 5))

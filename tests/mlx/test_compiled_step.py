@@ -498,8 +498,10 @@ def _answer(config: EngineConfig) -> tuple[list[int], Any]:
 def test_the_served_backend_compiles_its_step_and_answers_as_without_it(
     any_model: Path,
 ) -> None:
-    on, decode = _answer(EngineConfig(model=any_model, speculation="off"))
-    off, plain = _answer(EngineConfig(model=any_model, speculation="off", compiled_step="off"))
+    on, decode = _answer(EngineConfig.from_flags(model=any_model, speculation="off"))
+    off, plain = _answer(
+        EngineConfig.from_flags(model=any_model, speculation="off", compiled_step="off")
+    )
     assert isinstance(decode, CompiledDecode)
     assert decode.off is None
     assert not isinstance(plain, CompiledDecode)

@@ -184,7 +184,7 @@ def test_a_draft_that_cannot_propose_for_the_target_is_refused_by_name(
 async def test_the_engine_refuses_a_draft_model_it_cannot_use(
     dense_model: Path, hybrid_model: Path
 ) -> None:
-    config = EngineConfig(model=dense_model, draft_model=hybrid_model)
+    config = EngineConfig.from_flags(model=dense_model, draft_model=hybrid_model)
     with trio.fail_after(HANG), pytest.raises(ModelLoadError, match="draft model"):
         async with open_engine(config):
             pass
@@ -204,9 +204,11 @@ async def test_the_engine_drafts_with_a_draft_model_and_a_failing_draft_costs_on
     monkeypatch.setattr(speculation.gate.Gate, "pays", AlwaysPays.pays)
     first, second = (5, 6, 7, 8), (9, 10, 11, 12)
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model, speculation="off")) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, speculation="off")
+        ) as engine:
             plain = [(await text_and_usage(engine, request(p)))[0] for p in (first, second)]
-        config = EngineConfig(model=dense_model, draft_model=dense_model)
+        config = EngineConfig.from_flags(model=dense_model, draft_model=dense_model)
         async with open_engine(config) as engine:
             text, usage = await text_and_usage(engine, request(first))
             assert text == plain[0]

@@ -236,7 +236,7 @@ def test_the_served_backend_runs_its_configs_mode_only_during_its_steps(
         return real(*args, **kw)
 
     monkeypatch.setattr(gated_delta, "chunked", counted)
-    backend = MlxBackend(EngineConfig(model=hybrid_model, gated_delta_prefill=mode))
+    backend = MlxBackend(EngineConfig.from_flags(model=hybrid_model, gated_delta_prefill=mode))
     prompt = tuple((7 * i + 5) % 2000 + 4 for i in range(40))
     request = GenerationRequest(prompt, 4, SamplingParams(temperature=0.0), ignore_eos=True)
     try:

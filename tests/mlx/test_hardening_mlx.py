@@ -70,7 +70,7 @@ async def _run(engine: Any, req: GenerationRequest) -> tuple[str, Any]:
 
 async def test_a_raising_logits_processor_fails_its_request_alone(dense_model: Path) -> None:
     with trio.fail_after(HANG):
-        config = EngineConfig(model=dense_model, max_concurrency=4)
+        config = EngineConfig.from_flags(model=dense_model, max_concurrency=4)
         async with open_engine(config, backend_factory=_faulty) as engine:
             prompt = (
                 await engine.render_chat(

@@ -183,7 +183,7 @@ async def test_the_engine_serves_and_stores_a_quantized_kv_cache(
     persist = tmp_path / "persist"
     with trio.fail_after(HANG):
         for bits in (0, 8, 4):
-            config = EngineConfig(
+            config = EngineConfig.from_flags(
                 model=kv_model, kv_bits=bits, kv_group_size=32, persist_dir=persist
             )
             async with open_engine(config) as engine:
@@ -218,7 +218,7 @@ PROTOCOLS: list[tuple[str, dict[str, Any]]] = [
 async def test_every_protocol_serves_from_a_quantized_kv_cache(kv_model: Path) -> None:
     """Each protocol's request, twice: answered, and the second reused the
     first's prefix from the quantized prompt cache."""
-    config = EngineConfig(model=kv_model, kv_bits=8, kv_group_size=32)
+    config = EngineConfig.from_flags(model=kv_model, kv_bits=8, kv_group_size=32)
     with trio.fail_after(HANG):
         async with open_engine(config) as engine:
             assert engine.info.fingerprint.endswith("+kv8g32")
@@ -252,7 +252,7 @@ async def test_a_hybrid_model_quantizes_its_attention_and_keeps_its_recurrent_st
     per_token: dict[int, int] = {}
     with trio.fail_after(HANG):
         for bits in (0, 8):
-            config = EngineConfig(model=kv_hybrid, kv_bits=bits, kv_group_size=32)
+            config = EngineConfig.from_flags(model=kv_hybrid, kv_bits=bits, kv_group_size=32)
             async with open_engine(config) as engine:
                 prompt = (await engine.render_chat(messages)).tokens
                 texts[bits], _ = await _text(engine, prompt)

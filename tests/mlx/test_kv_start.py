@@ -81,7 +81,7 @@ def _mlx_lm(path: Path, bits: int, start: int) -> list[float]:
 
 
 async def _ours(path: Path, bits: int, start: int) -> list[float]:
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=path,
         kv_bits=bits,
         kv_group_size=32,
@@ -154,7 +154,7 @@ def _until(backend: MlxBackend, done: Any, limit: int = 200) -> None:
 
 def test_a_lane_switches_whole_and_starts_unquantized_once_empty(kv_model: Path) -> None:
     backend = MlxBackend(
-        EngineConfig(model=kv_model, kv_bits=8, kv_group_size=32, quantized_kv_start=50)
+        EngineConfig.from_flags(model=kv_model, kv_bits=8, kv_group_size=32, quantized_kv_start=50)
     )
     try:
         lane = backend._lanes.lanes
@@ -225,7 +225,7 @@ async def test_a_conversation_crosses_the_start_through_the_prompt_cache_and_dis
     unquantized; turn 2 crosses it and stores its later blocks quantized:
     asking turn 2 again joins blocks of both formats."""
     persist = tmp_path / "persist"
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=kv_model,
         kv_bits=8,
         kv_group_size=32,

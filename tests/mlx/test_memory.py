@@ -34,10 +34,10 @@ def _limits(
     wired_mb: float | None = None,
     recommended: int = 0,
 ) -> MemoryLimits:
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         mlx_memory_policy=policy, memory_limit_mb=ceiling_mb, wired_limit_mb=wired_mb
     )
-    return memory_limits(config, recommended)
+    return memory_limits(config.memory, recommended)
 
 
 def test_quarter_caps_the_buffer_cache_at_a_quarter_of_the_ceiling_and_wires_the_plan() -> None:
@@ -82,7 +82,7 @@ def test_bounded_is_the_seeds_policy(
 def test_the_seed_profile_selects_the_seeds_policy_and_a_flag_wins(tmp_path: Path) -> None:
     def policy(profile: str, *argv: str) -> str:
         args = cli._parser(profile).parse_args(["serve", "--model", str(tmp_path), *argv])
-        return cli.server_config(args, tmp_path).engine.mlx_memory_policy
+        return cli.server_config(args, tmp_path).engine.memory.policy
 
     assert policy("standard") == "quarter"
     assert policy("seed") == "bounded"
@@ -102,7 +102,7 @@ def test_the_buffer_cache_limit_reads_back_and_the_wired_limit_is_logged(
     finally:
         mx.set_cache_limit(before)
     with caplog.at_level(logging.INFO, logger="gezel_trio.mlx"):
-        log_limits(EngineConfig(mlx_memory_policy="bounded"), limits)
+        log_limits(EngineConfig.from_flags(mlx_memory_policy="bounded"), limits)
     text = caplog.text
     policy = "MLX memory (bounded policy): ceiling 8192 MB, wired 4096 MB, buffer cache 256 MB"
     assert policy in text
@@ -138,7 +138,7 @@ def test_the_backend_reclaims_through_the_gil_free_call(
     calls: list[str] = []
     monkeypatch.setattr(generators, "clear_buffer_cache", lambda: calls.append("clear"))
     monkeypatch.setattr(mx, "clear_cache", lambda: calls.append("mx"))
-    backend = MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
+    backend = MlxBackend(EngineConfig.from_flags(model=dense_model, decode_threads="all"))
     try:
         calls.clear()
         backend.reclaim()

@@ -72,7 +72,7 @@ def test_the_switch_off_runs_the_plain_path_and_answers_alike(
     policy = os.sched_getscheduler(0)
     if tuning == "off":
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    config = EngineConfig(model=hybrid_model, max_concurrency=2, platform_tuning=tuning)
+    config = EngineConfig.from_flags(model=hybrid_model, max_concurrency=2, platform_tuning=tuning)
     backend = MlxBackend(config)
     try:
         if tuning == "off":

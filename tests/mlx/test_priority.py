@@ -80,10 +80,10 @@ def test_the_host_and_library_threads_take_the_policy(priority: str, policy: str
 def test_the_compute_nice_is_a_setting() -> None:
     from gezel_trio.core.config import EngineConfig
 
-    assert EngineConfig(model="m").compute_nice == 5
+    assert EngineConfig(model="m").tuning.compute_nice == 5
     for bad in (-1, 20):
         with pytest.raises(ValueError, match="compute_nice"):
-            EngineConfig(model="m", compute_nice=bad)
+            EngineConfig.from_flags(model="m", compute_nice=bad)
 
 
 def test_normal_changes_nothing() -> None:

@@ -224,7 +224,9 @@ async def test_the_engine_speculates_by_default_and_counts_it(
     text = _SOURCE[:400]
     messages = [{"role": "user", "content": f"{text}\nAgain:\n{text}"}]
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model, speculation="off")) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, speculation="off")
+        ) as engine:
             prompt = (await engine.render_chat(messages)).tokens
             plain, usage = await _greedy_text(engine, prompt)
             assert _counter(engine, "draft_tokens") == 0

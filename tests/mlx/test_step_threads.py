@@ -158,7 +158,7 @@ def test_a_model_whose_step_is_long_is_not_measured_past_its_first_two_steps(
 
 
 def test_the_backend_asks_before_each_step_with_what_the_lane_runs(dense_model: Path) -> None:
-    backend = MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
+    backend = MlxBackend(EngineConfig.from_flags(model=dense_model, decode_threads="all"))
     assert backend._lanes.kit.threads is None
     calls: list[int] = []
     backend._lanes.kit.threads = StepThreads(2, 1, calls.append)
@@ -247,7 +247,7 @@ blas.set_threads(1)
 print("set 1", get())
 blas.set_threads(99)
 print("set 99", get())
-backend = MlxBackend(EngineConfig(model=sys.argv[1], decode_threads=sys.argv[2]))
+backend = MlxBackend(EngineConfig.from_flags(model=sys.argv[1], decode_threads=sys.argv[2]))
 print("after load", get())
 plan = backend._lanes.kit.threads
 print("plan", None if plan is None else plan.one_up_to)

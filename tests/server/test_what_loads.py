@@ -31,7 +31,7 @@ from gezel_trio.core.config import EngineConfig
 from gezel_trio.server import ServerConfig, serve
 
 async def main():
-    engine = EngineConfig(model=sys.argv[1], kv_events=(sys.argv[2:] or [None])[0])
+    engine = EngineConfig.from_flags(model=sys.argv[1], kv_events=(sys.argv[2:] or [None])[0])
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, ServerConfig(engine=engine, port=0))
         loaded = sorted(m for m in {modules!r} if m in sys.modules)
@@ -48,7 +48,7 @@ import trio
 from gezel_trio import EngineConfig, open_engine
 
 async def main():
-    config = EngineConfig(model=sys.argv[1], kv_events=(sys.argv[2:] or [None])[0])
+    config = EngineConfig.from_flags(model=sys.argv[1], kv_events=(sys.argv[2:] or [None])[0])
     async with open_engine(config):
         loaded = sorted(m for m in {modules!r} if m in sys.modules)
         print("loaded:", loaded, file=sys.stderr)

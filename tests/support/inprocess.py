@@ -24,7 +24,7 @@ async def served(
     """``server.serve`` on a free loopback port: the engine and the URL.
     Leaving the block cancels the server (and closes the engine)."""
     config = ServerConfig(
-        engine=EngineConfig(model=model, **engine_kw),  # type: ignore[arg-type]
+        engine=EngineConfig.from_flags(model=model, **engine_kw),
         http=settings or HttpSettings(),
         port=0,
     )

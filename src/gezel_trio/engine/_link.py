@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from ..core.backend import ConstraintCompiler, ImagePreparer, PromptRenderer
-from ..core.config import EngineConfig
+from ..core.config import MemorySettings, SchedulingSettings
 from ..core.errors import (
     EngineClosed,
     EngineFailure,
@@ -253,16 +253,19 @@ def _is_note(event: Event) -> bool:
 class HostLink:
     """The engine's requests and its half of the host exchange (Trio thread)."""
 
-    def __init__(self, config: EngineConfig, metrics: EngineMetrics) -> None:
-        self.config = config
+    def __init__(
+        self, scheduling: SchedulingSettings, memory: MemorySettings, metrics: EngineMetrics
+    ) -> None:
+        self.scheduling = scheduling
+        self.memory = memory
         self.metrics = metrics
         self.loaded: Loaded | None = None
         self.is_loaded = trio.Event()
         self._scheduler = Scheduler(
-            max_running=config.max_concurrency,
-            max_queue=config.max_queue,
-            continuous=config.continuous_batching,
-            max_park=config.max_park_seconds,
+            max_running=scheduling.max_concurrency,
+            max_queue=scheduling.max_queue,
+            continuous=scheduling.continuous_batching,
+            max_park=scheduling.max_park_seconds,
         )
         self._live: dict[int, _Live] = {}
         # Running sequences whose caller left, with the step at which it left.
@@ -444,7 +447,7 @@ class HostLink:
 
     @property
     def memory_tight(self) -> bool:
-        limit = self.config.memory_limit_mb
+        limit = self.memory.limit_mb
         return limit is not None and self._memory > _TIGHT * limit * 1024 * 1024
 
     def _bookkeeping(self) -> dict[str, int]:
@@ -637,7 +640,7 @@ class HostLink:
         self._step_failures += 1
         self._last_step_failure = (now, report.step_failure)
         self.metrics.step_failures.inc()
-        limit = self.config.max_step_failures
+        limit = self.scheduling.max_step_failures
         if self._step_failures < limit:
             return False
         self.die(
@@ -648,7 +651,7 @@ class HostLink:
     def _check_stalls(self, now: float) -> None:
         """Withdraw running requests whose reader drained nothing for
         ``stall_timeout`` seconds (docs/architecture.md, "Backpressure")."""
-        limit = self.config.stall_timeout
+        limit = self.scheduling.stall_timeout
         if limit is None:
             return
         for rid in self._scheduler.running:
@@ -670,8 +673,8 @@ class HostLink:
 
     def _expire_queued(self, now: float) -> None:
         """Fail the background requests queued for longer than
-        ``background_queue_timeout`` (``EngineConfig``), freeing their slots."""
-        limit = self.config.background_queue_timeout
+        ``background_queue_timeout`` (``SchedulingSettings``), freeing their slots."""
+        limit = self.scheduling.background_queue_timeout
         if limit is None:
             return
         for rid in self._scheduler.queued:

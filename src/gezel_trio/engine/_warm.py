@@ -143,7 +143,7 @@ async def warm(
             match event:
                 case Finished():
                     tokens = len(prompt) if cut is None else cut
-                    persisted = persist and engine.config.persist_dir is not None
+                    persisted = persist and engine.config.cache.persist_dir is not None
                     engine.link.note_nowait(
                         handle.rids[0], cache_id, CacheWarmed(tokens, prior, persisted)
                     )

@@ -141,14 +141,14 @@ def make_prompt_cache(
     backend: Backend, config: EngineConfig, blocks: BlockEvents | None = None
 ) -> PromptCache:
     disk = None
-    if config.persist_dir is not None:
-        disk = DiskCache(config.persist_dir, backend.info.fingerprint, backend.states)
+    if config.cache.persist_dir is not None:
+        disk = DiskCache(config.cache.persist_dir, backend.info.fingerprint, backend.states)
     return PromptCache(
         backend.states,
         model_trimmable=backend.info.trimmable,
-        budget_bytes=int(config.cache_budget_mb * 1024 * 1024),
+        budget_bytes=int(config.cache.budget_mb * 1024 * 1024),
         disk=disk,
-        disk_budget_bytes=int(config.disk_cache_budget_mb * 1024 * 1024),
+        disk_budget_bytes=int(config.cache.disk_budget_mb * 1024 * 1024),
         decode=getattr(backend, "decode", None),
         # With an add-on told of the blocks (host.block_events): it hashes them.
         block_hasher=blocks.hash_block if blocks is not None else None,
@@ -667,7 +667,7 @@ def _make_host(
     observed: bool,
     blocks: BlockEventsFactory | None = None,
 ) -> _Host:
-    limit = config.memory_limit_mb
+    limit = config.memory.limit_mb
     events = blocks(BLOCK_TOKENS) if blocks is not None else None
     try:
         cache = make_prompt_cache(backend, config, events)
@@ -679,11 +679,13 @@ def _make_host(
         backend,
         cache,
         None if limit is None else int(limit * 1024 * 1024),
-        config.shutdown_timeout,
+        config.cache.shutdown_timeout,
         observed,
-        config.write_behind,
+        config.cache.write_behind,
         events,
-        PrefillSwitch(switch_ms / 1000 if (switch_ms := plain(config).prefill_switch_ms) else None),
+        PrefillSwitch(
+            switch_ms / 1000 if (switch_ms := plain(config.tuning).prefill_switch_ms) else None
+        ),
     )
 
 

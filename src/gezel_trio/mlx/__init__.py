@@ -33,7 +33,7 @@ def mlx_backend(config: EngineConfig) -> Backend:
     streams are thread-local, so the engine's host loop calls it there."""
     from ..tuning import applies, blas
 
-    blas.preload(applies(config))  # before the backend's modules import mlx
+    blas.preload(applies(config.tuning))  # before the backend's modules import mlx
     from .backend import MlxBackend
 
     return MlxBackend(config)
@@ -48,15 +48,15 @@ def group_backend(config: EngineConfig) -> Backend:
     from ..core.errors import ModelLoadError
     from ..tuning import applies, blas
 
-    blas.preload(applies(config))  # before the backend's modules import mlx
+    blas.preload(applies(config.tuning))  # before the backend's modules import mlx
     from .backend import MlxBackend
     from .group import GroupBackend, Sharding, rank_group
 
     group = rank_group()
     if group is None:
         raise ModelLoadError("not started by mlx.launch in a group of two or more ranks")
-    local = MlxBackend(config, split=Sharding(group, config.group_split))
-    return GroupBackend(local, group, local.stream, config.group_timeout)
+    local = MlxBackend(config, split=Sharding(group, config.group.split))
+    return GroupBackend(local, group, local.stream, config.group.timeout)
 
 
 def open_file_limit() -> int:
@@ -95,7 +95,7 @@ def follow_rank(config: EngineConfig) -> None:
 
     from ..tuning import applies, blas
 
-    blas.preload(applies(config))  # before the backend's modules import mlx
+    blas.preload(applies(config.tuning))  # before the backend's modules import mlx
     from .backend import MlxBackend
     from .group import Sharding, follow, rank_group
 
@@ -106,5 +106,5 @@ def follow_rank(config: EngineConfig) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     group = rank_group()
     assert group is not None
-    backend = MlxBackend(config, split=Sharding(group, config.group_split))
+    backend = MlxBackend(config, split=Sharding(group, config.group.split))
     follow(backend, group, backend.stream)

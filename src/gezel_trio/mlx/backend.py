@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+import attrs
 import mlx.core as mx
 
 from ..core.backend import (
@@ -55,10 +56,10 @@ class MlxBackend:
     def __init__(
         self, config: EngineConfig, *, split: Callable[[LoadedModel], GroupInfo] | None = None
     ) -> None:
-        if not applies(config):
+        if not applies(config.tuning):
             log.info("platform tuning: off (the plain path: each tuning flag's plain value)")
-        config = plain(config)
-        said = set_compute_priority(config.compute_priority, config.compute_nice)
+        config = attrs.evolve(config, tuning=plain(config.tuning))
+        said = set_compute_priority(config.tuning.compute_priority, config.tuning.compute_nice)
         log.info("compute threads: %s", said)
         loaded = load_model(config)
         model, tokenizer = loaded.model, loaded.tokenizer
@@ -108,9 +109,9 @@ class MlxBackend:
             tokenizer,
             boundaries=not layout.trimmable,
             generic_tools=self._info.tool_format == GENERIC.name,
-            drop_past_tool_calls=config.drop_past_tool_calls,
+            drop_past_tool_calls=config.shaping.drop_past_tool_calls,
             template_budget=TemplateBudget(
-                config.template_render_seconds, config.template_max_chars
+                config.shaping.template_render_seconds, config.shaping.template_max_chars
             ),
         )
         self._compiler = decoding.compiler(self._info.tool_format, self._info.think_markers)

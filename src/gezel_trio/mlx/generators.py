@@ -54,8 +54,8 @@ log = logging.getLogger("gezel_trio.mlx")
 def _load_draft(config: EngineConfig, tokenizer: Any) -> DraftModel:
     """The ``--draft-model``, loaded and adapted as the target is; one that
     cannot propose for the target is refused by name (``ModelLoadError``)."""
-    assert config.draft_model is not None
-    loaded = load_model(attrs.evolve(config, model=config.draft_model))
+    assert config.speculation.draft_model is not None
+    loaded = load_model(attrs.evolve(config, model=config.speculation.draft_model))
     name = loaded.path.name
     if loaded.vision is not None:
         raise ModelLoadError(f"draft model {name}: an image model cannot draft")
@@ -65,7 +65,7 @@ def _load_draft(config: EngineConfig, tokenizer: Any) -> DraftModel:
         name,
         weight_bytes(loaded.model) / 2**20,
     )
-    return DraftModel(loaded.model, name, prefill_step=config.prefill_step_size)
+    return DraftModel(loaded.model, name, prefill_step=config.scheduling.prefill_step_size)
 
 
 class Generators:
@@ -89,19 +89,21 @@ class Generators:
         self._group = group
         self._stream = stream
         # The buffer cache and wired limits of the configured policy (mlx.memory).
-        self._memory_limits = memory_limits(config, recommended_working_set())
+        self._memory_limits = memory_limits(config.memory, recommended_working_set())
         self._cache_limit = apply_buffer_cache_limit(self._memory_limits)
         apply_wired_limit(self._memory_limits)
-        log_limits(config, self._memory_limits)
+        log_limits(config.memory, self._memory_limits)
         self.spec_stats = SpecStats()
         # What finished sequences held, for every lane's lookups.
         self.recent = RecentBySalt()
         self._speculate = self._speculates(config, layout)
         # A prompt through linear-attention layers, in chunks on the CPU
         # (tuning.gated_delta), while this backend's steps run.
-        self.gated_delta: Routed | None = routed(config.gated_delta_prefill, gated_delta_kernel())
+        self.gated_delta: Routed | None = routed(
+            config.tuning.gated_delta_prefill, gated_delta_kernel()
+        )
         if any(type(c) is ArraysCache for c in layout):
-            log.info("gated-delta prefill: %s", config.gated_delta_prefill)
+            log.info("gated-delta prefill: %s", config.tuning.gated_delta_prefill)
         # What BatchGenerator calls: the model, its one-token steps compiled
         # where it can be (mlx.compiled_step).
         self.decode_model = self._compiled_step(config)
@@ -111,15 +113,17 @@ class Generators:
         # A draft model's weights and the states its finished sequences left.
         self.draft: DraftModel | None = None
         self.draft_pool = DraftPool()
-        if config.draft_model is not None:
+        if config.speculation.draft_model is not None:
             if self._speculate:
                 self.draft = _load_draft(config, tokenizer)
             else:
-                log.info("draft model %s: not loaded (no speculation)", config.draft_model)
+                log.info(
+                    "draft model %s: not loaded (no speculation)", config.speculation.draft_model
+                )
 
     def _speculates(self, config: EngineConfig, layout: Sequence[Any]) -> bool:
         """Whether the lanes speculate; says so, and why not, once."""
-        if config.speculation == "off" or config.num_draft_tokens == 0:
+        if config.speculation.mode == "off" or config.speculation.num_draft_tokens == 0:
             log.info("speculation: off")
             return False
         if self._group is not None:
@@ -137,15 +141,15 @@ class Generators:
             return False
         log.info(
             "speculation: %s, up to %d tokens per step, greedy and unseeded sampled requests",
-            config.speculation,
-            config.num_draft_tokens,
+            config.speculation.mode,
+            config.speculation.num_draft_tokens,
         )
         return True
 
     def _compiled_step(self, config: EngineConfig) -> Any:
         """The model for BatchGenerator, its decode step compiled where it
         can be; says so, and why not, once."""
-        if config.compiled_step == "off":
+        if config.loading.compiled_step == "off":
             log.info("compiled step: off")
             return self._model
         blocker = (
@@ -158,7 +162,7 @@ class Generators:
         if blocker is not None:
             log.info("compiled step: off for this model (%s)", blocker)
             return self._model
-        decode = CompiledDecode(self._model, rows_last=applies(config))
+        decode = CompiledDecode(self._model, rows_last=applies(config.tuning))
         with mx.stream(self._stream):
             decode.warm()
         return self._model if decode.off is not None else decode
@@ -169,7 +173,7 @@ class Generators:
         most = blas.thread_count()
         why = (
             "--decode-threads all"
-            if config.decode_threads == "all"
+            if config.tuning.decode_threads == "all"
             else "OpenBLAS's thread count is not this process's to change"
             if most is None
             else "one thread in all"
@@ -181,7 +185,7 @@ class Generators:
         if why is not None or most is None:
             log.info("decode threads: all, for every step (%s)", why)
             return None
-        batches = [b for b in (1, 2, 4, 8) if b <= config.max_concurrency]
+        batches = [b for b in (1, 2, 4, 8) if b <= config.scheduling.max_concurrency]
         with mx.stream(self._stream):
             measured = measure(self.decode_model, most, blas.set_threads, batches)
         if measured.too_long_s is not None:
@@ -205,12 +209,12 @@ class Generators:
         return StepThreads(most, one_up_to, blas.set_threads) if one_up_to else None
 
     def new_generator(self, roster: Roster) -> BatchGenerator:
-        n = self._config.max_concurrency
+        n = self._config.scheduling.max_concurrency
         gen = BatchGenerator(
             self.decode_model,
             completion_batch_size=n,
             prefill_batch_size=n,
-            prefill_step_size=self._config.prefill_step_size,
+            prefill_step_size=self._config.scheduling.prefill_step_size,
             stream=self._stream,
         )
         # BatchGenerator wires Metal's whole recommended working set; wired
@@ -220,7 +224,7 @@ class Generators:
         if self._speculate:
             install(
                 gen,
-                self._config.num_draft_tokens,
+                self._config.speculation.num_draft_tokens,
                 roster,
                 self.spec_stats,
                 self.recent,

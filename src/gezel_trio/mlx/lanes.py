@@ -75,7 +75,7 @@ class Lanes:
         self._no_stops = StopSequences()
         self.lanes: dict[Priority, _Lane] = {}
         self._lane_of: dict[int, _Lane] = {}
-        self._images = ImagePrefills(vision, config.prefill_step_size, stream)
+        self._images = ImagePrefills(vision, config.scheduling.prefill_step_size, stream)
 
     def _lane(self, priority: Priority) -> _Lane:
         lane = self.lanes.get(priority)

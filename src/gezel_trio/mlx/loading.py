@@ -12,7 +12,7 @@ half precision, and SmolLM2-135M at Q4_1 prefills at 9 tokens/s and decodes
 at 7 where the same weights in float32 reach 250 and 17. So there the
 weights of every quantized or half-precision ``Linear`` and ``Embedding``
 are held as float32, when that fits in half the memory available;
-``EngineConfig.keep_quantized`` (``--keep-quantized``) keeps them as
+``EngineConfig.loading.keep_quantized`` (``--keep-quantized``) keeps them as
 stored. On a GPU the weights are left as they are.
 
 One log line says which BLAS MLX is bound to and which weight format runs.
@@ -20,7 +20,7 @@ One log line says which BLAS MLX is bound to and which weight format runs.
 A model with a per-layer embedding table (Gemma 3n, Gemma 4 E-series) loads
 as text even where its directory declares a vision tower (the image path
 cannot batch its sliding-window and KV-shared layers). With
-``EngineConfig.map_per_layer_embeddings`` the model loads lazily and its
+``EngineConfig.loading.map_per_layer_embeddings`` the model loads lazily and its
 table is replaced, before it is ever read, by one that reads its rows from
 the model's files (``ple``); a table that cannot be read that way is held in
 memory like any weight, with a warning.
@@ -109,14 +109,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
         held: list[str] = []
 
         def adapt(vlm: Any) -> str:
-            weights = _adapt_weights(vlm, keep=config.keep_quantized)
+            weights = _adapt_weights(vlm, keep=config.loading.keep_quantized)
             held.append(_stored_format(vlm))
             return weights
 
         vision, tokenizer, weights = load_vision(path, adapt)
         log.info("vision model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
         return LoadedModel(vision.text, tokenizer, path, weights, vision, held=held[-1])
-    mapped = config.map_per_layer_embeddings and ple is not None
+    mapped = config.loading.map_per_layer_embeddings and ple is not None
     try:
         # A local directory, and the tokenizer told to stay local: nothing
         # here can reach a model hub, whatever the environment says. Lazily
@@ -126,7 +126,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
         raise ModelLoadError(f"could not load {path}: {type(exc).__name__}: {exc}") from exc
     if mapped:
         _map_table(model, path)
-    weights = _adapt_weights(model, keep=config.keep_quantized)
+    weights = _adapt_weights(model, keep=config.loading.keep_quantized)
     log.info("model %s: BLAS %s; weights %s", path.name, blas.describe(), weights)
     return LoadedModel(model, tokenizer, path, weights, held=_stored_format(model))
 
@@ -170,7 +170,7 @@ class ModelFacts:
             fingerprint="+".join(
                 f
                 for f in (
-                    config.model_fingerprint or _fingerprint(config, loaded),
+                    config.loading.fingerprint or _fingerprint(config, loaded),
                     kv_format,
                     # A shard's state only seeds the same split: tensor
                     # (tp) or by layers (pp), over as many ranks.
@@ -207,7 +207,7 @@ def model_facts(config: EngineConfig, loaded: LoadedModel) -> ModelFacts:
         if not any(m in t for m in _CONTENT_MARKERS)
     ]
     stops = set(eos)
-    if config.stop_at_tool_call_end:
+    if config.shaping.stop_at_tool_call_end:
         tool_stops = tool_call_stop_ids(gen_cfg, _added_tokens(tokenizer))
         if tool_stops:
             # A stop, not an eos: its text stays in the output (the
@@ -242,7 +242,9 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 def _fingerprint(config: EngineConfig, loaded: LoadedModel) -> str:
     """The model's fingerprint (``fingerprint``): the weights' bytes are read
     for it only with a persist directory, where their digests are kept."""
-    digests = config.persist_dir / DIGESTS_DIR if config.persist_dir is not None else None
+    digests = (
+        config.cache.persist_dir / DIGESTS_DIR if config.cache.persist_dir is not None else None
+    )
     return model_fingerprint(loaded.path, held=loaded.held, digests=digests)
 
 

@@ -98,38 +98,38 @@ class CacheLayout:
 
     def __init__(self, model: Any, config: EngineConfig, vision: bool, stream: Any) -> None:
         self._model = model
-        self.group_size = config.kv_group_size
-        self.bits = config.kv_bits
+        self.group_size = config.kv_quant.group_size
+        self.bits = config.kv_quant.bits
         self.plan = KvPlan(frozenset(), {})
         if self.bits and vision:
             log.warning("kv-bits: off for this model (an image model's KV stays unquantized)")
             self.bits = 0
         if self.bits:
-            self.plan = kv_plan(model, self.bits, config.kv_group_size, stream)
-            kept = self.plan.describe(config.kv_group_size)
+            self.plan = kv_plan(model, self.bits, config.kv_quant.group_size, stream)
+            kept = self.plan.describe(config.kv_quant.group_size)
             if kept is not None:
                 log.warning("kv-bits %d: %s", self.bits, kept)
             if not self.plan.layers:
                 self.bits = 0
         # --quantized-kv-start: unquantized until a lane's sequence is long.
         self.start: KvStart | None = None
-        if self.bits and config.quantized_kv_start > 0:
+        if self.bits and config.kv_quant.start > 0:
             self.start = KvStart(
-                config.quantized_kv_start,
+                config.kv_quant.start,
                 self.bits,
-                config.kv_group_size,
+                config.kv_quant.group_size,
                 self.plan.layers,
             )
             log.info(
                 "kv-bits %d: a lane's KV is quantized once one of its sequences holds %d tokens",
                 self.bits,
-                config.quantized_kv_start,
+                config.kv_quant.start,
             )
         # A stored state is only ever read back in the KV format it was written in.
         self.format = kv_format(
             self.bits,
-            config.kv_group_size,
-            config.quantized_kv_start if self.start is not None else 0,
+            config.kv_quant.group_size,
+            config.kv_quant.start if self.start is not None else 0,
         )
         layout = self.new()
         self.count = len(layout)
@@ -154,13 +154,13 @@ class CacheLayout:
         """KV-aware admission: each sequence's KV, and the room the memory
         limit (or the machine) leaves for it beside ``weights`` bytes."""
         footprint = kv_footprint(self._model, stream, self.new())
-        room = kv_room(config, weights)
+        room = kv_room(config.memory, weights)
         if footprint is not None:
             log.info(
                 "KV%s: %d bytes per token (+%s windowed, %d fixed); %.0f MB of weights leave "
                 "%.0f MB for running sequences",
                 (
-                    f" (unquantized until {config.quantized_kv_start} tokens: admission plans "
+                    f" (unquantized until {config.kv_quant.start} tokens: admission plans "
                     "with this size)"
                     if self.start is not None
                     else f" ({self.bits}-bit)"

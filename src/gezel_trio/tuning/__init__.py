@@ -41,24 +41,24 @@ from __future__ import annotations
 
 import attrs
 
-from ..core.config import EngineConfig
+from ..core.config import TuningSettings
 
 __all__ = ["applies", "plain"]
 
 
-def applies(config: EngineConfig) -> bool:
-    """Whether ``config`` runs the platform tuning (``--platform-tuning``)."""
-    return config.platform_tuning != "off"
+def applies(tuning: TuningSettings) -> bool:
+    """Whether ``tuning`` runs the platform tuning (``--platform-tuning``)."""
+    return tuning.platform_tuning != "off"
 
 
-def plain(config: EngineConfig) -> EngineConfig:
-    """``config`` as it runs: with the platform tuning off, each tuning
+def plain(tuning: TuningSettings) -> TuningSettings:
+    """``tuning`` as it runs: with the platform tuning off, each tuning
     flag at its plain value (the normal CPU policy, all threads for every
     step, mlx-lm's gated delta loop, Python's switch interval)."""
-    if applies(config):
-        return config
+    if applies(tuning):
+        return tuning
     return attrs.evolve(
-        config,
+        tuning,
         compute_priority="normal",
         decode_threads="all",
         gated_delta_prefill="sequential",
