@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from gezel_trio import cli
-from gezel_trio.core.config import EngineConfig
+from gezel_trio.core.config import EngineConfig, MemorySettings
 from gezel_trio.core.settings import MIB
 from gezel_trio.mlx import memory
 from gezel_trio.mlx.memory import (
@@ -34,10 +34,8 @@ def _limits(
     wired_mb: float | None = None,
     recommended: int = 0,
 ) -> MemoryLimits:
-    config = EngineConfig.from_flags(
-        mlx_memory_policy=policy, memory_limit_mb=ceiling_mb, wired_limit_mb=wired_mb
-    )
-    return memory_limits(config.memory, recommended)
+    memory = MemorySettings(limit_mb=ceiling_mb, wired_limit_mb=wired_mb, policy=policy)
+    return memory_limits(memory, recommended)
 
 
 def test_quarter_caps_the_buffer_cache_at_a_quarter_of_the_ceiling_and_wires_the_plan() -> None:
@@ -102,7 +100,7 @@ def test_the_buffer_cache_limit_reads_back_and_the_wired_limit_is_logged(
     finally:
         mx.set_cache_limit(before)
     with caplog.at_level(logging.INFO, logger="gezel_trio.mlx"):
-        log_limits(EngineConfig.from_flags(mlx_memory_policy="bounded"), limits)
+        log_limits(MemorySettings(policy="bounded"), limits)
     text = caplog.text
     policy = "MLX memory (bounded policy): ceiling 8192 MB, wired 4096 MB, buffer cache 256 MB"
     assert policy in text
@@ -138,7 +136,9 @@ def test_the_backend_reclaims_through_the_gil_free_call(
     calls: list[str] = []
     monkeypatch.setattr(generators, "clear_buffer_cache", lambda: calls.append("clear"))
     monkeypatch.setattr(mx, "clear_cache", lambda: calls.append("mx"))
-    backend = MlxBackend(EngineConfig.from_flags(model=dense_model, decode_threads="all"))
+    backend = MlxBackend(
+        EngineConfig.from_flags(model=dense_model, decode_threads="all")
+    )
     try:
         calls.clear()
         backend.reclaim()
