@@ -17,7 +17,6 @@ quantization group (32), so the model here is the dense tiny one with
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -35,35 +34,26 @@ from gezel_trio import (
     open_engine,
 )
 from gezel_trio.http.app import HttpSettings, create_app
-from gezel_trio.mlx import demo_model, kv_quant
+from gezel_trio.mlx import kv_quant
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import greedy
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
+from tests.support.wide_heads import batch_prompts, wide_heads
 
 TOKENS = 24
 HANG = 120
 
 
-def _wide_heads(kind: demo_model.DemoKind, dest: Path) -> Path:
-    """A tiny demo model of ``kind`` with 32-wide heads, built by the demo
-    builder (its tokenizer, its weight initialisation)."""
-    wide = dataclasses.replace(demo_model._dims("tiny"), head_dim=32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(demo_model, "_dims", lambda _size: wide)
-        demo_model._build(kind, "tiny", dest)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("dense", tmp_path_factory.mktemp("kv-dense"))
+    return wide_heads("dense", tmp_path_factory.mktemp("kv-dense"))
 
 
 @pytest.fixture(scope="module")
 def kv_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("hybrid", tmp_path_factory.mktemp("kv-hybrid"))
+    return wide_heads("hybrid", tmp_path_factory.mktemp("kv-hybrid"))
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +62,6 @@ def model(kv_model: Path) -> Any:
     hold_float32(m)
     mx.eval(m.parameters())
     return m
-
-
-def _prompts() -> list[list[int]]:
-    return [[5 + (7 * i) % 900 for i in range(40)], [11, 12, 13, 14, 15, 16], [300, 301]]
 
 
 def _alone(model: Any, prompt: list[int], bits: int) -> tuple[list[int], list[Any]]:
@@ -130,7 +116,7 @@ def _batched(model: Any, prompts: list[list[int]], bits: int) -> tuple[list[list
 def test_the_quantized_batch_decodes_what_each_sequence_decodes_alone(
     model: Any, bits: int
 ) -> None:
-    prompts = _prompts()
+    prompts = batch_prompts()
     got, finals = _batched(model, prompts, bits)
     for prompt, tokens, final in zip(prompts, got, finals, strict=True):
         want, cache = _alone(model, prompt, bits)
@@ -285,7 +271,7 @@ def test_speculation_runs_on_the_quantized_batch(
     The random weights do not repeat what they read, so the proposer is an
     oracle of plain decoding's text, its last token wrong every other time:
     verifies accept different counts per sequence (holes) and reject some."""
-    prompts = _prompts()
+    prompts = batch_prompts()
     plain, _ = _decode(model, prompts, spec=False)
 
     monkeypatch.setattr(NgramLookup, "propose", oracle(prompts, plain, spoil=True))
