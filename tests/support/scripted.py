@@ -43,7 +43,7 @@ def scripted_server(
     ``http`` settings and ``engine_kw`` as ``open_test_engine`` takes them,
     for the block; leaving it drains the server and joins its thread."""
     settings = http or HttpSettings()
-    ready: queue.Queue[tuple[str, trio.lowlevel.TrioToken, trio.Event] | BaseException]
+    ready: queue.Queue[tuple[str, trio.lowlevel.TrioToken, trio.Event] | Exception]
     ready = queue.Queue()
 
     async def main() -> None:
@@ -74,13 +74,13 @@ def scripted_server(
     def run() -> None:
         try:
             trio.run(main)
-        except BaseException as error:  # reported to the test's thread
+        except Exception as error:  # reported to the test's thread
             ready.put(error)
 
     thread = threading.Thread(target=run, name="scripted-server", daemon=True)
     thread.start()
     started = ready.get(timeout=START_S)
-    if isinstance(started, BaseException):
+    if isinstance(started, Exception):
         raise started
     url, token, shutdown = started
     server = Server(url)
