@@ -6,8 +6,9 @@ here is read with a parser that refuses them (``strict``), the way those
 clients read it. Three sources of non-finite numbers are covered: tokens a
 grammar masked, listed among ``top_logprobs`` as ``-Infinity`` (now -9999.0); sampling
 parameters that turn the distribution into ``NaN`` (refused now, each a 400
-naming itself, before any model runs: on the scripted engine); and any that slips through anyway, which the one JSON
-writer (``http.strict.dump_json``) raises on instead of sending.
+naming itself, before any model runs: on the scripted engine); and any that
+slips through anyway, which the one JSON writer (``http.strict.dump_json``)
+raises on instead of sending.
 """
 
 from __future__ import annotations

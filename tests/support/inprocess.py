@@ -40,12 +40,18 @@ async def served(
 
 @asynccontextmanager
 async def served_scripted(
-    settings: HttpSettings | None = None, backend: ScriptedBackend | None = None
+    settings: HttpSettings | None = None,
+    backend: ScriptedBackend | None = None,
+    **engine_kw: Any,
 ) -> AsyncIterator[tuple[Engine, str]]:
     """``served`` over the scripted engine (``gezel_trio.testing``), for a
     test where the model does not matter: no MLX is loaded."""
     scripted = backend or ScriptedBackend()
-    config = ServerConfig(http=settings or HttpSettings(), port=0)
+    config = ServerConfig(
+        engine=EngineConfig(**engine_kw),
+        http=settings or HttpSettings(),
+        port=0,
+    )
     engines: list[Engine] = []
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(
