@@ -1,8 +1,8 @@
 """The suite's own shape: what test modules share lives in ``tests/support``
-(or a fixture), never in another test module. Importing a test module runs
-its module-level code and collects its tests a second time under pytest's
-import, and ties two files' fixtures together across ``--dist loadfile``'s
-workers."""
+(or a fixture), never in another test module, so a test file can be moved,
+split or deleted without breaking another, and importing one never runs a
+second file's module-level code (its marks, its fixtures' definitions) in
+the importer's worker."""
 
 from __future__ import annotations
 
