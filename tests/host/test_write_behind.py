@@ -13,8 +13,8 @@ import trio
 
 from gezel_trio import EngineConfig, open_engine
 from gezel_trio.host.persist import DiskCache
-from tests.host.test_prompt_cache import P1, Harness, request
 from tests.support.fakes import FakeOps, FakeState
+from tests.support.prompt_cache import P1, Harness, request
 
 TOKENS = tuple(range(50))
 HANG = 120

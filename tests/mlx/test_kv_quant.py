@@ -17,7 +17,6 @@ quantization group (32), so the model here is the dense tiny one with
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -40,32 +39,22 @@ from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.mlx_lm_surface import HoleyKVCache, cache_index, with_holes
 from gezel_trio.mlx.sampling import greedy
 from gezel_trio.mlx.speculation.lookup import NgramLookup
-from gezel_trio.testing.demo_models import _builder as demo_model
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
+from tests.support.wide_heads import batch_prompts, wide_heads
 
 TOKENS = 24
 HANG = 120
 
 
-def _wide_heads(kind: demo_model.DemoKind, dest: Path) -> Path:
-    """A tiny demo model of ``kind`` with 32-wide heads, built by the demo
-    builder (its tokenizer, its weight initialisation)."""
-    wide = dataclasses.replace(demo_model._dims("tiny"), head_dim=32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(demo_model, "_dims", lambda _size: wide)
-        demo_model._build(kind, "tiny", dest)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("dense", tmp_path_factory.mktemp("kv-dense"))
+    return wide_heads("dense", tmp_path_factory.mktemp("kv-dense"))
 
 
 @pytest.fixture(scope="module")
 def kv_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("hybrid", tmp_path_factory.mktemp("kv-hybrid"))
+    return wide_heads("hybrid", tmp_path_factory.mktemp("kv-hybrid"))
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +63,6 @@ def model(kv_model: Path) -> Any:
     hold_float32(m)
     mx.eval(m.parameters())
     return m
-
-
-def _prompts() -> list[list[int]]:
-    return [[5 + (7 * i) % 900 for i in range(40)], [11, 12, 13, 14, 15, 16], [300, 301]]
 
 
 def _alone(model: Any, prompt: list[int], bits: int) -> tuple[list[int], list[Any]]:
@@ -132,7 +117,7 @@ def _batched(model: Any, prompts: list[list[int]], bits: int) -> tuple[list[list
 def test_the_quantized_batch_decodes_what_each_sequence_decodes_alone(
     model: Any, bits: int
 ) -> None:
-    prompts = _prompts()
+    prompts = batch_prompts()
     got, finals = _batched(model, prompts, bits)
     for prompt, tokens, final in zip(prompts, got, finals, strict=True):
         want, cache = _alone(model, prompt, bits)
@@ -287,7 +272,7 @@ def test_speculation_runs_on_the_quantized_batch(
     The random weights do not repeat what they read, so the proposer is an
     oracle of plain decoding's text, its last token wrong every other time:
     verifies accept different counts per sequence (holes) and reject some."""
-    prompts = _prompts()
+    prompts = batch_prompts()
     plain, _ = _decode(model, prompts, spec=False)
 
     monkeypatch.setattr(NgramLookup, "propose", oracle(prompts, plain, spoil=True))

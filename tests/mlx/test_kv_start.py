@@ -46,9 +46,9 @@ from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache, KvStart, QuantizedKV,
 from gezel_trio.mlx.loading import hold_float32
 from gezel_trio.mlx.mlx_lm_surface import HoleyKVCache
 from gezel_trio.mlx.speculation.lookup import NgramLookup
-from tests.mlx.test_kv_quant import _prompts, _wide_heads
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
+from tests.support.wide_heads import batch_prompts, wide_heads
 
 HANG = 120
 TOKENS = 40
@@ -58,7 +58,7 @@ CHUNK = 16
 
 @pytest.fixture(scope="module")
 def kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("dense", tmp_path_factory.mktemp("kv-start"))
+    return wide_heads("dense", tmp_path_factory.mktemp("kv-start"))
 
 
 def _mlx_lm(path: Path, bits: int, start: int) -> list[float]:
@@ -266,7 +266,7 @@ def test_speculation_goes_on_over_a_lane_that_switches(
     model, _ = load(str(kv_model))
     hold_float32(model)
     layers = frozenset(range(len(model.layers)))
-    prompts = _prompts()
+    prompts = batch_prompts()
     start = KvStart(len(prompts[0]) + 12, 8, 32, layers)
     switched: list[bool] = []
     holes_kept: list[bool] = []

@@ -136,9 +136,7 @@ def test_the_backend_reclaims_through_the_gil_free_call(
     calls: list[str] = []
     monkeypatch.setattr(generators, "clear_buffer_cache", lambda: calls.append("clear"))
     monkeypatch.setattr(mx, "clear_cache", lambda: calls.append("mx"))
-    backend = MlxBackend(
-        EngineConfig.from_flags(model=dense_model, decode_threads="all")
-    )
+    backend = MlxBackend(EngineConfig.from_flags(model=dense_model, decode_threads="all"))
     try:
         calls.clear()
         backend.reclaim()
