@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gezel_trio.mlx import demo_model
+from gezel_trio.testing.demo_models import _builder as demo_model
 
 
 def wide_heads(kind: demo_model.DemoKind, dest: Path) -> Path:

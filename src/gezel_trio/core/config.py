@@ -379,7 +379,7 @@ class SpeculationSettings:
         help="most tokens proposed per sequence per step (0: no speculation)",
         validator=_at_least(0),
     )
-    # A second model that proposes what the target verifies (``mlx.draft``).
+    # A second model that proposes what the target verifies (``mlx.speculation.draft``).
     draft_model: Path | None = setting(
         None,
         flag="--draft-model",
