@@ -77,7 +77,7 @@ def test_the_switch_off_runs_the_plain_path_and_answers_alike(
     try:
         if tuning == "off":
             assert os.sched_getscheduler(0) == os.SCHED_OTHER  # no priority change
-        assert backend._threads is None or tuning == "auto"
+        assert backend._lanes.kit.threads is None or tuning == "auto"
         answers = _answers(backend)
     finally:
         backend.close()
