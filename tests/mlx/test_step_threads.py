@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -247,21 +248,26 @@ blas.set_threads(1)
 print("set 1", get())
 blas.set_threads(99)
 print("set 99", get())
-backend = MlxBackend(EngineConfig.from_flags(model=sys.argv[1], decode_threads=sys.argv[2]))
-print("after load", get())
-plan = backend._lanes.kit.threads
-print("plan", None if plan is None else plan.one_up_to)
-backend.close()
-print("after close", get())
+for mode in sys.argv[2:]:
+    print("mode", mode, flush=True)
+    backend = MlxBackend(EngineConfig.from_flags(model=sys.argv[1], decode_threads=mode))
+    print("after load", get())
+    plan = backend._lanes.kit.threads
+    print("plan", None if plan is None else plan.one_up_to)
+    backend.close()
+    print("after close", get())
 """
+MODES = ("auto", "all")
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread")
-@pytest.mark.parametrize("mode", ["auto", "all"])
-def test_in_a_process_of_its_own_it_measures_at_load(dense_model: Path, mode: str) -> None:
+@pytest.fixture(scope="module")
+def said_per_mode(dense_model: Path) -> dict[str, str]:
+    """What one child process said, loading a backend in each mode in turn
+    (a process and its imports cost seconds on 2 busy cores): the lines
+    before the first load, then each mode's own."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(dense_model), mode],
+        [sys.executable, "-c", _CHILD, str(dense_model), *MODES],
         capture_output=True,
         text=True,
         env=env,
@@ -269,6 +275,20 @@ def test_in_a_process_of_its_own_it_measures_at_load(dense_model: Path, mode: st
     )
     said = out.stdout + out.stderr
     assert out.returncode == 0, said
+    # The lines before the first load, "mode auto" and its lines, "mode all"
+    # and its lines (stderr last, with the last mode).
+    head, *parts = re.split(r"^mode (\w+)\n", said, flags=re.M)
+    modes, texts = parts[0::2], parts[1::2]
+    assert modes == list(MODES), said
+    return {mode: head + text for mode, text in zip(modes, texts, strict=True)}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread")
+@pytest.mark.parametrize("mode", MODES)
+def test_in_a_process_of_its_own_it_measures_at_load(
+    said_per_mode: dict[str, str], mode: str
+) -> None:
+    said = said_per_mode[mode]
     most = len(os.sched_getaffinity(0))
     assert f"most {most}" in said
     assert "set 1 1" in said
