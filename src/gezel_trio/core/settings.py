@@ -29,6 +29,7 @@ test factory build the same way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -172,20 +173,44 @@ def build(cls: type[_T], values: Mapping[str, Any]) -> _T:
     set from that flag value as the command line sets it (``from_flag``),
     in its section; every other setting keeps its default. A name that is
     no flag of ``cls`` is a ``TypeError``."""
-    unknown = set(values) - {flag_name(meta) for _, _, meta in flags_of(cls)}
+    kind: type = cls  # a class is hashable, whatever it builds
+    unknown = set(values) - _flag_names(kind)
     if unknown:
         raise TypeError(f"{cls.__name__} has no flag {', '.join(sorted(unknown))}")
     return _build(cls, values)
 
 
+# Walked once per class: every engine a test opens builds its config, and
+# walking the fields each time was a tenth of an empty engine's start.
+@functools.cache
+def _flag_names(cls: type) -> frozenset[str]:
+    return frozenset(flag_name(meta) for _, _, meta in flags_of(cls))
+
+
+@functools.cache
+def _layout(
+    cls: type,
+) -> tuple[
+    tuple[tuple[attrs.Attribute[Any], Setting, str], ...],
+    tuple[tuple[str, type], ...],
+]:
+    """``cls``'s settings with a flag (each with its flag's name) and its sections."""
+    flagged = tuple(
+        (field, meta, flag_name(meta)) for field, meta in settings_of(cls) if meta.flag is not None
+    )
+    return flagged, tuple((field.name, part) for field, part, _ in sections_of(cls))
+
+
 def _build(cls: type[_T], values: Mapping[str, Any]) -> _T:
+    kind: type = cls
+    flagged, parts = _layout(kind)
     given: dict[str, Any] = {
-        field.name: from_flag(field, meta, values[flag_name(meta)])
-        for field, meta in settings_of(cls)
-        if meta.flag is not None and flag_name(meta) in values
+        field.name: from_flag(field, meta, values[name])
+        for field, meta, name in flagged
+        if name in values
     }
-    for field, part, _ in sections_of(cls):
-        given[field.name] = _build(part, values)
+    for name, part in parts:
+        given[name] = _build(part, values)
     return cls(**given)
 
 

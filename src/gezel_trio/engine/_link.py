@@ -587,7 +587,8 @@ class HostLink:
                 len(self._scheduler.running),
                 len(self._scheduler.queued),
             )
-        self.metrics.preemptions.inc(len(plan.parked))
+        if plan.parked:
+            self.metrics.preemptions.inc(len(plan.parked))
         commands, self._commands = tuple(self._commands), []
         for live in self._live.values():
             live.buffered = live.send.statistics().current_buffer_used
