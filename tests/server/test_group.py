@@ -168,12 +168,14 @@ def _popen(command: list[str], env: dict[str, str], stderr: Any) -> subprocess.P
 
 
 def _answer(server: Server, content: str, **extra: object) -> str:
+    # 12 tokens: each one is a step's argmax compared with one process's; a
+    # group's step costs 60-300 ms of both cores here (tensor, SmolLM2).
     r = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={
             "model": "m",
             "messages": [{"role": "user", "content": content}],
-            "max_tokens": 24,
+            "max_tokens": 12,
             "temperature": 0,
             **FIXED,
             **extra,
@@ -217,7 +219,10 @@ def _background(server: Server, decoding: threading.Event) -> tuple[str, bool]:
     """A background-priority stream: its text, and whether the server said
     it was parked and resumed (its ``: parked`` and ``: resumed`` frames);
     ``decoding`` is set once it has written a few tokens."""
-    body = _streamed(PROMPTS[2], 400, priority="background")
+    # 240 tokens: on one process (1.4 ms a step here) the interactive
+    # request arrived 9-117 steps in over 8 tries; each step under the
+    # tensor split costs ~60 ms on the loaded 2-core machine.
+    body = _streamed(PROMPTS[2], 240, priority="background")
     pieces: list[str] = []
     comments: list[str] = []
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG) as r:
@@ -290,7 +295,7 @@ def test_the_hybrid_model_split_by_layers_answers_as_one_process_does(
         assert [_answer(group, p) for p in PROMPTS] == want
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             assert list(pool.map(lambda p: _answer(group, p), PROMPTS)) == want
-        text, cached = _turn(group, PROMPTS[-1], max_tokens=24)
+        text, cached = _turn(group, PROMPTS[-1], max_tokens=12)
         assert cached > 0
         assert text == want[-1]
     finally:
@@ -306,11 +311,17 @@ def _stop(group: Group) -> None:
         group.close()
 
 
+@pytest.fixture(scope="module")
+def one_process_answers(dense_server: Server) -> list[str]:
+    """``_answers`` from one process: what each split's group must answer."""
+    return _answers(dense_server)
+
+
 @pytest.mark.parametrize("split", ["tensor", "layers"])
 def test_two_ranks_answer_as_one_process_does(
-    dense_model: Path, dense_server: Server, split: str
+    dense_model: Path, one_process_answers: list[str], split: str
 ) -> None:
-    want = _answers(dense_server)
+    want = one_process_answers
     group = _launch(dense_model, "--group-split", split)
     try:
         health = httpx.get(f"{group.url}/health", timeout=HANG).json()
