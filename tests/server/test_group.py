@@ -13,8 +13,9 @@ hybrid model's split, a killed or stalled rank) run ``mlx.launch`` itself.
 - SIGTERM to rank 0 drains it, and it stops every rank: all exit 0.
 - ``/health`` names the group.
 - A rank killed mid-stream fails the live stream and ends the group in
-  bounded time; a rank that stalls (SIGSTOP) makes rank 0 answer 503 and
-  exit 1 after ``--group-timeout``.
+  bounded time: rank 0 sees the rank's order connection close even while
+  its host thread still waits in a collective; a rank that stalls
+  (SIGSTOP) makes rank 0 answer 503 and exit 1 after ``--group-timeout``.
 - Rank 0 killed (SIGKILL): the other rank's order connection closes and
   it exits 1 on its own (without the launcher, which would stop it anyway).
 - A model that cannot be split is refused by name (an image model too,
@@ -550,6 +551,10 @@ def _ended(server: Server, stderr: Path, within: float) -> str:
     server.client.close()
     try:
         server.proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"the group still ran {within:g} s later; it said:\n{stderr.read_text()}"
+        ) from None
     finally:
         assert server.proc.stdout is not None
         server.proc.stdout.close()
@@ -620,3 +625,47 @@ def test_a_rank_whose_rank_0_was_killed_exits_on_its_own(dense_model: Path) -> N
         assert group.ranks[1].wait(timeout=30) == 1
     finally:
         group.close()
+
+
+class _OneRank:
+    """A group of one, for a ``Wire`` whose connections a test makes."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+def test_rank_0_sees_a_rank_close_its_connection_while_its_host_thread_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gezel_trio.mlx.group.rank0 import _Watchdog
+    from gezel_trio.mlx.group.wire import GroupLost, Wire
+
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    wire = Wire(_OneRank(), stream=None)
+    pairs = [socket.socketpair() for _ in range(2)]
+    wire._peers = [mine for mine, _ in pairs]
+    try:
+        assert wire.closed_peer() is None
+        pairs[0][1].sendall((7).to_bytes(8, "big"))  # an ack, not read yet
+        assert wire.closed_peer() is None
+        pairs[0][1].close()  # rank 1 dies with its last ack unread
+        assert wire.closed_peer() == 1
+
+        told: list[BaseException] = []
+        reported = threading.Event()
+        watchdog = _Watchdog(limit=600.0, gone=wire.closed_peer)
+        watchdog.report = lambda failure: (told.append(failure), reported.set())
+        try:
+            with watchdog.guard():  # the host thread waits in a collective
+                assert reported.wait(HANG)
+        finally:
+            watchdog.close()  # before its grace ends in os._exit
+        assert isinstance(told[0], GroupLost)
+        assert "rank 1 of the group closed its connection" in str(told[0])
+    finally:
+        for mine, theirs in pairs:
+            mine.close()
+            theirs.close()

@@ -58,12 +58,19 @@ _GRACE = 5.0
 class _Watchdog:
     """Rank 0's deadline on each backend call sent to the group (its
     order's collectives, which wait for the step in flight, and the call's
-    own): past ``limit`` seconds it fails every request through the
+    own), and its watch on the other ranks' order connections: past
+    ``limit`` seconds, or as soon as a rank's connection closes (``gone``:
+    the rank exited or was killed), it fails every request through the
     engine (``report``; without one, SIGTERM to this process) and exits 1
-    ``_GRACE`` seconds later."""
+    ``_GRACE`` seconds later.
 
-    def __init__(self, limit: float) -> None:
+    A rank's death is seen on its own connection, not left to the
+    collective in flight: the ring backend may keep polling a socket whose
+    peer is gone, and the host thread with it, until ``limit``."""
+
+    def __init__(self, limit: float, gone: Callable[[], int | None]) -> None:
         self._limit = limit
+        self._gone = gone
         self._since: float | None = None
         # The engine's way to fail every request (``FailsFromAfar``).
         self.report: Callable[[EngineFailure], None] | None = None
@@ -88,12 +95,21 @@ class _Watchdog:
         tick = min(1.0, self._limit / 4)
         while not self._closed.wait(tick):
             since = self._since
-            if since is None or time.monotonic() - since <= self._limit:
+            gone = self._gone()
+            if gone is not None:
+                line = (
+                    f"gezel-trio: rank {gone} of the group closed its connection "
+                    "(it exited or was killed): stopping"
+                )
+            elif since is not None and time.monotonic() - since > self._limit:
+                line = (
+                    f"gezel-trio: the group's other ranks have not answered for "
+                    f"{self._limit:g} s (a rank stalled): stopping"
+                )
+            else:
                 continue
-            line = (
-                f"gezel-trio: the group's other ranks have not answered for {self._limit:g} s "
-                "(a rank stalled): stopping"
-            )
+            if self._closed.is_set():
+                return  # rank 0 closed the group itself meanwhile
             log.error("%s", line)
             print(line, file=sys.stderr, flush=True)
             if self.report is not None:
@@ -117,8 +133,8 @@ class GroupBackend:
     def __init__(self, local: Any, group: Any, stream: Any, timeout: float) -> None:
         self._local = local
         self._group = group
-        self._watchdog = _Watchdog(timeout)
         self._wire = Wire(group, stream)
+        self._watchdog = _Watchdog(timeout, self._wire.closed_peer)
         # States made so far: the next one's number (each rank counts alike).
         self._made = 0
         self._released: list[int] = []
@@ -302,10 +318,11 @@ class GroupBackend:
             "rank 0 sent %d orders, each %.1f us (median) / %.1f us (p90) to pickle and send",
             self._sending,
         )
+        # Watched no more: the other ranks close their connections now.
+        self._watchdog.close()
         try:
             if self._wire.lost is None:
                 self._wire.send(None)  # the other ranks close and exit
         finally:
             self._wire.close()
-            self._watchdog.close()
             self._local.close()

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import pickle
+import select
 import socket
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,45 @@ class Wire:
             if whole:
                 out[rank] = int.from_bytes(data[whole - 8 : whole], "big")
         return out
+
+    def closed_peer(self) -> int | None:
+        """Rank 0: the first other rank whose order connection its peer
+        closed (the rank exited or was killed), read without waiting or
+        consuming anything; ``None`` while every one is open. Safe on any
+        thread: it only polls."""
+        if not self._peers:
+            return None
+        hangup = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+        poller = select.poll()
+        by_fd: dict[int, int] = {}
+        try:
+            for rank, conn in enumerate(self._peers, start=1):
+                fd = conn.fileno()
+                if fd < 0:
+                    return None  # rank 0 is closing the wire
+                by_fd[fd] = rank
+                poller.register(fd, hangup | select.POLLIN)
+            events = poller.poll(0)
+        except (OSError, ValueError):
+            return None
+        for fd, event in events:
+            if event & hangup:
+                return by_fd[fd]
+            if not hasattr(select, "POLLRDHUP") and self._at_end(self._peers[by_fd[fd] - 1]):
+                return by_fd[fd]
+        return None
+
+    @staticmethod
+    def _at_end(conn: socket.socket) -> bool:
+        """Where the kernel has no ``POLLRDHUP``: a readable connection
+        with nothing to read is closed (acks still unread hide it until
+        the host thread reads them)."""
+        try:
+            return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     def count(self, flag: int) -> int:
         """The sum of every rank's ``flag``: how many ranks raised theirs."""
