@@ -34,7 +34,7 @@ from gezel_trio.testing import ScriptedBackend
 
 kind = sys.argv[1]
 backend = ScriptedBackend(crash_at=4) if kind == "crash" else ScriptedBackend(fail_at=[1, 2, 3])
-config = ServerConfig(engine=EngineConfig.from_flags(max_step_failures=3), port=0, dead_linger=5.0)
+config = ServerConfig(engine=EngineConfig.from_flags(max_step_failures=3), port=0, dead_linger=2.0)
 sys.exit(main_serve(config, backend_factory=lambda _: backend))
 """
 
