@@ -10,7 +10,7 @@ something fails while it is up.
 
 Every system measured runs on the same BLAS and the same weights, so a ratio
 measures the servers: gezel-trio binds MLX to OpenBLAS when it is imported
-(``gezel_trio.mlx.blas``), so ``mlx_lm server`` is started through a ``python
+(``gezel_trio.tuning.blas``), so ``mlx_lm server`` is started through a ``python
 -c`` stub that imports that module before mlx, and in-process workers
 (``bench._worker``) import ``gezel_trio`` first; and gezel-trio, which on the
 CPU holds quantized and half-precision weights as float32, is started with
@@ -43,12 +43,12 @@ _LISTENING = "gezel-trio listening on "
 # `python -c` code that binds MLX to OpenBLAS as gezel-trio does, then runs
 # `python -m mlx_lm` with the arguments that follow ...
 _PRELOADED_MLX_LM = (
-    "import gezel_trio.mlx.blas, runpy, sys; sys.argv[0] = 'mlx_lm'; "
+    "import gezel_trio.tuning.blas, runpy, sys; sys.argv[0] = 'mlx_lm'; "
     "runpy.run_module('mlx_lm', run_name='__main__', alter_sys=True)"
 )
 # ... or the script named by the first argument, with the rest.
 _PRELOADED_SCRIPT = (
-    "import gezel_trio.mlx.blas, runpy, sys; sys.argv = sys.argv[1:]; "
+    "import gezel_trio.tuning.blas, runpy, sys; sys.argv = sys.argv[1:]; "
     "runpy.run_path(sys.argv[0], run_name='__main__')"
 )
 # mlx_lm.server as the decode and scheduler scenarios run it, besides

@@ -4,7 +4,7 @@ blocks) run in a child process.
 The child exits before any server starts, so it never shares the CPU with
 one, and the runner's own process never imports MLX. The child imports
 ``gezel_trio`` first, so MLX binds to the same OpenBLAS as the servers
-(``gezel_trio.mlx.blas``). The measured function is a generator of JSON-able
+(``gezel_trio.tuning.blas``). The measured function is a generator of JSON-able
 dicts, named ``module:function``; each dict travels as one line of the
 child's stdout.
 

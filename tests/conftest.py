@@ -10,11 +10,12 @@ import os
 # The suite runs several servers at once on the same cores; OpenBLAS's
 # workers spin while they wait, so each process (and every server it
 # starts, which inherits this) computes on one BLAS thread. Set before the
-# import below, which loads OpenBLAS.
+# first import of mlx, which loads OpenBLAS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-# First, before any test module imports mlx: the package binds MLX to
-# OpenBLAS at import time (gezel_trio.mlx.blas) and warns when it is too late.
+# First, before any test module imports mlx: the package has MLX bound to
+# OpenBLAS when mlx is first imported (gezel_trio.tuning.blas) and warns
+# when it is too late.
 import gezel_trio  # noqa: F401
 
 pytest_plugins = [

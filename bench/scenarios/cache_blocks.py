@@ -2,7 +2,7 @@
 
 The prompt cache keeps attention KV in 64-token blocks that entries share
 (``cache_store``), so a sequence's seed is assembled from blocks
-(``MlxBackend.join_state``: one concatenation per layer) and a saved state is
+(``MlxStates.join_state``: one concatenation per layer) and a saved state is
 cut into the blocks the trie lacks (``state_blocks``). A store of whole
 states, as ``mlx_lm.server``'s ``LRUPromptCache`` keeps, instead copies each
 state once when it is stored and once (``deepcopy``) when it seeds.
@@ -62,17 +62,17 @@ def measure(
     from gezel_trio.core.cache_store import BLOCK_TOKENS, CacheStore
     from gezel_trio.core.config import EngineConfig
     from gezel_trio.mlx.backend import MlxBackend
-    from gezel_trio.mlx.demo_model import ensure_demo_model
+    from gezel_trio.testing.demo_models import ensure_demo_model
 
     def join(backend: Any, blocks: list[Any], n: int, rest: Any) -> None:
-        seed = backend.join_state(blocks, n, rest)
+        seed = backend.states.join_state(blocks, n, rest)
         mx.eval([c.state for c in seed])
 
     def whole(arrays: list[Any]) -> None:
         mx.eval([mx.array(a) for a in arrays])
 
     for kind in kinds:
-        backend = MlxBackend(EngineConfig(model=ensure_demo_model(kind, size)))  # type: ignore[arg-type]
+        backend = MlxBackend(EngineConfig.from_flags(model=ensure_demo_model(kind, size)))  # type: ignore[arg-type]
         layout = make_prompt_cache(backend._model)
         probe = backend._model(mx.array([[1, 2, 3, 4]]), cache=layout)
         mx.eval(probe, [c.state for c in layout])
@@ -91,13 +91,13 @@ def measure(
                     state.append(c)  # linear-attention state: its size does not depend on n
             mx.eval([c.state for c in state])
             ranges = [(s, min(s + BLOCK_TOKENS, n)) for s in range(0, n, BLOCK_TOKENS)]
-            rest, rest_nbytes = backend.state_rest(state)
-            made = backend.state_blocks(state, ranges)
+            rest, rest_nbytes = backend.states.state_rest(state)
+            made = backend.states.state_blocks(state, ranges)
             blocks = [b for b, _ in made]
             arrays = [
                 a for _, a in tree_flatten([c.state for c in state]) if isinstance(a, mx.array)
             ]
-            t_blocks = _median_ms(partial(backend.state_blocks, state, ranges), repeat)
+            t_blocks = _median_ms(partial(backend.states.state_blocks, state, ranges), repeat)
             t_join = _median_ms(partial(join, backend, blocks, n, rest), repeat)
             t_whole = _median_ms(partial(whole, arrays), repeat)
             per_token = sum(nb for _, nb in made) / n

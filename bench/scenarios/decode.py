@@ -62,7 +62,7 @@ stream admitted after another has started, is included. ``spread`` is
 
 Prefill (``--prefill-tokens N ...``, after the warm-up and before any decode
 round): for each N, one greedy request whose user message is about N tokens
-of English (``src/gezel_trio/mlx/demo_data/corpus.txt``, each length from
+of English (``src/gezel_trio/testing/demo_models/data/corpus.txt``, each length from
 its own place in the text, so no length shares a cached prefix with
 another) and ``max_tokens:
 1``. TTFT cold is its time to the first token, prefill tok/s its prompt
@@ -95,7 +95,7 @@ SYSTEMS = ("raw", "gezel", "mlx_lm.server", "gezel-q4", "gezel-eager", "gezel-al
 # --compiled-step off, to show what the compiled step gives in the same run;
 # gezel-alt is gezel-trio with --alt-flags, to compare a setting in one run.
 _ON_REQUEST = ("gezel-q4", "gezel-eager", "gezel-alt")
-_CORPUS = Path(__file__).resolve().parents[2] / "src/gezel_trio/mlx/demo_data/corpus.txt"
+_CORPUS = Path(__file__).resolve().parents[2] / "src/gezel_trio/testing/demo_models/data/corpus.txt"
 _CHARS_PER_TOKEN = 4.4  # English BPE, measured on the corpus with SmolLM2's tokenizer
 _METRIC = "tok/s = sum(n_i - 1) / (max last_i - min first_i); spread = max first_i - min first_i"
 _RATIOS = (

@@ -60,7 +60,7 @@ def measure(
     from gezel_trio.mlx.backend import MlxBackend
 
     scratch = tempfile.TemporaryDirectory(prefix="gezel-host-cache-", ignore_cleanup_errors=True)
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=Path(model),
         cache_budget_mb=1 << 20,  # every synthetic entry fits: nothing is evicted
         persist_dir=Path(scratch.name) if persist else None,

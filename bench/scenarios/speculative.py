@@ -43,7 +43,7 @@ Every stream of a run has its own prompt: the workload's, its last message
 ending with a tag (the repeat, the stream count and the stream's index), the same tags for
 every system, so each text is compared with its baseline's. The prompt
 cache serves what the tags share; the lookup may still propose from what
-earlier rounds' answers held (``mlx.lookup.RecentSequences``), as in an
+earlier rounds' answers held (``mlx.speculation.lookup.RecentSequences``), as in an
 agent's later turns, but never a repeated prompt's whole answer.
 """
 

@@ -14,19 +14,21 @@ Cancelling the scope around the ``with`` block withdraws the request.
 (``gezel_trio.mlx.mlx_backend``); ``gezel_trio.engine`` has the same two
 with the backend as a required argument.
 
-Importing the package binds MLX to OpenBLAS on Linux (see
-``gezel_trio.mlx.blas``), so import it before anything imports ``mlx``.
+Importing the package has MLX bound to OpenBLAS on Linux when ``mlx`` is
+first imported (see ``gezel_trio.tuning.blas``), so import it before
+anything imports ``mlx``.
 """
 
-from .mlx import blas
+from .tuning import blas
 
-blas.preload()  # before any of our modules (or yours) imports mlx
+blas.preload_before_mlx()  # binds MLX's BLAS before anything (ours or yours) imports mlx
 
 from contextlib import AbstractAsyncContextManager
 
 import trio
 
 from . import engine as _engine
+from .addons import host_runner
 from .core.config import EngineConfig
 from .core.errors import (
     EngineClosed,
@@ -68,7 +70,7 @@ from .engine import (
     RequestHandle,
     Warmed,
 )
-from .host.loop import HostRunner, in_thread
+from .host.loop import HostRunner
 from .mlx import mlx_backend
 from .shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 
@@ -77,10 +79,12 @@ def open_engine(
     config: EngineConfig,
     backend_factory: BackendFactory = mlx_backend,
     *,
-    host: HostRunner = in_thread,
+    host: HostRunner | None = None,
 ) -> AbstractAsyncContextManager[Engine]:
-    """``gezel_trio.engine.open_engine`` over the MLX backend by default."""
-    return _engine.open_engine(config, backend_factory, host=host)
+    """``gezel_trio.engine.open_engine`` over the MLX backend by default,
+    its host loop on a thread with the add-ons ``config`` asks for
+    (``addons``; ``MissingExtra`` when one's extra is not installed)."""
+    return _engine.open_engine(config, backend_factory, host=host or host_runner(config))
 
 
 async def run_engine(  # noqa: ASYNC128 - the engine's run_engine calls started()
@@ -89,8 +93,11 @@ async def run_engine(  # noqa: ASYNC128 - the engine's run_engine calls started(
     *,
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """``gezel_trio.engine.run_engine`` over the MLX backend by default."""
-    await _engine.run_engine(config, backend_factory, task_status=task_status)
+    """``gezel_trio.engine.run_engine`` over the MLX backend by default,
+    with the add-ons ``config`` asks for (``addons``)."""
+    await _engine.run_engine(
+        config, backend_factory, host=host_runner(config), task_status=task_status
+    )
 
 
 __all__ = [

@@ -12,16 +12,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
+
 from .core.config import EngineConfig
 from .core.errors import GezelError, ModelLoadError
-from .core.settings import flag_default, from_flag, settings_of
+from .core.settings import build, flag_default, flag_name, flags_of, sections_of, settings_of
 from .http.app import HttpSettings
 from .mlx import follow_rank, group_rank
-from .mlx.demo_model import DemoKind
 from .mlx.model_source import per_layer_embedding_table, resolve_model
 from .profiles import PROFILES, SEED, STANDARD
 from .server import ServerConfig
 from .stdout_protocol import LogFormatter, StdoutSettings
+
+# The one place the package uses its testing module: the demo-model command.
+from .testing.demo_models import DemoKind
+from .tuning import blas
 
 __all__ = ["main", "seed_server_path", "server_config"]
 
@@ -43,13 +48,22 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-# The config classes whose settings are serve's flags, with their group's title.
+# The config classes whose settings are serve's flags, with their group's
+# title; each section of one (``core.settings.section``) is a group of its own.
 _SETTINGS: list[tuple[type, str]] = [
-    (EngineConfig, "the engine"),
+    (EngineConfig, "the model"),
     (HttpSettings, "the HTTP edge"),
     (ServerConfig, "the server"),
     (StdoutSettings, "the stdout lines a supervisor reads"),
 ]
+
+
+def _setting_groups(cls: type, title: str) -> list[tuple[type, str]]:
+    """``cls`` and its sections, depth first, each with its group's title."""
+    groups = [(cls, title)]
+    for _, part, heading in sections_of(cls):
+        groups += _setting_groups(part, heading)
+    return groups
 
 
 def _add_setting_flags(group: argparse._ArgumentGroup, cls: type) -> None:
@@ -67,7 +81,7 @@ def _add_setting_flags(group: argparse._ArgumentGroup, cls: type) -> None:
             negative = "--no-" + meta.flag.removeprefix("--")
             group.add_argument(
                 negative,
-                dest=_dest(meta.flag),
+                dest=flag_name(meta),
                 action="store_const",
                 const="off",
                 help=f"same as {meta.flag} off",
@@ -91,19 +105,17 @@ def _flag_type(hint: object) -> Any:
     return kind
 
 
-def _dest(flag: str) -> str:
-    return flag.removeprefix("--").replace("-", "_")
+def _flag_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """What ``args`` holds for each flag of ``cls`` and its sections."""
+    return {flag_name(meta): getattr(args, flag_name(meta)) for _, _, meta in flags_of(cls)}
 
 
 def _from_flags(cls: type[_C], args: argparse.Namespace, **given: Any) -> _C:
-    """``cls`` with each setting that has a flag taken from ``args``, except
-    those in ``given``; the rest keep their defaults."""
-    values = {
-        field.name: from_flag(field, meta, getattr(args, _dest(meta.flag)))
-        for field, meta in settings_of(cls)
-        if meta.flag is not None and field.name not in given
-    }
-    return cls(**values, **given)
+    """``cls`` with each setting that has a flag, its sections' too, taken
+    from ``args`` (``core.settings.build``), and the fields in ``given``."""
+    config = build(cls, _flag_values(cls, args))
+    # mypy cannot see that a class with settings is an attrs class.
+    return attrs.evolve(config, **given) if given else config  # type: ignore[misc]
 
 
 def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
@@ -127,7 +139,11 @@ def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
         help="a named set of defaults: 'seed' behaves as the seed sidecar where its client "
         "depends on it (docs/migrating-from-the-seed.md); flags given win",
     )
-    groups = {cls: s.add_argument_group(title) for cls, title in _SETTINGS}
+    groups = {
+        part: s.add_argument_group(heading)
+        for cls, title in _SETTINGS
+        for part, heading in _setting_groups(cls, title)
+    }
     for cls, group in groups.items():
         _add_setting_flags(group, cls)
     # The process's own, which main reads: no config holds them.
@@ -304,21 +320,22 @@ def server_config(
 ) -> ServerConfig:
     """What ``serve``'s flags (ours and the seed's) ask for; ``ValueError``
     names a value out of range."""
-    engine = _from_flags(
-        EngineConfig,
-        args,
-        model=model_dir,
-        # The seed's 0 meant its serial path: one sequence at a time.
-        max_concurrency=args.max_concurrency or 1,
-        map_per_layer_embeddings=(
-            args.map_per_layer_embeddings or args.external_ple_dir is not None
-        ),
-        # The seed's name for the ceiling, where ours is not given.
-        memory_limit_mb=(
-            args.memory_limit_mb
-            if args.memory_limit_mb is not None
-            else args.gpu_memory_limit_mb or None
-        ),
+    engine = EngineConfig.from_flags(
+        **_flag_values(EngineConfig, args)
+        | {
+            "model": model_dir,
+            # The seed's 0 meant its serial path: one sequence at a time.
+            "max_concurrency": args.max_concurrency or 1,
+            "map_per_layer_embeddings": (
+                args.map_per_layer_embeddings or args.external_ple_dir is not None
+            ),
+            # The seed's name for the ceiling, where ours is not given.
+            "memory_limit_mb": (
+                args.memory_limit_mb
+                if args.memory_limit_mb is not None
+                else args.gpu_memory_limit_mb or None
+            ),
+        }
     )
     return _from_flags(
         ServerConfig,
@@ -352,12 +369,14 @@ def main(argv: list[str] | None = None, *, seed_launch: bool = False) -> int:
     ``gezel_mlx_server.py`` (``serve``, the seed profile)."""
     argv, profile = _command_line(sys.argv[1:] if argv is None else list(argv), seed_launch)
     args = _parser(profile).parse_args(argv)
+    # MLX's BLAS is bound once, before anything imports mlx (tuning.blas).
+    blas.preload(getattr(args, "platform_tuning", "auto") != "off")
     if args.command == "seed-server-path":
         print(seed_server_path())
         return 0
     if args.command == "demo-model":
         # No Trio loop here: the builder runs on this, the only, thread.
-        from .mlx.demo_model import ensure_demo_model
+        from .testing.demo_models import ensure_demo_model
 
         print(ensure_demo_model(args.kind, args.size))
         return 0

@@ -22,7 +22,7 @@ then fails with ``EngineClosed`` (``_close_at_grace``): a stream gets its
 error frame and a plain request its 503, with ``GRACE_FLUSH_S`` more to
 write them, before hypercorn cancels what is left. Then the nursery is
 cancelled, which closes the engine and the host thread stops after its
-current step and a flush bounded by ``EngineConfig.shutdown_timeout``.
+current step and a flush bounded by ``EngineConfig.cache.shutdown_timeout``.
 
 Engine failure: when the engine stops working (its host thread died, or too
 many model steps failed in a row) every request has already failed with
@@ -48,17 +48,20 @@ import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from .addons import MissingExtra, host_runner, kv_events_publisher
 from .core.backend import Backend
 from .core.config import EngineConfig
 from .core.errors import EngineFailure, GezelError
-from .core.sched import EVENT_LOOP_SLICE_NS, request_slice
 from .core.settings import setting
 from .engine import Engine, run_engine
+from .host.loop import HostRunner, in_thread
 from .http.app import HttpSettings, create_app, served
 from .http.connections import ConnectionCap, bound_requests, check_connection_cap, serve_http
 from .http.response_store import ResponseStore
-from .mlx import mlx_backend, open_file_limit
+from .mlx import group_backend, group_rank, mlx_backend, open_file_limit
 from .stdout_protocol import StdoutProtocol, StdoutSettings
+from .tuning import applies
+from .tuning.sched import EVENT_LOOP_SLICE_NS, request_slice
 
 __all__ = ["Orphaned", "ServerConfig", "serve"]
 
@@ -148,6 +151,13 @@ async def _watch_parent(parent: int, shutdown: trio.Event) -> None:
     shutdown.set()
 
 
+def _backend(config: EngineConfig) -> Backend:
+    """The composition root's backend: MLX's, and under ``mlx.launch``
+    rank 0's of the group (``mlx.group``); the other ranks follow it
+    (``cli``). Called on the host thread, as every backend factory is."""
+    return group_backend(config) if group_rank() is not None else mlx_backend(config)
+
+
 async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the model loaded
     config: EngineConfig,
     shutdown: trio.Event,
@@ -155,11 +165,12 @@ async def _run_engine(  # noqa: ASYNC128 - run_engine calls started() once the m
     linger: float,
     *,
     backend_factory: Callable[[EngineConfig], Backend] | None = None,
+    host: HostRunner = in_thread,
     task_status: trio.TaskStatus[Engine] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     try:
         # The composition root picks the backend: MLX unless a test injects one.
-        await run_engine(config, backend_factory or mlx_backend, task_status=task_status)
+        await run_engine(config, backend_factory or _backend, host=host, task_status=task_status)
     except EngineFailure as failure:  # only raised once the engine was ready
         died.append(failure)
         log.critical("the engine failed (%s): exiting after a drain", failure.message)
@@ -223,14 +234,15 @@ def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _tune_process(_engine: Engine) -> None:
+def _tune_process(_engine: Engine, *, tuned: bool = True) -> None:
     """What the server process does once its engine runs, on its Trio
     thread (``main_serve``; ``serve`` called as a library leaves the
     caller's process as it is):
 
-    - The Trio thread asks for a short scheduler slice (``core.sched``): it
+    - The Trio thread asks for a short scheduler slice (``tuning.sched``): it
       answers /health while the compute fills the cores. Asked for once the
-      host thread has started, which would have inherited it.
+      host thread has started, which would have inherited it. Not with
+      the platform tuning off (``tuned``).
     - What start-up made (the modules, the model's and the tokenizer's
       objects) is left out of every later garbage collection. A full
       collection walks every tracked object with the GIL held: on SmolLM2
@@ -238,7 +250,7 @@ def _tune_process(_engine: Engine) -> None:
       it (docs/performance.md). Collected first, so that start-up's garbage
       is not kept.
     """
-    refused = request_slice(EVENT_LOOP_SLICE_NS)
+    refused = request_slice(EVENT_LOOP_SLICE_NS) if tuned else "platform tuning off"
     if refused is None:
         log.info("the Trio thread: %d us slices", EVENT_LOOP_SLICE_NS // 1000)
     else:
@@ -266,9 +278,12 @@ async def serve(
 
     Raises ``EngineFailure`` after draining if the engine stopped working;
     a model that does not load is a ``ModelLoadError`` out of its nursery
-    (in an exception group), before ``started``. ``backend_factory``
+    (in an exception group), before ``started``; a flag whose add-on is
+    not installed, ``MissingExtra`` before anything starts. ``backend_factory``
     replaces the MLX backend (fault-injection tests); ``on_engine`` is
     handed the engine once it is ready (tests read its state)."""
+    # The add-ons a flag asks for attach here, at the composition root.
+    host = host_runner(config.engine)
     hc = HypercornConfig()
     hc.bind = [f"{_bracket(config.http.host)}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout + GRACE_FLUSH_S
@@ -285,7 +300,7 @@ async def serve(
         await nursery.start(stdout.run)
         stdout.startup_nowait(config.engine.model or "the default model")
         engine: Engine = await nursery.start(
-            partial(_run_engine, backend_factory=backend_factory),
+            partial(_run_engine, backend_factory=backend_factory, host=host),
             config.engine,
             shutdown,
             died,
@@ -296,8 +311,8 @@ async def serve(
         log.info("model %s ready (context %d)", engine.info.model_id, engine.info.context_length)
         stdout.say_nowait("Model and processor loaded successfully.")
         stdout.say_nowait(
-            f"[batch] engine ready max_concurrency={config.engine.max_concurrency} "
-            f"prefill_step_size={config.engine.prefill_step_size} "
+            f"[batch] engine ready max_concurrency={config.engine.scheduling.max_concurrency} "
+            f"prefill_step_size={config.engine.scheduling.prefill_step_size} "
             f"context={engine.info.context_length}"
         )
         nursery.start_soon(stdout.watch, engine.watch(waiting_every=config.stdout.waiting_interval))
@@ -306,7 +321,7 @@ async def serve(
         if config.watch_parent is not None:
             nursery.start_soon(_watch_parent, config.watch_parent, shutdown)
         http = attrs.evolve(config.http, on_bug=partial(stdout.contained_nowait, "http"))
-        persist = config.engine.persist_dir
+        persist = config.engine.cache.persist_dir
         responses = ResponseStore(
             int(config.responses_budget_mb * 1024 * 1024),
             persist / "responses" if persist is not None else None,
@@ -360,10 +375,16 @@ def main_serve(
 ) -> int:
     """Run ``serve`` in a fresh Trio loop; a load failure or an engine
     failure is one clean line and exit status 1; ``--max-connections``
-    above what the open-file limit allows, exit status 2.
+    above what the open-file limit allows, or a flag whose extra is not
+    installed, exit status 2.
 
     The process's open-file limit is raised to its hard limit first
     (``open_file_limit``): each connection holds a descriptor."""
+    try:
+        kv_events_publisher(config.engine)  # first: before the model loads
+    except MissingExtra as exc:
+        print(f"gezel-trio: {exc}", file=sys.stderr)
+        return 2
     open_files = open_file_limit()
     try:
         check_connection_cap(config.http.max_connections, open_files)
@@ -377,7 +398,8 @@ def main_serve(
     )
     status = 0
     try:
-        trio.run(partial(serve, config, backend_factory=backend_factory, on_engine=_tune_process))
+        tune = partial(_tune_process, tuned=applies(config.engine.tuning))
+        trio.run(partial(serve, config, backend_factory=backend_factory, on_engine=tune))
     except* GezelError as group:
         for err in group.exceptions:
             print(f"gezel-trio: {err}", file=sys.stderr)

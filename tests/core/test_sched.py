@@ -1,4 +1,4 @@
-"""``core.sched.request_slice``: the calling thread asks for its EEVDF slice
+"""``tuning.sched.request_slice``: the calling thread asks for its EEVDF slice
 and keeps its policy and nice value; the other threads keep theirs.
 
 Each case runs in a thread of its own, so the test runner's threads keep
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from gezel_trio.core.sched import EVENT_LOOP_SLICE_NS, request_slice, slice_ns_of
+from gezel_trio.tuning.sched import EVENT_LOOP_SLICE_NS, request_slice, slice_ns_of
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"),

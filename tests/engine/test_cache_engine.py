@@ -194,7 +194,7 @@ async def test_restart_with_the_same_persist_dir_is_a_disk_hit(
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Find the population of Paris."},
     ]
-    config = EngineConfig(model=model, persist_dir=tmp_path)
+    config = EngineConfig.from_flags(model=model, persist_dir=tmp_path)
     with trio.fail_after(HANG):
         async with open_engine(config) as engine:
             t1 = await turn(engine, words, messages, cache_id="persisted")
@@ -210,7 +210,9 @@ async def test_restart_with_the_same_persist_dir_is_a_disk_hit(
             in_memory = await turn(engine, words, messages_b, cache_id="persisted")
         assert t2.usage.cached_tokens == in_memory.usage.cached_tokens > 0
         # Another model's fingerprint never loads the entry.
-        other = EngineConfig(model=model, persist_dir=tmp_path, model_fingerprint="another-model")
+        other = EngineConfig.from_flags(
+            model=model, persist_dir=tmp_path, model_fingerprint="another-model"
+        )
         async with open_engine(other) as engine:
             t3 = await turn(engine, words, messages, cache_id="persisted")
             assert t3.usage.cached_tokens == 0
@@ -258,7 +260,9 @@ async def test_cancelled_prefill_saves_the_last_chunk_edge(kind: str, model: Pat
     ]
     step = 64
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=model, prefill_step_size=step)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=model, prefill_step_size=step)
+        ) as engine:
             rendered = await engine.render_chat(messages, tools=TOOLS)
             assert len(rendered.tokens) > 6 * step
             greedy = SamplingParams(temperature=0.0)
@@ -282,7 +286,7 @@ async def test_cancelled_while_queued_saves_nothing(model: Path) -> None:
     words = Words(model)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Wait your turn."}]
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=model, max_concurrency=1)) as engine:
+        async with open_engine(EngineConfig.from_flags(model=model, max_concurrency=1)) as engine:
             rendered = await engine.render_chat(messages)
             blocker = GenerationRequest(rendered.tokens, 10_000, ignore_eos=True)
             with engine.submit_nowait(blocker) as first:

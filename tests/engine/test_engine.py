@@ -6,7 +6,6 @@ predicate after each engine step); ``trio.fail_after`` only bounds a hang.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,48 +15,16 @@ import trio
 from gezel_trio import (
     Delta,
     Engine,
-    EngineClosed,
     EngineConfig,
-    Failed,
     Finished,
     GenerationRequest,
     InvalidRequest,
-    QueueFull,
     SamplingParams,
     open_engine,
 )
+from tests.support.engine_api import collect, greedy, prompt_for
 
 HANG = 60  # seconds; a bound on a hang, never a wait
-
-
-async def prompt_for(engine: Engine, text: str = "Tell me a story.") -> tuple[int, ...]:
-    rendered = await engine.render_chat(
-        [{"role": "user", "content": text}], template_kwargs={"enable_thinking": False}
-    )
-    return rendered.tokens
-
-
-async def collect(engine: Engine, req: GenerationRequest) -> tuple[str, Finished]:
-    parts: list[str] = []
-    with engine.submit_nowait(req) as handle:
-        async for _, event in handle:
-            match event:
-                case Delta(text=text):
-                    parts.append(text)
-                case Finished() as fin:
-                    return "".join(parts), fin
-                case Failed(error=error):
-                    raise error
-    raise AssertionError("no terminal event")
-
-
-def greedy(prompt: Sequence[int], n: int, **kw: object) -> GenerationRequest:
-    return GenerationRequest(
-        tuple(prompt),
-        max_tokens=n,
-        sampling=SamplingParams(temperature=0.0),
-        **kw,  # type: ignore[arg-type]
-    )
 
 
 async def test_generates_to_max_tokens_with_usage(any_model: Path) -> None:
@@ -76,7 +43,9 @@ async def test_generates_to_max_tokens_with_usage(any_model: Path) -> None:
 async def test_batched_greedy_matches_solo_greedy(dense_model: Path) -> None:
     """Four sequences decoded together give what each gives alone."""
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model, max_concurrency=4)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, max_concurrency=4)
+        ) as engine:
             prompts = [await prompt_for(engine, f"Question number {i}?") for i in range(4)]
             solo = [await collect(engine, greedy(p, 10, ignore_eos=True)) for p in prompts]
             together: list[str] = [""] * 4
@@ -120,7 +89,9 @@ async def test_same_seed_same_text_whatever_shares_the_batch(dense_model: Path) 
 async def test_more_requests_than_slots_all_complete(any_model: Path) -> None:
     """Requests arriving while a batch runs join it or wait; none is lost."""
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=any_model, max_concurrency=2)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=any_model, max_concurrency=2)
+        ) as engine:
             prompt = await prompt_for(engine)
             lengths = [3, 9, 5, 7, 4, 6]
             done: dict[int, Finished] = {}
@@ -141,60 +112,6 @@ async def test_more_requests_than_slots_all_complete(any_model: Path) -> None:
                 state = engine.state()
                 assert len(state.queued) + len(state.running) >= 3
             assert {i: f.usage.output_tokens for i, f in done.items()} == dict(enumerate(lengths))
-
-
-async def test_withdrawn_sequence_leaves_within_one_step(any_model: Path) -> None:
-    with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=any_model)) as engine:
-            prompt = await prompt_for(engine)
-            seen = 0
-            with engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True)) as handle:
-                async for _, event in handle:
-                    if isinstance(event, Delta):
-                        seen += 1
-                        if seen == 3:
-                            break
-            rid = handle.rids[0]
-            state = await engine.wait_until(lambda s: any(r.rid == rid for r in s.recent_removals))
-            removal = next(r for r in state.recent_removals if r.rid == rid)
-            assert removal.removed_at_step - removal.withdrawn_at_step <= 1
-            assert rid not in state.running
-            assert state.live == 0
-
-
-async def test_cancelled_caller_scope_withdraws_the_request(dense_model: Path) -> None:
-    with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model)) as engine:
-            prompt = await prompt_for(engine)
-            rid = -1
-            request = greedy(prompt, 10_000, ignore_eos=True)
-            with trio.CancelScope() as scope, engine.submit_nowait(request) as handle:
-                rid = handle.rids[0]
-                async for _, event in handle:
-                    if isinstance(event, Delta):
-                        scope.cancel()
-            assert scope.cancelled_caught
-            await engine.wait_until(lambda s: any(r.rid == rid for r in s.recent_removals))
-            # The slot is free again: a new request runs to completion.
-            _, fin = await collect(engine, greedy(prompt, 3, ignore_eos=True))
-            assert fin.usage.output_tokens == 3
-
-
-async def test_queued_request_that_leaves_is_never_admitted(dense_model: Path) -> None:
-    with trio.fail_after(HANG):
-        config = EngineConfig(model=dense_model, max_concurrency=1)
-        async with open_engine(config) as engine:
-            prompt = await prompt_for(engine)
-            with engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True)) as first:
-                async for _, event in first:
-                    if isinstance(event, Delta):
-                        break
-                with engine.submit_nowait(greedy(prompt, 5)) as second:
-                    assert engine.state().queued == (second.rids[0],)
-                waiting_rid = second.rids[0]
-                assert engine.state().queued == ()
-            await engine.wait_until(lambda s: s.running == () and s.live == 0)
-            assert all(r.rid != waiting_rid for r in engine.state().recent_removals)
 
 
 async def test_stop_string_ends_the_turn(dense_model: Path) -> None:
@@ -223,37 +140,6 @@ async def test_min_tokens_holds_back_eos(dense_model: Path) -> None:
             assert (fin.reason, fin.usage.output_tokens) == ("stop", 1)
             _, fin = await collect(engine, GenerationRequest(prompt, 20, forced, min_tokens=5))
             assert (fin.reason, fin.usage.output_tokens) == ("stop", 6)
-
-
-async def test_bad_requests_are_refused_at_submit(dense_model: Path) -> None:
-    async with open_engine(
-        EngineConfig(model=dense_model, max_queue=0, max_concurrency=1)
-    ) as engine:
-        window = engine.info.context_length
-        with pytest.raises(InvalidRequest):
-            engine.submit_nowait(greedy((), 5))
-        with pytest.raises(InvalidRequest) as info:
-            engine.submit_nowait(greedy((1, 2), window))
-        assert info.value.param == "max_tokens"
-        with engine.submit_nowait(greedy((5, 6, 7), 3)), pytest.raises(QueueFull):
-            engine.submit_nowait(greedy((5, 6, 7), 3))
-
-
-async def test_closing_fails_live_requests_with_engine_closed(dense_model: Path) -> None:
-    with trio.fail_after(HANG):
-        events: list[object] = []
-        async with open_engine(EngineConfig(model=dense_model, max_concurrency=1)) as engine:
-            prompt = await prompt_for(engine)
-            running = engine.submit_nowait(greedy(prompt, 10_000, ignore_eos=True))
-            queued = engine.submit_nowait(greedy(prompt, 5))
-            await engine.wait_until(lambda s: s.running == (running.rids[0],))
-            engine.close_nowait()
-            with running, queued:
-                events = [e async for _, e in running][-1:] + [e async for _, e in queued][-1:]
-            with pytest.raises(EngineClosed):
-                engine.submit_nowait(greedy(prompt, 5))
-        assert [type(e) for e in events] == [Failed, Failed]
-        assert all(isinstance(e, Failed) and isinstance(e.error, EngineClosed) for e in events)
 
 
 async def test_thinking_budget_is_respected_to_the_token(any_model: Path) -> None:

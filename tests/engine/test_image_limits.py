@@ -86,7 +86,7 @@ def test_eight_16_megapixel_pngs_are_refused_before_any_is_decoded(
 ) -> None:
     big = png((4000, 4000))
     assert len(big) < 100_000  # tiny as sent
-    limits = ImageLimits.of(EngineConfig())
+    limits = EngineConfig().images
     assert limits.pixels == 16_000_000  # each one alone is allowed
     with pytest.raises(InvalidImage) as err:
         prepare_vision(rendered(8), parts([big] * 8), NeverCalled(), limits)
@@ -127,7 +127,7 @@ def test_the_request_total_is_a_flag() -> None:
         ["serve", "--model", "m", "--max-request-image-pixels", "5000000"]
     )
     config = cli._from_flags(EngineConfig, args)
-    assert ImageLimits.of(config).total_pixels == 5_000_000
+    assert config.images.total_pixels == 5_000_000
 
 
 # --- hostile files: each is a 400 naming the part, read from the header -------
@@ -138,7 +138,7 @@ def test_a_hostile_image_is_refused_naming_the_part_before_its_pixels_decode(
     name: str, loads: list[tuple[int, int]]
 ) -> None:
     raw, says = HOSTILE[name]
-    limits = ImageLimits.of(EngineConfig())
+    limits = EngineConfig().images
     where = "messages[0].content[1].image_url"
     with pytest.raises(InvalidImage) as err:
         _images.decode_images([ImagePart(base64.b64encode(raw).decode(), where)], limits)
@@ -149,7 +149,7 @@ def test_a_hostile_image_is_refused_naming_the_part_before_its_pixels_decode(
 
 
 def test_the_limits_are_named_in_the_refusal() -> None:
-    limits = ImageLimits.of(EngineConfig())
+    limits = EngineConfig().images
     assert limits.aspect == 20
 
     def refusal(raw: bytes) -> str:
@@ -163,7 +163,7 @@ def test_the_limits_are_named_in_the_refusal() -> None:
 
 
 def test_a_long_image_within_the_ratio_is_decoded() -> None:
-    limits = ImageLimits.of(EngineConfig())
+    limits = EngineConfig().images
     part = ImagePart(png((20, 400)), "p")
     [decoded] = _images.decode_images([part], limits)
     assert decoded.image.size == (20, 400)
@@ -174,7 +174,7 @@ def test_an_icc_profile_of_a_few_kilobytes_is_taken() -> None:
     profile = chunk(b"iCCP", b"icc\x00\x00" + zlib.compress(b"p" * 3_000))
     raw = png_with(profile)
     [decoded] = _images.decode_images(
-        [ImagePart(base64.b64encode(raw).decode(), "p")], ImageLimits.of(EngineConfig())
+        [ImagePart(base64.b64encode(raw).decode(), "p")], EngineConfig().images
     )
     assert decoded.image.size == (8, 8)
 
@@ -187,6 +187,6 @@ def test_a_truncated_image_is_a_400_even_with_its_header_intact() -> None:
     with pytest.raises(InvalidImage) as err:
         _images.decode_images(
             [ImagePart(base64.b64encode(whole[: len(whole) // 2]).decode(), "p")],
-            ImageLimits.of(EngineConfig()),
+            EngineConfig().images,
         )
     assert "could not be decoded" in str(err.value)

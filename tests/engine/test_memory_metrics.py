@@ -10,11 +10,15 @@ host exchange, so no test waits for a figure by time.
 
 from __future__ import annotations
 
+from typing import Any
+
+import attrs
 import pytest
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from gezel_trio.core.figures import BackendFigures, MemoryFigures, SpecFigures, published
 from gezel_trio.host import loop
 from gezel_trio.testing import ScriptedBackend, TestEngine, open_test_engine
 from tests.support.scenarios import drain, req
@@ -63,5 +67,44 @@ def test_the_buffer_cache_shows_and_is_given_back_when_the_engine_goes_idle(
             assert backend.steps - steps >= 20
             assert backend.reclaims == 2
             assert len(trims) == 2, "glibc's free pages go back with the buffer cache"
+
+    trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _numbered(cls: type[Any], start: int) -> Any:
+    """An instance of a figures class whose every declared figure holds a
+    value of its own (``start``, ``start + 1``, ...)."""
+    names = [f.name for f in attrs.fields(cls) if "metric" in f.metadata]
+    return cls(**{name: start + i for i, name in enumerate(names)})
+
+
+class _Measuring(ScriptedBackend):
+    """Reports a value of its own for every figure ``core.figures`` declares."""
+
+    def figures(self) -> BackendFigures:
+        return attrs.evolve(
+            super().figures(),
+            memory=_numbered(MemoryFigures, 1000),
+            speculation=_numbered(SpecFigures, 2000),
+        )
+
+
+def test_every_declared_backend_figure_is_on_metrics_under_its_name() -> None:
+    expected = {m.name: (m.kind, v) for m, v in published(_Measuring().figures())}
+    assert len(expected) == 8, "the memory gauges and the speculation counters"
+
+    async def scenario() -> None:
+        async with open_test_engine(_Measuring()) as t:
+            await drain(t, req(max_tokens=3))
+            families = {
+                f.name: f
+                for f in text_string_to_metric_families(t.engine.metrics.exposition().decode())
+            }
+            for name, (kind, value) in expected.items():
+                family = families[name.removesuffix("_total")]
+                assert family.type == kind, name
+                assert [s.value for s in family.samples if s.name.endswith(("_total", name))] == [
+                    value
+                ], name
 
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))

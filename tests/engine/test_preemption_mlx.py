@@ -52,7 +52,9 @@ def text(events: list[Any]) -> str:
 
 async def test_parked_background_wave_resumes_byte_identically(any_model: Path) -> None:
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=any_model, max_concurrency=4)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=any_model, max_concurrency=4)
+        ) as engine:
             prompts = [await prompt(engine, f"Background job number {i}.") for i in range(4)]
             alone = []
             for p in prompts:
@@ -85,7 +87,9 @@ async def test_interactive_request_starts_before_the_background_wave_ends(
     dense_model: Path,
 ) -> None:
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model, max_concurrency=4)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, max_concurrency=4)
+        ) as engine:
             p = await prompt(engine, "Summarize everything you know.")
             order: list[str] = []
 

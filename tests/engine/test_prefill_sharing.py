@@ -187,7 +187,9 @@ async def test_siblings_seeded_from_the_shared_prompt_match_a_sequence_alone(
     """Greedy choices are identical to the same prompt decoded alone: the
     state the siblings seed from is the prompt's, exactly."""
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=any_model, max_concurrency=4)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=any_model, max_concurrency=4)
+        ) as engine:
             choices = await _greedy_choices(engine, "Count the sheep, three at a time.", 3)
             ((alone, _),) = await _greedy_choices(engine, "Count the sheep, three at a time.", 1)
     texts = [text for text, _ in choices]

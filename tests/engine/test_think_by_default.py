@@ -30,7 +30,9 @@ async def test_a_request_without_enable_thinking_follows_the_setting(
     dense_model: Path, on: bool
 ) -> None:
     with trio.fail_after(120):
-        async with open_engine(EngineConfig(model=dense_model, think_by_default=on)) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, think_by_default=on)
+        ) as engine:
             assert (await _rendered(engine)).endswith("THINK" if on else "PLAIN")
             # A request that names the switch decides for itself either way.
             assert (await _rendered(engine, enable_thinking=False)).endswith("PLAIN")

@@ -9,7 +9,7 @@ from typing import Any
 
 from gezel_trio.core.request import CacheRequest, GenerationRequest
 from gezel_trio.host.prompt_cache import PromptCache
-from tests.host.test_prompt_cache import Harness, request
+from tests.support.prompt_cache import Harness, request
 
 
 def _decoding(h: Harness) -> Harness:

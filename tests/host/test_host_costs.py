@@ -24,8 +24,8 @@ from gezel_trio.core.cache_store import CacheStore
 from gezel_trio.host import persist
 from gezel_trio.host.persist import DiskCache, DiskEntry, DiskIndex
 from gezel_trio.host.prompt_cache import CacheBook
-from tests.host.test_prompt_cache import Harness, request
 from tests.support.fakes import FakeOps, FakeState
+from tests.support.prompt_cache import Harness, request
 
 BLOCK = 8
 HEAD = tuple(range(1, 1 + BLOCK))  # one whole block every filler shares

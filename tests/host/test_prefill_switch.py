@@ -1,4 +1,4 @@
-"""The GIL's switch interval while a prompt prefills (``host.gil``,
+"""The GIL's switch interval while a prompt prefills (``tuning.gil``,
 ``--prefill-switch-ms``): short from a prompt's first chunk to its first
 token, Python's again once nothing prefills and when the engine stops, and
 left alone at 0. Driven over the scripted engine, whose host loop is a Trio
@@ -12,8 +12,8 @@ import trio
 import trio.testing
 
 from gezel_trio import ChatRequest
-from gezel_trio.host.gil import PrefillSwitch
 from gezel_trio.testing import ScriptedBackend, open_test_engine
+from gezel_trio.tuning.gil import PrefillSwitch
 
 PYTHONS = 0.005
 

@@ -13,8 +13,8 @@ import trio
 
 from gezel_trio import EngineConfig, open_engine
 from gezel_trio.host.persist import DiskCache
-from tests.host.test_prompt_cache import P1, Harness, request
 from tests.support.fakes import FakeOps, FakeState
+from tests.support.prompt_cache import P1, Harness, request
 
 TOKENS = tuple(range(50))
 HANG = 120
@@ -110,7 +110,7 @@ async def test_an_idle_engine_writes_a_finished_turn_behind(
 ) -> None:
     """The real engine: after a turn the host writes its entry while idle;
     the stats say clean without any flush, and the flush finds nothing."""
-    config = EngineConfig(model=dense_model, persist_dir=tmp_path, write_behind=True)
+    config = EngineConfig.from_flags(model=dense_model, persist_dir=tmp_path, write_behind=True)
     with trio.fail_after(HANG):
         async with open_engine(config) as engine:
             handle = await engine.chat(

@@ -33,8 +33,10 @@ from gezel_trio.core.events import Failed, Progress, Queued, Started, Usage
 from gezel_trio.engine import ChatFinished
 from gezel_trio.http.anthropic_messages import _Events, chat_request, message_body
 from gezel_trio.http.anthropic_wire import parse_messages_request
+from gezel_trio.http.app import HttpSettings
 from gezel_trio.shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from tests.support.process import Server, start_server, stop_server
+from tests.support.scripted import scripted_server
 
 KEY = "sekrit-key"
 
@@ -725,9 +727,16 @@ def test_anthropic_defined_tools_are_left_out_and_named(client: anthropic.Anthro
     assert counted.input_tokens == alone.input_tokens
 
 
-@pytest.mark.slow
-def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic) -> None:
-    with pytest.raises(anthropic.BadRequestError) as bad:
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Server]:
+    """The scripted engine's server with the same key: what a request is
+    refused for does not depend on the model."""
+    with scripted_server(http=HttpSettings(api_key=(KEY,))) as srv:
+        yield srv
+
+
+def test_errors_are_anthropic_errors(scripted: Server) -> None:
+    with _client(scripted.url) as client, pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model="demo", max_tokens=0, messages=HELLO)
     assert bad.value.body["type"] == "error"  # type: ignore[index]
     assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
@@ -804,10 +813,6 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
         ({"messages": [{"role": "system", "content": ""}]}, "nothing to answer"),
         ({"messages": HELLO, "thread": {"type": "create"}}, "thread: server-held threads"),
         (
-            {"messages": HELLO, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS},
-            "nope",
-        ),
-        (
             {"messages": HELLO, "thinking": {"type": "enabled", "budget_tokens": 64}},
             "budget_tokens",
         ),
@@ -818,7 +823,7 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
     ]
     for body, named in cases:
         r = httpx.post(
-            f"{dense.url}/v1/messages",
+            f"{scripted.url}/v1/messages",
             json={"model": "demo", "max_tokens": 8, **body},
             headers={"x-api-key": KEY},
             timeout=30,
@@ -827,6 +832,22 @@ def test_errors_are_anthropic_errors(dense: Server, client: anthropic.Anthropic)
         assert r.json()["type"] == "error"
         assert r.json()["error"]["type"] == "invalid_request_error"
         assert named in r.json()["error"]["message"], (body, r.text)
+
+
+@pytest.mark.slow
+def test_a_forced_tool_that_is_not_declared_is_an_anthropic_error(dense: Server) -> None:
+    # The grammar compiler names it: a model that can constrain decoding.
+    body = {"messages": HELLO, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}
+    r = httpx.post(
+        f"{dense.url}/v1/messages",
+        json={"model": "demo", "max_tokens": 8, **body},
+        headers={"x-api-key": KEY},
+        timeout=30,
+    )
+    assert r.status_code == 400, (body, r.text)
+    assert r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "nope" in r.json()["error"]["message"], (body, r.text)
 
     # A field the server does not implement is ignored and named, not refused.
     r = httpx.post(

@@ -8,7 +8,7 @@ from typing import Any
 import httpx2 as httpx
 import trio
 
-from tests.support.inprocess import raw_stream, read_content_frames, served
+from tests.support.inprocess import raw_stream, read_content_frames, served, served_scripted
 
 HANG = 120
 SYSTEM = "You are the archivist. You answer from the archive and cite shelf numbers. " * 4
@@ -137,9 +137,10 @@ async def test_flush_waits_for_a_cancelled_turn_to_file_its_snapshot(
             assert [(e["cache_id"], e["dirty"]) for e in stats] == [("cut", False)]
 
 
-async def test_cache_request_fields_are_validated(dense_model: Path) -> None:
+async def test_cache_request_fields_are_validated() -> None:
+    # Refused before any model runs: on the scripted engine.
     with trio.fail_after(HANG):
-        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as c:
+        async with served_scripted() as (_engine, url), httpx.AsyncClient(base_url=url) as c:
             for bad, param in [
                 ({"cache_id": ""}, "cache_id"),
                 ({"cache_id": "x" * 5000}, "cache_id"),

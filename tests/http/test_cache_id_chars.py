@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import sys
 import unicodedata
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -17,7 +16,7 @@ import trio
 
 from gezel_trio.core.errors import InvalidRequest
 from gezel_trio.http.checks import CACHE_ID_REFUSED, check_cache_id
-from tests.support.inprocess import served
+from tests.support.inprocess import served_scripted
 
 HANG = 120
 FORGED = "mine cache=theirs"
@@ -45,7 +44,7 @@ def test_the_refused_class_is_exactly_controls_and_whitespace() -> None:
         assert bool(refused.match(c)) == expected, hex(code)
 
 
-async def test_every_id_field_refuses_a_forged_tag(dense_model: Path) -> None:
+async def test_every_id_field_refuses_a_forged_tag() -> None:
     cases = [
         ("/v1/chat/completions", {"messages": USER, "cache_id": FORGED}, "cache_id"),
         (
@@ -63,7 +62,7 @@ async def test_every_id_field_refuses_a_forged_tag(dense_model: Path) -> None:
         ("/v1/cache/warm", {"messages": USER, "cache_id": FORGED}, "cache_id"),
     ]
     with trio.fail_after(HANG):
-        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as client:
+        async with served_scripted() as (_engine, url), httpx.AsyncClient(base_url=url) as client:
             for path, body, param in cases:
                 r = await client.post(path, json=body)
                 assert r.status_code == 400, (path, r.text)

@@ -113,7 +113,8 @@ def _forced_patch(server: Server, *, stream: bool) -> tuple[Any, list[Any]]:
         tool_choice={"type": "custom", "name": "apply_patch"},
         max_output_tokens=400,
         temperature=1.0,
-        seed=7,
+        # SmolLM2 ends its patch in 50 tokens under this seed (228 under seed 7).
+        seed=8,
         stream=stream,
     )
     if not stream:
@@ -242,7 +243,8 @@ def test_chat_forced_custom_call_comes_back_as_a_custom_tool_call(
         messages=[{"role": "user", "content": "Add a README file."}],
         tools=[_CHAT_PATCH_TOOL],
         tool_choice={"type": "custom", "custom": {"name": "apply_patch"}},
-        max_tokens=60,
+        # Greedy SmolLM2 runs past 60 tokens on one line: 32 reach that line.
+        max_tokens=32,
         temperature=0,
     )
     if stream:

@@ -1,13 +1,16 @@
 """Legacy completions, ``/tokenize`` and ``/detokenize``, and ``n > 1`` on
 chat and legacy completions, through the real server on the dense
 demo model, driven by the official ``openai`` SDK (and plain HTTP for the
-routes it has no method for). The default model's run of the same SDK calls
-is in ``tests/clients/test_clients.py``.
+routes it has no method for). The refusals and ignored fields, which do not
+depend on the model, are checked on the scripted engine's server. The
+default model's run of the same SDK calls is in
+``tests/clients/test_clients.py``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -15,6 +18,7 @@ import openai
 import pytest
 
 from tests.support.process import Server
+from tests.support.scripted import scripted_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +29,14 @@ FIXED = {"ignore_eos": True}
 def server(dense_server: Server) -> Server:
     """The session's server on the dense demo model (``tests.support.process``)."""
     return dense_server
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Server]:
+    """The scripted engine's server: what a request's fields are refused
+    for does not depend on the model."""
+    with scripted_server() as server:
+        yield server
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -224,21 +236,21 @@ def test_tokenize_and_detokenize(server: Server) -> None:
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(
-    server: Server, path: str, body: dict[str, Any], param: str | None
+    scripted: Server, path: str, body: dict[str, Any], param: str | None
 ) -> None:
-    r = post(server, path, body)
+    r = post(scripted, path, body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param
     assert error["message"]
 
 
-def test_an_unknown_field_is_ignored_and_named(server: Server) -> None:
-    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": 1})
+def test_an_unknown_field_is_ignored_and_named(scripted: Server) -> None:
+    r = post(scripted, "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": 1})
     assert r.status_code == 200, r.text
     assert r.headers["x-gezel-ignored-fields"] == "frobnicate"
 
 
-def test_the_sdk_sees_the_400(server: Server) -> None:
+def test_the_sdk_sees_the_400(scripted: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="suffix"):
-        server.client.completions.create(model="demo", prompt="x", suffix="y")
+        scripted.client.completions.create(model="demo", prompt="x", suffix="y")

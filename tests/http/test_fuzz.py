@@ -1,6 +1,6 @@
 """Fuzz every route of the real server on the real MLX backend.
 
-A bounded number of hypothesis examples (``GEZEL_FUZZ_EXAMPLES``, 500 by
+A bounded number of hypothesis examples (``GEZEL_FUZZ_EXAMPLES``, 300 by
 default, which keeps CI in its time; ``python -m bench fuzz`` runs 50,000)
 against one server process on the tiny dense demo model (its window cut to
 320 tokens, so a budget of 2^63 or 10^400 goes as drawn and is cut to what
@@ -41,7 +41,7 @@ from tests.support.process import Server, spawn_server, start_server, stop_serve
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = int(os.environ.get("GEZEL_FUZZ_EXAMPLES", "500"))
+EXAMPLES = int(os.environ.get("GEZEL_FUZZ_EXAMPLES", "300"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx2 as httpx
 import trio
 
 from gezel_trio.http.app import HttpSettings
-from tests.support.inprocess import raw_stream, read_content_frames, served
+from tests.support.inprocess import raw_stream, read_content_frames, served, served_scripted
 
 HANG = 60
 
@@ -71,11 +71,11 @@ async def test_queue_overflow_is_429_with_retry_after(dense_model: Path) -> None
                 assert r.json()["error"]["code"] == "queue_full"
 
 
-async def test_api_key_guards_every_route_but_health(dense_model: Path) -> None:
+async def test_api_key_guards_every_route_but_health() -> None:
     with trio.fail_after(HANG):
         settings = HttpSettings(api_key="s3cret")
         async with (
-            served(dense_model, settings) as (_engine, url),
+            served_scripted(settings) as (_engine, url),
             httpx.AsyncClient(base_url=url) as client,
         ):
             assert (await client.get("/health")).status_code == 200
@@ -86,9 +86,10 @@ async def test_api_key_guards_every_route_but_health(dense_model: Path) -> None:
             assert (await client.get("/v1/models", headers=right)).status_code == 200
 
 
-async def test_foreign_host_header_is_refused_on_loopback(dense_model: Path) -> None:
+async def test_foreign_host_header_is_refused_on_loopback() -> None:
+    # Refused before any model runs: on the scripted engine.
     with trio.fail_after(HANG):
-        async with served(dense_model) as (_engine, url), httpx.AsyncClient(base_url=url) as c:
+        async with served_scripted() as (_engine, url), httpx.AsyncClient(base_url=url) as c:
             r = await c.get("/v1/models", headers={"Host": "evil.example:8080"})
             assert r.status_code == 403
             assert (await c.get("/v1/models", headers={"Host": "localhost:1"})).status_code == 200

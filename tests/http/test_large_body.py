@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import attrs
 import httpx2 as httpx
 import pytest
 import trio
@@ -296,27 +295,3 @@ async def test_a_large_bodys_view_is_built_and_freed_off_the_loop(
     assert loop not in viewed_on
     assert freed_on
     assert loop not in freed_on
-
-
-def test_dismantle_frees_what_it_alone_holds_and_leaves_what_is_shared() -> None:
-    import weakref
-
-    @attrs.frozen
-    class Part:
-        text: str
-
-    @attrs.frozen
-    class Turn:
-        parts: list[Part]
-        meta: dict[str, Any]
-
-    shared = [Part("kept")]
-    turns = [Turn([Part(str(i)) for i in range(300)], {"k": [[1], (2, [3])]}) for i in range(600)]
-    turns.append(Turn(shared, {"shared": shared}))
-    watched = [weakref.ref(turns[0].parts[5]), weakref.ref(turns[599])]
-    held = [(turns, list(range(100_000)))]
-    del turns
-    strict.dismantle(held)
-    assert held == []
-    assert all(ref() is None for ref in watched)
-    assert shared == [Part("kept")]  # still whole: held here too

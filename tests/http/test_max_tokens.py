@@ -12,7 +12,8 @@ The real server (hypercorn, the MLX backend) in the test's Trio run, on a
 copy of the tiny dense demo model whose window is 256 tokens. Every request
 is greedy and the demo model hardly ever samples its end token, so each
 answer reaches the window's end (a ``stop`` here would say it did not).
-The scripted engine checks the rule itself.
+The scripted engine checks the rule itself, and serves the refusals under
+``--strict-max-tokens`` (no model runs for them) with the same window.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import trio.testing
 
 from gezel_trio import ChatRequest, InvalidRequest
 from gezel_trio.testing import ScriptedBackend, open_test_engine
-from tests.support.inprocess import served
+from tests.support.inprocess import served, served_scripted
 from tests.support.models import with_context
 
 CONTEXT = 256
@@ -53,6 +54,12 @@ COMPLETIONS = {"prompt": "The harbour in the morning", "temperature": 0}
 @pytest.fixture(scope="module")
 def short_model(dense_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return with_context(dense_model, tmp_path_factory.mktemp("short") / "model", CONTEXT)
+
+
+def _short() -> ScriptedBackend:
+    """The scripted engine with the short model's window: a refusal under
+    ``--strict-max-tokens`` happens before any model runs."""
+    return ScriptedBackend(context_length=CONTEXT)
 
 
 async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +117,7 @@ async def test_beyond_the_context_is_cut_to_fit_on_every_protocol(short_model: P
 
 
 @pytest.mark.slow
-async def test_strict_max_tokens_keeps_the_400_on_every_protocol(short_model: Path) -> None:
+async def test_strict_max_tokens_keeps_the_400_on_every_protocol() -> None:
     asks = [
         ("/v1/chat/completions", {**CHAT, "max_tokens": BIG}),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": BIG}),
@@ -120,7 +127,7 @@ async def test_strict_max_tokens_keeps_the_400_on_every_protocol(short_model: Pa
     ]
     with trio.fail_after(HANG):
         async with (
-            served(short_model, strict_max_tokens=True) as (_engine, url),
+            served_scripted(backend=_short(), strict_max_tokens=True) as (_engine, url),
             httpx.AsyncClient(base_url=url, timeout=HANG) as client,
         ):
             for path, body in asks:
@@ -207,10 +214,10 @@ async def test_huge_budgets_are_cut_and_broken_ones_refused_on_every_protocol(
 
 
 @pytest.mark.slow
-async def test_strict_refuses_a_huge_budget_naming_it(short_model: Path) -> None:
+async def test_strict_refuses_a_huge_budget_naming_it() -> None:
     with trio.fail_after(HANG):
         async with (
-            served(short_model, strict_max_tokens=True) as (_engine, url),
+            served_scripted(backend=_short(), strict_max_tokens=True) as (_engine, url),
             httpx.AsyncClient(base_url=url, timeout=HANG) as client,
         ):
             for huge in HUGE:

@@ -35,7 +35,7 @@ from tests.support.process import Server, start_server, stop_server
 pytestmark = pytest.mark.slow
 
 _ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = os.environ.get("GEZEL_SCHEMATHESIS_EXAMPLES", "40")
+EXAMPLES = os.environ.get("GEZEL_SCHEMATHESIS_EXAMPLES", "25")
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,9 @@ plain and streamed (``create(stream=True)`` and ``responses.stream``), a
 round trip, ``text.format`` JSON schemas, store / get / delete, background
 responses and their cancellation, and stored responses surviving a restart
 (``--persist-dir``). On the tiny dense demo model: random weights, so every
-valid call or JSON document is the grammar's doing."""
+valid call or JSON document is the grammar's doing. The refusals and
+ignored fields, which do not depend on the model, are checked on the
+scripted engine's server."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from openai.types.responses import (
 )
 
 from tests.support.process import Server, start_server, stop_server
+from tests.support.scripted import scripted_server
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +64,14 @@ def server(
     srv = start_server(model, "--persist-dir", str(persist / request.param))
     yield srv
     assert stop_server(srv) == 0
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Server]:
+    """The scripted engine's server: refusals and ignored fields do not
+    depend on the model."""
+    with scripted_server() as server:
+        yield server
 
 
 def _create(server: Server, **kw: Any) -> Any:
@@ -375,16 +386,16 @@ def test_background_response_runs_and_can_be_cancelled(server: Server) -> None:
     ],
 )
 def test_refusals_name_the_field(
-    server: Server, body: dict[str, Any], param: str, words: str
+    scripted: Server, body: dict[str, Any], param: str, words: str
 ) -> None:
-    resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    resp = httpx.post(f"{scripted.url}/v1/responses", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param
     assert words in error["message"]
 
 
-def test_an_unknown_field_is_ignored_and_named(server: Server) -> None:
+def test_an_unknown_field_is_ignored_and_named(scripted: Server) -> None:
     body = {
         "input": "x",
         "max_output_tokens": 2,
@@ -392,7 +403,7 @@ def test_an_unknown_field_is_ignored_and_named(server: Server) -> None:
         "context_management": [],
         "newer": {},
     }
-    resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+    resp = httpx.post(f"{scripted.url}/v1/responses", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-gezel-ignored-fields"] == "temprature, newer"
 

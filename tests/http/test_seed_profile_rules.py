@@ -37,22 +37,24 @@ def test_an_unknown_reasoning_format_flag_is_a_usage_error(
 
 
 def test_dropping_past_tool_calls_follows_the_profile_and_the_flag_wins(tmp_path: Path) -> None:
-    assert config(STANDARD, model=tmp_path).engine.drop_past_tool_calls is False
-    assert config(SEED, model=tmp_path).engine.drop_past_tool_calls is True
+    assert config(STANDARD, model=tmp_path).engine.shaping.drop_past_tool_calls is False
+    assert config(SEED, model=tmp_path).engine.shaping.drop_past_tool_calls is True
     off = config(SEED, "--no-drop-past-tool-calls", model=tmp_path)
-    assert off.engine.drop_past_tool_calls is False
+    assert off.engine.shaping.drop_past_tool_calls is False
     on = config(STANDARD, "--drop-past-tool-calls", model=tmp_path)
-    assert on.engine.drop_past_tool_calls is True
+    assert on.engine.shaping.drop_past_tool_calls is True
 
 
 def test_the_tool_call_stop_follows_the_profile_and_the_flag_wins(tmp_path: Path) -> None:
-    assert config(STANDARD, model=tmp_path).engine.stop_at_tool_call_end is False
-    assert config(SEED, model=tmp_path).engine.stop_at_tool_call_end is True
+    assert config(STANDARD, model=tmp_path).engine.shaping.stop_at_tool_call_end is False
+    assert config(SEED, model=tmp_path).engine.shaping.stop_at_tool_call_end is True
     off = config(SEED, "--stop-at-tool-call-end", "off", model=tmp_path)
-    assert off.engine.stop_at_tool_call_end is False
+    assert off.engine.shaping.stop_at_tool_call_end is False
 
 
 def test_think_by_default_is_a_flag_neither_profile_sets(tmp_path: Path) -> None:
-    assert config(STANDARD, model=tmp_path).engine.think_by_default is False
-    assert config(SEED, model=tmp_path).engine.think_by_default is False
-    assert config(SEED, "--think-by-default", model=tmp_path).engine.think_by_default is True
+    assert config(STANDARD, model=tmp_path).engine.shaping.think_by_default is False
+    assert config(SEED, model=tmp_path).engine.shaping.think_by_default is False
+    assert (
+        config(SEED, "--think-by-default", model=tmp_path).engine.shaping.think_by_default is True
+    )

@@ -18,7 +18,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from gezel_trio.mlx.backend import tool_call_stop_ids
+from gezel_trio.mlx.loading import tool_call_stop_ids
 from tests.support.inprocess import served
 
 TOOLS = [

@@ -6,8 +6,9 @@ here is read with a parser that refuses them (``strict``), the way those
 clients read it. Three sources of non-finite numbers are covered: tokens a
 grammar masked, listed among ``top_logprobs`` as ``-Infinity`` (now -9999.0); sampling
 parameters that turn the distribution into ``NaN`` (refused now, each a 400
-naming itself); and any that slips through anyway, which the one JSON
-writer (``http.strict.dump_json``) raises on instead of sending.
+naming itself, before any model runs: on the scripted engine); and any that
+slips through anyway, which the one JSON writer (``http.strict.dump_json``)
+raises on instead of sending.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from quart_trio import QuartTrio
 
 from gezel_trio.http.sse import frame
 from gezel_trio.http.strict import StrictJSONProvider, dump_json
-from tests.support.inprocess import served
+from tests.support.inprocess import served, served_scripted
 
 HANG = 60
 
@@ -153,10 +154,11 @@ async def test_constrained_top_logprobs_are_json_with_masked_tokens_floored(
     ],
 )
 async def test_sampling_values_that_break_the_distribution_are_a_400_naming_them(
-    dense_model: Path, extra: dict[str, Any], param: str
+    extra: dict[str, Any], param: str
 ) -> None:
+    # Refused before any model runs: on the scripted engine.
     with trio.fail_after(HANG):
-        async with served(dense_model) as (_, url), httpx.AsyncClient(base_url=url) as client:
+        async with served_scripted() as (_, url), httpx.AsyncClient(base_url=url) as client:
             for path, body in (
                 ("/v1/chat/completions", {"messages": USER, **LOGPROBS}),
                 ("/v1/completions", {"prompt": "Once", "logprobs": 5, "max_tokens": 8}),

@@ -31,6 +31,7 @@ import pytest
 import trio
 from PIL import Image, ImageDraw
 
+from gezel_trio.core.settings import MIB
 from tests.support.hostile_images import chunk, png_claiming, png_with
 from tests.support.inprocess import raw_stream, served
 from tests.support.sse_frames import carries_text
@@ -221,7 +222,7 @@ async def test_bad_images_get_a_400_naming_the_part(
     caplog.set_level(logging.INFO)
     with trio.fail_after(HANG):
         async with served(
-            vision_model, max_images=2, max_image_pixels=250_000, max_image_bytes=40_000
+            vision_model, max_images=2, max_image_pixels=250_000, max_image_mb=40_000 / MIB
         ) as (engine, url):
             c = client(url)
             for bad, where, says in BAD:

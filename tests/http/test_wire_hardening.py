@@ -1,23 +1,28 @@
-"""Issue 9's table, against the real server process and the openai SDK.
+"""Requests that could kill the server, fail every batch-mate or slip
+through, against the real server process and the openai SDK.
 
-Each request that used to kill the sidecar, fail every batch-mate or slip
-through is sent while a healthy greedy stream runs; the bad request gets
-its answer (a 400 naming the field, or a 200 where the documented semantics
+Each is sent while a healthy greedy stream runs; the bad request gets its
+answer (a 400 naming the field, or a 200 where the documented semantics
 serve it) and the healthy stream finishes byte-identical to running alone.
+What is refused before any model runs (non-finite numbers, the HTTP
+errors' envelope, an oversized body) is checked on the scripted engine's
+server.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
 import openai
 import pytest
 
-from tests.support.process import FIXED, Server, start_server, stop_server
+from gezel_trio.http.app import HttpSettings
+from tests.support.process import FIXED, Server
+from tests.support.scripted import scripted_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +39,14 @@ HEALTHY: dict[str, Any] = dict(
 def server(dense_server: Server) -> Server:
     """The session's server on the dense demo model (``tests.support.process``)."""
     return dense_server
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[Server]:
+    """The scripted engine's server, for what is refused before any model
+    runs."""
+    with scripted_server() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +151,12 @@ def test_a_lone_surrogate_is_a_400_naming_the_message(server: Server, alone: str
     assert_refused(beside_a_healthy_stream(server, alone, body), "messages[0].content")
 
 
-def test_non_finite_numbers_are_refused(server: Server) -> None:
-    r = server.post(b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}')
+def test_non_finite_numbers_are_refused(scripted: Server) -> None:
+    r = scripted.post(b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}')
     assert r.status_code == 400
     assert "NaN" in r.json()["error"]["message"]
     overflow = b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1e999}}'
-    assert_refused(server.post(overflow), "logit_bias.5")
+    assert_refused(scripted.post(overflow), "logit_bias.5")
 
 
 @pytest.mark.parametrize(
@@ -245,22 +258,20 @@ def test_an_sdk_dumped_assistant_message_replays(server: Server) -> None:
     ],
 )
 def test_http_errors_are_the_openai_envelope(
-    server: Server, method: str, path: str, status: int
+    scripted: Server, method: str, path: str, status: int
 ) -> None:
-    r = httpx.request(method, f"{server.url}{path}", timeout=10)
+    r = httpx.request(method, f"{scripted.url}{path}", timeout=10)
     assert r.status_code == status
     assert r.headers["content-type"].startswith("application/json")
     assert set(r.json()["error"]) >= {"message", "type", "code"}
 
 
-def test_an_oversized_body_is_a_413_envelope(dense_model: Path) -> None:
-    srv = start_server(dense_model, "--max-body-mb", "0.01")
-    try:
+def test_an_oversized_body_is_a_413_envelope() -> None:
+    # What --max-body-mb 0.01 sets (tests/server/test_settings.py reads the flag).
+    with scripted_server(http=HttpSettings(max_body_bytes=int(0.01 * 2**20))) as srv:
         r = srv.post(json.dumps({"messages": [{"role": "user", "content": "x" * 20_000}]}).encode())
         assert r.status_code == 413
         assert r.json()["error"]["code"] == "body_too_large"
-    finally:
-        assert stop_server(srv) == 0
 
 
 def test_warm_accepts_model_and_keeps_a_history_ending_in_a_user_turn(server: Server) -> None:

@@ -51,7 +51,7 @@ def _python(
 
 def test_importing_gezel_trio_first_binds_mlx_to_openblas_on_the_usable_cores() -> None:
     code = (
-        "import gezel_trio.mlx.blas as b, mlx.core, ctypes; print(b.describe()); "
+        "import gezel_trio.tuning.blas as b, mlx.core, ctypes; print(b.describe()); "
         "print('threads', ctypes.CDLL(None).openblas_get_num_threads())"
     )
     said = _python(code)
@@ -64,7 +64,7 @@ def test_importing_gezel_trio_first_binds_mlx_to_openblas_on_the_usable_cores() 
 
 def test_the_thread_count_is_the_environments_when_it_names_one() -> None:
     code = (
-        "import gezel_trio.mlx.blas as b, mlx.core, ctypes; print(b.describe()); "
+        "import gezel_trio.tuning.blas as b, mlx.core, ctypes; print(b.describe()); "
         "print('threads', ctypes.CDLL(None).openblas_get_num_threads())"
     )
     said = _python(code, threads="1")
@@ -82,7 +82,7 @@ def test_the_preload_makes_mlx_matmuls_many_times_faster() -> None:
 
 
 def test_the_environment_switch_turns_the_preload_off() -> None:
-    said = _python("import gezel_trio.mlx.blas as b; print(b.describe())", preload=False)
+    said = _python("import gezel_trio.tuning.blas as b; print(b.describe())", preload=False)
     assert "preload off: GEZEL_TRIO_PRELOAD_BLAS=0" in said
     assert "libopenblas" not in said
 
@@ -91,3 +91,13 @@ def test_an_embedder_that_imported_mlx_first_is_warned() -> None:
     said = _python("import mlx.core\nimport gezel_trio", warnings_as_errors=True)
     assert "RuntimeWarning: mlx was imported before gezel_trio" in said
     assert "import gezel_trio first" in said
+
+
+def test_the_platform_tuning_off_decided_before_mlx_loads_keeps_mlxs_own_blas() -> None:
+    # As the CLI decides for --platform-tuning off, before anything imports mlx.
+    code = (
+        "import gezel_trio.tuning.blas as b; b.preload(False); import mlx.core; print(b.describe())"
+    )
+    said = _python(code)
+    assert "MLX's own (platform tuning off)" in said
+    assert "libopenblas" not in said

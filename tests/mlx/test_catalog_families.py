@@ -108,7 +108,7 @@ async def test_the_ple_model_serves_from_the_seed_command_line_with_its_table_ma
         "is not used"
     )
     config = cli.server_config(args, ple_model)
-    assert config.engine.map_per_layer_embeddings
+    assert config.engine.loading.map_per_layer_embeddings
     png = io.BytesIO()
     Image.new("RGB", (8, 8), "orange").save(png, "PNG")
     pixel = base64.b64encode(png.getvalue()).decode()

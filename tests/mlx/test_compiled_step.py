@@ -26,9 +26,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -51,7 +54,8 @@ from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.compiled_step import CompiledDecode, compiled_blocker, window
 from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.speculative import HoleyKVCache
+from gezel_trio.mlx.mlx_lm_surface import with_holes
+from gezel_trio.tuning import rows_last
 
 VOCAB = 97
 
@@ -134,7 +138,7 @@ def test_a_linear_of_a_few_rows_computed_weights_first_is_the_same_to_the_bit(bi
             # A decode step's rows, and a verify's tokens of one sequence.
             for shape in ((rows, 1, inputs), (1, rows, inputs)):
                 x = mx.random.normal(shape)
-                got = compiled_step._rows_last(layer, x)
+                got = rows_last.computed_rows_last(layer, x)
                 assert mx.array_equal(got, layer(x)).item(), (inputs, outputs, shape)
 
 
@@ -142,13 +146,13 @@ def test_steps_of_two_sequences_or_more_trace_their_linears_weights_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     rows: list[int] = []
-    real = compiled_step._rows_last
+    real = rows_last.computed_rows_last
 
     def counted(self: nn.Linear, x: mx.array) -> mx.array:
         rows.append(x.shape[0])
         return real(self, x)
 
-    monkeypatch.setattr(compiled_step, "_rows_last", counted)
+    monkeypatch.setattr(rows_last, "computed_rows_last", counted)
     linear = nn.Linear.__call__
     model = _model(qwen2, seed=4)  # its attention's projections have a bias
     decode = CompiledDecode(model)
@@ -174,13 +178,13 @@ def test_a_verify_of_a_few_tokens_computes_its_layers_linears_weights_first_not_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     seen: list[tuple[int, tuple[int, ...]]] = []
-    real = compiled_step._rows_last
+    real = rows_last.computed_rows_last
 
     def counted(self: nn.Linear, x: mx.array) -> mx.array:
         seen.append((id(self), x.shape[:-1]))
         return real(self, x)
 
-    monkeypatch.setattr(compiled_step, "_rows_last", counted)
+    monkeypatch.setattr(rows_last, "computed_rows_last", counted)
     linear = nn.Linear.__call__
     model = _model(llama, seed=6, tie_word_embeddings=False)  # a head of its own
     assert isinstance(model.lm_head, nn.Linear)
@@ -242,11 +246,12 @@ def test_speculations_holes_are_masked_and_cleared_as_the_models_step_does() -> 
     model(proposal, cache=plain)
     decode(proposal, cache=compiled)
     for caches in (plain, compiled):
-        for c in caches:
-            HoleyKVCache.of(c).reject([2, 0, 1])
+        for j, c in enumerate(caches):
+            holey = caches[j] = with_holes(c)
+            holey.reject([2, 0, 1])
             # One slot back: the next token is written over a hole (of the
             # first and third sequences), which it must clear.
-            c.trim(1)
+            holey.trim(1)
     assert plain[0].holes is not None
     assert plain[0].holes[:, plain[0]._idx].tolist() == [True, False, True]
     token = mx.array([20, 21, 22])
@@ -436,8 +441,22 @@ print(decode.off)
 """
 
 
+def _seed_kernels(dest: Path) -> None:
+    """Copy the kernels this machine's processes compiled (the tests above
+    trace this model's shape) into ``dest``, under the lock a warm-up holds
+    while it writes them: compiling them afresh is g++ work of 1-3 minutes
+    on 2 busy cores, and a kernel missing here is compiled as before."""
+    shared = Path(tempfile.gettempdir()) / "mlx"
+    if not shared.is_dir():
+        return
+    with open(shared / "gezel-trio-warm.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        shutil.copytree(shared, dest / "mlx", ignore=shutil.ignore_patterns("*.lock"))
+
+
 def test_kernels_mlx_cannot_load_turn_it_off_at_load(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
+    _seed_kernels(tmp_path)
 
     def warm() -> str:
         out = subprocess.run(
@@ -446,7 +465,7 @@ def test_kernels_mlx_cannot_load_turn_it_off_at_load(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         return out.stdout.strip().splitlines()[-1]
 
-    assert warm() == "None"  # compiled into this TMPDIR's mlx/<version>/cpu
+    assert warm() == "None"  # loaded from, or compiled into, this TMPDIR's mlx/<version>/cpu
     libraries = list((tmp_path / "mlx").glob("*/cpu/lib*.so"))
     assert libraries
     assert (tmp_path / "mlx" / "gezel-trio-warm.lock").is_file()
@@ -488,7 +507,7 @@ def _answer(config: EngineConfig) -> tuple[list[int], Any]:
             tokens += [t.token for t in out.tokens]
             if any(t.finish is not None for t in out.tokens):
                 break
-        return tokens, backend._decode_model
+        return tokens, backend._lanes.kit.decode_model
     finally:
         backend.close()
 
@@ -496,8 +515,10 @@ def _answer(config: EngineConfig) -> tuple[list[int], Any]:
 def test_the_served_backend_compiles_its_step_and_answers_as_without_it(
     any_model: Path,
 ) -> None:
-    on, decode = _answer(EngineConfig(model=any_model, speculation="off"))
-    off, plain = _answer(EngineConfig(model=any_model, speculation="off", compiled_step="off"))
+    on, decode = _answer(EngineConfig.from_flags(model=any_model, speculation="off"))
+    off, plain = _answer(
+        EngineConfig.from_flags(model=any_model, speculation="off", compiled_step="off")
+    )
     assert isinstance(decode, CompiledDecode)
     assert decode.off is None
     assert not isinstance(plain, CompiledDecode)

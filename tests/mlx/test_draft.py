@@ -1,4 +1,4 @@
-"""A draft model proposing inside the batched step (``mlx.draft``), on the
+"""A draft model proposing inside the batched step (``mlx.speculation.draft``), on the
 real MLX backend: greedy decoding is token for token what plain decoding
 gives whether the draft agrees with the target (the target as its own
 draft) or often does not (the target with noise in its weights); the draft
@@ -23,11 +23,11 @@ from mlx_lm.utils import load, load_tokenizer
 
 from gezel_trio import EngineConfig, GenerationRequest, SamplingParams, open_engine
 from gezel_trio.core.errors import ModelLoadError
-from gezel_trio.mlx import speculative
-from gezel_trio.mlx.draft import DraftModel, DraftPool, check_pair
+from gezel_trio.mlx import speculation
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup
 from gezel_trio.mlx.sampling import make_sampler
+from gezel_trio.mlx.speculation.draft import DraftModel, DraftPool, check_pair
+from gezel_trio.mlx.speculation.lookup import NgramLookup
 from tests.support.generate import text_and_usage
 from tests.support.speculation import TOKENS, AlwaysPays, oracle, prompts_of, run
 
@@ -95,7 +95,7 @@ def test_draft_proposals_keep_greedy_decoding_token_for_token(
     assert rates["noisy"] < rates["same"]
 
 
-class _DraftOnly(speculative._Gate):
+class _DraftOnly(speculation.gate.Gate):
     """A gate whose lookup shapes never pay and whose drafting ones do."""
 
     def pays(
@@ -184,7 +184,7 @@ def test_a_draft_that_cannot_propose_for_the_target_is_refused_by_name(
 async def test_the_engine_refuses_a_draft_model_it_cannot_use(
     dense_model: Path, hybrid_model: Path
 ) -> None:
-    config = EngineConfig(model=dense_model, draft_model=hybrid_model)
+    config = EngineConfig.from_flags(model=dense_model, draft_model=hybrid_model)
     with trio.fail_after(HANG), pytest.raises(ModelLoadError, match="draft model"):
         async with open_engine(config):
             pass
@@ -201,12 +201,14 @@ async def test_the_engine_drafts_with_a_draft_model_and_a_failing_draft_costs_on
     # On a model this small the draft's passes cost more than the verify
     # gains, and the measured gate would refuse it: this test is about
     # correctness, so every proposal is verified.
-    monkeypatch.setattr(speculative._Gate, "pays", AlwaysPays.pays)
+    monkeypatch.setattr(speculation.gate.Gate, "pays", AlwaysPays.pays)
     first, second = (5, 6, 7, 8), (9, 10, 11, 12)
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model, speculation="off")) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, speculation="off")
+        ) as engine:
             plain = [(await text_and_usage(engine, request(p)))[0] for p in (first, second)]
-        config = EngineConfig(model=dense_model, draft_model=dense_model)
+        config = EngineConfig.from_flags(model=dense_model, draft_model=dense_model)
         async with open_engine(config) as engine:
             text, usage = await text_and_usage(engine, request(first))
             assert text == plain[0]

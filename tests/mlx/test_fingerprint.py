@@ -72,7 +72,7 @@ async def cached_tokens(engine: Any, prompt: tuple[int, ...], cache_id: str | No
 
 
 async def test_weights_rewritten_in_place_are_another_model(model: Path, tmp_path: Path) -> None:
-    config = EngineConfig(model=model, persist_dir=tmp_path / "persist")
+    config = EngineConfig.from_flags(model=model, persist_dir=tmp_path / "persist")
     weights = model / "model.safetensors"
     with trio.fail_after(HANG):
         async with open_engine(config) as engine:
@@ -131,7 +131,9 @@ async def test_keep_quantized_changes_the_fingerprint_where_it_changes_the_weigh
     prints = {}
     with trio.fail_after(HANG):
         for keep in (False, True):
-            config = EngineConfig(model=model, persist_dir=tmp_path / "p", keep_quantized=keep)
+            config = EngineConfig.from_flags(
+                model=model, persist_dir=tmp_path / "p", keep_quantized=keep
+            )
             async with open_engine(config) as engine:
                 prints[keep] = engine.info.fingerprint
     if mx.default_device() == mx.cpu:
@@ -176,7 +178,7 @@ async def test_a_stored_state_of_the_wrong_shape_is_a_miss_with_a_warning(
     model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, wrong: dict[str, Any]
 ) -> None:
     persist = tmp_path / "persist"
-    config = EngineConfig(model=model, persist_dir=persist)
+    config = EngineConfig.from_flags(model=model, persist_dir=persist)
     with trio.fail_after(HANG):
         async with open_engine(config) as engine:
             fingerprint = engine.info.fingerprint

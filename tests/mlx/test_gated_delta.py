@@ -1,4 +1,4 @@
-"""The gated delta rule in chunks (``mlx.gated_delta``) against mlx-lm's token loop.
+"""The gated delta rule in chunks (``tuning.gated_delta``) against mlx-lm's token loop.
 
 - ``chunked`` gives ``gated_delta_ops``'s outputs and final state within
   float rounding: prompts shorter than a chunk, of whole chunks and not;
@@ -6,12 +6,13 @@
   that decay to nothing (0 and underflow); weights up to 2 (the negative
   eigenvalues some families allow); a batch with left padding, whose
   padded positions leave the state alone.
-- Installed, mlx-lm's ``gated_delta_update`` runs it for a prompt on the
+- Routed, mlx-lm's ``gated_delta_update`` runs it for a prompt on the
   CPU and runs its own loop for a few tokens, a gate per key dimension, or
-  ``sequential``.
+  ``sequential``; its own function is back after the block, even one that
+  raised.
 - Through the hybrid demo model: the same greedy tokens and logits within
-  rounding as mlx-lm's loop, and the served backend installs what its
-  config says.
+  rounding as mlx-lm's loop, and the served backend runs its config's mode
+  during its steps and leaves mlx-lm's own function in place after each.
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from gezel_trio import EngineConfig
-from gezel_trio.mlx import gated_delta
+from gezel_trio.core.backend import Admission
+from gezel_trio.core.request import GenerationRequest, SamplingParams
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
+from gezel_trio.mlx.mlx_lm_surface import gated_delta_kernel_as
+from gezel_trio.tuning import gated_delta
 
-SEQUENTIAL = gated_delta._SEQUENTIAL
+SEQUENTIAL = mlx_gated_delta.gated_delta_ops
 
 
 @pytest.fixture(autouse=True)
-def _restore_mode() -> Any:
-    """Whatever a test installs, the process's mode is put back after it."""
-    before = gated_delta.installed_mode()
+def _mlx_lms_own_after() -> Any:
+    """After every test, mlx-lm's layers call its own function again."""
     yield
-    gated_delta.install(before)
+    assert mlx_gated_delta.gated_delta_ops is SEQUENTIAL
 
 
 def _inputs(
@@ -150,7 +153,7 @@ def _update(x: dict[str, mx.array], **kw: Any) -> tuple[mx.array, mx.array]:
     return y, state
 
 
-def test_installed_mlx_lm_runs_it_for_a_prompt_and_its_own_loop_for_a_few_tokens(
+def test_routed_mlx_lm_runs_it_for_a_prompt_and_its_own_loop_for_a_few_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     calls: list[int] = []
@@ -161,22 +164,38 @@ def test_installed_mlx_lm_runs_it_for_a_prompt_and_its_own_loop_for_a_few_tokens
         return real(*args, **kw)
 
     monkeypatch.setattr(gated_delta, "chunked", counted)
-    gated_delta.install("chunked")
-    assert gated_delta.installed_mode() == "chunked"
     prompt = _inputs(gated_delta.MIN_TOKENS + 20)
-    chunked = _update(prompt)
-    assert calls == [gated_delta.MIN_TOKENS + 20]
     few = _inputs(gated_delta.MIN_TOKENS - 1)
-    _update(few)
-    assert calls == [gated_delta.MIN_TOKENS + 20]
-    gated_delta.install("sequential")
-    assert gated_delta.installed_mode() == "sequential"
-    loop = _update(prompt)
+    routed = gated_delta.routed("chunked", SEQUENTIAL)
+    assert routed is not None
+    with gated_delta_kernel_as(routed):
+        chunked = _update(prompt)
+        assert calls == [gated_delta.MIN_TOKENS + 20]
+        _update(few)
+        assert calls == [gated_delta.MIN_TOKENS + 20]
+    assert gated_delta.routed("sequential", SEQUENTIAL) is None
+    loop = _update(prompt)  # mlx-lm's own again
     assert calls == [gated_delta.MIN_TOKENS + 20]
     _close(chunked, loop, 2e-6)
     assert not mx.array_equal(chunked[1], loop[1]).item()  # a different sum, really run
     with pytest.raises(ValueError, match="unknown"):
-        gated_delta.install("fast")
+        gated_delta.routed("fast", SEQUENTIAL)
+
+
+def test_mlx_lms_own_function_is_back_after_a_block_that_raised() -> None:
+    routed = gated_delta.routed("chunked", SEQUENTIAL)
+    assert routed is not None
+    seen: list[Any] = []
+
+    def step() -> None:
+        with gated_delta_kernel_as(routed):
+            seen.append(mlx_gated_delta.gated_delta_ops)
+            raise RuntimeError("in the step")
+
+    with pytest.raises(RuntimeError, match="in the step"):
+        step()
+    assert seen == [routed]
+    assert mlx_gated_delta.gated_delta_ops is SEQUENTIAL
 
 
 def _greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], mx.array]:
@@ -195,21 +214,44 @@ def test_the_hybrid_demo_model_answers_as_with_mlx_lms_loop(hybrid_model: Path) 
     model, _ = load(str(hybrid_model))
     hold_float32(model)
     prompt = [(7 * i + 5) % 2000 + 4 for i in range(150)]
-    gated_delta.install("sequential")
     want, want_logits = _greedy(model, prompt, 24)
-    gated_delta.install("chunked")
-    got, got_logits = _greedy(model, prompt, 24)
+    routed = gated_delta.routed("chunked", SEQUENTIAL)
+    assert routed is not None
+    with gated_delta_kernel_as(routed):
+        got, got_logits = _greedy(model, prompt, 24)
     assert got == want
     assert mx.abs(got_logits - want_logits).max().item() <= 1e-4
     assert not mx.array_equal(got_logits, want_logits).item()
 
 
 @pytest.mark.parametrize("mode", ["sequential", "chunked"])
-def test_the_served_backend_installs_its_configs_mode(hybrid_model: Path, mode: str) -> None:
-    other = "chunked" if mode == "sequential" else "sequential"
-    gated_delta.install(other)
-    backend = MlxBackend(EngineConfig(model=hybrid_model, gated_delta_prefill=mode))
+def test_the_served_backend_runs_its_configs_mode_only_during_its_steps(
+    hybrid_model: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = gated_delta.chunked
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(args[0].shape[1])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gated_delta, "chunked", counted)
+    backend = MlxBackend(EngineConfig.from_flags(model=hybrid_model, gated_delta_prefill=mode))
+    prompt = tuple((7 * i + 5) % 2000 + 4 for i in range(40))
+    request = GenerationRequest(prompt, 4, SamplingParams(temperature=0.0), ignore_eos=True)
     try:
-        assert gated_delta.installed_mode() == mode
+        assert backend.insert([Admission(1, request, (prompt,))]) == {}
+        for _ in range(50):
+            out = backend.step("interactive")
+            assert not out.failed, out.failed
+            # Between steps, mlx-lm's layers call mlx-lm's own function.
+            assert mlx_gated_delta.gated_delta_ops is SEQUENTIAL
+            if any(t.finish is not None for t in out.tokens):
+                break
+        else:
+            raise AssertionError("the request did not finish")
     finally:
         backend.close()
+    # The prompt's call through each linear-attention layer ran in chunks.
+    assert (calls != []) == (mode == "chunked")
+    assert all(n >= gated_delta.MIN_TOKENS for n in calls)

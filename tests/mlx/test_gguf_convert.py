@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from gezel_trio.mlx.demo_model import CONTROL_TOKENS, SPECIAL_TOKENS
 from gezel_trio.mlx.gguf import UnsupportedGguf, convert_gguf
 from gezel_trio.mlx.model_source import ensure_gguf_converted
+from gezel_trio.testing.demo_models import CONTROL_TOKENS, SPECIAL_TOKENS
 
 Q = gguf.GGMLQuantizationType
 
@@ -262,7 +262,7 @@ def _sentencepiece() -> Any:
 
     import sentencepiece as spm
 
-    from gezel_trio.mlx.demo_model import _DATA_DIR
+    from gezel_trio.testing.demo_models._builder import _DATA_DIR
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -501,3 +501,30 @@ def test_k_quants_are_decoded_as_llama_cpp_decodes_them(tmp_path: Path, dense_mo
     got = mx.load(str(dest / "model.safetensors"))["model.layers.0.mlp.up_proj.bias"]
     want = gguf.quants.dequantize(raw, Q.Q4_K).astype(np.float16)
     assert np.array_equal(np.array(got), want)
+
+
+def test_half_scaled_weights_are_widened_in_float32_as_llama_cpp_does() -> None:
+    """A quantized layer with half-precision scales and biases (as a Q4_1
+    file converts) held as float32: each weight is ``q * scale + bias``
+    computed in float32 from the half values, not rounded to half first."""
+    import mlx.nn as nn
+
+    from gezel_trio.mlx.loading import hold_float32
+
+    rng = np.random.default_rng(7)
+    layer = nn.QuantizedLinear(64, 8, bias=False, group_size=32, bits=4)
+    layer.scales = mx.array(rng.uniform(0.01, 0.1, (8, 2)), dtype=mx.float16)
+    layer.biases = mx.array(rng.uniform(-0.5, 0.5, (8, 2)), dtype=mx.float16)
+    codes = np.asarray(rng.integers(0, 16, (8, 64)), dtype=np.uint32)
+    layer.weight = mx.array((codes.reshape(8, 8, 8) << (4 * np.arange(8))).sum(-1, dtype=np.uint32))
+    holder = nn.Module()
+    holder.proj = layer
+    hold_float32(holder)
+    got = np.array(holder.proj.weight)
+    assert got.dtype == np.float32
+    scales = np.repeat(np.array(layer.scales.astype(mx.float32)), 32, axis=1)
+    biases = np.repeat(np.array(layer.biases.astype(mx.float32)), 32, axis=1)
+    want = codes.astype(np.float32) * scales + biases
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    # Rounded to half first, the weights would be off by up to half's step.
+    assert not np.allclose(want.astype(np.float16).astype(np.float32), want, rtol=1e-6, atol=1e-7)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import trio
 
@@ -27,15 +28,17 @@ from gezel_trio import (
 )
 from gezel_trio.core.backend import Backend
 from gezel_trio.core.request import GenerationRequest as Request
+from gezel_trio.mlx import backend as backend_module
 from gezel_trio.mlx.backend import MlxBackend
+from gezel_trio.mlx.decoding import Decoding
 
 HANG = 60
 MARK = 7  # requests with this min_tokens get the raising processor
 
 
-class _FaultyProcessors(MlxBackend):
-    def _processors(self, r: Request) -> list[Any]:
-        procs = super()._processors(r)
+class _FaultyDecoding(Decoding):
+    def processors(self, r: Request) -> list[Any]:
+        procs = super().processors(r)
         if r.min_tokens == MARK:
             calls = [0]
 
@@ -50,7 +53,8 @@ class _FaultyProcessors(MlxBackend):
 
 
 def _faulty(config: EngineConfig) -> Backend:
-    return _FaultyProcessors(config)
+    with mock.patch.object(backend_module, "Decoding", _FaultyDecoding):
+        return MlxBackend(config)
 
 
 async def _run(engine: Any, req: GenerationRequest) -> tuple[str, Any]:
@@ -66,7 +70,7 @@ async def _run(engine: Any, req: GenerationRequest) -> tuple[str, Any]:
 
 async def test_a_raising_logits_processor_fails_its_request_alone(dense_model: Path) -> None:
     with trio.fail_after(HANG):
-        config = EngineConfig(model=dense_model, max_concurrency=4)
+        config = EngineConfig.from_flags(model=dense_model, max_concurrency=4)
         async with open_engine(config, backend_factory=_faulty) as engine:
             prompt = (
                 await engine.render_chat(

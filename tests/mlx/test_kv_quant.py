@@ -17,7 +17,6 @@ quantization group (32), so the model here is the dense tiny one with
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import mlx.core as mx
 import pytest
 import trio
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 from mlx_lm.utils import load
 
 from gezel_trio import (
@@ -35,35 +34,27 @@ from gezel_trio import (
     open_engine,
 )
 from gezel_trio.http.app import HttpSettings, create_app
-from gezel_trio.mlx import demo_model, kv_quant
+from gezel_trio.mlx import kv_quant
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup
+from gezel_trio.mlx.mlx_lm_surface import HoleyKVCache, cache_index, with_holes
 from gezel_trio.mlx.sampling import greedy
+from gezel_trio.mlx.speculation.lookup import NgramLookup
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
+from tests.support.wide_heads import batch_prompts, wide_heads
 
 TOKENS = 24
 HANG = 120
 
 
-def _wide_heads(kind: demo_model.DemoKind, dest: Path) -> Path:
-    """A tiny demo model of ``kind`` with 32-wide heads, built by the demo
-    builder (its tokenizer, its weight initialisation)."""
-    wide = dataclasses.replace(demo_model._dims("tiny"), head_dim=32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(demo_model, "_dims", lambda _size: wide)
-        demo_model._build(kind, "tiny", dest)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("dense", tmp_path_factory.mktemp("kv-dense"))
+    return wide_heads("dense", tmp_path_factory.mktemp("kv-dense"))
 
 
 @pytest.fixture(scope="module")
 def kv_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("hybrid", tmp_path_factory.mktemp("kv-hybrid"))
+    return wide_heads("hybrid", tmp_path_factory.mktemp("kv-hybrid"))
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +63,6 @@ def model(kv_model: Path) -> Any:
     hold_float32(m)
     mx.eval(m.parameters())
     return m
-
-
-def _prompts() -> list[list[int]]:
-    return [[5 + (7 * i) % 900 for i in range(40)], [11, 12, 13, 14, 15, 16], [300, 301]]
 
 
 def _alone(model: Any, prompt: list[int], bits: int) -> tuple[list[int], list[Any]]:
@@ -130,7 +117,7 @@ def _batched(model: Any, prompts: list[list[int]], bits: int) -> tuple[list[list
 def test_the_quantized_batch_decodes_what_each_sequence_decodes_alone(
     model: Any, bits: int
 ) -> None:
-    prompts = _prompts()
+    prompts = batch_prompts()
     got, finals = _batched(model, prompts, bits)
     for prompt, tokens, final in zip(prompts, got, finals, strict=True):
         want, cache = _alone(model, prompt, bits)
@@ -181,7 +168,7 @@ async def test_the_engine_serves_and_stores_a_quantized_kv_cache(
     persist = tmp_path / "persist"
     with trio.fail_after(HANG):
         for bits in (0, 8, 4):
-            config = EngineConfig(
+            config = EngineConfig.from_flags(
                 model=kv_model, kv_bits=bits, kv_group_size=32, persist_dir=persist
             )
             async with open_engine(config) as engine:
@@ -216,7 +203,7 @@ PROTOCOLS: list[tuple[str, dict[str, Any]]] = [
 async def test_every_protocol_serves_from_a_quantized_kv_cache(kv_model: Path) -> None:
     """Each protocol's request, twice: answered, and the second reused the
     first's prefix from the quantized prompt cache."""
-    config = EngineConfig(model=kv_model, kv_bits=8, kv_group_size=32)
+    config = EngineConfig.from_flags(model=kv_model, kv_bits=8, kv_group_size=32)
     with trio.fail_after(HANG):
         async with open_engine(config) as engine:
             assert engine.info.fingerprint.endswith("+kv8g32")
@@ -250,7 +237,7 @@ async def test_a_hybrid_model_quantizes_its_attention_and_keeps_its_recurrent_st
     per_token: dict[int, int] = {}
     with trio.fail_after(HANG):
         for bits in (0, 8):
-            config = EngineConfig(model=kv_hybrid, kv_bits=bits, kv_group_size=32)
+            config = EngineConfig.from_flags(model=kv_hybrid, kv_bits=bits, kv_group_size=32)
             async with open_engine(config) as engine:
                 prompt = (await engine.render_chat(messages)).tokens
                 texts[bits], _ = await _text(engine, prompt)
@@ -285,7 +272,7 @@ def test_speculation_runs_on_the_quantized_batch(
     The random weights do not repeat what they read, so the proposer is an
     oracle of plain decoding's text, its last token wrong every other time:
     verifies accept different counts per sequence (holes) and reject some."""
-    prompts = _prompts()
+    prompts = batch_prompts()
     plain, _ = _decode(model, prompts, spec=False)
 
     monkeypatch.setattr(NgramLookup, "propose", oracle(prompts, plain, spoil=True))
@@ -298,3 +285,35 @@ def test_speculation_runs_on_the_quantized_batch(
         for c in final.prompt_cache:
             assert isinstance(c, kv_quant.QuantizedKV)
             assert c.offset == len(final.all_tokens) == c.keys[0].shape[2]
+
+
+def test_a_layer_gets_holes_and_is_quantized_as_a_new_cache_holding_its_state() -> None:
+    # Two rows of 3 slots, the first left-padded by one; each slot's keys
+    # are its row and slot, so what a cache holds can be read back.
+    layer = BatchKVCache([1, 0])
+    keys = mx.broadcast_to(mx.arange(6, dtype=mx.float32).reshape(2, 1, 3, 1), (2, 2, 3, 32))
+    layer.update_and_fetch(keys, keys + 100)
+    holey = with_holes(layer)
+    # A new object; the layer it replaces keeps its class.
+    assert holey is not layer
+    assert type(layer) is BatchKVCache
+    assert holey.keys is layer.keys
+    assert cache_index(holey) == 3
+    holey.reject([1, 0])  # row 0's last slot is a hole now
+    quantized = kv_quant.quantized_batch_layer(holey, 32, 8)
+    assert quantized is not holey
+    assert type(holey) is HoleyKVCache
+    assert isinstance(quantized, kv_quant.BatchQuantizedKVCache)
+    assert isinstance(quantized, HoleyKVCache)
+    assert quantized.holes is not None
+    assert holey.holes is not None
+    assert mx.array_equal(quantized.holes, holey.holes).item()
+    assert cache_index(quantized) == 3
+    assert quantized.offset.tolist() == [1, 3]
+    # Row 0 extracts its one valid slot (slot 1; slot 0 is padding, slot 2 a hole).
+    one = quantized.extract(0)
+    assert isinstance(one, kv_quant.QuantizedKV)
+    assert one.offset == 1
+    got = mx.dequantize(*one.keys, group_size=32, bits=8)
+    assert got.shape == (1, 2, 1, 32)
+    assert mx.allclose(got, mx.full(got.shape, 1.0), atol=0.02).item()

@@ -42,13 +42,13 @@ from gezel_trio import (
 )
 from gezel_trio.core.backend import Admission
 from gezel_trio.mlx.backend import MlxBackend
-from gezel_trio.mlx.kv_quant import KvStart, QuantizedKV, layout
+from gezel_trio.mlx.kv_quant import BatchQuantizedKVCache, KvStart, QuantizedKV, layout
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup
-from gezel_trio.mlx.speculative import HoleyQuantizedKVCache
-from tests.mlx.test_kv_quant import _prompts, _wide_heads
+from gezel_trio.mlx.mlx_lm_surface import HoleyKVCache
+from gezel_trio.mlx.speculation.lookup import NgramLookup
 from tests.support.generate import text_and_usage
 from tests.support.speculation import oracle, run
+from tests.support.wide_heads import batch_prompts, wide_heads
 
 HANG = 120
 TOKENS = 40
@@ -58,7 +58,7 @@ CHUNK = 16
 
 @pytest.fixture(scope="module")
 def kv_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _wide_heads("dense", tmp_path_factory.mktemp("kv-start"))
+    return wide_heads("dense", tmp_path_factory.mktemp("kv-start"))
 
 
 def _mlx_lm(path: Path, bits: int, start: int) -> list[float]:
@@ -81,7 +81,7 @@ def _mlx_lm(path: Path, bits: int, start: int) -> list[float]:
 
 
 async def _ours(path: Path, bits: int, start: int) -> list[float]:
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=path,
         kv_bits=bits,
         kv_group_size=32,
@@ -154,10 +154,10 @@ def _until(backend: MlxBackend, done: Any, limit: int = 200) -> None:
 
 def test_a_lane_switches_whole_and_starts_unquantized_once_empty(kv_model: Path) -> None:
     backend = MlxBackend(
-        EngineConfig(model=kv_model, kv_bits=8, kv_group_size=32, quantized_kv_start=50)
+        EngineConfig.from_flags(model=kv_model, kv_bits=8, kv_group_size=32, quantized_kv_start=50)
     )
     try:
-        lane = backend._lanes
+        lane = backend._lanes.lanes
         # A short sequence alone: unquantized.
         assert backend.insert([_admission(1, [7, 8, 9, 10], 200)]) == {}
         _until(backend, lambda: backend.capture(1) is not None)
@@ -188,8 +188,8 @@ def test_a_lane_switches_whole_and_starts_unquantized_once_empty(kv_model: Path)
         third = backend.capture(3)
         assert third is not None
         assert not _quantized(third.state)
-        seed = backend.join_state(
-            [b for b, _ in backend.state_blocks(long.state, [(0, len(long.tokens))])],
+        seed = backend.states.join_state(
+            [b for b, _ in backend.states.state_blocks(long.state, [(0, len(long.tokens))])],
             len(long.tokens),
             None,
         )
@@ -225,7 +225,7 @@ async def test_a_conversation_crosses_the_start_through_the_prompt_cache_and_dis
     unquantized; turn 2 crosses it and stores its later blocks quantized:
     asking turn 2 again joins blocks of both formats."""
     persist = tmp_path / "persist"
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         model=kv_model,
         kv_bits=8,
         kv_group_size=32,
@@ -266,7 +266,7 @@ def test_speculation_goes_on_over_a_lane_that_switches(
     model, _ = load(str(kv_model))
     hold_float32(model)
     layers = frozenset(range(len(model.layers)))
-    prompts = _prompts()
+    prompts = batch_prompts()
     start = KvStart(len(prompts[0]) + 12, 8, 32, layers)
     switched: list[bool] = []
     holes_kept: list[bool] = []
@@ -277,7 +277,8 @@ def test_speculation_goes_on_over_a_lane_that_switches(
             switched.append(True)
             cache = gen._generation_batch.prompt_cache
             holes_kept.append(
-                isinstance(cache[0], HoleyQuantizedKVCache)
+                isinstance(cache[0], HoleyKVCache)
+                and isinstance(cache[0], BatchQuantizedKVCache)
                 and cache[0].holes is not None
                 and bool(mx.any(cache[0].holes).item())
             )

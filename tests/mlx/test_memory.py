@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from gezel_trio import cli
-from gezel_trio.core.config import EngineConfig
+from gezel_trio.core.config import EngineConfig, MemorySettings
 from gezel_trio.core.settings import MIB
 from gezel_trio.mlx import memory
 from gezel_trio.mlx.memory import (
@@ -34,10 +34,8 @@ def _limits(
     wired_mb: float | None = None,
     recommended: int = 0,
 ) -> MemoryLimits:
-    config = EngineConfig(
-        mlx_memory_policy=policy, memory_limit_mb=ceiling_mb, wired_limit_mb=wired_mb
-    )
-    return memory_limits(config, recommended)
+    memory = MemorySettings(limit_mb=ceiling_mb, wired_limit_mb=wired_mb, policy=policy)
+    return memory_limits(memory, recommended)
 
 
 def test_quarter_caps_the_buffer_cache_at_a_quarter_of_the_ceiling_and_wires_the_plan() -> None:
@@ -82,7 +80,7 @@ def test_bounded_is_the_seeds_policy(
 def test_the_seed_profile_selects_the_seeds_policy_and_a_flag_wins(tmp_path: Path) -> None:
     def policy(profile: str, *argv: str) -> str:
         args = cli._parser(profile).parse_args(["serve", "--model", str(tmp_path), *argv])
-        return cli.server_config(args, tmp_path).engine.mlx_memory_policy
+        return cli.server_config(args, tmp_path).engine.memory.policy
 
     assert policy("standard") == "quarter"
     assert policy("seed") == "bounded"
@@ -102,7 +100,7 @@ def test_the_buffer_cache_limit_reads_back_and_the_wired_limit_is_logged(
     finally:
         mx.set_cache_limit(before)
     with caplog.at_level(logging.INFO, logger="gezel_trio.mlx"):
-        log_limits(EngineConfig(mlx_memory_policy="bounded"), limits)
+        log_limits(MemorySettings(policy="bounded"), limits)
     text = caplog.text
     policy = "MLX memory (bounded policy): ceiling 8192 MB, wired 4096 MB, buffer cache 256 MB"
     assert policy in text
@@ -132,12 +130,13 @@ def test_the_buffer_cache_is_given_back_through_ctypes_without_the_gil() -> None
 def test_the_backend_reclaims_through_the_gil_free_call(
     dense_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gezel_trio.mlx import backend as backend_module
+    from gezel_trio.mlx import generators
+    from gezel_trio.mlx.backend import MlxBackend
 
     calls: list[str] = []
-    monkeypatch.setattr(backend_module, "clear_buffer_cache", lambda: calls.append("clear"))
+    monkeypatch.setattr(generators, "clear_buffer_cache", lambda: calls.append("clear"))
     monkeypatch.setattr(mx, "clear_cache", lambda: calls.append("mx"))
-    backend = backend_module.MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
+    backend = MlxBackend(EngineConfig.from_flags(model=dense_model, decode_threads="all"))
     try:
         calls.clear()
         backend.reclaim()

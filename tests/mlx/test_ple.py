@@ -57,9 +57,9 @@ def _table(model: Any) -> Any:
 def test_the_mapped_table_gives_the_resident_tables_logits_to_the_bit(
     stored: Path, keep: bool
 ) -> None:
-    resident = load_model(EngineConfig(model=stored, keep_quantized=keep))
+    resident = load_model(EngineConfig.from_flags(model=stored, keep_quantized=keep))
     mapped = load_model(
-        EngineConfig(model=stored, keep_quantized=keep, map_per_layer_embeddings=True)
+        EngineConfig.from_flags(model=stored, keep_quantized=keep, map_per_layer_embeddings=True)
     )
     assert not isinstance(_table(resident.model), MappedEmbedding)
     assert isinstance(_table(mapped.model), MappedEmbedding)

@@ -19,7 +19,7 @@ import ctypes, os, sys, threading
 # built a backend on the runner's main thread set it): start from normal,
 # before anything starts a thread.
 os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-from gezel_trio.mlx.priority import set_compute_priority
+from gezel_trio.tuning.priority import set_compute_priority
 
 # A thread no Python code started (as OpenBLAS's workers are): pthreads via libc.
 libc = ctypes.CDLL(None)
@@ -80,13 +80,13 @@ def test_the_host_and_library_threads_take_the_policy(priority: str, policy: str
 def test_the_compute_nice_is_a_setting() -> None:
     from gezel_trio.core.config import EngineConfig
 
-    assert EngineConfig(model="m").compute_nice == 5
+    assert EngineConfig(model="m").tuning.compute_nice == 5
     for bad in (-1, 20):
         with pytest.raises(ValueError, match="compute_nice"):
-            EngineConfig(model="m", compute_nice=bad)
+            EngineConfig.from_flags(model="m", compute_nice=bad)
 
 
 def test_normal_changes_nothing() -> None:
-    from gezel_trio.mlx.priority import set_compute_priority
+    from gezel_trio.tuning.priority import set_compute_priority
 
     assert set_compute_priority("normal") == "normal"

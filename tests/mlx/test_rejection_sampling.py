@@ -1,4 +1,4 @@
-"""Rejection sampling of proposals (``mlx.speculative.rejection_sample``)
+"""Rejection sampling of proposals (``mlx.speculation.rejection_sample``)
 keeps the target's distribution: a chi-square test on a small vocabulary.
 
 The target here is a model whose distribution at each position does not
@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 
-from gezel_trio.mlx.speculative import rejection_sample
+from gezel_trio.mlx.speculation import rejection_sample
 
 ROWS = 40_000
 NEG = -math.inf

@@ -1,4 +1,4 @@
-"""Speculation inside the batched step (``mlx.speculative``) on the real MLX
+"""Speculation inside the batched step (``mlx.speculation``) on the real MLX
 backend: greedy outputs are token for token what plain decoding gives, with
 proposals verified and accepted (so the test could fail), in batches where
 sequences accept different numbers of tokens (holes in the shared cache),
@@ -31,10 +31,10 @@ from gezel_trio import (
 )
 from gezel_trio.core.request import CacheRequest
 from gezel_trio.http.app import HttpSettings, create_app
-from gezel_trio.mlx import speculative
+from gezel_trio.mlx import speculation
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import NgramLookup, RecentBySalt, RecentSequences
 from gezel_trio.mlx.sampling import Sampling, greedy, make_sampler
+from gezel_trio.mlx.speculation.lookup import NgramLookup, RecentBySalt, RecentSequences
 from tests.support.generate import text_and_usage
 from tests.support.speculation import TOKENS, AlwaysPays, prompts_of, run
 
@@ -190,13 +190,13 @@ def test_sampled_sequences_speculate_by_rejection_sampling(model: tuple[Any, Any
 
 def test_a_model_with_recurrent_layers_is_refused_by_name(hybrid_model: Path) -> None:
     m, _ = load(str(hybrid_model))
-    why = speculative.speculation_blocker(make_prompt_cache(m))
+    why = speculation.speculation_blocker(make_prompt_cache(m))
     assert why is not None
     assert "cannot drop rejected tokens" in why
-    assert speculative.speculation_blocker([c for c in make_prompt_cache(m) if False]) is None
+    assert speculation.speculation_blocker([c for c in make_prompt_cache(m) if False]) is None
 
 
-_SOURCE = Path(speculative.__file__).read_text()
+_SOURCE = Path(speculation.__file__).read_text()
 
 
 def _counter(engine: Any, name: str) -> float:
@@ -224,7 +224,9 @@ async def test_the_engine_speculates_by_default_and_counts_it(
     text = _SOURCE[:400]
     messages = [{"role": "user", "content": f"{text}\nAgain:\n{text}"}]
     with trio.fail_after(HANG):
-        async with open_engine(EngineConfig(model=dense_model, speculation="off")) as engine:
+        async with open_engine(
+            EngineConfig.from_flags(model=dense_model, speculation="off")
+        ) as engine:
             prompt = (await engine.render_chat(messages)).tokens
             plain, usage = await _greedy_text(engine, prompt)
             assert _counter(engine, "draft_tokens") == 0
@@ -249,7 +251,7 @@ async def test_the_engine_speculates_by_default_and_counts_it(
             # is what is tested here, not the gate's timing: the first
             # request's verify, measured slow on a loaded machine, kept a
             # fresh-clone CI run's 48 sampled tokens from proposing any.
-            monkeypatch.setattr(speculative._Gate, "pays", AlwaysPays.pays)
+            monkeypatch.setattr(speculation.gate.Gate, "pays", AlwaysPays.pays)
             cold = SamplingParams(temperature=1e-4)
             text, usage = await _greedy_text(engine, prompt, sampling=cold)
             assert text == plain
@@ -282,7 +284,7 @@ def test_a_failing_lookup_costs_its_sequence_only_speculation(
 
 
 def test_the_gate_pays_for_the_batch_and_never_slows_a_sequence_that_gains_nothing() -> None:
-    gate = speculative._Gate()
+    gate = speculation.gate.Gate()
     assert not gate.pays(4, 4, 8.0, 4)  # no plain step measured yet
     gate.note_plain(4, 0.100)
     assert gate.pays(4, 4, 8.0, 4)  # a shape never verified is tried once
@@ -301,11 +303,11 @@ def test_the_gate_pays_for_the_batch_and_never_slows_a_sequence_that_gains_nothi
     assert gate.pays(4, 2, 2.0, 1)
     # A refused shape is verified again after _RETRY_AFTER refusals in a
     # row (a measurement may have been taken beside other work).
-    again = speculative._Gate()
+    again = speculation.gate.Gate()
     again.note_plain(4, 0.100)
     again.note_verify(4, 4, 0.150)
-    verdicts = [again.pays(4, 4, 1.0, 4) for _ in range(speculative._RETRY_AFTER)]
-    assert verdicts == [False] * (speculative._RETRY_AFTER - 1) + [True]
+    verdicts = [again.pays(4, 4, 1.0, 4) for _ in range(speculation.gate.RETRY_AFTER)]
+    assert verdicts == [False] * (speculation.gate.RETRY_AFTER - 1) + [True]
     assert not again.pays(4, 4, 1.0, 4)
     # A drafting step is priced apart from the lookup's: its own shape is
     # tried once, then measured.
@@ -324,7 +326,7 @@ async def test_every_protocols_usage_says_what_speculation_proposed(
     dense_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every proposal verified: the measured gate may refuse them on this model.
-    monkeypatch.setattr(speculative, "_Gate", AlwaysPays)
+    monkeypatch.setattr(speculation.batch, "Gate", AlwaysPays)
     text = _SOURCE[:400]
     content = f"{text}\nAgain:\n{text}"
     calls = [
@@ -392,8 +394,8 @@ def test_a_sequence_proposes_from_what_a_finished_one_wrote(model: tuple[Any, An
     for shared in (False, True):
         recent = RecentBySalt() if shared else None
         gen = BatchGenerator(m, completion_batch_size=4, prefill_batch_size=4, stop_tokens=None)
-        stats = speculative.SpecStats()
-        speculative.install(gen, 3, speculative.Roster(), stats, recent)
+        stats = speculation.SpecStats()
+        speculation.install(gen, 3, speculation.Roster(), stats, recent)
         type(gen._generation_batch).gate = AlwaysPays()
         try:
             for turn in range(2):
@@ -420,7 +422,7 @@ async def test_a_salt_proposes_only_from_its_own_salts_sequences(
     """Tenants (cache salts) share no remembered sequences: a retry under
     another salt proposes nothing from the first answer, under the same
     salt it does."""
-    monkeypatch.setattr(speculative, "_Gate", AlwaysPays)
+    monkeypatch.setattr(speculation.batch, "Gate", AlwaysPays)
     with trio.fail_after(HANG):
         async with open_engine(EngineConfig(model=dense_model)) as engine:
             prompt = (await engine.render_chat([{"role": "user", "content": "a fox"}])).tokens

@@ -1,4 +1,4 @@
-"""OpenBLAS's thread count per step (``mlx.step_threads``, ``--decode-threads``).
+"""OpenBLAS's thread count per step (``tuning.step_threads``, ``--decode-threads``).
 
 - ``choose`` gives one thread to the batches, in ascending order, whose
   step on one thread was at most ``TOLERANCE`` slower, and stops at the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,12 +38,13 @@ from mlx_lm.utils import load
 from gezel_trio import EngineConfig
 from gezel_trio.core.backend import Admission
 from gezel_trio.core.request import GenerationRequest, SamplingParams
-from gezel_trio.mlx import blas, speculative
+from gezel_trio.mlx import speculation
 from gezel_trio.mlx.backend import MlxBackend
 from gezel_trio.mlx.loading import hold_float32
-from gezel_trio.mlx.lookup import RecentBySalt
 from gezel_trio.mlx.sampling import greedy
-from gezel_trio.mlx.step_threads import (
+from gezel_trio.mlx.speculation.lookup import RecentBySalt
+from gezel_trio.tuning import blas
+from gezel_trio.tuning.step_threads import (
     LONG_STEP_S,
     REPEATS,
     TOLERANCE,
@@ -157,10 +159,10 @@ def test_a_model_whose_step_is_long_is_not_measured_past_its_first_two_steps(
 
 
 def test_the_backend_asks_before_each_step_with_what_the_lane_runs(dense_model: Path) -> None:
-    backend = MlxBackend(EngineConfig(model=dense_model, decode_threads="all"))
-    assert backend._threads is None
+    backend = MlxBackend(EngineConfig.from_flags(model=dense_model, decode_threads="all"))
+    assert backend._lanes.kit.threads is None
     calls: list[int] = []
-    backend._threads = StepThreads(2, 1, calls.append)
+    backend._lanes.kit.threads = StepThreads(2, 1, calls.append)
     prompt = tuple(range(10, 40))
 
     def admit(rid: int) -> None:
@@ -195,9 +197,9 @@ def test_a_verify_asks_for_its_rows_and_the_plain_steps_for_one(dense_model: Pat
     calls: list[int] = []
     threads = StepThreads(2, 1, calls.append)
     gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4, stop_tokens=None)
-    stats = speculative.SpecStats()
+    stats = speculation.SpecStats()
     # The second turn proposes the first one's answer (RecentBySalt).
-    speculative.install(gen, 3, speculative.Roster(), stats, RecentBySalt(), threads=threads)
+    speculation.install(gen, 3, speculation.Roster(), stats, RecentBySalt(), threads=threads)
     type(gen._generation_batch).gate = AlwaysPays()
     try:
         for _ in range(2):
@@ -224,7 +226,7 @@ def test_a_count_fixed_by_the_environment_is_kept(
     with caplog.at_level(logging.INFO, logger="gezel_trio.mlx"):
         backend = MlxBackend(EngineConfig(model=dense_model))
     backend.close()
-    assert backend._threads is None
+    assert backend._lanes.kit.threads is None
     assert "decode threads: all, for every step (OpenBLAS's thread count" in caplog.text
 
 
@@ -234,8 +236,9 @@ import gezel_trio
 from gezel_trio import EngineConfig
 from mlx_lm.generate import BatchGenerator
 
-from gezel_trio.mlx import blas, speculative
-from gezel_trio.mlx.lookup import RecentBySalt
+from gezel_trio.mlx import speculation
+from gezel_trio.mlx.speculation.lookup import RecentBySalt
+from gezel_trio.tuning import blas
 from gezel_trio.mlx.sampling import greedy
 from gezel_trio.mlx.backend import MlxBackend
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
@@ -245,21 +248,26 @@ blas.set_threads(1)
 print("set 1", get())
 blas.set_threads(99)
 print("set 99", get())
-backend = MlxBackend(EngineConfig(model=sys.argv[1], decode_threads=sys.argv[2]))
-print("after load", get())
-plan = backend._threads
-print("plan", None if plan is None else plan.one_up_to)
-backend.close()
-print("after close", get())
+for mode in sys.argv[2:]:
+    print("mode", mode, flush=True)
+    backend = MlxBackend(EngineConfig.from_flags(model=sys.argv[1], decode_threads=mode))
+    print("after load", get())
+    plan = backend._lanes.kit.threads
+    print("plan", None if plan is None else plan.one_up_to)
+    backend.close()
+    print("after close", get())
 """
+MODES = ("auto", "all")
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread")
-@pytest.mark.parametrize("mode", ["auto", "all"])
-def test_in_a_process_of_its_own_it_measures_at_load(dense_model: Path, mode: str) -> None:
+@pytest.fixture(scope="module")
+def said_per_mode(dense_model: Path) -> dict[str, str]:
+    """What one child process said, loading a backend in each mode in turn
+    (a process and its imports cost seconds on 2 busy cores): the lines
+    before the first load, then each mode's own."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(dense_model), mode],
+        [sys.executable, "-c", _CHILD, str(dense_model), *MODES],
         capture_output=True,
         text=True,
         env=env,
@@ -267,6 +275,20 @@ def test_in_a_process_of_its_own_it_measures_at_load(dense_model: Path, mode: st
     )
     said = out.stdout + out.stderr
     assert out.returncode == 0, said
+    # The lines before the first load, "mode auto" and its lines, "mode all"
+    # and its lines (stderr last, with the last mode).
+    head, *parts = re.split(r"^mode (\w+)\n", said, flags=re.M)
+    modes, texts = parts[0::2], parts[1::2]
+    assert modes == list(MODES), said
+    return {mode: head + text for mode, text in zip(modes, texts, strict=True)}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: one thread")
+@pytest.mark.parametrize("mode", MODES)
+def test_in_a_process_of_its_own_it_measures_at_load(
+    said_per_mode: dict[str, str], mode: str
+) -> None:
+    said = said_per_mode[mode]
     most = len(os.sched_getaffinity(0))
     assert f"most {most}" in said
     assert "set 1 1" in said

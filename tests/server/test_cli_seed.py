@@ -20,17 +20,17 @@ from tests.support.seed import seed_command_line
 def test_the_seed_command_line_maps_onto_ours(tmp_path: Path) -> None:
     args = cli._parser().parse_args(seed_command_line(tmp_path, tmp_path))
     config = cli.server_config(args, tmp_path)
-    assert config.engine.memory_limit_mb == 8192  # --gpu-memory-limit-mb
-    assert config.engine.wired_limit_mb == 4096
-    assert config.engine.max_concurrency == 2
-    assert config.engine.prefill_step_size == 64
-    assert config.engine.cache_budget_mb == 4096
-    assert config.engine.persist_dir == tmp_path / "persist"
-    assert config.engine.model_fingerprint == "seed-compat-test"
+    assert config.engine.memory.limit_mb == 8192  # --gpu-memory-limit-mb
+    assert config.engine.memory.wired_limit_mb == 4096
+    assert config.engine.scheduling.max_concurrency == 2
+    assert config.engine.scheduling.prefill_step_size == 64
+    assert config.engine.cache.budget_mb == 4096
+    assert config.engine.cache.persist_dir == tmp_path / "persist"
+    assert config.engine.loading.fingerprint == "seed-compat-test"
     assert config.http.stream_tool_calls is True
     assert (config.stdout.prefill_min_tokens, config.stdout.prefill_interval) == (2048, 4.0)
-    assert (config.engine.kv_bits, config.engine.kv_group_size) == (8, 64)
-    assert config.engine.quantized_kv_start == 256
+    assert (config.engine.kv_quant.bits, config.engine.kv_quant.group_size) == (8, 64)
+    assert config.engine.kv_quant.start == 256
     notes = cli._seed_notices(args)
     assert [n.split(":")[0] for n in notes] == [
         "--spec-draft-model " + str(tmp_path / "drafter") + " --spec-draft-kind mtp "
@@ -44,8 +44,8 @@ def test_the_seed_defaults_ask_for_nothing_this_build_lacks(tmp_path: Path) -> N
     args = cli._parser().parse_args(["serve", "--model", str(tmp_path)])
     assert cli._seed_notices(args) == []
     config = cli.server_config(args, tmp_path)
-    assert config.engine.memory_limit_mb is None
-    assert config.engine.wired_limit_mb is None
+    assert config.engine.memory.limit_mb is None
+    assert config.engine.memory.wired_limit_mb is None
 
 
 @pytest.mark.parametrize(
@@ -67,8 +67,8 @@ def test_the_seeds_serial_concurrency_and_our_own_limit_win_with_a_notice(tmp_pa
     argv = ["--max-concurrency", "0", "--gpu-memory-limit-mb", "100", "--memory-limit-mb", "50"]
     args = cli._parser().parse_args(["serve", *argv])
     config = cli.server_config(args, tmp_path)
-    assert config.engine.max_concurrency == 1
-    assert config.engine.memory_limit_mb == 50
+    assert config.engine.scheduling.max_concurrency == 1
+    assert config.engine.memory.limit_mb == 50
     notes = cli._seed_notices(args)
     assert any(n.startswith("--max-concurrency 0") for n in notes)
     assert any(n.startswith("--gpu-memory-limit-mb 100") for n in notes)
@@ -96,14 +96,14 @@ def test_a_model_with_a_ple_table_is_served_mapped_with_a_notice_not_refused(
         assert notice is not None
         assert notice.startswith("--external-ple-dir: qwen4 declares a per-layer embedding")
         assert "(memory-mapped), not held in memory" in notice
-        assert cli.server_config(args, model).engine.map_per_layer_embeddings
+        assert cli.server_config(args, model).engine.loading.map_per_layer_embeddings
     # Without --external-ple-dir nothing was asked of the table: no notice,
     # and the table is loaded as any other weight unless our flag asks.
     plain = cli._parser().parse_args(["serve"])
     assert cli._ple_notice(model, plain) is None
-    assert not cli.server_config(plain, model).engine.map_per_layer_embeddings
+    assert not cli.server_config(plain, model).engine.loading.map_per_layer_embeddings
     ours = cli._parser().parse_args(["serve", "--map-per-layer-embeddings"])
-    assert cli.server_config(ours, model).engine.map_per_layer_embeddings
+    assert cli.server_config(ours, model).engine.loading.map_per_layer_embeddings
     alone = cli._parser().parse_args(["serve", "--allow-resident-ple-fallback"])
     assert "--allow-resident-ple-fallback: no effect without --external-ple-dir" in (
         cli._seed_notices(alone)

@@ -13,11 +13,14 @@ hybrid model's split, a killed or stalled rank) run ``mlx.launch`` itself.
 - SIGTERM to rank 0 drains it, and it stops every rank: all exit 0.
 - ``/health`` names the group.
 - A rank killed mid-stream fails the live stream and ends the group in
-  bounded time; a rank that stalls (SIGSTOP) makes rank 0 answer 503 and
-  exit 1 after ``--group-timeout``.
+  bounded time: rank 0 sees the rank's order connection close even while
+  its host thread still waits in a collective; a rank that stalls
+  (SIGSTOP) makes rank 0 answer 503 and exit 1 after ``--group-timeout``.
 - Rank 0 killed (SIGKILL): the other rank's order connection closes and
   it exits 1 on its own (without the launcher, which would stop it anyway).
-- A model that cannot be split is refused by name.
+- A model that cannot be split is refused by name (an image model too,
+  and rank 0's backend outside a group); the split by layers
+  keeps the model's weights and output as they were, on a group of one.
 """
 
 from __future__ import annotations
@@ -166,12 +169,14 @@ def _popen(command: list[str], env: dict[str, str], stderr: Any) -> subprocess.P
 
 
 def _answer(server: Server, content: str, **extra: object) -> str:
+    # 12 tokens: each one is a step's argmax compared with one process's; a
+    # group's step costs 60-300 ms of both cores here (tensor, SmolLM2).
     r = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={
             "model": "m",
             "messages": [{"role": "user", "content": content}],
-            "max_tokens": 24,
+            "max_tokens": 12,
             "temperature": 0,
             **FIXED,
             **extra,
@@ -215,7 +220,10 @@ def _background(server: Server, decoding: threading.Event) -> tuple[str, bool]:
     """A background-priority stream: its text, and whether the server said
     it was parked and resumed (its ``: parked`` and ``: resumed`` frames);
     ``decoding`` is set once it has written a few tokens."""
-    body = _streamed(PROMPTS[2], 400, priority="background")
+    # 240 tokens: on one process (1.4 ms a step here) the interactive
+    # request arrived 9-117 steps in over 8 tries; each step under the
+    # tensor split costs ~60 ms on the loaded 2-core machine.
+    body = _streamed(PROMPTS[2], 240, priority="background")
     pieces: list[str] = []
     comments: list[str] = []
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=HANG) as r:
@@ -288,7 +296,7 @@ def test_the_hybrid_model_split_by_layers_answers_as_one_process_does(
         assert [_answer(group, p) for p in PROMPTS] == want
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             assert list(pool.map(lambda p: _answer(group, p), PROMPTS)) == want
-        text, cached = _turn(group, PROMPTS[-1], max_tokens=24)
+        text, cached = _turn(group, PROMPTS[-1], max_tokens=12)
         assert cached > 0
         assert text == want[-1]
     finally:
@@ -304,11 +312,17 @@ def _stop(group: Group) -> None:
         group.close()
 
 
+@pytest.fixture(scope="module")
+def one_process_answers(dense_server: Server) -> list[str]:
+    """``_answers`` from one process: what each split's group must answer."""
+    return _answers(dense_server)
+
+
 @pytest.mark.parametrize("split", ["tensor", "layers"])
 def test_two_ranks_answer_as_one_process_does(
-    dense_model: Path, dense_server: Server, split: str
+    dense_model: Path, one_process_answers: list[str], split: str
 ) -> None:
-    want = _answers(dense_server)
+    want = one_process_answers
     group = _launch(dense_model, "--group-split", split)
     try:
         health = httpx.get(f"{group.url}/health", timeout=HANG).json()
@@ -464,6 +478,54 @@ def test_a_model_that_cannot_split_is_refused_by_name(
         shard(hybrid, _Group(2), "hybrid-tiny", "tensor")
 
 
+def test_the_group_backend_wants_a_group_and_a_text_model(
+    dense_model: Path, vision_model: Path
+) -> None:
+    """Rank 0's backend outside ``mlx.launch`` is refused before a model
+    loads, and an image model is refused by name before it is split."""
+    from gezel_trio.core.config import EngineConfig
+    from gezel_trio.core.errors import ModelLoadError
+    from gezel_trio.mlx import group_backend
+    from gezel_trio.mlx.group import Sharding
+    from gezel_trio.mlx.loading import load_model
+
+    with pytest.raises(ModelLoadError, match=r"not started by mlx\.launch in a group"):
+        group_backend(EngineConfig(model=dense_model))
+    loaded = load_model(EngineConfig(model=vision_model))
+    with pytest.raises(
+        ModelLoadError, match=rf"{vision_model.name}: an image model is not split over ranks"
+    ):
+        Sharding(_Group(2))(loaded)
+
+
+def test_the_split_by_layers_keeps_the_model_as_it_was(dense_model: Path) -> None:
+    """``pipeline`` on a group of one: the outer model's inner model is
+    replaced, none of the loaded objects changes its class, the weights keep
+    their paths, and a prefill and a step give the unsplit model's logits."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from gezel_trio.mlx.group import pipeline
+
+    plain, _ = load(str(dense_model))
+    split, _ = load(str(dense_model))
+    inner = split.model
+    kinds = {id(m): type(m) for _, m in split.named_modules()}
+    said = pipeline(split, mx.distributed.init(strict=False))
+    assert said == "by layers over 1 ranks: rank 0 runs layers 0-3"
+    assert split.model is not inner
+    assert all(type(m) is kinds[id(m)] for _, m in inner.named_modules())
+    assert [k for k, _ in tree_flatten(split.parameters())] == [
+        k for k, _ in tree_flatten(plain.parameters())
+    ]
+    plain_cache, split_cache = make_prompt_cache(plain), make_prompt_cache(split)
+    for tokens in ([5, 7, 9, 11, 13], [3]):
+        want = plain(mx.array([tokens]), cache=plain_cache)
+        assert mx.array_equal(split(mx.array([tokens]), cache=split_cache), want)
+
+
 def _stream_until_it_ends(server: Server, started: threading.Event) -> str:
     """A long streamed answer; how it ended: ``done``, ``error`` (an error
     frame) or ``cut`` (the connection closed without either)."""
@@ -489,6 +551,10 @@ def _ended(server: Server, stderr: Path, within: float) -> str:
     server.client.close()
     try:
         server.proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"the group still ran {within:g} s later; it said:\n{stderr.read_text()}"
+        ) from None
     finally:
         assert server.proc.stdout is not None
         server.proc.stdout.close()
@@ -559,3 +625,47 @@ def test_a_rank_whose_rank_0_was_killed_exits_on_its_own(dense_model: Path) -> N
         assert group.ranks[1].wait(timeout=30) == 1
     finally:
         group.close()
+
+
+class _OneRank:
+    """A group of one, for a ``Wire`` whose connections a test makes."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
+def test_rank_0_sees_a_rank_close_its_connection_while_its_host_thread_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gezel_trio.mlx.group.rank0 import _Watchdog
+    from gezel_trio.mlx.group.wire import GroupLost, Wire
+
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    wire = Wire(_OneRank(), stream=None)
+    pairs = [socket.socketpair() for _ in range(2)]
+    wire._peers = [mine for mine, _ in pairs]
+    try:
+        assert wire.closed_peer() is None
+        pairs[0][1].sendall((7).to_bytes(8, "big"))  # an ack, not read yet
+        assert wire.closed_peer() is None
+        pairs[0][1].close()  # rank 1 dies with its last ack unread
+        assert wire.closed_peer() == 1
+
+        told: list[BaseException] = []
+        reported = threading.Event()
+        watchdog = _Watchdog(limit=600.0, gone=wire.closed_peer)
+        watchdog.report = lambda failure: (told.append(failure), reported.set())
+        try:
+            with watchdog.guard():  # the host thread waits in a collective
+                assert reported.wait(HANG)
+        finally:
+            watchdog.close()  # before its grace ends in os._exit
+        assert isinstance(told[0], GroupLost)
+        assert "rank 1 of the group closed its connection" in str(told[0])
+    finally:
+        for mine, theirs in pairs:
+            mine.close()
+            theirs.close()

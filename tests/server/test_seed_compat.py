@@ -52,9 +52,9 @@ DEADLINE = 120.0
 SCRIPT = """
 import sys
 from gezel_trio import cli
-from gezel_trio.mlx import backend
+from gezel_trio.mlx import decoding
 
-real = backend.make_grammar_processor
+real = decoding.make_grammar_processor
 
 
 def make(constraint, *args, **kwargs):
@@ -72,7 +72,7 @@ def make(constraint, *args, **kwargs):
     return exploding
 
 
-backend.make_grammar_processor = make
+decoding.make_grammar_processor = make
 sys.exit(cli.main(sys.argv[1:]))
 """
 

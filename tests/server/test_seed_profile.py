@@ -57,13 +57,13 @@ def test_the_seed_profile_greedy_and_stats_as_an_array_and_flags_given_win(
     tmp_path: Path,
 ) -> None:
     standard = _config(tmp_path, STANDARD)
-    assert standard.engine.default_temperature == 1.0
+    assert standard.engine.requests.default_temperature == 1.0
     assert standard.http.cache_stats_format == "object"
-    assert standard.engine.strict_max_tokens is False
+    assert standard.engine.requests.strict_max_tokens is False
     seed = _config(tmp_path, SEED)
-    assert seed.engine.default_temperature == 0.0
+    assert seed.engine.requests.default_temperature == 0.0
     assert seed.http.cache_stats_format == "array"
-    assert seed.engine.strict_max_tokens is False
+    assert seed.engine.requests.strict_max_tokens is False
     given = _config(
         tmp_path,
         SEED,
@@ -73,9 +73,9 @@ def test_the_seed_profile_greedy_and_stats_as_an_array_and_flags_given_win(
         "object",
         "--strict-max-tokens",
     )
-    assert given.engine.default_temperature == 0.7
+    assert given.engine.requests.default_temperature == 0.7
     assert given.http.cache_stats_format == "object"
-    assert given.engine.strict_max_tokens is True
+    assert given.engine.requests.strict_max_tokens is True
 
 
 def test_out_of_range_values_are_a_message_naming_the_setting(tmp_path: Path) -> None:

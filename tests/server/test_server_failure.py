@@ -34,7 +34,7 @@ from gezel_trio.testing import ScriptedBackend
 
 kind = sys.argv[1]
 backend = ScriptedBackend(crash_at=4) if kind == "crash" else ScriptedBackend(fail_at=[1, 2, 3])
-config = ServerConfig(engine=EngineConfig(max_step_failures=3), port=0, dead_linger=5.0)
+config = ServerConfig(engine=EngineConfig.from_flags(max_step_failures=3), port=0, dead_linger=2.0)
 sys.exit(main_serve(config, backend_factory=lambda _: backend))
 """
 
@@ -112,7 +112,7 @@ import os, sys
 from pathlib import Path
 from gezel_trio.core.config import EngineConfig
 from gezel_trio.server import ServerConfig, main_serve
-config = ServerConfig(engine=EngineConfig(model=Path(sys.argv[1])), port=0,
+config = ServerConfig(engine=EngineConfig.from_flags(model=Path(sys.argv[1])), port=0,
                       watch_parent=os.getppid())
 sys.exit(main_serve(config))
 """

@@ -2,7 +2,7 @@
 the raw input read back from a call's arguments.
 
 A forced custom call's grammar is checked with llguidance's own matcher over
-a byte-level tokenizer (``test_grammar``'s), so exactly the grammar's
+a byte-level tokenizer (``tests.support.grammar``), so exactly the grammar's
 language is tested: the escaped form of every sentence of the tool's grammar
 is accepted inside the call's JSON, and nothing else.
 """
@@ -19,8 +19,8 @@ import pytest
 from gezel_trio.core.errors import InvalidRequest
 from gezel_trio.shaping.custom_tools import RawInput, as_function, custom_input, input_arguments
 from gezel_trio.shaping.grammar import Constraint, build_constraint, parser_limits
-from tests.shaping.test_grammar import SPECIALS, _byte_tokenizer
 from tests.support.codex import APPLY_PATCH_GRAMMAR
+from tests.support.grammar import SPECIALS, byte_tokenizer
 
 PATCH = {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH_GRAMMAR}
 GOOD_PATCHES = [
@@ -38,7 +38,7 @@ BAD_PATCHES = [
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    return _byte_tokenizer(SPECIALS)
+    return byte_tokenizer(SPECIALS)
 
 
 def _forced(tok: Any, fmt: dict[str, Any], fmt_name: str = "hermes") -> Constraint:

@@ -13,21 +13,16 @@ import time
 from typing import Any
 
 import attrs
-import llguidance
 import pytest
-from tokenizers import Tokenizer, decoders, models
-from tokenizers.pre_tokenizers import ByteLevel
 
 from gezel_trio.core.errors import InvalidRequest
 from gezel_trio.shaping.grammar import (
     MAX_SCHEMA_BYTES,
     MAX_SCHEMA_DEPTH,
     Constraint,
-    build_constraint,
     parser_limits,
 )
-
-SPECIALS = ["<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"]
+from tests.support.grammar import SPECIALS, accepts, build, byte_tokenizer
 
 WEATHER = {
     "type": "function",
@@ -68,50 +63,15 @@ PERSON = {
 }
 
 
-def _byte_tokenizer(specials: list[str]) -> Any:
-    alphabet = sorted(ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    eos = tok.token_to_id("<|im_end|>") if "<|im_end|>" in specials else 0
-    return llguidance.LLTokenizer(tok.to_str(), eos_token=eos)
-
-
 @pytest.fixture(scope="module")
 def byte_tok() -> Any:
-    return _byte_tokenizer(SPECIALS)
-
-
-def build(**kw: Any) -> Constraint | None:
-    args: dict[str, Any] = {
-        "response_format": None,
-        "tools": None,
-        "tool_choice": None,
-        "tool_grammar": None,
-    }
-    args.update(kw)
-    return build_constraint(**args)
+    return byte_tokenizer(SPECIALS)
 
 
 def must_build(**kw: Any) -> Constraint:
     c = build(**kw)
     assert c is not None
     return c
-
-
-def accepts(tok: Any, c: Constraint, text: str, *, special: bool = True) -> bool:
-    """Whether ``text`` is a complete sentence of ``c``'s grammar.
-
-    With ``special`` the tag spellings become the special tokens, as a
-    Hermes model emits them; without, they are plain bytes.
-    """
-    m = llguidance.LLMatcher(tok, c.grammar, limits=parser_limits(), log_level=0)
-    assert not m.is_error(), m.get_error()
-    # tokenize_str(parse_special=False) still yields added tokens (the HF
-    # tokenizer matches them first); greedy_tokenize works on bytes only.
-    ids = tok.tokenize_str(text, parse_special=True) if special else tok.greedy_tokenize(text)
-    return bool(m.consume_tokens(ids)) and bool(m.is_accepting())
 
 
 def call(name: str, args: Any) -> str:
@@ -282,7 +242,7 @@ def test_json_answer_or_tool_call_when_both_are_allowed(byte_tok: Any) -> None:
 
 
 def test_tokenizer_check_finds_missing_special_tokens() -> None:
-    plain = _byte_tokenizer(["<|im_end|>"])
+    plain = byte_tokenizer(["<|im_end|>"])
     with pytest.raises(InvalidRequest) as exc:
         build(tools=[WEATHER], tool_choice="required", llg_tokenizer=plain)
     assert exc.value.param == "tool_choice"

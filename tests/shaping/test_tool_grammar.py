@@ -24,7 +24,7 @@ from gezel_trio.shaping.grammar import (
 )
 from gezel_trio.shaping.toolcalls import GEMMA4, GLM, HERMES, QWEN3_CODER, ToolFormat, collect
 from gezel_trio.shaping.toolcalls import ToolCallSplitter as Splitter
-from tests.shaping.test_grammar import _byte_tokenizer, accepts, build
+from tests.support.grammar import accepts, build, byte_tokenizer
 
 Q = '<|"|>'
 SPECIALS = ["<|im_end|>", "<tool_call>", "</tool_call>", "<|tool_call>", "<tool_call|>", Q]
@@ -51,7 +51,7 @@ TOOLS = [WEATHER, LIST]
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    return _byte_tokenizer(SPECIALS)
+    return byte_tokenizer(SPECIALS)
 
 
 # How each markup writes a call (as its chat template renders one).
@@ -149,7 +149,16 @@ def test_each_client_format_names_its_families() -> None:
     assert ToolGrammarHint("hermes", "name-only").agrees_with("qwen3_coder")
     assert ToolGrammarHint("hermes", "name-only").agrees_with("hermes")
     assert not ToolGrammarHint("gemma", "name-only").agrees_with("hermes")
-    assert set(TOOL_GRAMMAR_FORMATS) == {"hermes", "gemma", "glm", "qwen3_coder"}
+    # Each family's own name, and the seed client's "gemma" for Gemma 4.
+    assert set(TOOL_GRAMMAR_FORMATS) == {"hermes", "gemma4", "gemma", "glm", "qwen3_coder"}
+
+
+def test_the_seed_clients_gemma_names_the_family_its_own_name_does() -> None:
+    for name in ("gemma4", "gemma"):
+        assert tool_grammar_hint({"format": name}) == ToolGrammarHint(name, "name-and-params")
+        assert ToolGrammarHint(name, "name-only").agrees_with(GEMMA4.name)
+        assert not ToolGrammarHint(name, "name-only").agrees_with("glm")
+    assert TOOL_GRAMMAR_FORMATS["gemma"] == TOOL_GRAMMAR_FORMATS["gemma4"] == ("gemma4",)
 
 
 def test_a_format_that_disagrees_with_the_template_uses_the_templates_markup(tok: Any) -> None:
@@ -278,7 +287,7 @@ def test_gemma4_keys_come_sorted_and_strings_cannot_spell_the_delimiter(tok: Any
 
 
 def test_the_models_thinking_tokens_may_open_and_close_in_free_text() -> None:
-    tok = _byte_tokenizer([*SPECIALS, "<think>", "</think>"])
+    tok = byte_tokenizer([*SPECIALS, "<think>", "</think>"])
     text = "<think>\nplan</think>\n" + glm("list", {})
     plain = grammar("glm", "name-only", llg_tokenizer=tok)
     assert not accepts(tok, plain, text)
@@ -288,7 +297,7 @@ def test_the_models_thinking_tokens_may_open_and_close_in_free_text() -> None:
 
 
 def test_a_tokenizer_without_the_markups_tokens_is_refused() -> None:
-    plain = _byte_tokenizer(["<|im_end|>", "<tool_call>", "</tool_call>"])
+    plain = byte_tokenizer(["<|im_end|>", "<tool_call>", "</tool_call>"])
     with pytest.raises(InvalidRequest) as exc:
         grammar("gemma4", "name-only", llg_tokenizer=plain)
     assert exc.value.param == "tool_grammar"

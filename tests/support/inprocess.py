@@ -15,6 +15,7 @@ import trio
 from gezel_trio import Engine, EngineConfig
 from gezel_trio.http.app import HttpSettings
 from gezel_trio.server import ServerConfig, serve
+from gezel_trio.testing import ScriptedBackend
 
 
 @asynccontextmanager
@@ -24,13 +25,38 @@ async def served(
     """``server.serve`` on a free loopback port: the engine and the URL.
     Leaving the block cancels the server (and closes the engine)."""
     config = ServerConfig(
-        engine=EngineConfig(model=model, **engine_kw),  # type: ignore[arg-type]
+        engine=EngineConfig.from_flags(model=model, **engine_kw),
         http=settings or HttpSettings(),
         port=0,
     )
     engines: list[Engine] = []
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, config, on_engine=engines.append))
+        try:
+            yield engines[0], binds[0]
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def served_scripted(
+    settings: HttpSettings | None = None,
+    backend: ScriptedBackend | None = None,
+    **engine_kw: Any,
+) -> AsyncIterator[tuple[Engine, str]]:
+    """``served`` over the scripted engine (``gezel_trio.testing``), for a
+    test where the model does not matter: no MLX is loaded."""
+    scripted = backend or ScriptedBackend()
+    config = ServerConfig(
+        engine=EngineConfig.from_flags(**engine_kw),
+        http=settings or HttpSettings(),
+        port=0,
+    )
+    engines: list[Engine] = []
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(
+            partial(serve, config, backend_factory=lambda _: scripted, on_engine=engines.append)
+        )
         try:
             yield engines[0], binds[0]
         finally:

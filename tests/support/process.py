@@ -32,7 +32,10 @@ FIXED = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
 
 
 class Server:
-    def __init__(self, url: str, proc: subprocess.Popen[str]) -> None:
+    """A server at ``url``: a ``gezel-trio serve`` process (``proc``), or one
+    in a thread of the test's process (``tests.support.scripted``)."""
+
+    def __init__(self, url: str, proc: subprocess.Popen[str] | None = None) -> None:
         self.url = url
         self.proc = proc
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -95,6 +98,7 @@ def terminate(proc: subprocess.Popen[str], timeout: float = 30) -> int:
 
 
 def stop_server(server: Server) -> int:
+    assert server.proc is not None, "a server of this process stops with its block"
     server.client.close()
     try:
         return terminate(server.proc)

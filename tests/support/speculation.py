@@ -1,5 +1,5 @@
 """Decoding a few prompts to the end through a ``BatchGenerator``, with
-and without speculation (``mlx.speculative``), on the real MLX backend."""
+and without speculation (``mlx.speculation``), on the real MLX backend."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
-from gezel_trio.mlx import speculative
-from gezel_trio.mlx.draft import DraftModel, DraftPool
+from gezel_trio.mlx import speculation
 from gezel_trio.mlx.sampling import Sampling, greedy
+from gezel_trio.mlx.speculation.draft import DraftModel, DraftPool
 
 TOKENS = 48
 
 
-class AlwaysPays(speculative._Gate):
+class AlwaysPays(speculation.gate.Gate):
     """Every proposal verified: the tests are about correctness, and the
     measured gate would refuse some on the tiny models."""
 
@@ -46,7 +46,7 @@ def oracle(
 
 
 def prompts_of(tok: Any) -> list[list[int]]:
-    text = Path(speculative.__file__).read_text()[:600]
+    text = Path(speculation.__file__).read_text()[:600]
     return [
         tok.encode("Repeat:\n" + text + "\nAgain:\n" + text[:120]),
         tok.encode("one two three four one two three four one two"),
@@ -67,8 +67,8 @@ def run(
     pool: DraftPool | None = None,
     caches: list[list[Any]] | None = None,
     after_step: Callable[[BatchGenerator], None] | None = None,
-    gate: speculative._Gate | None = None,
-) -> tuple[list[list[int]], list[Any], speculative.SpecStats, list[bool]]:
+    gate: speculation.gate.Gate | None = None,
+) -> tuple[list[list[int]], list[Any], speculation.SpecStats, list[bool]]:
     """Decode ``prompts`` to the end; an unseeded ``Sampling`` among
     ``samplers`` speculates, as the backend's roster says; ``draft``
     proposes where the lookup does not; ``caches``: each prompt's fresh
@@ -77,11 +77,11 @@ def run(
     ``gate``: the lane's gate (one that verifies every proposal when
     ``None``)."""
     gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8, stop_tokens=None)
-    stats = speculative.SpecStats()
+    stats = speculation.SpecStats()
     holey: list[bool] = []
-    roster = speculative.Roster(opted_out if opted_out is not None else set())
+    roster = speculation.Roster(opted_out if opted_out is not None else set())
     if spec:
-        speculative.install(gen, 3, roster, stats, None, draft, pool)
+        speculation.install(gen, 3, roster, stats, None, draft, pool)
         type(gen._generation_batch).gate = gate if gate is not None else AlwaysPays()
     n = len(prompts)
     samplers = samplers or [greedy] * n

@@ -15,12 +15,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import attrs
 
 from .errors import EngineFailure
+from .figures import BackendFigures, MemoryFigures, RankStep, SpecFigures
 from .model import ModelInfo
 from .request import GenerationRequest, Priority, RenderedPrompt
 
 __all__ = [
     "Admission",
     "Backend",
+    "BackendFigures",
     "Captured",
     "ConstraintCompiler",
     "Detokenizer",
@@ -30,47 +32,12 @@ __all__ = [
     "PromptRenderer",
     "RankStep",
     "SpecFigures",
+    "StateBlocks",
+    "StateCodec",
+    "StateFiles",
     "StepOutput",
     "TokenOut",
 ]
-
-
-@attrs.frozen
-class MemoryFigures:
-    """A backend's memory, in bytes, read on the host thread: live, the peak
-    of live since the start, the buffer cache (freed buffers kept for
-    reuse) and its cap (0: unknown)."""
-
-    active: int = 0
-    peak: int = 0
-    cache: int = 0
-    cache_limit: int = 0
-
-
-@attrs.frozen
-class SpecFigures:
-    """What speculative decoding did since the start (``mlx.speculative``),
-    as vLLM counts it: sequences that verified a proposal (summed over
-    steps), tokens proposed, tokens accepted; the steps that verified; and
-    of the tokens, those a draft model proposed (``--draft-model``)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    verify_steps: int = 0
-    # Of the proposed and accepted tokens, those a draft model proposed.
-    draft_model_tokens: int = 0
-    draft_model_accepted_tokens: int = 0
-
-
-@attrs.frozen
-class RankStep:
-    """One rank of a group (``mlx.group``): how many steps it has finished,
-    and when it said so last (``time.monotonic`` on the host thread)."""
-
-    rank: int
-    steps: int
-    at: float
 
 
 class Detokenizer(Protocol):
@@ -210,6 +177,56 @@ class ConstraintCompiler(Protocol):
     ) -> Any: ...
 
 
+class StateBlocks(Protocol):
+    """A state holds exactly the tokens it was captured with. Its
+    *blockable* layers (plain attention KV, which grows by appending) can be
+    cut into token blocks that the prompt cache shares between entries; the
+    other layers (linear attention, sliding windows) are its "rest", kept
+    whole."""
+
+    def state_offsets(self, state: Any) -> list[int | None]:
+        """Each layer's token position, ``None`` for layers that keep none."""
+        ...
+
+    def state_blocks(self, state: Any, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
+        """Copies of the blockable layers for each token range ``[start, end)``
+        of ``state``, with their sizes in bytes; independent of ``state``."""
+        ...
+
+    def state_rest(self, state: Any) -> tuple[Any, int]:
+        """A copy of the layers that cannot be cut into blocks, and its size;
+        ``(None, 0)`` when every layer is blockable (``ModelInfo.trimmable``)."""
+        ...
+
+    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any:
+        """A state holding the first ``length`` tokens of consecutive
+        ``blocks`` (the last may be cut), with ``rest`` for the other layers
+        (which must hold exactly ``length`` tokens). Stored blocks and rest
+        are never modified."""
+        ...
+
+
+class StateFiles(Protocol):
+    """One state (de)serialized. ``metadata`` names the entry's file
+    (``gezel_file``, its name without the suffix): a codec that keeps more
+    than the payload (a group's other ranks keep their shards of each
+    state) names its own files after it. ``path`` is the temp file to
+    write, or the sealed file the payload was read from (``host.persist``)."""
+
+    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...
+
+    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]: ...
+
+    def forget_state(self, path: Path) -> None:
+        """``path``, a file ``dump_state`` wrote, was removed: anything kept
+        beside it goes too (``host.persist.DiskCache``)."""
+        ...
+
+
+class StateCodec(StateBlocks, StateFiles, Protocol):
+    """A backend's operations on its opaque cache states."""
+
+
 @runtime_checkable
 class FailsFromAfar(Protocol):
     """A backend that can learn, on a thread of its own, that it will never
@@ -263,40 +280,10 @@ class Backend(Protocol):
         """The sequence's current state, copied (valid between steps)."""
         ...
 
-    # --- opaque cache states -------------------------------------------------
-    # A state holds exactly the tokens it was captured with. Its *blockable*
-    # layers (plain attention KV, which grows by appending) can be cut into
-    # token blocks that the prompt cache shares between entries; the other
-    # layers (linear attention, sliding windows) are its "rest", kept whole.
-
-    def state_offsets(self, state: Any) -> list[int | None]:
-        """Each layer's token position, ``None`` for layers that keep none."""
-        ...
-
-    def state_blocks(self, state: Any, ranges: Sequence[tuple[int, int]]) -> list[tuple[Any, int]]:
-        """Copies of the blockable layers for each token range ``[start, end)``
-        of ``state``, with their sizes in bytes; independent of ``state``."""
-        ...
-
-    def state_rest(self, state: Any) -> tuple[Any, int]:
-        """A copy of the layers that cannot be cut into blocks, and its size;
-        ``(None, 0)`` when every layer is blockable (``ModelInfo.trimmable``)."""
-        ...
-
-    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any:
-        """A state holding the first ``length`` tokens of consecutive
-        ``blocks`` (the last may be cut), with ``rest`` for the other layers
-        (which must hold exactly ``length`` tokens). Stored blocks and rest
-        are never modified."""
-        ...
-
-    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...
-
-    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]: ...
-
-    def forget_state(self, path: Path) -> None:
-        """``path``, a file ``dump_state`` wrote, was removed: anything kept
-        beside it goes too (``host.persist.StateCodec``)."""
+    @property
+    def states(self) -> StateCodec:
+        """What this backend's opaque cache states are cut into, joined
+        from, written as and read from."""
         ...
 
     def step(self, lane: Priority) -> StepOutput:
@@ -312,17 +299,9 @@ class Backend(Protocol):
         """Return cached buffers to the system (between turns, under pressure)."""
         ...
 
-    def memory_figures(self) -> MemoryFigures:
-        """The figures ``/metrics`` shows (called once per step)."""
-        ...
-
-    def speculation_figures(self) -> SpecFigures:
-        """Speculation's counts so far, for ``/metrics`` (once per step)."""
-        ...
-
-    def rank_steps(self) -> tuple[RankStep, ...]:
-        """Each rank's last step under ``mlx.launch`` (for ``/health``, once
-        per step); empty for one process."""
+    def figures(self) -> BackendFigures:
+        """What the backend measured so far, for ``/metrics`` and ``/health``
+        (once per step)."""
         ...
 
     def reset(self, lane: Priority) -> None:

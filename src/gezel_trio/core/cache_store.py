@@ -819,10 +819,7 @@ class CacheStore:
         self._serial += 1
         return self._serial
 
-    def enforce_budget(self) -> list[Entry]:
-        return self._enforce_budget(keep=None)
-
-    def _enforce_budget(self, keep: Entry | None) -> list[Entry]:
+    def _enforce_budget(self, keep: Entry) -> list[Entry]:
         if self._bytes <= self.budget_bytes or len(self._entries) <= 1:
             return []
         target = int(self.budget_bytes * 0.8)

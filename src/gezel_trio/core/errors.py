@@ -92,7 +92,7 @@ class QueueFull(GezelError):
 
 class QueueTimeout(GezelError):
     """The request waited in the admission queue longer than its bound
-    (``EngineConfig.background_queue_timeout``) and was dropped from it;
+    (``EngineConfig.scheduling.background_queue_timeout``) and was dropped from it;
     retry after ``retry_after`` s."""
 
     status = 503

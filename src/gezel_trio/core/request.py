@@ -155,7 +155,7 @@ class GenerationRequest:
     max_thinking_tokens: int | None = None
     # Report each token's logprob and this many alternatives; None: off.
     top_logprobs: int | None = None
-    # False: this sequence is never speculated (``mlx.speculative``).
+    # False: this sequence is never speculated (``mlx.speculation``).
     speculate: bool = True
     # The images of a vision model's prompt. ``prompt`` is then the
     # cache key (``core.images``): each image's placeholders carry its digest.

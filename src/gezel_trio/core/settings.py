@@ -18,22 +18,45 @@ with 0 meaning ``None`` (``zero_is_none``: the CLI's word for "unset");
 and for a ``bool`` field, a bare switch that turns it on (a field that
 defaults off) or off (one that defaults on), or ``on_off``: the flag takes
 ``on`` or ``off`` and ``--no-<name>`` means off.
+
+A config class may hold settings classes of its parts, each declared with
+``section`` and a title: ``EngineConfig.memory`` is the ``MemorySettings``
+that ``mlx.memory`` reads, and ``serve --help`` shows its flags under its
+title. ``build`` makes a config from flag values named without their dashes
+(``kv_bits=4`` for ``--kv-bits 4``), walking the sections: the CLI and the
+test factory build the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
 
-__all__ = ["MIB", "Setting", "flag_default", "from_flag", "setting", "settings_of"]
+__all__ = [
+    "MIB",
+    "Setting",
+    "build",
+    "flag_default",
+    "flag_name",
+    "flags_of",
+    "from_flag",
+    "name_of",
+    "section",
+    "sections_of",
+    "setting",
+    "settings_of",
+]
 
 _T = TypeVar("_T")
 
 MIB = 1024 * 1024
-# The metadata key under which a field carries its Setting.
+# The metadata keys under which a field carries its Setting, and a section
+# its title.
 _KEY = "gezel_trio.setting"
+_SECTION = "gezel_trio.section"
 
 _Validator = Callable[[Any, Any, Any], Any]
 
@@ -102,9 +125,93 @@ def setting(
     return field
 
 
+def section(cls: type[_T], *, title: str) -> _T:
+    """A field holding the settings class ``cls`` of one part, its defaults
+    by default; ``title`` heads its flags in ``serve --help``."""
+    field: _T = attrs.field(factory=cls, metadata={_SECTION: (cls, title)})
+    return field
+
+
 def settings_of(cls: type) -> list[tuple[attrs.Attribute[Any], Setting]]:
-    """The fields of the attrs class ``cls`` declared with ``setting``, in order."""
+    """The fields of the attrs class ``cls`` declared with ``setting``, in
+    order (a section's are its own: ``flags_of`` walks them)."""
     return [(f, f.metadata[_KEY]) for f in attrs.fields(cls) if _KEY in f.metadata]
+
+
+def sections_of(cls: type) -> list[tuple[attrs.Attribute[Any], type, str]]:
+    """The fields of ``cls`` declared with ``section``: each with its
+    settings class and its title, in order."""
+    return [(f, *f.metadata[_SECTION]) for f in attrs.fields(cls) if _SECTION in f.metadata]
+
+
+def flag_name(meta: Setting) -> str:
+    """The flag's name without its dashes: ``kv_bits`` for ``--kv-bits``
+    (argparse's ``dest``)."""
+    assert meta.flag is not None
+    return meta.flag.removeprefix("--").replace("-", "_")
+
+
+def name_of(field: attrs.Attribute[Any]) -> str:
+    """What a message calls the setting ``field``: its flag's name where it
+    has one (what a user typed), else the field's."""
+    meta = field.metadata.get(_KEY)
+    return flag_name(meta) if meta is not None and meta.flag is not None else field.name
+
+
+def flags_of(cls: type) -> Iterator[tuple[type, attrs.Attribute[Any], Setting]]:
+    """Every setting with a flag of ``cls`` and of its sections, depth first,
+    with the class that declares it."""
+    for field, meta in settings_of(cls):
+        if meta.flag is not None:
+            yield cls, field, meta
+    for _, part, _ in sections_of(cls):
+        yield from flags_of(part)
+
+
+def build(cls: type[_T], values: Mapping[str, Any]) -> _T:
+    """``cls`` with each setting whose flag ``values`` names (``flag_name``)
+    set from that flag value as the command line sets it (``from_flag``),
+    in its section; every other setting keeps its default. A name that is
+    no flag of ``cls`` is a ``TypeError``."""
+    kind: type = cls  # a class is hashable, whatever it builds
+    unknown = set(values) - _flag_names(kind)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no flag {', '.join(sorted(unknown))}")
+    return _build(cls, values)
+
+
+# Walked once per class: every engine a test opens builds its config, and
+# walking the fields each time was a tenth of an empty engine's start.
+@functools.cache
+def _flag_names(cls: type) -> frozenset[str]:
+    return frozenset(flag_name(meta) for _, _, meta in flags_of(cls))
+
+
+@functools.cache
+def _layout(
+    cls: type,
+) -> tuple[
+    tuple[tuple[attrs.Attribute[Any], Setting, str], ...],
+    tuple[tuple[str, type], ...],
+]:
+    """``cls``'s settings with a flag (each with its flag's name) and its sections."""
+    flagged = tuple(
+        (field, meta, flag_name(meta)) for field, meta in settings_of(cls) if meta.flag is not None
+    )
+    return flagged, tuple((field.name, part) for field, part, _ in sections_of(cls))
+
+
+def _build(cls: type[_T], values: Mapping[str, Any]) -> _T:
+    kind: type = cls
+    flagged, parts = _layout(kind)
+    given: dict[str, Any] = {
+        field.name: from_flag(field, meta, values[name])
+        for field, meta, name in flagged
+        if name in values
+    }
+    for name, part in parts:
+        given[name] = _build(part, values)
+    return cls(**given)
 
 
 def flag_default(field: attrs.Attribute[Any], meta: Setting) -> Any:
@@ -127,7 +234,8 @@ def flag_default(field: attrs.Attribute[Any], meta: Setting) -> Any:
 def from_flag(field: attrs.Attribute[Any], meta: Setting, value: Any) -> Any:
     """The field's value for the flag's ``value``."""
     if meta.on_off:
-        return value == "on"
+        # The command line's "on"/"off", or a caller's bool.
+        return value if isinstance(value, bool) else value == "on"
     if meta.repeat:
         return tuple(value or ())
     if isinstance(field.default, bool) and field.default:

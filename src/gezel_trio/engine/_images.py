@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from ..core.backend import ImagePreparer
-from ..core.config import EngineConfig
+from ..core.config import ImageLimits
 from ..core.errors import InvalidImage, InvalidRequest
 from ..core.images import ImagePart, ImageSpan, VisionPrompt, key_prompt, place_images
 from ..core.request import RenderedPrompt
@@ -49,27 +49,6 @@ _FORMATS = {"PNG": "PNG", "JPEG": "JPEG", "WEBP": "WebP", "GIF": "GIF"}
 # profile is 0.5-3 KB.
 PNG_METADATA_BYTES = 1 << 20
 _PNG_METADATA = frozenset({b"tEXt", b"zTXt", b"iTXt", b"iCCP", b"eXIf"})
-
-
-@attrs.frozen
-class ImageLimits:
-    count: int
-    bytes: int
-    pixels: int
-    # All of one request's images together.
-    total_pixels: int
-    # The long side at most this many times the short one.
-    aspect: int = 20
-
-    @classmethod
-    def of(cls, config: EngineConfig) -> ImageLimits:
-        return cls(
-            config.max_images,
-            config.max_image_bytes,
-            config.max_image_pixels,
-            config.max_request_image_pixels,
-            config.max_image_aspect,
-        )
 
 
 @attrs.frozen

@@ -25,15 +25,8 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..core.backend import (
-    ConstraintCompiler,
-    ImagePreparer,
-    MemoryFigures,
-    PromptRenderer,
-    RankStep,
-    SpecFigures,
-)
-from ..core.config import EngineConfig
+from ..core.backend import ConstraintCompiler, ImagePreparer, PromptRenderer
+from ..core.config import MemorySettings, SchedulingSettings
 from ..core.errors import (
     EngineClosed,
     EngineFailure,
@@ -43,6 +36,7 @@ from ..core.errors import (
     SlowConsumer,
 )
 from ..core.events import Delta, Event, Failed, Finished, Parked, Progress, Queued, Resumed
+from ..core.figures import BackendFigures, RankStep
 from ..core.model import ModelInfo
 from ..core.request import CacheRequest, GenerationRequest
 from ..core.scheduler import Scheduler
@@ -259,16 +253,19 @@ def _is_note(event: Event) -> bool:
 class HostLink:
     """The engine's requests and its half of the host exchange (Trio thread)."""
 
-    def __init__(self, config: EngineConfig, metrics: EngineMetrics) -> None:
-        self.config = config
+    def __init__(
+        self, scheduling: SchedulingSettings, memory: MemorySettings, metrics: EngineMetrics
+    ) -> None:
+        self.scheduling = scheduling
+        self.memory = memory
         self.metrics = metrics
         self.loaded: Loaded | None = None
         self.is_loaded = trio.Event()
         self._scheduler = Scheduler(
-            max_running=config.max_concurrency,
-            max_queue=config.max_queue,
-            continuous=config.continuous_batching,
-            max_park=config.max_park_seconds,
+            max_running=scheduling.max_concurrency,
+            max_queue=scheduling.max_queue,
+            continuous=scheduling.continuous_batching,
+            max_park=scheduling.max_park_seconds,
         )
         self._live: dict[int, _Live] = {}
         # Running sequences whose caller left, with the step at which it left.
@@ -289,9 +286,7 @@ class HostLink:
         self._next_call = 0
         self.cache = CacheBook()
         self._memory = 0
-        self._figures = MemoryFigures()
-        self._speculation = SpecFigures()
-        self._ranks: tuple[RankStep, ...] = ()
+        self._figures = BackendFigures()
         # Consecutive failed model steps, and the last failure (time, reason).
         self._step_failures = 0
         self._last_step_failure: tuple[float, str] | None = None
@@ -414,7 +409,7 @@ class HostLink:
             live=len(self._live),
             closing=self._closing,
             recent_removals=tuple(self._removals),
-            ranks=self._ranks,
+            ranks=self._figures.ranks,
         )
 
     async def wait_until(self, predicate: Callable[[EngineState], bool]) -> EngineState:
@@ -452,7 +447,7 @@ class HostLink:
 
     @property
     def memory_tight(self) -> bool:
-        limit = self.config.memory_limit_mb
+        limit = self.memory.limit_mb
         return limit is not None and self._memory > _TIGHT * limit * 1024 * 1024
 
     def _bookkeeping(self) -> dict[str, int]:
@@ -475,15 +470,8 @@ class HostLink:
             cache_lookups=totals.lookups,
             cache_hits=totals.hits,
             memory_bytes=self._memory,
-            mlx_peak_bytes=self._figures.peak,
-            mlx_cache_bytes=self._figures.cache,
-            mlx_cache_limit_bytes=self._figures.cache_limit,
             rss_bytes=resident_bytes(),
-            spec_drafts=self._speculation.num_drafts,
-            spec_draft_tokens=self._speculation.num_draft_tokens,
-            spec_accepted_tokens=self._speculation.num_accepted_tokens,
-            spec_draft_model_tokens=self._speculation.draft_model_tokens,
-            spec_draft_model_accepted_tokens=self._speculation.draft_model_accepted_tokens,
+            backend=self._figures,
         )
 
     # --- ending --------------------------------------------------------------
@@ -569,10 +557,6 @@ class HostLink:
             self._memory = report.memory
         if report.figures is not None:
             self._figures = report.figures
-        if report.speculation is not None:
-            self._speculation = report.speculation
-        if report.ranks:
-            self._ranks = report.ranks
         plan = self._scheduler.plan(
             memory_tight=self.memory_tight, now=now, kv_held=self.cache.totals.bytes
         )
@@ -603,7 +587,8 @@ class HostLink:
                 len(self._scheduler.running),
                 len(self._scheduler.queued),
             )
-        self.metrics.preemptions.inc(len(plan.parked))
+        if plan.parked:
+            self.metrics.preemptions.inc(len(plan.parked))
         commands, self._commands = tuple(self._commands), []
         for live in self._live.values():
             live.buffered = live.send.statistics().current_buffer_used
@@ -656,7 +641,7 @@ class HostLink:
         self._step_failures += 1
         self._last_step_failure = (now, report.step_failure)
         self.metrics.step_failures.inc()
-        limit = self.config.max_step_failures
+        limit = self.scheduling.max_step_failures
         if self._step_failures < limit:
             return False
         self.die(
@@ -667,7 +652,7 @@ class HostLink:
     def _check_stalls(self, now: float) -> None:
         """Withdraw running requests whose reader drained nothing for
         ``stall_timeout`` seconds (docs/architecture.md, "Backpressure")."""
-        limit = self.config.stall_timeout
+        limit = self.scheduling.stall_timeout
         if limit is None:
             return
         for rid in self._scheduler.running:
@@ -689,8 +674,8 @@ class HostLink:
 
     def _expire_queued(self, now: float) -> None:
         """Fail the background requests queued for longer than
-        ``background_queue_timeout`` (``EngineConfig``), freeing their slots."""
-        limit = self.config.background_queue_timeout
+        ``background_queue_timeout`` (``SchedulingSettings``), freeing their slots."""
+        limit = self.scheduling.background_queue_timeout
         if limit is None:
             return
         for rid in self._scheduler.queued:

@@ -32,7 +32,7 @@ from ..core.prepare import (
 from ..core.request import RenderedPrompt
 from ..shaping.billing_header import drop_billing_header
 from ..shaping.replies import ReplyLedger, ReplySeal
-from ._images import ImageLimits, prepare_vision
+from ._images import prepare_vision
 from ._link import Loaded
 from ._metrics import EngineMetrics
 
@@ -66,7 +66,7 @@ class Preparer:
     ) -> RenderedPrompt:
         renderer = self.loaded.renderer
         kwargs = dict(template_kwargs or {})
-        if self.config.think_by_default:
+        if self.config.shaping.think_by_default:
             kwargs.setdefault("enable_thinking", True)
         messages, pins = self._without_billing_header(messages, pins)
         extra = {"pins": tuple(pins)} if pins else {}
@@ -90,7 +90,7 @@ class Preparer:
         warming) loses Claude Code's per-request billing line, so what is
         counted or warmed is what runs. ``pins`` (message indices) follow
         their messages when a message that held only the line goes."""
-        if self.config.keep_billing_header:
+        if self.config.shaping.keep_billing_header:
             return messages, pins
         kept, dropped = drop_billing_header(messages)
         if not dropped:
@@ -177,7 +177,7 @@ class Preparer:
                 f"the model {self.loaded.info.model_id} takes no images (it is text-only)",
                 param=chat.images[0].param,
             )
-        limits = ImageLimits.of(self.config)
+        limits = self.config.images
         parts = tuple(chat.images)
         return await trio.to_thread.run_sync(
             lambda: prepare_vision(rendered, parts, preparer, limits)
@@ -186,10 +186,12 @@ class Preparer:
     async def prepare(self, chat: ChatRequest) -> PreparedChat:
         """Render, bound by the context window, compile and check ``chat``;
         raises ``InvalidRequest`` naming the field."""
-        check_n(self.config, chat.n)
+        check_n(self.config.scheduling, chat.n)
         rendered, vision = await self.render(chat)
         info = self.loaded.info
-        max_tokens = bound_max_tokens(info, self.config, len(rendered.tokens), chat.max_tokens)
+        max_tokens = bound_max_tokens(
+            info, self.config.requests, len(rendered.tokens), chat.max_tokens
+        )
         constraint = await self.compile_constraint(
             response_format=dict(chat.response_format) if chat.response_format else None,
             tools=[dict(t) for t in chat.tools] if chat.tools else None,

@@ -11,22 +11,21 @@ at background priority, so warming yields to a person who is waiting.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 
 from ..core.cache_plan import common_prefix
+from ..core.config import EngineConfig
 from ..core.errors import InvalidRequest
 from ..core.events import Failed, Finished
 from ..core.prepare import roster_fingerprint
 from ..core.request import CacheRequest, GenerationRequest, RenderedPrompt, SamplingParams
 from ..host.exchange import CacheInspect
-from ._link import CacheWarmed
+from ._handle import RequestHandle
+from ._link import CacheWarmed, HostLink
 
-if TYPE_CHECKING:
-    from ._engine import Engine
-
-__all__ = ["Warmed", "warm"]
+__all__ = ["Warmed", "Warming", "warm"]
 
 # Two different synthetic user turns: where their renders diverge is a cut
 # that any real next turn shares too.
@@ -48,8 +47,24 @@ class Warmed:
     code: str | None = None
 
 
+class Warming(Protocol):
+    """What warming uses of the engine (``Engine`` is one), so that this
+    module, which the engine imports, imports nothing of it."""
+
+    config: EngineConfig
+    link: HostLink
+
+    async def render_chat(
+        self, messages: Sequence[dict[str, Any]], **options: Any
+    ) -> RenderedPrompt: ...
+
+    def submit_nowait(self, request: GenerationRequest, n: int = 1) -> RequestHandle: ...
+
+    def cache_ids_in_use(self) -> set[str]: ...
+
+
 async def warm(
-    engine: Engine,
+    engine: Warming,
     messages: Sequence[Mapping[str, Any]],
     *,
     cache_id: str,
@@ -128,7 +143,7 @@ async def warm(
             match event:
                 case Finished():
                     tokens = len(prompt) if cut is None else cut
-                    persisted = persist and engine.config.persist_dir is not None
+                    persisted = persist and engine.config.cache.persist_dir is not None
                     engine.link.note_nowait(
                         handle.rids[0], cache_id, CacheWarmed(tokens, prior, persisted)
                     )

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import attrs
 
-from ..core.backend import MemoryFigures, RankStep, SpecFigures
 from ..core.errors import EngineFailure
 from ..core.events import Event
+from ..core.figures import BackendFigures
 from ..core.model import ModelInfo
 from ..core.request import GenerationRequest, Priority
 
@@ -126,12 +126,8 @@ class StepReport:
     step_failure: str | None = None
     persistence: str | None = None
     seeded: tuple[tuple[int, int, str], ...] = ()
-    # The backend's memory figures (for /metrics), read after the step.
-    figures: MemoryFigures | None = None
-    # Speculation's counts so far (for /metrics).
-    speculation: SpecFigures | None = None
-    # Each rank's last step, under a group (for /health).
-    ranks: tuple[RankStep, ...] = ()
+    # What the backend measured (for /metrics and /health), read after the step.
+    figures: BackendFigures | None = None
 
     @property
     def has_news(self) -> bool:

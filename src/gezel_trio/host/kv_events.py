@@ -208,12 +208,13 @@ def block_events(
 
 
 class KvEvents:
-    """A ZMQ PUB socket bound at ``endpoint`` (and a replay ROUTER socket
-    at ``replay``) that sends the prompt cache's block events, from its own
-    thread. Made on the host thread, which alone calls ``publish_nowait``
-    and ``close``; raises ``ModelLoadError`` when an address cannot be
-    bound (``tcp://HOST:*``: a free port, then named by ``endpoint``). Its
-    first batch, ``AllBlocksCleared``, is sent at once."""
+    """The ``BlockEvents`` add-on that ``--kv-events`` attaches (``addons``;
+    ``host.block_events``): a ZMQ PUB socket bound at ``endpoint`` (and a
+    replay ROUTER socket at ``replay``) that sends the prompt cache's block
+    events, from its own thread. Made on the host thread, which alone calls
+    ``publish_nowait`` and ``close``; raises ``ModelLoadError`` when an
+    address cannot be bound (``tcp://HOST:*``: a free port, then named by
+    ``endpoint``). Its first batch, ``AllBlocksCleared``, is sent at once."""
 
     def __init__(
         self, endpoint: str, *, block_size: int, replay: str | None = None, topic: str = ""
@@ -258,6 +259,9 @@ class KvEvents:
             block_size,
         )
         self._send([AllBlocksCleared()])
+
+    # The store's BlockHasher (host.block_events.BlockEvents).
+    hash_block = staticmethod(block_hash)
 
     def _bound(self, kind: int, address: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)

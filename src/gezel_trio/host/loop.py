@@ -51,6 +51,7 @@ import outcome
 import trio
 
 from ..core.backend import Backend, Captured, Detokenizer, FailsFromAfar, TokenOut
+from ..core.cache_store import BLOCK_TOKENS
 from ..core.config import EngineConfig
 from ..core.errors import EngineFailure, GezelError, RequestFailed
 from ..core.events import (
@@ -67,6 +68,9 @@ from ..core.events import (
 )
 from ..core.request import GenerationRequest, Priority
 from ..shaping.text import TextFilter
+from ..tuning import plain
+from ..tuning.gil import PrefillSwitch
+from .block_events import BlockEvents, BlockEventsFactory
 from .exchange import (
     CommandFailed,
     EngineLink,
@@ -75,8 +79,6 @@ from .exchange import (
     Point,
     StepReport,
 )
-from .gil import PrefillSwitch
-from .kv_events import KvEvents, block_hash
 from .persist import DiskCache
 from .prompt_cache import PromptCache
 
@@ -135,30 +137,21 @@ class _Group:
     waiting: list[tuple[int, GenerationRequest]] = attrs.field(factory=list)
 
 
-def make_prompt_cache(backend: Backend, config: EngineConfig) -> PromptCache:
+def make_prompt_cache(
+    backend: Backend, config: EngineConfig, blocks: BlockEvents | None = None
+) -> PromptCache:
     disk = None
-    if config.persist_dir is not None:
-        disk = DiskCache(config.persist_dir, backend.info.fingerprint, backend)
+    if config.cache.persist_dir is not None:
+        disk = DiskCache(config.cache.persist_dir, backend.info.fingerprint, backend.states)
     return PromptCache(
-        backend,
+        backend.states,
         model_trimmable=backend.info.trimmable,
-        budget_bytes=int(config.cache_budget_mb * 1024 * 1024),
+        budget_bytes=int(config.cache.budget_mb * 1024 * 1024),
         disk=disk,
-        disk_budget_bytes=int(config.disk_cache_budget_mb * 1024 * 1024),
+        disk_budget_bytes=int(config.cache.disk_budget_mb * 1024 * 1024),
         decode=getattr(backend, "decode", None),
-        block_hasher=block_hash if config.kv_events is not None else None,
-    )
-
-
-def make_kv_events(cache: PromptCache, config: EngineConfig) -> KvEvents | None:
-    """The KV-event publisher ``--kv-events`` asks for, over ``cache``'s blocks."""
-    if config.kv_events is None:
-        return None
-    return KvEvents(
-        config.kv_events,
-        block_size=cache.store.block_tokens,
-        replay=config.kv_events_replay,
-        topic=config.kv_events_topic,
+        # With an add-on told of the blocks (host.block_events): it hashes them.
+        block_hasher=blocks.hash_block if blocks is not None else None,
     )
 
 
@@ -184,11 +177,11 @@ class _Host:
         shutdown_timeout: float | None = None,
         observed: bool = False,
         write_behind: bool = False,
-        kv_events: KvEvents | None = None,
+        blocks: BlockEvents | None = None,
         prefill_switch: PrefillSwitch | None = None,
     ) -> None:
         self.backend = backend
-        # A shorter GIL switch interval while a prompt prefills (``host.gil``).
+        # A shorter GIL switch interval while a prompt prefills (``tuning.gil``).
         self.prefill_switch = prefill_switch or PrefillSwitch(None)
         self.memory_limit = memory_limit_bytes
         self.shutdown_timeout = shutdown_timeout
@@ -197,8 +190,8 @@ class _Host:
         # (time.perf_counter()): at most a tenth of its time goes to them.
         self._behind_next = 0.0
         self.cache = cache
-        # Publishes the cache's block changes once per step (report).
-        self.kv_events = kv_events
+        # Told the cache's block changes once per step (report).
+        self.blocks = blocks
         self.seqs: dict[int, _Sequence] = {}
         self._markers = backend.info.framing_markers
         self._eos = backend.info.eos_ids
@@ -374,14 +367,14 @@ class _Host:
             self._prefilled(rid)
 
     def report(self) -> StepReport:
-        if self.kv_events is not None:
-            self.kv_events.publish_nowait(self.cache.store.take_block_log())
+        if self.blocks is not None:
+            self.blocks.publish_nowait(self.cache.store.take_block_log())
         view = None
         if self.cache.version != self._reported_version:
             self._reported_version = self.cache.version
             view = self.cache.delta()
         replies, self._replies = tuple(self._replies), []
-        figures = self.backend.memory_figures()
+        figures = self.backend.figures()
         memory = self.backend.memory_in_use()
         if self.memory_limit and memory > 0.85 * self.memory_limit:
             self.backend.reclaim()  # under pressure: give cached buffers back now
@@ -402,8 +395,6 @@ class _Host:
             persistence=disk.problem if disk is not None else None,
             seeded=seeded,
             figures=figures,
-            speculation=self.backend.speculation_figures(),
-            ranks=self.backend.rank_steps(),
         )
 
     # --- one step -----------------------------------------------------------
@@ -595,9 +586,9 @@ class _Host:
             try:
                 self.cache.close_disk(deadline)
             finally:
-                if self.kv_events is not None:
-                    self.kv_events.publish_nowait(self.cache.store.take_block_log())
-                    self.kv_events.close()
+                if self.blocks is not None:
+                    self.blocks.publish_nowait(self.cache.store.take_block_log())
+                    self.blocks.close()
 
 
 # --- the one loop, and the two ways to run it ------------------------------
@@ -670,23 +661,39 @@ def _malloc_trim() -> None:
         _MALLOC_TRIM(0)
 
 
-def _make_host(backend: Backend, config: EngineConfig, observed: bool) -> _Host:
-    limit = config.memory_limit_mb
-    cache = make_prompt_cache(backend, config)
+def _make_host(
+    backend: Backend,
+    config: EngineConfig,
+    observed: bool,
+    blocks: BlockEventsFactory | None = None,
+) -> _Host:
+    limit = config.memory.limit_mb
+    events = blocks(BLOCK_TOKENS) if blocks is not None else None
+    try:
+        cache = make_prompt_cache(backend, config, events)
+    except BaseException:
+        if events is not None:
+            events.close()
+        raise
     return _Host(
         backend,
         cache,
         None if limit is None else int(limit * 1024 * 1024),
-        config.shutdown_timeout,
+        config.cache.shutdown_timeout,
         observed,
-        config.write_behind,
-        make_kv_events(cache, config),
-        PrefillSwitch(config.prefill_switch_ms / 1000 if config.prefill_switch_ms else None),
+        config.cache.write_behind,
+        events,
+        PrefillSwitch(
+            switch_ms / 1000 if (switch_ms := plain(config.tuning).prefill_switch_ms) else None
+        ),
     )
 
 
 def _drive(
-    backend: Backend, config: EngineConfig, observed: bool
+    backend: Backend,
+    config: EngineConfig,
+    observed: bool,
+    blocks: BlockEventsFactory | None = None,
 ) -> Generator[_Need, tuple[Orders, ...] | None, None]:
     """The host loop. It yields what it needs from the Trio side and is sent
     the answer (the ``Orders`` that came back, for an ``_Exchange``; ``None``
@@ -696,7 +703,7 @@ def _drive(
     host: _Host | None = None
     chunks: dict[int, int] = {}
     try:
-        host = _make_host(backend, config, observed)
+        host = _make_host(backend, config, observed, blocks)
         yield _Ready(backend)
         report = host.report()
         lane: Priority | None = None
@@ -779,14 +786,20 @@ class HostRunner(Protocol):
 
 
 async def in_thread(
-    link: EngineLink, make_backend: Callable[[], Backend], config: EngineConfig
+    link: EngineLink,
+    make_backend: Callable[[], Backend],
+    config: EngineConfig,
+    *,
+    blocks: BlockEventsFactory | None = None,
 ) -> None:
     """Run the host loop on one thread for the engine's whole life (MLX
     streams are thread-local). The thread is never abandoned: cancelling this
-    ends the loop at its next exchange or idle wait, after the shutdown."""
+    ends the loop at its next exchange or idle wait, after the shutdown.
+    ``blocks`` makes the add-on told of the prompt cache's blocks, on that
+    thread (``host.block_events``; ``addons.host_runner`` attaches it)."""
     pipe = _Pipe(trio.lowlevel.current_trio_token(), link)
     await trio.to_thread.run_sync(
-        _in_thread, pipe, make_backend, config, thread_name="gezel-mlx-host"
+        _in_thread, pipe, make_backend, config, blocks, thread_name="gezel-mlx-host"
     )
 
 
@@ -821,12 +834,17 @@ class _Pipe:
         self._answers.put(outcome.capture(self.link.exchange, report))
 
 
-def _in_thread(pipe: _Pipe, make_backend: Callable[[], Backend], config: EngineConfig) -> None:
+def _in_thread(
+    pipe: _Pipe,
+    make_backend: Callable[[], Backend],
+    config: EngineConfig,
+    blocks: BlockEventsFactory | None,
+) -> None:
     link = pipe.link
     backend = make_backend()
     if isinstance(backend, FailsFromAfar):
         backend.on_failure(lambda error: pipe.token.run_sync_soon(link.die, error))
-    driver = _drive(backend, config, observed=False)
+    driver = _drive(backend, config, observed=False, blocks=blocks)
     try:
         need = next(driver)
         while True:

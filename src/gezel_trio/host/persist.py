@@ -53,10 +53,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
+from ..core.backend import StateFiles
 from ..core.cache_plan import common_prefix
 from ..core.cache_store import BLOCK_TOKENS
 from ..core.errors import EngineFailure
@@ -78,7 +79,6 @@ __all__ = [
     "DiskEntry",
     "DiskIndex",
     "Loaded",
-    "StateCodec",
     "safe_fingerprint",
     "temp_is_stale",
     "temp_name",
@@ -94,19 +94,6 @@ _MAX_META = 64 * 1024 * 1024
 _SUFFIX = ".gzc"
 _TMP_SUFFIX = ".tmp.safetensors"
 _SAFE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-
-
-class StateCodec(Protocol):
-    """The backend's (de)serializer for one opaque cache state. ``metadata``
-    names the entry's file (``gezel_file``, its name without the suffix):
-    a codec that keeps more than the payload (a group's other ranks keep
-    their shards of each state) names its own files after it. ``path`` is
-    the temp file to write, or the sealed file the payload was read from;
-    ``forget_state`` is told of each file removed."""
-
-    def dump_state(self, state: Any, metadata: dict[str, str], path: Path) -> None: ...
-    def load_state(self, payload: bytes, path: Path) -> tuple[Any, dict[str, str]]: ...
-    def forget_state(self, path: Path) -> None: ...
 
 
 @attrs.frozen
@@ -391,7 +378,7 @@ def _file_key(cache_id: str) -> str:
 
 
 class DiskCache:
-    def __init__(self, root: Path, fingerprint: str, codec: StateCodec) -> None:
+    def __init__(self, root: Path, fingerprint: str, codec: StateFiles) -> None:
         self.fingerprint = safe_fingerprint(fingerprint)
         self.dir = Path(root) / f"{self.fingerprint}-v{FORMAT_VERSION}"
         self._codec = codec

@@ -38,11 +38,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
-from ..core.backend import Admission, Captured
+from ..core.backend import Admission, Captured, StateBlocks
 from ..core.cache_plan import SNAPSHOT_MARGIN, common_prefix, snapshot_cut, split_segments
 from ..core.cache_store import BlockHasher, CacheStore, Entry, EntryKind, Node, Seed
 from ..core.events import CacheMiss, CacheMissReason
@@ -52,7 +52,6 @@ from .persist import DiskCache, DiskEntry
 __all__ = [
     "CacheBook",
     "CacheDelta",
-    "CacheOps",
     "CacheRow",
     "CacheSnapshot",
     "CacheTotals",
@@ -62,20 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("gezel_trio.cache")
-
-
-class CacheOps(Protocol):
-    """The backend's operations on its opaque cache states."""
-
-    def state_offsets(self, state: Any) -> list[int | None]: ...
-
-    def state_blocks(
-        self, state: Any, ranges: Sequence[tuple[int, int]]
-    ) -> list[tuple[Any, int]]: ...
-
-    def state_rest(self, state: Any) -> tuple[Any, int]: ...
-
-    def join_state(self, blocks: Sequence[Any], length: int, rest: Any) -> Any: ...
 
 
 @attrs.frozen
@@ -256,7 +241,7 @@ def _short(key: str) -> str:
     return key if len(key) <= 64 else key[:61] + "..."
 
 
-def _sound(cap: Captured, ops: CacheOps) -> bool:
+def _sound(cap: Captured, ops: StateBlocks) -> bool:
     """Every layer that tracks a position agrees with the tokens."""
     n = len(cap.tokens)
     return n > 0 and all(off is None or off == n for off in ops.state_offsets(cap.state))
@@ -338,7 +323,7 @@ class _EvictedTrail:
 class PromptCache:
     def __init__(
         self,
-        ops: CacheOps,
+        ops: StateBlocks,
         *,
         model_trimmable: bool,
         budget_bytes: int,
@@ -1272,7 +1257,3 @@ class PromptCache:
             evictions=c["evictions"],
             seeded_prefixes=len(self._seeded_prefixes),
         )
-
-    @property
-    def live_sequences(self) -> int:
-        return len(self._seqs)

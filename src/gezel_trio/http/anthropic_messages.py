@@ -761,7 +761,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     async def messages() -> Response:
         req, chat = await json_view(
             parse_messages_request,
-            partial(chat_request, default_temperature=engine.config.default_temperature),
+            partial(chat_request, default_temperature=engine.config.requests.default_temperature),
         )
         tenant = current_tenant()
         prepared = await engine.prepare_chat(tenant.chat(chat, req.cache_salt))
@@ -773,7 +773,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             # Digests of the whole conversation: about 1 ms for 240k
             # characters, kept off the thread that serves every stream.
             prompt_tokens = len(prepared.request.prompt)
-            keep = engine.config.keep_billing_header
+            keep = engine.config.shaping.keep_billing_header
             current = await trio.to_thread.run_sync(
                 partial(fingerprint, model, chat, prompt_tokens, keep_billing_header=keep)
             )

@@ -331,7 +331,7 @@ def blueprint(
             partial(
                 chat_request,
                 vision=engine.info.vision,
-                default_temperature=engine.config.default_temperature,
+                default_temperature=engine.config.requests.default_temperature,
                 reasoning_format=reasoning_format,
             ),
         )

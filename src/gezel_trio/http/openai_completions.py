@@ -287,7 +287,9 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
     async def completions() -> Response:
         req, chat = await json_view(
             parse_completion_request,
-            partial(completion_request, default_temperature=engine.config.default_temperature),
+            partial(
+                completion_request, default_temperature=engine.config.requests.default_temperature
+            ),
         )
         if req.suffix is not None:
             # A text prompt (parse_completion_request checked): the code before the gap.
@@ -331,7 +333,7 @@ def blueprint(engine: Engine) -> ProtocolBlueprint:
             middle=req.prompt,
         )
         chat = completion_request(
-            req.completion(tokens), default_temperature=engine.config.default_temperature
+            req.completion(tokens), default_temperature=engine.config.requests.default_temperature
         )
         prepared = await engine.prepare_chat(current_tenant().chat(chat, req.cache_salt))
         model = req.model or engine.info.model_id

@@ -1065,7 +1065,7 @@ def blueprint(engine: Engine, store: ResponseStore) -> ProtocolBlueprint:
                 "app was built without",
                 param="background",
             )
-        asked = _chat_request(req, messages, cache_id, engine.config.default_temperature)
+        asked = _chat_request(req, messages, cache_id, engine.config.requests.default_temperature)
         prepared = await engine.prepare_chat(tenant.chat(asked, req.cache_salt))
         ctx = _Context(
             rid,

@@ -18,7 +18,7 @@ a field's type, its ``Range`` and its ``Pattern`` become its schema.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import cattrs
@@ -28,6 +28,7 @@ from ..core.images import ImagePart
 from ..core.prepare import MIN_REPETITION_PENALTY
 from ..core.request import SamplingParams
 from ..shaping.custom_tools import as_function, input_arguments
+from ..shaping.toolcalls import TOOL_GRAMMAR_NAMES
 from .checks import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -66,6 +67,7 @@ __all__ = [
     "CompletionRequest",
     "ContentPart",
     "DetokenizeRequest",
+    "GenerationRequest",
     "InfillChunk",
     "InfillRequest",
     "Message",
@@ -93,6 +95,13 @@ MAX_N = 8
 MAX_PROMPT_TOKENS = 1_000_000
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+if TYPE_CHECKING:
+    ToolGrammarFormat = str
+else:
+    # The names tool_grammar.format takes, read from the markup families
+    # (``shaping.toolcalls``): checked as a literal, listed in /openapi.json.
+    ToolGrammarFormat = Literal[TOOL_GRAMMAR_NAMES]
 
 
 @attrs.frozen
@@ -328,7 +337,7 @@ class ToolGrammar:
     ``allowed_names``: the tools this turn may call (all stay in the prompt)."""
 
     mode: Literal["name-only", "name-and-params"] = "name-and-params"
-    format: Literal["hermes", "gemma", "glm", "qwen3_coder"] | None = None
+    format: ToolGrammarFormat | None = None
     allowed_names: list[str] | None = None
 
 
@@ -363,14 +372,21 @@ SKIP_SPECIAL_TOKENS = Is(True, "special tokens are not written into the text")
 RETURN_HIDDEN_STATES = Is(False, "hidden states are not returned")
 
 
+def _required_first(cls: type, fields: list[attrs.Attribute[Any]]) -> list[attrs.Attribute[Any]]:
+    """A request's own required field (``messages``, ``prompt``; keyword-only,
+    as it follows fields with defaults) before the shared fields it
+    inherits: checked first, so an error there is the one a 400 names."""
+    return sorted(fields, key=lambda f: f.default is not attrs.NOTHING)
+
+
 @attrs.frozen
-class ChatCompletionRequest:
-    messages: list[Message] = attrs.field(validator=check_messages)
+class GenerationRequest:
+    """The fields chat and legacy completions share: sampling, stops, the
+    prompt cache, scheduling and the routers' fields."""
+
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
-    max_completion_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
     temperature: float | None = attrs.field(default=None, validator=Range(0, 2))
     top_p: float | None = attrs.field(default=None, validator=Range(0, 1))
     # Any size: at or above the vocabulary it keeps every token (no filter).
@@ -388,62 +404,22 @@ class ChatCompletionRequest:
     )
     repetition_context_size: int | None = attrs.field(default=None, validator=Range(1, 8192))
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = attrs.field(default=None, validator=Range(0, 20))
     ignore_eos: bool = False
     min_tokens: int = attrs.field(default=0, validator=Range(0, None))
     user: str | None = None
-    tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
-    # OpenAI's own fields, accepted as clients forward them.
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    modalities: list[Literal["text"]] | None = None
-    prediction: Prediction | None = None
-    safety_identifier: str | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None
-    prompt_cache_key: str | None = None
-    reasoning_effort: ReasoningEffort | None = None
     # gezel extensions
     cache_id: str | None = None
     prefix_cache_id: str | None = None
     prefix_cache_ids: list[str] | None = None
     # vLLM's: the prompt cache reuses only what requests of the same salt left.
     cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
-    stable_prefix_chars: int | None = attrs.field(default=None, validator=Range(0, None))
     priority: Literal["interactive", "background"] = "interactive"
-    chat_template_override: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
-    tool_grammar: ToolGrammar | None = None
-    disable_speculation: bool = False
     speculation: bool = True
-    # llama.cpp's per-request field: ``none`` leaves the think block in
-    # content as written; ``auto`` and ``deepseek`` (llama.cpp's name for
-    # the same split) send it as ``reasoning_content``; absent: the
-    # server's --reasoning-format.
-    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
-    # SGLang's fields, which vllm-router adds to every chat
+    # SGLang's fields, which vllm-router adds to every chat and completions
     # request they forward (docs/scale-out.md), at what this server does.
     no_stop_trim: bool = attrs.field(default=False, validator=NO_STOP_TRIM)
     skip_special_tokens: bool = attrs.field(default=True, validator=SKIP_SPECIAL_TOKENS)
     return_hidden_states: bool = attrs.field(default=False, validator=RETURN_HIDDEN_STATES)
-    continue_final_message: bool = attrs.field(
-        default=False,
-        validator=Is(False, "a trailing assistant message is prefilled as the answer's start"),
-    )
-    separate_reasoning: bool = attrs.field(
-        default=True, validator=Is(True, "reasoning_format says where reasoning goes")
-    )
-    stream_reasoning: bool = attrs.field(
-        default=True, validator=Is(True, "reasoning streams as it is written")
-    )
-    include_reasoning: bool = attrs.field(
-        default=True, validator=Is(True, "reasoning_format says where reasoning goes")
-    )
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -459,6 +435,65 @@ class ChatCompletionRequest:
         return (self.prefix_cache_id,) if self.prefix_cache_id else ()
 
     @property
+    def random_seed(self) -> int | None:
+        """The seed for the engine: ``-1`` (OpenAI clients' "random") is none."""
+        return None if self.seed == -1 else self.seed
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with its keys parsed (validated by the body's ``parse_*``)."""
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+
+@attrs.frozen(field_transformer=_required_first)
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[Message] = attrs.field(validator=check_messages, kw_only=True)
+    max_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
+    max_completion_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
+    logprobs: bool | None = None
+    top_logprobs: int | None = attrs.field(default=None, validator=Range(0, 20))
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # OpenAI's own fields, accepted as clients forward them.
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: Prediction | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prompt_cache_key: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    # gezel extensions
+    stable_prefix_chars: int | None = attrs.field(default=None, validator=Range(0, None))
+    chat_template_override: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_thinking_tokens: int | None = attrs.field(default=None, validator=Range(0, None))
+    tool_grammar: ToolGrammar | None = None
+    disable_speculation: bool = False
+    # llama.cpp's per-request field: ``none`` leaves the think block in
+    # content as written; ``auto`` and ``deepseek`` (llama.cpp's name for
+    # the same split) send it as ``reasoning_content``; absent: the
+    # server's --reasoning-format.
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
+    # SGLang's chat-only fields that vllm-router adds, at what this server does.
+    continue_final_message: bool = attrs.field(
+        default=False,
+        validator=Is(False, "a trailing assistant message is prefilled as the answer's start"),
+    )
+    separate_reasoning: bool = attrs.field(
+        default=True, validator=Is(True, "reasoning_format says where reasoning goes")
+    )
+    stream_reasoning: bool = attrs.field(
+        default=True, validator=Is(True, "reasoning streams as it is written")
+    )
+    include_reasoning: bool = attrs.field(
+        default=True, validator=Is(True, "reasoning_format says where reasoning goes")
+    )
+
+    @property
     def session_id(self) -> str | None:
         """``cache_id``, else OpenAI's ``prompt_cache_key``."""
         return self.cache_id if self.cache_id is not None else self.prompt_cache_key
@@ -466,16 +501,6 @@ class ChatCompletionRequest:
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens else self.max_tokens
-
-    @property
-    def random_seed(self) -> int | None:
-        """The seed for the engine: ``-1`` (OpenAI clients' "random") is none."""
-        return None if self.seed == -1 else self.seed
-
-    @property
-    def bias(self) -> tuple[tuple[int, float], ...]:
-        """``logit_bias`` with its keys parsed (validated by ``parse_chat_request``)."""
-        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -490,71 +515,19 @@ class ChatCompletionRequest:
         return effort_thinking_budget(self.max_thinking_tokens, self.reasoning_effort)
 
 
-@attrs.frozen
-class CompletionRequest:
+@attrs.frozen(field_transformer=_required_first)
+class CompletionRequest(GenerationRequest):
     """``POST /v1/completions`` (legacy): a raw prompt, no chat template.
     ``prompt`` is text, a list of one text, token ids, or a list of one list
     of token ids; ``suffix`` (with a text prompt) asks for the middle
     between them (``http.fim``); ``best_of`` must equal ``n``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = attrs.field(kw_only=True)
     max_tokens: int | None = attrs.field(default=16, validator=Range(1, None))
-    temperature: float | None = attrs.field(default=None, validator=Range(0, 2))
-    top_p: float | None = attrs.field(default=None, validator=Range(0, 1))
-    top_k: int | None = attrs.field(default=None, validator=Range(-1, None))
-    min_p: float | None = attrs.field(default=None, validator=Range(0, 1))
-    seed: int | None = attrs.field(default=None, validator=Range(SEED_MIN, SEED_MAX))
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     echo: bool = False
     logprobs: int | None = attrs.field(default=None, validator=Range(0, 20))
-    n: int = attrs.field(default=1, validator=Range(1, MAX_N))
     best_of: int | None = attrs.field(default=None, validator=Range(1, MAX_N))
     suffix: str | None = None
-    presence_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
-    frequency_penalty: float | None = attrs.field(default=None, validator=Range(-2, 2))
-    repetition_penalty: float | None = attrs.field(
-        default=None, validator=Range(MIN_REPETITION_PENALTY, 10)
-    )
-    repetition_context_size: int | None = attrs.field(default=None, validator=Range(1, 8192))
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    min_tokens: int = attrs.field(default=0, validator=Range(0, None))
-    # gezel extensions that apply to a raw prompt
-    cache_id: str | None = None
-    prefix_cache_id: str | None = None
-    prefix_cache_ids: list[str] | None = None
-    # vLLM's: the prompt cache reuses only what requests of the same salt left.
-    cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
-    priority: Literal["interactive", "background"] = "interactive"
-    speculation: bool = True
-    # SGLang's fields that routers add (as on chat completions).
-    no_stop_trim: bool = attrs.field(default=False, validator=NO_STOP_TRIM)
-    skip_special_tokens: bool = attrs.field(default=True, validator=SKIP_SPECIAL_TOKENS)
-    return_hidden_states: bool = attrs.field(default=False, validator=RETURN_HIDDEN_STATES)
-
-    @property
-    def stop_list(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    @property
-    def prefix_ids(self) -> tuple[str, ...]:
-        if self.prefix_cache_ids:
-            return tuple(p for p in self.prefix_cache_ids if p)
-        return (self.prefix_cache_id,) if self.prefix_cache_id else ()
-
-    @property
-    def random_seed(self) -> int | None:
-        return None if self.seed == -1 else self.seed
-
-    @property
-    def bias(self) -> tuple[tuple[int, float], ...]:
-        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @property
     def raw_prompt(self) -> str | list[int]:

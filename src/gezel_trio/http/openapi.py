@@ -20,6 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
 
+from ..shaping.toolcalls import TOOL_GRAMMAR_NAMES
 from . import anthropic_wire, openai_wire, responses_wire
 from .checks import CACHE_ID_REFUSED, MAX_CACHE_ID_CHARS, MAX_CACHE_SALT_CHARS, MAX_MESSAGES
 from .strict import Is, Pattern, Range, dump_json
@@ -49,8 +50,9 @@ _DOCS: dict[str, str] = {
     "chat_template_kwargs": "gezel: extra variables for the chat template (enable_thinking ...).",
     "max_thinking_tokens": "gezel: close the think block after this many tokens.",
     "tool_grammar": "gezel: constrain tool calls with a grammar; mode name-only (names) or "
-    "name-and-params (the whole call, by schema); format hermes, gemma, glm or qwen3_coder; "
-    "allowed_names: the tools a call may name.",
+    "name-and-params (the whole call, by schema); format "
+    + " or ".join([", ".join(TOOL_GRAMMAR_NAMES[:-1]), TOOL_GRAMMAR_NAMES[-1]])
+    + "; allowed_names: the tools a call may name.",
     "disable_speculation": "gezel (the seed's): opt out of speculative decoding.",
     "speculation": "gezel: false opts this request out of speculative decoding "
     "(docs/speculation.md).",

@@ -246,9 +246,6 @@ class ResponseStore:
             self._cancelled.discard(rid)
             self._done.pop(rid).set()
 
-    def is_running(self, rid: str) -> bool:
-        return rid in self._jobs
-
     def was_cancelled(self, rid: str) -> bool:
         """Whether ``cancel`` (not a shutdown) stopped this job."""
         return rid in self._cancelled

@@ -70,6 +70,7 @@ __all__ = [
     "MessageItem",
     "NamespaceTool",
     "ReasoningItem",
+    "ResponsesInput",
     "ResponsesRequest",
     "SkippedItem",
     "ToolChoiceAllowed",
@@ -428,17 +429,40 @@ class ResponsesStreamOptions:
 
 
 @attrs.frozen
-class ResponsesRequest:
+class ResponsesInput:
+    """What a response and a compaction share: the history (``input``, on
+    ``instructions`` and ``previous_response_id``) and the fields of the
+    requests it belongs to."""
+
     model: str | None = None
     input: str | list[InputItem] | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_tool_calls: int | None = attrs.field(default=None, validator=Range(1, None))
-    text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    # Codex sends it (who is calling); recorded nowhere.
+    client_metadata: dict[str, Any] | None = None
+
+    @property
+    def items(self) -> list[InputItem]:
+        """``input`` as items: a string is one user message."""
+        if self.input is None:
+            return []
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+
+@attrs.frozen
+class ResponsesRequest(ResponsesInput):
+    tool_choice: ToolChoice | None = None
+    max_tool_calls: int | None = attrs.field(default=None, validator=Range(1, None))
     max_output_tokens: int | None = attrs.field(default=None, validator=Range(1, None))
     temperature: float | None = attrs.field(default=None, validator=Range(0, 2))
     top_p: float | None = attrs.field(default=None, validator=Range(0, 1))
@@ -452,14 +476,8 @@ class ResponsesRequest:
     metadata: dict[str, Any] | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    prompt_cache_key: str | None = None
     # vLLM's: the prompt cache reuses only what requests of the same salt left.
     cache_salt: str | None = attrs.field(default=None, validator=check_cache_salt)
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    prompt_cache_options: dict[str, Any] | None = None
-    # Codex sends it (who is calling); recorded nowhere.
-    client_metadata: dict[str, Any] | None = None
     context_management: list[ContextManagement] | None = None
     # OpenAI platform features: accepted in the body so the 400 can name
     # them (see ``_PLATFORM_FIELDS``).
@@ -515,15 +533,6 @@ class ResponsesRequest:
         return list(dict.fromkeys(kinds))
 
     @property
-    def items(self) -> list[InputItem]:
-        """``input`` as items: a string is one user message."""
-        if self.input is None:
-            return []
-        if isinstance(self.input, str):
-            return [MessageItem(role="user", content=self.input)]
-        return list(self.input)
-
-    @property
     def stores(self) -> bool:
         """``store`` defaults to true, as OpenAI's."""
         return self.store is not False
@@ -562,32 +571,10 @@ class ResponsesRequest:
 
 
 @attrs.frozen
-class CompactRequest:
+class CompactRequest(ResponsesInput):
     """``POST /v1/responses/compact`` as Codex sends it: the history to
     compact (``input``) and the fields of the requests it belongs to, which
     are accepted and not sealed (they travel with every request anyway)."""
-
-    model: str | None = None
-    input: str | list[InputItem] | None = None
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    tools: list[Tool] | None = None
-    parallel_tool_calls: bool | None = None
-    reasoning: ReasoningConfig | None = None
-    text: TextConfig | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    prompt_cache_options: dict[str, Any] | None = None
-    client_metadata: dict[str, Any] | None = None
-
-    @property
-    def items(self) -> list[InputItem]:
-        if self.input is None:
-            return []
-        if isinstance(self.input, str):
-            return [MessageItem(role="user", content=self.input)]
-        return list(self.input)
 
 
 # --- structure hooks: items and tools are told apart by their ``type`` -------

@@ -30,18 +30,15 @@ sent.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import json
 import math
-import operator
 import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from decimal import Decimal
-from typing import Any, Literal, TypeVar, cast, get_args, get_origin
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import attrs
 import cattrs
@@ -68,7 +65,6 @@ __all__ = [
     "StrictJSONProvider",
     "check_text",
     "collecting_fields",
-    "dismantle",
     "dump_json",
     "header_path",
     "object_hook",
@@ -236,76 +232,6 @@ def parse_json_yielding(raw: str | bytes) -> Any:
     if not _as_python_json(value):
         return parse_json(raw)
     return value
-
-
-# Objects freed at once by ``dismantle`` at most (each with what it holds).
-_SLICE = 256
-# A slice of numbers and strings, which hold nothing, is freed in ~1 ms.
-_LEAF_SLICE = 65_536
-_LEAVES = frozenset({str, int, float, bool, type(None)})
-
-
-def dismantle(holder: list[Any]) -> None:
-    """Empty ``holder``, freeing what it alone holds a slice at a time, so
-    that a worker thread that frees a large body never holds the GIL long:
-    freeing a request of 200k content parts is one C call of ~11 ms.
-
-    Lists and dicts are emptied and tuples and attrs instances walked, down
-    to what something else also holds (a reference count says so): that is
-    left whole, to be freed where its other holder drops it."""
-    _empty_list(holder)
-
-
-def _empty_list(items: list[Any]) -> None:
-    size = _SLICE
-    while items:
-        chunk = items[-size:]
-        del items[-size:]
-        kinds = set(map(type, chunk))
-        # Numbers and strings hold nothing: the next slice may be larger.
-        size = _LEAF_SLICE if kinds <= _LEAVES else _SLICE
-        # Instances of one attrs class that hold only those are freed whole.
-        if size == _SLICE and not (len(kinds) == 1 and _leaves_only(chunk, kinds.pop())):
-            for i in range(len(chunk)):
-                _hollow(chunk[i])
-        del chunk
-
-
-def _hollow(value: Any) -> None:
-    # Held by the caller's container, this frame and getrefcount's argument.
-    if sys.getrefcount(value) > 3:
-        return
-    if type(value) is list:
-        _empty_list(value)
-    elif type(value) is dict:
-        while value:
-            _, item = value.popitem()
-            _hollow(item)  # held by ``item`` where a container would hold it
-            del item
-    elif type(value) is tuple:
-        for i in range(len(value)):
-            _hollow(value[i])
-    elif attrs.has(type(value)):
-        for field in attrs.fields(type(value)):
-            _hollow(getattr(value, field.name))
-
-
-def _leaves_only(chunk: list[Any], cls: type) -> bool:
-    """Whether every one of ``chunk`` (all ``cls``, an attrs class) holds
-    only numbers and strings: a check at C speed, not a call each."""
-    if not attrs.has(cls):
-        return False
-    fields = _fields_of(cls)
-    return set(map(type, itertools.chain.from_iterable(map(fields, chunk)))) <= _LEAVES
-
-
-@functools.cache
-def _fields_of(cls: type) -> Callable[[Any], tuple[Any, ...]]:
-    names = [f.name for f in attrs.fields(cls)]
-    if len(names) == 1:
-        one = operator.attrgetter(names[0])
-        return lambda value: (one(value),)
-    return cast("Callable[[Any], tuple[Any, ...]]", operator.attrgetter(*names))
 
 
 def _differs(raw: bytes) -> bool:

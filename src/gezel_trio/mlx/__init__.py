@@ -1,10 +1,18 @@
-"""The MLX backend - the only package that imports ``mlx`` and ``mlx_lm``:
-the backend over mlx-lm's ``BatchGenerator`` (``backend``), its grammar
-processors (``constraints``), model loading and the default model
-(``loading``, ``model_source``, ``gguf``), the demo models (``demo_model``),
-and binding MLX to an optimized BLAS before anything imports it (``blas``).
+"""The MLX backend - with the platform tuning (``gezel_trio.tuning``), the
+only package that imports ``mlx`` and ``mlx_lm``: the backend over mlx-lm's
+``BatchGenerator`` (``backend``), its grammar processors (``constraints``),
+model loading and the default model (``loading``, ``model_source``,
+``gguf``).
 
-This module imports nothing, so ``gezel_trio.mlx.blas`` can run before
+The backend factories: ``mlx_backend`` is one process's backend, with the
+whole model. Under ``mlx.launch`` (``group_rank`` says so) rank 0 serves
+with ``group_backend``, the same backend over rank 0's part of the model
+inside the group's decorator (``mlx.group.GroupBackend``), and every other
+rank runs ``follow_rank``; ``gezel-trio serve`` composes them so
+(``server``, ``cli``), and a library user under ``mlx.launch`` does the
+same.
+
+This module imports nothing, so ``gezel_trio.tuning.blas`` can run before
 ``mlx`` is loaded.
 """
 
@@ -16,22 +24,39 @@ if TYPE_CHECKING:
     from ..core.backend import Backend
     from ..core.config import EngineConfig
 
-__all__ = ["follow_rank", "group_rank", "mlx_backend", "open_file_limit"]
+__all__ = ["follow_rank", "group_backend", "group_rank", "mlx_backend", "open_file_limit"]
 
 
 def mlx_backend(config: EngineConfig) -> Backend:
-    """The MLX backend for ``config`` (a ``BackendFactory``). Call it on the
-    thread that will run it: MLX streams are thread-local, so the engine's
-    host loop calls it there. Under ``mlx.launch`` (rank 0 of a group) it
-    sends its calls to the other ranks too (``mlx.group``)."""
-    from .backend import MlxBackend
-    from .group import GroupBackend, rank_group
+    """The MLX backend for ``config``, one process's, with the whole model
+    (a ``BackendFactory``). Call it on the thread that will run it: MLX
+    streams are thread-local, so the engine's host loop calls it there."""
+    from ..tuning import applies, blas
 
-    backend = MlxBackend(config)
+    blas.preload(applies(config.tuning))  # before the backend's modules import mlx
+    from .backend import MlxBackend
+
+    return MlxBackend(config)
+
+
+def group_backend(config: EngineConfig) -> Backend:
+    """Rank 0's backend in an ``mlx.launch`` group (a ``BackendFactory``,
+    called as ``mlx_backend`` is): the MLX backend over rank 0's part of
+    the model, which sends each call that changes what the ranks hold to
+    the other ranks first (``mlx.group.GroupBackend``). Outside a group it
+    raises ``ModelLoadError``."""
+    from ..core.errors import ModelLoadError
+    from ..tuning import applies, blas
+
+    blas.preload(applies(config.tuning))  # before the backend's modules import mlx
+    from .backend import MlxBackend
+    from .group import GroupBackend, Sharding, rank_group
+
     group = rank_group()
     if group is None:
-        return backend
-    return GroupBackend(backend, group, backend.stream, config.group_timeout)
+        raise ModelLoadError("not started by mlx.launch in a group of two or more ranks")
+    local = MlxBackend(config, split=Sharding(group, config.group.split))
+    return GroupBackend(local, group, local.stream, config.group.timeout)
 
 
 def open_file_limit() -> int:
@@ -68,8 +93,11 @@ def follow_rank(config: EngineConfig) -> None:
     thread, which is then this rank's one MLX thread."""
     import signal
 
+    from ..tuning import applies, blas
+
+    blas.preload(applies(config.tuning))  # before the backend's modules import mlx
     from .backend import MlxBackend
-    from .group import follow, rank_group
+    from .group import Sharding, follow, rank_group
 
     # A rank stops when rank 0 closes the group (after its drain): Ctrl-C
     # in the launcher's terminal, or a signal to its process group, is
@@ -78,5 +106,5 @@ def follow_rank(config: EngineConfig) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     group = rank_group()
     assert group is not None
-    backend = MlxBackend(config)
+    backend = MlxBackend(config, split=Sharding(group, config.group.split))
     follow(backend, group, backend.stream)

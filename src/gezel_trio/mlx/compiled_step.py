@@ -8,7 +8,7 @@ Python integer offsets, so each step is a new graph, and ``mx.compile``
 cannot be applied to the model as it is.
 
 ``CompiledDecode`` stands in for the model in ``BatchGenerator``. A call with
-one token per sequence, on caches it can take (``_layout``), runs the
+one token per sequence, on caches it can take (``step_caches.layout_of``), runs the
 model's own code (embedding, the loop over layers, the norm and head) with
 each layer replaced for that call by its compiled step (``_LayerStep``):
 
@@ -47,16 +47,12 @@ model's own step in their last bits (up to 3e-6 on the test models; with
 needs ``--compiled-step off``.
 
 A step of two sequences or more computes each ``nn.Linear`` as ``W @ xᵀ``
-(``_rows_last``): OpenBLAS then multiplies a matrix of the weights' rows
-by a few columns, where ``x @ Wᵀ`` gave it a few rows against the weights'
-columns, which its kernels tile worse. The results are the same to the bit
-(``tests/mlx/test_compiled_step.py``); the dense bench model's step took
-7% less at 4 sequences and 4% less at 8, one sequence's none
-(docs/performance.md, stop 41). A call of several tokens a sequence and
+while its layer is traced, and a call of several tokens a sequence and
 ``VERIFY_ROWS`` rows or fewer (a speculative verify, a short prompt) is the
-model's own, eager, with its layers' linears computed so (not the head,
-where a large one was slower): 6-7% off a verify of 4 sequences x 4
-tokens, 2-5% off 2 x 5, nothing for one sequence's (stop 42).
+model's own, eager, with its layers' linears computed so (not the head):
+the same values to the bit, a few percent faster on OpenBLAS
+(``tuning.rows_last``, which says by how much). ``rows_last=False`` (the
+platform tuning off) keeps ``nn.Linear``'s own product.
 
 MLX fuses the traced elementwise ops into kernels it compiles with the
 system's ``g++`` and keeps under ``$TMPDIR/mlx/<version>/cpu`` for later
@@ -85,10 +81,23 @@ from typing import Any, Final
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from ..core.shared_dir import DirLock
-from .speculative import HoleyKVCache
+from ..tuning.rows_last import linears_rows_last
+from .mlx_lm_surface import cache_index, set_cache_index
+from .step_caches import (
+    KV,
+    Layout,
+    NotTraceable,
+    StepCache,
+    TracedArrays,
+    TracedCache,
+    entry_width,
+    holey_step_mask,
+    layout_of,
+    step_mask,
+)
 
 __all__ = ["CompiledDecode", "compiled_blocker"]
 
@@ -132,15 +141,6 @@ VERIFY_ROWS: Final = 16
 _LOCK_WAIT_S: Final = 120.0
 
 
-# The attention caches a step is compiled on (``_layout``).
-_KINDS: Final = (BatchKVCache, HoleyKVCache)
-# In a layout, an attention layer (its keys and values); any other entry is
-# a linear-attention layer's (how many state arrays, whether it has left
-# padding).
-_KV: Final = "kv"
-Layout = tuple[str | tuple[int, bool], ...]
-
-
 def compiled_blocker(model: Any) -> str | None:
     """Why ``model``'s decode step is not compiled; ``None``: it can be."""
     family = type(model).__module__
@@ -152,134 +152,6 @@ def compiled_blocker(model: Any) -> str | None:
         # compiled step was no faster than the model's (docs/performance.md).
         return "no g++ on PATH for MLX's fused CPU kernels"
     return None
-
-
-class _TracedCache:
-    """What one attention layer's step sees while it is traced."""
-
-    def __init__(
-        self, keys: mx.array, values: mx.array, index: mx.array, offset: mx.array, width: int
-    ) -> None:
-        self.keys, self.values, self.offset = keys, values, offset
-        self._index, self._width = index, width
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.keys = mx.slice_update(self.keys, keys, self._index, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self._index, axes=(2,))
-        return self.keys[..., : self._width, :], self.values[..., : self._width, :]
-
-    def arrays(self) -> list[mx.array]:
-        return [self.keys, self.values]
-
-
-class _TracedArrays:
-    """What one linear-attention layer's step sees while it is traced: its
-    state arrays and left padding (a decoding batch's ``ArraysCache``, which
-    the layer reads and replaces by index), as ``ArraysCache`` uses them."""
-
-    lengths = None
-
-    def __init__(self, arrays: Sequence[mx.array], left_padding: mx.array | None) -> None:
-        self.cache = list(arrays)
-        self.left_padding = left_padding
-
-    def __getitem__(self, i: int) -> mx.array:
-        return self.cache[i]
-
-    def __setitem__(self, i: int, value: mx.array) -> None:
-        self.cache[i] = value
-
-    def advance(self, n: int) -> None:
-        if self.left_padding is not None:
-            self.left_padding = self.left_padding - n
-
-    def arrays(self) -> list[mx.array]:
-        return self.cache if self.left_padding is None else [*self.cache, self.left_padding]
-
-
-class _StepCache:
-    """What the model's own code (embedding, masks, the loop over layers)
-    sees of a layer's cache during a compiled step: the masks, made once for
-    the step. The layer's state is its ``_LayerStep``'s."""
-
-    def __init__(
-        self, offset: mx.array | None, mask: mx.array | None, left_padding: mx.array | None = None
-    ) -> None:
-        self.offset, self._mask, self._left = offset, mask, left_padding
-
-    def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> Any:
-        if n != 1 or window_size is not None:
-            raise _NotTraceable("a sliding window or more than one token")
-        if self._mask is None and self._left is not None:
-            # A linear-attention layer's, as ArraysCache.make_mask makes it:
-            # only for the one layer the model asks.
-            self._mask = (self._left <= 0)[:, None]
-        return self._mask
-
-
-class _NotTraceable(Exception):
-    """The model asked its cache for what the compiled step does not hold."""
-
-
-def _layout(cache: Sequence[Any]) -> Layout | None:
-    """Each layer's entry (``_KV``, or a linear-attention layer's count of
-    state arrays and whether it is padded) when the step can be compiled on
-    ``cache``: every attention layer a plain batch KV cache with a free
-    slot, or speculation's holey one (holes or none in every layer), at one
-    index and width; every other layer a decoding batch's ``ArraysCache``.
-    ``None``: it cannot."""
-    layout: list[str | tuple[int, bool]] = []
-    first: Any = None
-    holey = False
-    for c in cache:
-        if type(c) is ArraysCache:
-            if c.lengths is not None or any(a is None for a in c.cache):
-                return None
-            layout.append((len(c.cache), c.left_padding is not None))
-            continue
-        if type(c) not in _KINDS or c.keys is None or c._right_padding is not None:
-            return None
-        if first is None:
-            first, holey = c, getattr(c, "holes", None) is not None
-            if c._idx >= c.keys.shape[2]:
-                return None
-        elif (
-            type(c) is not type(first)
-            or c._idx != first._idx
-            or c.keys.shape[2] != first.keys.shape[2]
-            or (getattr(c, "holes", None) is not None) != holey
-        ):
-            return None
-        layout.append(_KV)
-    return tuple(layout) if first is not None else None
-
-
-def _width(entry: str | tuple[int, bool]) -> int:
-    """How many state arrays a layer's entry passes in and out of its step."""
-    if not isinstance(entry, tuple):
-        return 2  # keys, values
-    count, padded = entry
-    return count + padded
-
-
-def _mask(index: mx.array, left: mx.array, marker: mx.array) -> mx.array:
-    """The attention's mask: the slots up to ``index`` that hold each
-    sequence's tokens (not its left padding), over a window as wide as
-    ``marker``."""
-    slots = mx.arange(marker.shape[0])
-    valid = (slots[None] <= index) & (slots[None] >= left[:, None])
-    return valid[:, None, None, :]
-
-
-def _holey_mask(
-    index: mx.array, left: mx.array, marker: mx.array, holes: mx.array
-) -> tuple[mx.array, mx.array]:
-    """``_mask`` less speculation's rejected slots (``HoleyKVCache``); the
-    one about to be written holds a real token, whatever it held before."""
-    written = mx.zeros((holes.shape[0], 1), dtype=mx.bool_)
-    holes = mx.slice_update(holes, written, index, axes=(1,))
-    mask = _mask(index, left, marker) & ~holes[:, None, None, : marker.shape[0]]
-    return mask, holes
 
 
 class _LayerStep:
@@ -299,7 +171,7 @@ class _LayerStep:
 
     def __call__(self, x: mx.array, mask: mx.array | None = None, cache: Any = None) -> mx.array:
         owner = self._owner
-        extras = owner._extras if self._entry == _KV else []
+        extras = owner._extras if self._entry == KV else []
         fn, params = owner._layer_fn(self._i, self._entry, mask is None)
         masks = [] if mask is None else [mask]
         out = fn(x, *masks, *self.state, *extras, *params)
@@ -307,42 +179,6 @@ class _LayerStep:
         self.calls += 1
         h: mx.array = out[0]
         return h
-
-
-def _rows_last(self: nn.Linear, x: mx.array) -> mx.array:
-    """``nn.Linear``'s product as ``W @ xᵀ``, transposed back: the same
-    values to the bit, faster for a few rows (the module docstring). The
-    bias starts the sum as ``addmm`` starts it in ``nn.Linear``."""
-    w = self["weight"]
-    columns = x.reshape(-1, x.shape[-1]).T
-    y = mx.addmm(self["bias"][:, None], w, columns) if "bias" in self else w @ columns
-    return y.T.reshape(*x.shape[:-1], w.shape[0])
-
-
-@contextlib.contextmanager
-def _linear_as_rows_last(rows: int, only: frozenset[int] | None = None) -> Iterator[None]:
-    """While a layer of ``rows`` rows is traced (or a model's graph of that
-    many rows is built), ``nn.Linear`` computes as ``_rows_last`` when
-    there are two or more; with ``only``, just the linears whose ``id`` it
-    holds (a model's layers, not its head), each result made contiguous: in
-    a call of 9 tokens a sequence or more, the attention read the transposed
-    result in another order (logits 1e-6 off the model's). It runs on the
-    host thread, the one thread that calls MLX, so no other call sees it
-    (one that did would get the same values)."""
-    if rows < 2:
-        yield
-        return
-    linear = nn.Linear.__call__
-    chosen = only or frozenset()
-
-    def some_rows_last(self: nn.Linear, x: mx.array) -> mx.array:
-        return mx.contiguous(_rows_last(self, x)) if id(self) in chosen else linear(self, x)
-
-    nn.Linear.__call__ = _rows_last if only is None else some_rows_last
-    try:
-        yield
-    finally:
-        nn.Linear.__call__ = linear
 
 
 def _layer_list(model: Any) -> list[Any]:
@@ -370,8 +206,10 @@ class CompiledDecode:
     the caches allow (the module docstring). Attributes it does not have are
     the model's."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, rows_last: bool = True) -> None:
         self._model = model
+        # Linears as ``W @ xᵀ`` for a few rows (``tuning.rows_last``).
+        self._rows_last = rows_last
         self._layers = len(model.layers)
         # The list the model's loop reads its layers from, and its layers.
         self._layer_list: list[Any] = []
@@ -447,24 +285,24 @@ class CompiledDecode:
             x, at = arrays[0], 1
             mask = None if no_mask else arrays[1]
             at += not no_mask
-            state = arrays[at : at + _width(entry)]
+            state = arrays[at : at + entry_width(entry)]
             at += len(state)
-            cache: _TracedCache | _TracedArrays
+            cache: TracedCache | TracedArrays
             if not isinstance(entry, tuple):
                 index, offset, marker = arrays[at : at + 3]
                 at += 3
-                cache = _TracedCache(state[0], state[1], index, offset, marker.shape[0])
+                cache = TracedCache(state[0], state[1], index, offset, marker.shape[0])
             elif entry[1]:  # padded: its left padding comes last
-                cache = _TracedArrays(state[:-1], state[-1])
+                cache = TracedArrays(state[:-1], state[-1])
             else:
-                cache = _TracedArrays(state, None)
+                cache = TracedArrays(state, None)
             self.layer_traces += 1
             # The layer, its weights the traced inputs for the trace's length.
             layer = self._tracing
             weights = layer.parameters()
             layer.update(tree_unflatten(list(zip(names, arrays[at:], strict=True))))
             try:
-                with _linear_as_rows_last(x.shape[0]):
+                with linears_rows_last(x.shape[0]) if self._rows_last else contextlib.nullcontext():
                     h = layer(x, mask, cache=cache)
             finally:
                 layer.update(weights)
@@ -483,11 +321,11 @@ class CompiledDecode:
             return self._model(inputs, cache=cache, **kwargs)
         if inputs.shape[1] != 1:
             return self._few_rows(inputs, cache)
-        layout = _layout(cache)
+        layout = layout_of(cache)
         if layout is None:
             return self._model(inputs, cache=cache, **kwargs)
-        first = cache[layout.index(_KV)]
-        idx = first._idx
+        first = cache[layout.index(KV)]
+        idx = cache_index(first)
         width = min(first.keys.shape[2], window(idx + 1))
         holey = getattr(first, "holes", None) is not None
         key = (layout, inputs.shape[0], width)
@@ -501,9 +339,9 @@ class CompiledDecode:
         try:
             logits, steps, holes = self._step(inputs, cache, layout, idx, width, holey)
         except Exception as e:  # nothing has changed yet: the model's step instead
-            # _NotTraceable: what the model asked of its cache; anything else
+            # NotTraceable: what the model asked of its cache; anything else
             # raised while tracing is as much a reason to stop compiling.
-            self._off = str(e) if isinstance(e, _NotTraceable) else f"{type(e).__name__}: {e}"
+            self._off = str(e) if isinstance(e, NotTraceable) else f"{type(e).__name__}: {e}"
             log.warning("compiled step: off for this model (%s)", self._off)
             return self._model(inputs, cache=cache, **kwargs)
         finally:
@@ -538,7 +376,7 @@ class CompiledDecode:
             c.offset = offset
             if holes is not None:
                 c.holes = holes
-            c._idx = idx + 1
+            set_cache_index(c, idx + 1)
         self.steps += 1
         return logits
 
@@ -547,13 +385,13 @@ class CompiledDecode:
         prefill, or a speculative verify's k+1 tokens). Of ``VERIFY_ROWS``
         rows or fewer, its layers' linears compute as ``W @ xᵀ``: the same
         to the bit, and a verify of several sequences a few percent faster
-        (docs/performance.md, stop 42); the head stays ``x @ Wᵀ`` (a large
+        (``tuning.rows_last``); the head stays ``x @ Wᵀ`` (a large
         one was slower)."""
         rows = inputs.size
-        if rows > VERIFY_ROWS:
+        if rows > VERIFY_ROWS or not self._rows_last:
             return self._model(inputs, cache=cache)
         self.few_row_calls += 1
-        with _linear_as_rows_last(rows, only=self._layer_linears):
+        with linears_rows_last(rows, only=self._layer_linears):
             return self._model(inputs, cache=cache)
 
     def _step(
@@ -564,7 +402,7 @@ class CompiledDecode:
         if not self._layer_list:
             self._layer_list = _layer_list(self._model)
             self._originals = list(self._layer_list)
-        first = cache[layout.index(_KV)]
+        first = cache[layout.index(KV)]
         marker = self._windows.get(width)
         if marker is None:
             marker = self._windows[width] = mx.zeros((width,), dtype=mx.bool_)
@@ -572,26 +410,26 @@ class CompiledDecode:
         holes = None
         if holey:
             if self._holey_masks is None:
-                self._holey_masks = mx.compile(_holey_mask)
+                self._holey_masks = mx.compile(holey_step_mask)
             for c in cache:
                 if not isinstance(c, ArraysCache):
-                    c._fit()  # holes as wide as the keys, as its own update makes them
+                    c.fit_holes()  # holes as wide as the keys, as its own update makes them
             mask, holes = self._holey_masks(index, first.left_padding, marker, first.holes)
         else:
             if self._masks is None:
-                self._masks = mx.compile(_mask)
+                self._masks = mx.compile(step_mask)
             mask = self._masks(index, first.left_padding, marker)
         self._extras = [index, first.offset, marker]
         steps: list[_LayerStep] = []
-        seen: list[_StepCache] = []
+        seen: list[StepCache] = []
         for i, (c, n) in enumerate(zip(cache, layout, strict=True)):
             step = _LayerStep(self, i, n)
             if isinstance(n, tuple):
                 step.state = c.cache if c.left_padding is None else [*c.cache, c.left_padding]
-                seen.append(_StepCache(None, None, c.left_padding))
+                seen.append(StepCache(None, None, c.left_padding))
             else:
                 step.state = [c.keys, c.values]
-                seen.append(_StepCache(first.offset, mask))
+                seen.append(StepCache(first.offset, mask))
             steps.append(step)
         layers = self._layer_list
         layers[:] = steps
@@ -602,7 +440,7 @@ class CompiledDecode:
         if any(step.calls != 1 for step in steps):
             # The model's loop ran its layers from elsewhere: their caches
             # would advance over slots never written.
-            raise _NotTraceable("the model's loop did not run each layer's step once")
+            raise NotTraceable("the model's loop did not run each layer's step once")
         return logits, steps, holes
 
     @property

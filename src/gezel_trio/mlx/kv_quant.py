@@ -30,7 +30,6 @@ import attrs
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import (
-    BatchKVCache,
     KVCache,
     QuantizedKVCache,
     dynamic_roll,
@@ -39,6 +38,7 @@ from mlx_lm.models.cache import (
 
 from ..core.config import KV_BITS
 from ..core.errors import ModelLoadError
+from .mlx_lm_surface import BatchCache, generation_batch, prompt_batch, taken_over, waiting_caches
 
 __all__ = [
     "BatchQuantizedKVCache",
@@ -155,7 +155,7 @@ class QuantizedKV(QuantizedKVCache):  # type: ignore[misc]  # mlx-lm is untyped
         return BatchQuantizedKVCache.merge(caches)
 
 
-class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is untyped
+class BatchQuantizedKVCache(BatchCache):
     """``BatchKVCache`` with quantized keys and values (see the module)."""
 
     keys: Triple | None
@@ -163,8 +163,6 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
     # BatchKVCache's, set in its __init__.
     offset: Any
     left_padding: Any
-    _idx: int
-    _right_padding: Any
 
     def __init__(self, left_padding: list[int], group_size: int = 64, bits: int = 8) -> None:
         super().__init__(left_padding)
@@ -176,7 +174,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
         return w, scales, biases
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Any:
-        prev, n = self._idx, keys.shape[2]
+        prev, n = self.idx, keys.shape[2]
         qk, qv = self._quantize(keys), self._quantize(values)
         if self.keys is None or prev + n > self.keys[0].shape[2]:
             slots = (self.step + n - 1) // self.step * self.step
@@ -197,29 +195,29 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
         assert self.keys is not None
         assert self.values is not None
         self.offset = self.offset + n
-        self._idx += n
+        self.idx += n
         for have, new in ((self.keys, qk), (self.values, qv)):
             for a, b in zip(have, new, strict=True):
-                a[..., prev : self._idx, :] = b
+                a[..., prev : self.idx, :] = b
         return self.keys_and_values()
 
     def keys_and_values(self) -> tuple[Triple, Triple]:
         assert self.keys is not None
         assert self.values is not None
-        idx = self._idx
+        idx = self.idx
         return _map(lambda a: a[..., :idx, :], self.keys), _map(
             lambda a: a[..., :idx, :], self.values
         )
 
     def finalize(self) -> None:
-        if self._right_padding is not None:
-            padding = self._right_padding
+        if self.right_padding is not None:
+            padding = self.right_padding
             if self.keys is not None and self.values is not None:
                 self.keys = _map(lambda a: dynamic_roll(a, padding[:, None], axis=2), self.keys)
                 self.values = _map(lambda a: dynamic_roll(a, padding[:, None], axis=2), self.values)
             self.offset = self.offset - padding
             self.left_padding += padding
-            self._right_padding = None
+            self.right_padding = None
 
     def filter(self, batch_indices: Any) -> None:
         if self.keys is not None and self.values is not None:
@@ -232,7 +230,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
             if self.keys is not None and self.values is not None:
                 self.keys = _map(lambda a: a[..., shift:, :], self.keys)
                 self.values = _map(lambda a: a[..., shift:, :], self.values)
-            self._idx -= shift
+            self.idx -= shift
             self.left_padding -= shift
 
     def extend(self, other: Any) -> None:
@@ -240,7 +238,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
             return
-        max_idx = max(self._idx, other._idx)
+        max_idx = max(self.idx, other.idx)
         ref: Any = self if self.keys is not None else other
         max_size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
 
@@ -249,7 +247,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
             for have, like in ((c.keys, ref.keys), (c.values, ref.values)):
                 if have is None:
                     have = _map(_empty_like(c.offset.shape[0]), like)
-                left = max_idx - c._idx
+                left = max_idx - c.idx
                 right = max_size - have[0].shape[2] - left
                 if right < 0:
                     have = _map(_cut(right), have)
@@ -257,20 +255,20 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
                 if left or right:
                     have = _map(_padded(left, right), have)
                 kv.append(have)
-            return kv[0], kv[1], c.offset, c.left_padding + (max_idx - c._idx)
+            return kv[0], kv[1], c.offset, c.left_padding + (max_idx - c.idx)
 
         (k1, v1, o1, p1), (k2, v2, o2, p2) = pad(self), pad(other)
         self.keys = _map_pair(k1, k2)
         self.values = _map_pair(v1, v2)
         self.offset = mx.concatenate([o1, o2])
         self.left_padding = mx.concatenate([p1, p2])
-        self._idx = max_idx
+        self.idx = max_idx
 
     def extract(self, idx: int) -> QuantizedKV:
         assert self.keys is not None
         assert self.values is not None
         padding = self.left_padding.tolist()[idx]
-        end = self._idx
+        end = self.idx
         cache = QuantizedKV(self.group_size, self.bits)
         cache.keys = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, padding:end]), self.keys)
         cache.values = _map(lambda a: mx.contiguous(a[idx : idx + 1, :, padding:end]), self.values)
@@ -305,7 +303,7 @@ class BatchQuantizedKVCache(BatchKVCache):  # type: ignore[misc]  # mlx-lm is un
         cache = cls(padding, group_size, bits)
         cache.keys, cache.values = keys, values
         cache.offset += longest
-        cache._idx = longest
+        cache.idx = longest
         return cache
 
     @property
@@ -351,21 +349,21 @@ def quantized_layer(cache: KVCache, group_size: int, bits: int) -> QuantizedKV:
     return out
 
 
-def quantize_batch_layer(cache: Any, group_size: int, bits: int) -> None:
-    """A plain batch layer becomes its quantized twin in place (a
-    ``BatchKVCache`` a ``BatchQuantizedKVCache``; a class may name its own,
-    ``quantized_twin``): its padding, offsets and slots stay as they are,
-    and each slot's keys and values are quantized as ``mx.quantize`` would
-    quantize them alone (a group runs along one token's head)."""
+def quantized_batch_layer(cache: Any, group_size: int, bits: int) -> BatchQuantizedKVCache:
+    """A plain batch layer's quantized twin, to put in its place: a new
+    ``BatchQuantizedKVCache`` holding its padding, offsets and slots (and
+    its holes, where it has them), each slot's keys and values quantized as
+    ``mx.quantize`` would quantize them alone (a group runs along one
+    token's head). A quantized layer is itself."""
     if isinstance(cache, BatchQuantizedKVCache):
-        return
-    twin = getattr(type(cache), "quantized_twin", BatchQuantizedKVCache)
+        return cache
     keys, values = cache.keys, cache.values
-    cache.__class__ = twin
-    cache.group_size, cache.bits = group_size, bits
+    twin: BatchQuantizedKVCache = taken_over(
+        cache, BatchQuantizedKVCache, group_size=group_size, bits=bits
+    )
     if keys is not None:
-        cache.keys = cache._quantize(keys)
-        cache.values = cache._quantize(values)
+        twin.keys, twin.values = twin._quantize(keys), twin._quantize(values)
+    return twin
 
 
 @attrs.frozen
@@ -373,7 +371,7 @@ class KvStart:
     """``--quantized-kv-start``: a lane's attention layers stay unquantized
     until one of its sequences holds ``start`` tokens; then every layer in
     ``layers`` of the lane's every sequence (prefilling, decoding or
-    waiting) is quantized in place, and sequences that join it later are
+    waiting) is quantized, and sequences that join it later are
     quantized as they join. A lane that empties starts unquantized again.
 
     For one sequence this is mlx-lm's ``maybe_quantize_kv_cache``: the
@@ -405,18 +403,19 @@ class KvStart:
         ``start`` tokens: each batch's ``tokens`` are what its cache holds,
         counted on the host (reading the cache's offsets would wait for the
         step in flight)."""
-        for batch in (gen._prompt_batch, gen._generation_batch):
+        for batch in (prompt_batch(gen), generation_batch(gen)):
             if any(len(t) >= self.start for t in batch.tokens):
                 return True
         return False
 
     def quantize_generator(self, gen: Any) -> None:
-        """Quantize every planned layer ``gen`` holds, in place: the
-        prefilling batch's, the decoding batch's, and the waiting
-        sequences' seeds."""
-        for batch in (gen._prompt_batch, gen._generation_batch):
-            for i, c in enumerate(batch.prompt_cache):
+        """Quantize every planned layer ``gen`` holds, each replaced in its
+        list by its quantized twin: the prefilling batch's, the decoding
+        batch's, and the waiting sequences' seeds."""
+        for batch in (prompt_batch(gen), generation_batch(gen)):
+            layers = batch.prompt_cache
+            for i, c in enumerate(layers):
                 if i in self.layers:
-                    quantize_batch_layer(c, self.group_size, self.bits)
-        for waiting in gen._unprocessed_sequences:
-            waiting[3][:] = self.quantize_state(waiting[3])
+                    layers[i] = quantized_batch_layer(c, self.group_size, self.bits)
+        for waiting in waiting_caches(gen):
+            waiting[:] = self.quantize_state(waiting)

@@ -6,7 +6,7 @@ once the model is loaded, and the wired limit again after each
 ``BatchGenerator`` is built (mlx-lm wires Metal's whole recommended working
 set in its constructor).
 
-Two policies (``EngineConfig.mlx_memory_policy``):
+Two policies (``MemorySettings.policy``, ``--mlx-memory-policy``):
 
 * ``quarter`` (ours): the buffer cache at a quarter of the ceiling
   (``memory_limit_mb``), so cached buffers never crowd out live ones;
@@ -42,7 +42,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from ..core.backend import MemoryFigures
-from ..core.config import EngineConfig
+from ..core.config import MemorySettings
 from ..core.model import KvFootprint
 from ..core.settings import MIB
 
@@ -77,14 +77,14 @@ class MemoryLimits:
     buffer_cache: int | None
 
 
-def memory_limits(config: EngineConfig, recommended: int = 0) -> MemoryLimits:
-    """The limits ``config``'s policy sets, given Metal's recommended working
+def memory_limits(memory: MemorySettings, recommended: int = 0) -> MemoryLimits:
+    """The limits ``memory``'s policy sets, given Metal's recommended working
     set in bytes (0: unknown, or no Metal device)."""
-    ceiling = int(config.memory_limit_mb * MIB) if config.memory_limit_mb else None
-    planned = int(config.wired_limit_mb * MIB) if config.wired_limit_mb else None
-    if config.mlx_memory_policy == "quarter":
-        if config.memory_limit_mb is not None:
-            return MemoryLimits(ceiling, planned, int(config.memory_limit_mb * MIB / 4))
+    ceiling = int(memory.limit_mb * MIB) if memory.limit_mb else None
+    planned = int(memory.wired_limit_mb * MIB) if memory.wired_limit_mb else None
+    if memory.policy == "quarter":
+        if memory.limit_mb is not None:
+            return MemoryLimits(ceiling, planned, int(memory.limit_mb * MIB / 4))
         # Never unbounded: MLX's own cap on Metal is its whole memory limit,
         # where freed buffers grew a second model-sized pool (see above).
         # Without a ceiling the cap is the seed's, from Metal's working set.
@@ -175,11 +175,11 @@ def weight_bytes(model: Any) -> int:
     return int(sum(v.nbytes for _, v in tree_flatten(model.parameters())))
 
 
-def kv_room(config: EngineConfig, weights: int) -> int:
+def kv_room(memory: MemorySettings, weights: int) -> int:
     """Bytes left for running sequences' KV: the memory limit (or the
     machine's memory) less the weights; 0 when that leaves nothing (then
     nothing is estimated: the limit is below the weights)."""
-    limit = int(config.memory_limit_mb * MIB) if config.memory_limit_mb else machine_memory()
+    limit = int(memory.limit_mb * MIB) if memory.limit_mb else machine_memory()
     return max(0, limit - weights)
 
 
@@ -234,7 +234,7 @@ def apply_wired_limit(limits: MemoryLimits) -> None:
         mx.set_wired_limit(limits.wired)
 
 
-def log_limits(config: EngineConfig, limits: MemoryLimits) -> None:
+def log_limits(memory: MemorySettings, limits: MemoryLimits) -> None:
     """One line on stderr: what was set, and what cannot apply here."""
     shown = [
         ("ceiling", limits.ceiling, "none"),
@@ -244,6 +244,6 @@ def log_limits(config: EngineConfig, limits: MemoryLimits) -> None:
     text = ", ".join(
         f"{name} {unset if b is None else f'{b / MIB:.0f} MB'}" for name, b, unset in shown
     )
-    log.info("MLX memory (%s policy): %s", config.mlx_memory_policy, text)
+    log.info("MLX memory (%s policy): %s", memory.policy, text)
     if limits.wired is not None and not mx.metal.is_available():
         log.info("no Metal device: the wired limit (%.0f MB) has no effect", limits.wired / MIB)

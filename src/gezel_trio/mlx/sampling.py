@@ -6,7 +6,7 @@ whose sampler is the same object) and a ``Sampling`` otherwise. A
 ``Sampling`` says what distribution it draws from (``logits``: the
 filtered, temperature-scaled logits), so a verify step can rejection-sample
 against exactly the distribution plain decoding samples
-(``mlx.speculative``).
+(``mlx.speculation``).
 """
 
 from __future__ import annotations

@@ -40,10 +40,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from ..core.errors import ModelLoadError
+from ..core.backend import Admission, PrefillOut
+from ..core.errors import InvalidRequest, ModelLoadError
 from ..core.images import VisionPrompt
+from ..core.request import GenerationRequest, Priority
+from . import mlx_lm_surface
 
-__all__ = ["VisionModel", "VisionPrefill", "is_vision_model", "load_vision"]
+__all__ = ["ImagePrefills", "VisionModel", "VisionPrefill", "is_vision_model", "load_vision"]
 
 log = logging.getLogger("gezel_trio.mlx")
 
@@ -119,7 +122,7 @@ def load_vision(path: Path, adapt: Callable[[Any], str]) -> tuple[VisionModel, A
         raise ModelLoadError(
             f"{path} is a vision model; install the vision extra (mlx-vlm): {exc}"
         ) from exc
-    from mlx_lm.utils import _get_classes, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
     cfg = _read_config(path)
     model_type = str(cfg.get("model_type"))
@@ -140,7 +143,7 @@ def load_vision(path: Path, adapt: Callable[[Any], str]) -> tuple[VisionModel, A
     # The text config as mlx-vlm completed it (its defaults), then as stored.
     full = {**_asdict(getattr(language, "config", None)), **text_cfg}
     try:
-        model_cls, args_cls = _get_classes(full)
+        model_cls, args_cls = mlx_lm_surface.model_classes(full)
         text = model_cls(args_cls.from_dict(full))
     except Exception as exc:
         raise ModelLoadError(
@@ -255,3 +258,152 @@ def _dtype(model: VisionModel) -> Any:
 
 def fresh_cache(model: VisionModel) -> list[Any]:
     return list(make_prompt_cache(model.text))
+
+
+class ImagePrefills:
+    """The image prefills waiting for their lanes' steps, oldest first, and
+    the sequences with images: their key prompt (the tokens the host and
+    the cache see) and how many tokens their image prefill counted before
+    the generator took over."""
+
+    def __init__(self, model: VisionModel | None, chunk: int, stream: Any) -> None:
+        self._model = model
+        self._chunk = chunk
+        self._stream = stream
+        self._pending: dict[Priority, list[tuple[VisionPrefill, Admission]]] = {}
+        self._keys: dict[int, tuple[int, ...]] = {}
+        self._offset: dict[int, int] = {}
+
+    def queue(self, adm: Admission, check: Callable[[GenerationRequest], object]) -> bool:
+        """Whether ``adm`` waits here for its images to prefill (``check``
+        refuses a bad request now, not later); ``False``: it goes to the
+        generator as it is."""
+        vision = adm.request.vision
+        if vision is None:
+            return False
+        if self._model is None:
+            raise InvalidRequest("this model takes no images", param="messages")
+        seed = len(adm.seed_tokens)
+        if seed < vision.end:
+            # The images are not all in the seed: prefill them first.
+            check(adm.request)  # refuse a bad grammar now, not later
+            cuts, pos = set(), seed
+            for segment in adm.segments:
+                pos += len(segment)
+                cuts.add(pos)
+            prefill = VisionPrefill(
+                rid=adm.rid,
+                prompt=vision,
+                key=adm.request.prompt,
+                cache=adm.seed_state if adm.seed_state is not None else fresh_cache(self._model),
+                pos=seed,
+                end=vision.end,
+                seed=seed,
+                total=len(adm.request.prompt) - seed,
+                cuts=frozenset(cuts),
+            )
+            self._pending.setdefault(adm.request.priority, []).append((prefill, adm))
+            return True
+        self._keys[adm.rid] = adm.request.prompt
+        return False
+
+    def _joined(self, prefill: VisionPrefill, adm: Admission) -> Admission:
+        """An image prefill is done: the sequence joins its lane's generator,
+        seeded with what the prefill computed; the text after the last image
+        prefills and decodes with the batch."""
+        rest: list[tuple[int, ...]] = []
+        pos = prefill.seed
+        for segment in adm.segments:
+            lo, hi = pos, pos + len(segment)
+            if hi > prefill.end:
+                rest.append(segment[max(0, prefill.end - lo) :])
+            pos = hi
+        self._keys[adm.rid] = adm.request.prompt
+        self._offset[adm.rid] = prefill.end - prefill.seed
+        return attrs.evolve(
+            adm,
+            segments=tuple(rest),
+            seed_state=prefill.cache,
+            seed_tokens=adm.request.prompt[: prefill.end],
+        )
+
+    def key(self, rid: int, tokens: Sequence[int]) -> tuple[int, ...]:
+        """A sequence's tokens as the cache knows them, each image keyed by its content."""
+        key = self._keys.get(rid)
+        if key is None:
+            return tuple(tokens)
+        n = min(len(tokens), len(key))
+        return (*key[:n], *tokens[n:])
+
+    def offset(self, rid: int) -> int:
+        return self._offset.get(rid, 0)
+
+    def forget(self, rid: int) -> None:
+        self._keys.pop(rid, None)
+        self._offset.pop(rid, None)
+
+    def take(self, rid: int) -> VisionPrefill | None:
+        for pending in self._pending.values():
+            for i, (prefill, _) in enumerate(pending):
+                if prefill.rid == rid:
+                    del pending[i]
+                    return prefill
+        return None
+
+    def find(self, rid: int) -> VisionPrefill | None:
+        for pending in self._pending.values():
+            for prefill, _ in pending:
+                if prefill.rid == rid:
+                    return prefill
+        return None
+
+    def waiting(self, lane_name: Priority) -> bool:
+        return bool(self._pending.get(lane_name))
+
+    def step(
+        self, lane_name: Priority, join: Callable[[Admission], None]
+    ) -> tuple[list[PrefillOut], list[tuple[int, Exception]]]:
+        """One chunk of the lane's oldest image prefill, inside that
+        sequence's own failure boundary; a finished one joins the generator
+        first (``join``, so a capture between steps still finds it here)."""
+        pending = self._pending.get(lane_name)
+        progress: list[PrefillOut] = []
+        failed: list[tuple[int, Exception]] = []
+        if not pending or self._model is None:
+            return progress, failed
+        while pending and pending[0][0].done:
+            prefill, adm = pending.pop(0)
+            try:
+                join(self._joined(prefill, adm))
+            except Exception as exc:
+                self.forget(prefill.rid)
+                failed.append((prefill.rid, exc))
+        if pending:
+            prefill = pending[0][0]
+            try:
+                with mx.stream(self._stream):
+                    prefill.advance(self._model, self._chunk)
+            except Exception as exc:
+                pending.pop(0)
+                failed.append((prefill.rid, exc))
+                # Whatever the failed graph left queued on the stream is run
+                # now: a stream left with such work aborts the process when
+                # it exits (mlx 0.32, seen with a vision tower that raised).
+                mx.synchronize(self._stream)
+            else:
+                progress.append(
+                    PrefillOut(
+                        prefill.rid,
+                        prefill.pos - prefill.seed,
+                        prefill.total,
+                        prefill.pos in prefill.cuts,
+                    )
+                )
+        return progress, failed
+
+    def reset(self, lane_name: Priority) -> None:
+        for prefill, _ in self._pending.pop(lane_name, []):
+            self.forget(prefill.rid)
+
+    def clear(self) -> None:
+        self._pending.clear()

@@ -1,5 +1,9 @@
-"""How one tool call is spelled in each chat-template markup, as Lark rules
+"""How one tool call is spelled in a chat-template markup, as Lark rules
 for llguidance (``shaping.grammar`` assembles them into whole grammars).
+
+This module holds what the markups share; each markup's own spelling is a
+subclass in its family's module (``shaping.toolcalls._hermes`` and the
+others), named by its ``ToolFormat.grammar``.
 
 Each markup is a ``CallSyntax``: the special tokens its calls use, the text
 that opens a call (free text around calls must never spell it), how the
@@ -32,17 +36,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
+
+import attrs
 
 __all__ = [
-    "GEMMA_STRING",
+    "BareValueSyntax",
     "CallSyntax",
     "JsonSyntax",
+    "KeyedSyntax",
+    "Markup",
+    "SyntaxOptions",
     "Tool",
-    "syntax_for",
+    "json_scalar",
+    "lit",
+    "regex_escape",
+    "value_kind",
 ]
-
-GEMMA_STRING: Final = '<|"|>'
 
 
 class Tool(Protocol):
@@ -58,29 +68,61 @@ class Tool(Protocol):
     def grammar(self) -> str | None: ...
 
 
+class Markup(Protocol):
+    """What a syntax needs of its family (a ``shaping.toolcalls.ToolFormat``):
+    its name and the markers that open and close a call."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def start(self) -> str: ...
+
+    @property
+    def end(self) -> str: ...
+
+
+@attrs.frozen
+class SyntaxOptions:
+    """What ``shaping.grammar`` decides for every markup: the JSON grammar's
+    options (``x-guidance``), the schema of free JSON arguments, and the
+    parameter a custom tool's input is written in."""
+
+    json_options: Mapping[str, Any]
+    free_args: str
+    custom_input: str
+
+
 def lit(text: str) -> str:
     """A Lark string literal (a JSON string literal is a valid one)."""
     return json.dumps(text, ensure_ascii=False)
 
 
 def _without_opener(opener: str) -> str:
-    return "/(?s:.*)/ & ~/(?s:.*)" + _regex_escape(opener) + "(?s:.*)/"
+    return "/(?s:.*)/ & ~/(?s:.*)" + regex_escape(opener) + "(?s:.*)/"
 
 
-def _regex_escape(text: str) -> str:
+def regex_escape(text: str) -> str:
+    """``text`` as a literal inside a Lark regex."""
     return "".join(f"\\{c}" if c in "\\/.^$|?*+()[]{}-" else c for c in text)
 
 
 class CallSyntax:
-    """One markup's call spelling; see the module docstring."""
+    """One markup's call spelling; see the module docstring. Its opener and
+    closer are its family's markers, each one special token."""
 
-    name: str = ""
-    opener: str = ""
-    closer: str = ""
-    special_tokens: tuple[str, ...] = ()
+    # Special tokens besides the opener and the closer (Gemma 4's string delimiter).
+    extra_tokens: tuple[str, ...] = ()
     # Texts that end a value or the call, tried in order near the budget's
     # end (``mlx.constraints``); the JSON markups' JSON closers need none.
     closing_texts: tuple[str, ...] = ()
+
+    def __init__(self, markup: Markup, options: SyntaxOptions) -> None:
+        self.name = markup.name
+        self.opener = markup.start
+        self.closer = markup.end
+        self.special_tokens: tuple[str, ...] = (self.opener, self.closer, *self.extra_tokens)
+        self.options = options
 
     def wrapped(self, body: str) -> str:
         return f"{self.opener} {body} {self.closer}"
@@ -96,23 +138,8 @@ class CallSyntax:
 
 
 class JsonSyntax(CallSyntax):
-    """Hermes (``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``)
-    and the generic format (``{"tool_call": {...}}``, plain text)."""
-
-    def __init__(self, name: str, *, free_args: str, custom_input: str) -> None:
-        self.name = name
-        self._free_args = free_args
-        self._custom_input = custom_input
-        if name == "generic":
-            self.opener, self.closer, self.special_tokens = '{"tool_call": ', "}", ()
-        else:
-            self.opener, self.closer = "<tool_call>", "</tool_call>"
-            self.special_tokens = (self.opener, self.closer)
-
-    def wrapped(self, body: str) -> str:
-        if self.name == "generic":
-            return f'{lit(self.opener)} {body} "}}"'
-        return f'{self.opener} "\\n" {body} "\\n" {self.closer}'
+    """A markup whose call is one JSON object, ``{"name": ..., "arguments":
+    ...}`` (Hermes, and inside ``{"tool_call": ...}`` the generic format)."""
 
     @staticmethod
     def _head(name: str) -> str:
@@ -123,14 +150,14 @@ class JsonSyntax(CallSyntax):
     ) -> list[str]:
         if free:
             heads = " | ".join(self._head(t.name) for t in tools)
-            return [f'call: CALL_HEAD %json {self._free_args} "}}"', f"CALL_HEAD: {heads}"]
+            return [f'call: CALL_HEAD %json {self.options.free_args} "}}"', f"CALL_HEAD: {heads}"]
         alts = " | ".join(f"call_{i}" for i in range(len(tools)))
         rules = [f"call: {alts}"]
         for i, t in enumerate(tools):
             if t.grammar is not None:
                 # A custom tool's input is its own grammar (@custom_<i>)
                 # between the quotes of the input string.
-                opener = lit(f'{{"{self._custom_input}": "')
+                opener = lit(f'{{"{self.options.custom_input}": "')
                 rules.append(f'call_{i}: {self._head(t.name)} {opener} @custom_{i} "\\"}}}}"')
             else:
                 schema = _declared_keys_only(t.parameters)
@@ -153,7 +180,7 @@ def _declared_keys_only(parameters: Mapping[str, Any]) -> Mapping[str, Any]:
 # --- the markups whose arguments are not one JSON value -----------------------
 
 
-def _value_kind(schema: Any) -> tuple[str, tuple[str, ...]]:
+def value_kind(schema: Any) -> tuple[str, tuple[str, ...]]:
     """How a property's value is constrained: ``("enum", values)``,
     ``("string", ())``, ``("json", ())`` (a typed value), or ``("free", ())``."""
     if not isinstance(schema, Mapping) or "$ref" in json.dumps(schema, default=str):
@@ -173,7 +200,7 @@ def _value_kind(schema: Any) -> tuple[str, tuple[str, ...]]:
     return "free", ()
 
 
-def _json_scalar(schema: Mapping[str, Any]) -> bool:
+def json_scalar(schema: Mapping[str, Any]) -> bool:
     """A number, boolean or null (or an enum of them): spelled alike in JSON
     and in Gemma 4's syntax."""
     enum = [schema["const"]] if "const" in schema else schema.get("enum")
@@ -195,15 +222,12 @@ def _properties(tool: Tool) -> tuple[list[tuple[str, Any]], set[str]] | None:
     return [(str(k), v) for k, v in props.items()], names
 
 
-class _KeyedSyntax(CallSyntax):
+class KeyedSyntax(CallSyntax):
     """A markup whose arguments are key/value entries written one by one."""
 
     # Whether entries are separated by commas (Gemma 4) or just follow each other.
     separated = False
     sorted_keys = False
-
-    def __init__(self, options: Mapping[str, Any]) -> None:
-        self._options = options
 
     def call_rules(
         self, tools: Sequence[Tool], *, free: bool, dump: Callable[[Any], str]
@@ -218,7 +242,7 @@ class _KeyedSyntax(CallSyntax):
                 entries, required = props
                 if self.sorted_keys:
                     entries = sorted(entries)
-                options = t.parameters.get("x-guidance", self._options)
+                options = t.parameters.get("x-guidance", self.options.json_options)
                 values = [(k, self.entry(k, schema, options, dump)) for k, schema in entries]
                 args = self._sequence(rules, i, values, required)
             rules.append(f"call_{i}: {self.call(t.name, args)}")
@@ -269,7 +293,7 @@ class _KeyedSyntax(CallSyntax):
         raise NotImplementedError
 
 
-class _BareValueSyntax(_KeyedSyntax):
+class BareValueSyntax(KeyedSyntax):
     """A keyed markup that writes each value bare and closes it with a tag
     (Qwen3-Coder, GLM): an enum or a typed value is closed by that tag right
     after it; any other value is free text, which the markup's lazy rule
@@ -281,7 +305,7 @@ class _BareValueSyntax(_KeyedSyntax):
 
     def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
         head = self.entry_head(key)
-        kind, values = _value_kind(schema)
+        kind, values = value_kind(schema)
         if kind == "enum":
             alts = " | ".join(lit(v) for v in values)
             return f"{head} ({alts}) {self.value_end}"
@@ -292,134 +316,3 @@ class _BareValueSyntax(_KeyedSyntax):
     def entry_head(self, key: str) -> str:
         """The grammar of an entry up to its value."""
         raise NotImplementedError
-
-
-class _QwenXmlSyntax(_BareValueSyntax):
-    """Qwen3-Coder: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
-    </parameter>\\n...</function>\\n</tool_call>``. A free value is any text
-    up to the first ``</parameter>`` (a lazy lexeme: the parser ends a value
-    there too)."""
-
-    name = "qwen3_coder"
-    opener, closer = "<tool_call>", "</tool_call>"
-    special_tokens = (opener, closer)
-    closing_texts = (
-        "</parameter>\n",
-        "\n</parameter>\n",
-        "</function>\n</tool_call>",
-        "\n</function>\n</tool_call>",
-    )
-
-    def wrapped(self, body: str) -> str:
-        return f'{self.opener} "\\n" {body} "\\n" {self.closer}'
-
-    def shared_rules(self) -> list[str]:
-        return [
-            'xml_param: "<parameter=" XML_KEY ">\\n" xml_text "\\n"',
-            'xml_text[lazy]: /(?s:.*)/ "</parameter>"',
-            r"XML_KEY: /[A-Za-z_$][A-Za-z0-9_.$\-]*/",
-        ]
-
-    def free_args(self) -> str:
-        return "xml_param*"
-
-    value_end = '"\\n</parameter>\\n"'
-    free_value = 'xml_text "\\n"'
-
-    def entry_head(self, key: str) -> str:
-        return lit("<parameter=" + key + ">\n")
-
-    def call(self, name: str, args: str) -> str:
-        head = lit("<function=" + name + ">\n")
-        return f'{head} {args} "</function>"'
-
-
-class _GlmSyntax(_BareValueSyntax):
-    """GLM: ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE
-    </arg_value>\\n...</tool_call>``; the newlines are optional (GLM-4.7's
-    template writes none)."""
-
-    name = "glm"
-    opener, closer = "<tool_call>", "</tool_call>"
-    special_tokens = (opener, closer)
-    closing_texts = ("</arg_value>", "</tool_call>", "\n</tool_call>")
-
-    def shared_rules(self) -> list[str]:
-        return [
-            'glm_pair: "<arg_key>" GLM_KEY "</arg_key>" "\\n"? "<arg_value>" glm_text "\\n"?',
-            'glm_text[lazy]: /(?s:.*)/ "</arg_value>"',
-            r"GLM_KEY: /[A-Za-z_$][A-Za-z0-9_.$\-]*/",
-        ]
-
-    def free_args(self) -> str:
-        return "glm_pair*"
-
-    value_end = '"</arg_value>" "\\n"?'
-    free_value = 'glm_text "\\n"?'
-
-    def entry_head(self, key: str) -> str:
-        return f'{lit(f"<arg_key>{key}</arg_key>")} "\\n"? "<arg_value>"'
-
-    def call(self, name: str, args: str) -> str:
-        return f'{lit(name)} "\\n"? {args}'
-
-
-class _GemmaSyntax(_KeyedSyntax):
-    """Gemma 4: ``<|tool_call>call:NAME{key:VALUE,...}<tool_call|>``, strings
-    between ``<|"|>`` tokens, keys bare and sorted (the template's
-    ``dictsort``)."""
-
-    name = "gemma4"
-    opener, closer = "<|tool_call>", "<tool_call|>"
-    special_tokens = (opener, closer, GEMMA_STRING)
-    closing_texts = (GEMMA_STRING, "}<tool_call|>", "}", "]")
-    separated = True
-    sorted_keys = True
-
-    def shared_rules(self) -> list[str]:
-        s = GEMMA_STRING
-        return [
-            'gemma_members: (gemma_member ("," gemma_member)*)?',
-            'gemma_member: GEMMA_KEY ":" gemma_value',
-            'gemma_value: gemma_string | GEMMA_NUMBER | "true" | "false" | "null"'
-            ' | "{" gemma_members "}" | "[" (gemma_value ("," gemma_value)*)? "]"',
-            f"gemma_string: {s} GEMMA_TEXT? {s}",
-            # Text cannot spell the delimiter: the parser would end the string there.
-            f"GEMMA_TEXT: /(?s:.+)/ & ~/(?s:.*){_regex_escape(s)}(?s:.*)/",
-            r"GEMMA_KEY: /[A-Za-z_$][A-Za-z0-9_$]*/",
-            r"GEMMA_NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
-        ]
-
-    def free_args(self) -> str:
-        return "gemma_members"
-
-    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
-        head = lit(f"{key}:")
-        kind, values = _value_kind(schema)
-        if kind == "enum":
-            alts = " | ".join(lit(v) for v in values)
-            return f"{head} {GEMMA_STRING} ({alts}) {GEMMA_STRING}"
-        if kind == "string":
-            return f"{head} gemma_string"
-        if kind == "json" and _json_scalar(schema):
-            # Gemma 4 writes numbers, booleans and null as JSON does.
-            return f"{head} {self.json_value(schema, options, dump)}"
-        return f"{head} gemma_value"
-
-    def call(self, name: str, args: str) -> str:
-        return f'{lit(f"call:{name}{{")} {args} "}}"'
-
-
-def syntax_for(
-    name: str, *, json_options: Mapping[str, Any], free_args: str, custom_input: str
-) -> CallSyntax | None:
-    """The call syntax of a tool format (``shaping.toolcalls`` names), or None."""
-    if name in ("hermes", "generic"):
-        return JsonSyntax(name, free_args=free_args, custom_input=custom_input)
-    keyed: dict[str, type[_KeyedSyntax]] = {
-        "qwen3_coder": _QwenXmlSyntax,
-        "glm": _GlmSyntax,
-        "gemma4": _GemmaSyntax,
-    }
-    cls = keyed.get(name)
-    return cls(json_options) if cls is not None else None

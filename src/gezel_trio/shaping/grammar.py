@@ -86,16 +86,17 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import attrs
 import llguidance
 
 from ..core.constraint import Constraint, ConstraintKind
 from ..core.errors import InvalidRequest, shown
-from .call_syntax import CallSyntax, JsonSyntax, syntax_for
+from .call_syntax import CallSyntax, JsonSyntax, SyntaxOptions
 from .custom_tools import INPUT_PARAMETER, escaped_grammar, grammar_of
 from .grammar_bounds import lark_problem, regex_problem, schema_problem
+from .toolcalls import GENERIC, GRAMMAR_FORMATS, HERMES, TOOL_GRAMMAR_FORMATS, family
 
 __all__ = [
     "GRAMMAR_FORMATS",
@@ -126,19 +127,10 @@ MAX_SCHEMA_DEPTH: Final = 64
 
 log = logging.getLogger(__name__)
 
-# The tool formats (``shaping.toolcalls`` names) a grammar can be built for.
-ToolFormatName = Literal["hermes", "generic", "qwen3_coder", "gemma4", "glm"]
-GRAMMAR_FORMATS: Final = ("hermes", "generic", "qwen3_coder", "gemma4", "glm")
-
-# tool_grammar.format (the seed client's names, and ours for Qwen3-Coder) ->
-# the template markups it names. The seed's "hermes" meant the <tool_call>
-# family: Qwen 3.5/3.6 and Nemotron templates are Qwen3-Coder XML inside it.
-TOOL_GRAMMAR_FORMATS: Final[Mapping[str, tuple[str, ...]]] = {
-    "hermes": ("hermes", "qwen3_coder"),
-    "qwen3_coder": ("qwen3_coder",),
-    "gemma": ("gemma4",),
-    "glm": ("glm",),
-}
+# A tool format's name (``shaping.toolcalls``; ``GRAMMAR_FORMATS`` are those a
+# grammar can be built for). ``TOOL_GRAMMAR_FORMATS``: each name
+# tool_grammar.format takes -> the families it names.
+ToolFormatName = str
 TOOL_GRAMMAR_MODES: Final = ("name-only", "name-and-params")
 
 # A special token's name as llguidance's Lark reads one.
@@ -160,6 +152,10 @@ _JSON_OPTIONS: Final[Mapping[str, Any]] = {
 # name-only arguments in the JSON markups: any object.
 _ANY_OBJECT: Final = json.dumps(
     {"type": "object", "x-guidance": {**_JSON_OPTIONS, "lenient": True}}
+)
+
+_SYNTAX_OPTIONS: Final = SyntaxOptions(
+    json_options=_JSON_OPTIONS, free_args=_ANY_OBJECT, custom_input=INPUT_PARAMETER
 )
 
 # A function with no "parameters" takes none (OpenAI semantics): only {}.
@@ -203,7 +199,7 @@ def build_constraint(
     tools: Sequence[Mapping[str, Any]] | None,
     tool_choice: str | Mapping[str, Any] | None,
     tool_grammar: Mapping[str, Any] | None,
-    tool_format: ToolFormatName = "hermes",
+    tool_format: ToolFormatName = HERMES.name,
     llg_tokenizer: Any = None,
     custom_tools: Mapping[str, Mapping[str, Any] | None] | None = None,
     text_tokens: Sequence[str] = (),
@@ -225,12 +221,8 @@ def build_constraint(
     ``<channel|>``), which the text terminal could not otherwise produce.
     CPU-bound, no I/O; see the module docstring for timings.
     """
-    fmt = syntax_for(
-        tool_format,
-        json_options=_JSON_OPTIONS,
-        free_args=_ANY_OBJECT,
-        custom_input=INPUT_PARAMETER,
-    )
+    markup = family(tool_format)
+    fmt = markup.call_syntax(_SYNTAX_OPTIONS) if markup is not None else None
     if fmt is None:
         raise InvalidRequest(f"unsupported tool format {shown(tool_format)}", param="tool_format")
     response = _response_schema(response_format)
@@ -305,7 +297,7 @@ def build_constraint(
             )
         if not tools_active:
             return None  # tool_choice "none": the model is not to call tools at all
-        if fmt.name == "generic":
+        if fmt.name == GENERIC.name:
             # Free text must end where a call begins; with a special token as
             # the opener that is decided per token, but llguidance's greedy
             # lexer cannot stop free text before a plain-text opener.
@@ -628,7 +620,7 @@ def _dump_tools(value: Any) -> str:
 
 
 def _json_or_call_lark(schema: Mapping[str, Any], tools: Sequence[_Tool], fmt: CallSyntax) -> str:
-    if fmt.name == "generic":
+    if fmt.name == GENERIC.name:
         # Both alternatives are JSON objects: one JSON grammar with anyOf, as
         # an answer and a call that both open with "{" cannot be told apart
         # by llguidance's lexer when they are separate lexemes.

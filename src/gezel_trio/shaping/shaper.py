@@ -33,19 +33,13 @@ from .reasoning import (
     prompt_opens_thinking_tokens,
 )
 from .toolcalls import (
-    GEMMA4,
-    GENERIC,
-    GLM,
-    HERMES,
-    MISTRAL,
-    QWEN3_CODER,
     CallArgs,
     CallEnd,
     CallStart,
     Content,
     ToolCallSplitter,
     ToolEvent,
-    ToolFormat,
+    family,
     string_parameters,
 )
 
@@ -116,11 +110,6 @@ def _is_object(text: str) -> bool:
         return False
 
 
-_FORMATS: dict[str, ToolFormat] = {
-    f.name: f for f in (HERMES, QWEN3_CODER, MISTRAL, GENERIC, GEMMA4, GLM)
-}
-
-
 class Shaper:
     """Text in, shaped events out; ``message()`` is the assistant message so far."""
 
@@ -148,7 +137,7 @@ class Shaper:
             inside = prompt_opens_thinking_tokens(prompt, info.think_ids)
             kind = ThinkPassthrough if self._verbatim else ReasoningSplitter
             self._reasoning = kind(start, end, starts_inside=inside)
-        fmt = _FORMATS.get(info.tool_format or "") if tools else None
+        fmt = family(info.tool_format) if tools else None
         # Unknown template families stream content untouched: markers are
         # resolved from the template, never guessed from output.
         self._tools = (

@@ -62,13 +62,14 @@ async def open_test_engine(
 ) -> AsyncIterator[TestEngine]:
     """An engine over a scripted backend, its host loop a Trio task.
 
-    ``overrides`` sets any other ``EngineConfig`` field by name (an unknown
-    name is a ``TypeError``); the rest keep ``EngineConfig``'s defaults,
-    except the prefill step, the backend's own, and a cache budget small
-    enough for a test to fill."""
+    ``overrides`` sets any other engine setting by its flag's name, valued
+    as on the command line (``EngineConfig.from_flags``: ``max_queue=2``,
+    ``static_waves=True``; an unknown name is a ``TypeError``); the rest
+    keep ``EngineConfig``'s defaults, except the prefill step, the
+    backend's own, and a cache budget small enough for a test to fill."""
     backend = backend or ScriptedBackend()
     breakpoints = Breakpoints()
-    config = EngineConfig(
+    config = EngineConfig.from_flags(
         **{"prefill_step_size": backend.prefill_step, **overrides},
         cache_budget_mb=cache_budget_mb,
     )

@@ -23,12 +23,11 @@ import attrs
 
 from ..core.backend import (
     Admission,
+    BackendFigures,
     Captured,
     Detokenizer,
     MemoryFigures,
     PrefillOut,
-    RankStep,
-    SpecFigures,
     StepOutput,
     TokenOut,
 )
@@ -303,20 +302,16 @@ class ScriptedBackend:
         self.reclaims += 1
         self.buffer_bytes = 0
 
-    def rank_steps(self) -> tuple[RankStep, ...]:
-        return ()
-
-    def speculation_figures(self) -> SpecFigures:
-        return SpecFigures()  # the scripted backend never speculates
-
-    def memory_figures(self) -> MemoryFigures:
+    def figures(self) -> BackendFigures:
+        # It never speculates, and runs in one process (no ranks).
         self.peak_bytes = max(self.peak_bytes, self.memory_bytes)
-        return MemoryFigures(
+        memory = MemoryFigures(
             active=self.memory_bytes,
             peak=self.peak_bytes,
             cache=self.buffer_bytes,
             cache_limit=1 << 30,
         )
+        return BackendFigures(memory=memory)
 
     def reset(self, lane: Priority) -> None:
         for rid in [r for r, seq in self._seqs.items() if seq.request.priority == lane]:
@@ -326,6 +321,11 @@ class ScriptedBackend:
         self.closed = True
 
     # --- cache operations ---------------------------------------------------
+
+    @property
+    def states(self) -> ScriptedBackend:
+        """Its own state codec: the states are token tuples."""
+        return self
 
     def state_offsets(self, state: Any) -> list[int | None]:
         return [len(state.tokens) if state.trimmable else None]

@@ -42,15 +42,26 @@ whitespace, openers, the text between markers) are taken at C speed; only
 tokens of markup go through Python one by one.
 
 The modules behind this facade: ``_splitter`` (the marker search and the
-event stream), ``_events``, ``_format`` and ``_detect``, and one module per
-markup: ``_hermes`` (and ``_generic``, which reuses its body), ``_mistral``,
-``_qwen_xml``, ``_gemma`` (Gemma 4), ``_glm`` (GLM-4.5 to 4.7);
-``_json_lexer`` is the JSON lexer that Hermes and Mistral share, ``_tags``
-the reading of fixed tags that Qwen3-Coder, GLM and Gemma 4 share.
+event stream), ``_events``, ``_format``, and one module per markup family,
+which declares its ``ToolFormat``: how a template teaches it, the body
+scanner that reads a call, and the grammar that writes one (on
+``shaping.call_syntax``): ``_hermes`` (and ``_generic``, which reuses its
+body), ``_mistral``, ``_qwen_xml``, ``_gemma`` (Gemma 4), ``_glm`` (GLM-4.5
+to 4.7). ``_families`` lists the families once; every name of one is read
+there. ``_json_lexer`` is the JSON lexer that Hermes and Mistral share,
+``_tags`` the reading of fixed tags that Qwen3-Coder, GLM and Gemma 4 share.
 """
 
-from ._detect import detect_format, resolve_format
 from ._events import CallArgs, CallEnd, CallStart, Content, ToolEvent, collect, new_call_id
+from ._families import (
+    FAMILIES,
+    GRAMMAR_FORMATS,
+    TOOL_GRAMMAR_FORMATS,
+    TOOL_GRAMMAR_NAMES,
+    detect_format,
+    family,
+    resolve_format,
+)
 from ._format import ToolFormat
 from ._gemma import GEMMA4
 from ._generic import GENERIC
@@ -61,12 +72,16 @@ from ._qwen_xml import QWEN3_CODER
 from ._splitter import ToolCallSplitter, string_parameters
 
 __all__ = [
+    "FAMILIES",
     "GEMMA4",
     "GENERIC",
     "GLM",
+    "GRAMMAR_FORMATS",
     "HERMES",
     "MISTRAL",
     "QWEN3_CODER",
+    "TOOL_GRAMMAR_FORMATS",
+    "TOOL_GRAMMAR_NAMES",
     "CallArgs",
     "CallEnd",
     "CallStart",
@@ -76,6 +91,7 @@ __all__ = [
     "ToolFormat",
     "collect",
     "detect_format",
+    "family",
     "new_call_id",
     "resolve_format",
     "string_parameters",

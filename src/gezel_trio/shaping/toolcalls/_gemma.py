@@ -15,24 +15,27 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from typing import Any
 
 from .._markers import MarkerSeeker
+from ..call_syntax import KeyedSyntax, json_scalar, lit, regex_escape, value_kind
 from ._body import CLOSED, DONE, WS, Body, Owner, skip_ws
-from ._format import ToolFormat
+from ._format import BodyReader, ToolFormat
 from ._tags import TaggedBody, held_word
 
-__all__ = ["FIRST_CHARS", "GEMMA4", "STRING_DELIMITER", "GemmaBody", "open_body"]
-
-GEMMA4 = ToolFormat("gemma4", "<|tool_call>", "<tool_call|>", "gemma")
+__all__ = ["GEMMA4", "STRING_DELIMITER", "GemmaBody", "GemmaSyntax"]
 
 # A string's delimiter (one special token in Gemma 4's vocabulary).
 STRING_DELIMITER = '<|"|>'
 
-FIRST_CHARS = frozenset("c" + WS)
 
-
-def open_body(owner: Owner, fmt: ToolFormat) -> Body:
+def _open_body(owner: Owner, fmt: ToolFormat) -> Body:
     return GemmaBody(owner, fmt.end)
+
+
+def _teaches(chat_template: str) -> bool:
+    return "<|tool_call>" in chat_template and "<tool_call|>" in chat_template
 
 
 _HEAD = "call:"
@@ -243,3 +246,60 @@ class GemmaBody(TaggedBody):
                 self._owner._args('"')
                 self._state = _S_AFTER
         return j
+
+
+class GemmaSyntax(KeyedSyntax):
+    """Gemma 4: ``<|tool_call>call:NAME{key:VALUE,...}<tool_call|>``, strings
+    between ``<|"|>`` tokens, keys bare and sorted (the template's
+    ``dictsort``)."""
+
+    closing_texts = (STRING_DELIMITER, "}<tool_call|>", "}", "]")
+    extra_tokens = (STRING_DELIMITER,)
+    separated = True
+    sorted_keys = True
+
+    def shared_rules(self) -> list[str]:
+        s = STRING_DELIMITER
+        return [
+            'gemma_members: (gemma_member ("," gemma_member)*)?',
+            'gemma_member: GEMMA_KEY ":" gemma_value',
+            'gemma_value: gemma_string | GEMMA_NUMBER | "true" | "false" | "null"'
+            ' | "{" gemma_members "}" | "[" (gemma_value ("," gemma_value)*)? "]"',
+            f"gemma_string: {s} GEMMA_TEXT? {s}",
+            # Text cannot spell the delimiter: the parser would end the string there.
+            f"GEMMA_TEXT: /(?s:.+)/ & ~/(?s:.*){regex_escape(s)}(?s:.*)/",
+            r"GEMMA_KEY: /[A-Za-z_$][A-Za-z0-9_$]*/",
+            r"GEMMA_NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/",
+        ]
+
+    def free_args(self) -> str:
+        return "gemma_members"
+
+    def entry(self, key: str, schema: Any, options: Any, dump: Callable[[Any], str]) -> str:
+        head = lit(f"{key}:")
+        kind, values = value_kind(schema)
+        if kind == "enum":
+            alts = " | ".join(lit(v) for v in values)
+            return f"{head} {STRING_DELIMITER} ({alts}) {STRING_DELIMITER}"
+        if kind == "string":
+            return f"{head} gemma_string"
+        if kind == "json" and json_scalar(schema):
+            # Gemma 4 writes numbers, booleans and null as JSON does.
+            return f"{head} {self.json_value(schema, options, dump)}"
+        return f"{head} gemma_value"
+
+    def call(self, name: str, args: str) -> str:
+        return f'{lit(f"call:{name}{{")} {args} "}}"'
+
+
+GEMMA4 = ToolFormat(
+    "gemma4",
+    "<|tool_call>",
+    "<tool_call|>",
+    BodyReader(frozenset("c" + WS), _open_body),
+    teaches=_teaches,
+    grammar=GemmaSyntax,
+    # The seed's client's spelling, as tool_grammar.format took it before
+    # the family had one name.
+    client_names=("gemma",),
+)

@@ -10,21 +10,21 @@ import json
 import re
 
 from .._markers import MarkerSeeker
+from ..call_syntax import BareValueSyntax, lit
 from ._body import CLOSED, WS, Body, Owner, skip_ws
-from ._format import ToolFormat
+from ._format import BodyReader, ToolFormat
 from ._qwen_xml import param_json
 from ._tags import TaggedBody, held_word
 
-__all__ = ["FIRST_CHARS", "GLM", "GlmBody", "open_body"]
-
-GLM = ToolFormat("glm", "<tool_call>", "</tool_call>", "glm")
-
-# A GLM call opens with the bare function name.
-FIRST_CHARS = frozenset("_.:-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" + WS)
+__all__ = ["GLM", "GlmBody", "GlmSyntax"]
 
 
-def open_body(owner: Owner, fmt: ToolFormat) -> Body:
+def _open_body(owner: Owner, fmt: ToolFormat) -> Body:
     return GlmBody(owner, fmt.end)
+
+
+def _teaches(chat_template: str) -> bool:
+    return "<tool_call>" in chat_template and "<arg_key>" in chat_template
 
 
 _KEY_OPEN = "<arg_key>"
@@ -131,3 +131,44 @@ class GlmBody(TaggedBody):
             self.complete = True
             self.status = CLOSED
         return i
+
+
+class GlmSyntax(BareValueSyntax):
+    """GLM: ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE
+    </arg_value>\\n...</tool_call>``; the newlines are optional (GLM-4.7's
+    template writes none)."""
+
+    closing_texts = ("</arg_value>", "</tool_call>", "\n</tool_call>")
+
+    def shared_rules(self) -> list[str]:
+        return [
+            'glm_pair: "<arg_key>" GLM_KEY "</arg_key>" "\\n"? "<arg_value>" glm_text "\\n"?',
+            'glm_text[lazy]: /(?s:.*)/ "</arg_value>"',
+            r"GLM_KEY: /[A-Za-z_$][A-Za-z0-9_.$\-]*/",
+        ]
+
+    def free_args(self) -> str:
+        return "glm_pair*"
+
+    value_end = '"</arg_value>" "\\n"?'
+    free_value = 'glm_text "\\n"?'
+
+    def entry_head(self, key: str) -> str:
+        return f'{lit(f"<arg_key>{key}</arg_key>")} "\\n"? "<arg_value>"'
+
+    def call(self, name: str, args: str) -> str:
+        return f'{lit(name)} "\\n"? {args}'
+
+
+GLM = ToolFormat(
+    "glm",
+    "<tool_call>",
+    "</tool_call>",
+    # A GLM call opens with the bare function name.
+    BodyReader(
+        frozenset("_.:-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" + WS),
+        _open_body,
+    ),
+    teaches=_teaches,
+    grammar=GlmSyntax,
+)

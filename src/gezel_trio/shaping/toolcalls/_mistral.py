@@ -6,19 +6,19 @@ from __future__ import annotations
 import re
 
 from ._body import FAILED, RUNNING, Body, Owner
-from ._format import ToolFormat
+from ._format import BodyReader, ToolFormat
 from ._json_lexer import JsonBody
 
-__all__ = ["FIRST_CHARS", "MISTRAL", "NameArgsBody", "open_body"]
-
-MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "", "name_args")
-
-# A Mistral name is never empty.
-FIRST_CHARS = frozenset("_.-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+__all__ = ["MISTRAL", "NameArgsBody"]
 
 
-def open_body(owner: Owner, fmt: ToolFormat) -> Body:
+def _open_body(owner: Owner, fmt: ToolFormat) -> Body:
     return NameArgsBody(owner)
+
+
+def _teaches(chat_template: str) -> bool:
+    # Mistral's older JSON-list form is not supported: no "[ARGS]", no family.
+    return "[TOOL_CALLS]" in chat_template and "[ARGS]" in chat_template
 
 
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_.\-]*+")
@@ -70,3 +70,15 @@ class NameArgsBody:
         self.back = self._json.back
         self.complete = self._json.complete
         return j
+
+
+# A Mistral name is never empty. No grammar is built for this markup.
+MISTRAL = ToolFormat(
+    "mistral",
+    "[TOOL_CALLS]",
+    "",
+    BodyReader(
+        frozenset("_.-0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"), _open_body
+    ),
+    teaches=_teaches,
+)

@@ -9,19 +9,21 @@ import re
 from typing import Any
 
 from .._markers import MarkerSeeker
+from ..call_syntax import BareValueSyntax, lit
 from ._body import CLOSED, DONE, WS, Body, Owner, skip_ws
-from ._format import ToolFormat
+from ._format import BodyReader, ToolFormat
 from ._tags import TaggedBody
 
-__all__ = ["FIRST_CHARS", "QWEN3_CODER", "XmlBody", "open_body", "param_json"]
-
-QWEN3_CODER = ToolFormat("qwen3_coder", "<tool_call>", "</tool_call>", "xml")
-
-FIRST_CHARS = frozenset("<" + WS)
+__all__ = ["QWEN3_CODER", "QwenXmlSyntax", "XmlBody", "param_json"]
 
 
-def open_body(owner: Owner, fmt: ToolFormat) -> Body:
+def _open_body(owner: Owner, fmt: ToolFormat) -> Body:
     return XmlBody(owner, fmt.end)
+
+
+def _teaches(chat_template: str) -> bool:
+    t = chat_template
+    return "<tool_call>" in t and "<function=" in t and "<parameter=" in t
 
 
 _X_OPEN = 0  # before <function=
@@ -156,3 +158,53 @@ class XmlBody(TaggedBody):
         key = json.dumps(self._key, ensure_ascii=False)
         self._owner._args(("{" if not self._params else ", ") + key + ": " + value)
         self._params += 1
+
+
+class QwenXmlSyntax(BareValueSyntax):
+    """Qwen3-Coder: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
+    </parameter>\\n...</function>\\n</tool_call>``. A free value is any text
+    up to the first ``</parameter>`` (a lazy lexeme: the parser ends a value
+    there too)."""
+
+    closing_texts = (
+        "</parameter>\n",
+        "\n</parameter>\n",
+        "</function>\n</tool_call>",
+        "\n</function>\n</tool_call>",
+    )
+
+    def wrapped(self, body: str) -> str:
+        return f'{self.opener} "\\n" {body} "\\n" {self.closer}'
+
+    def shared_rules(self) -> list[str]:
+        return [
+            'xml_param: "<parameter=" XML_KEY ">\\n" xml_text "\\n"',
+            'xml_text[lazy]: /(?s:.*)/ "</parameter>"',
+            r"XML_KEY: /[A-Za-z_$][A-Za-z0-9_.$\-]*/",
+        ]
+
+    def free_args(self) -> str:
+        return "xml_param*"
+
+    value_end = '"\\n</parameter>\\n"'
+    free_value = 'xml_text "\\n"'
+
+    def entry_head(self, key: str) -> str:
+        return lit("<parameter=" + key + ">\n")
+
+    def call(self, name: str, args: str) -> str:
+        head = lit("<function=" + name + ">\n")
+        return f'{head} {args} "</function>"'
+
+
+QWEN3_CODER = ToolFormat(
+    "qwen3_coder",
+    "<tool_call>",
+    "</tool_call>",
+    BodyReader(frozenset("<" + WS), _open_body),
+    teaches=_teaches,
+    grammar=QwenXmlSyntax,
+    # The seed's client names the whole <tool_call> family "hermes": Qwen
+    # 3.5/3.6 and Nemotron templates are this markup inside it.
+    client_names=("hermes",),
+)

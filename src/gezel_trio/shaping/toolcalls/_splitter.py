@@ -6,8 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._markers import MarkerSeeker
-from . import _gemma, _glm, _hermes, _mistral, _qwen_xml
-from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, Owner, skip_ws
+from ._body import CLOSED, DONE, FAILED, RUNNING, WS, Body, skip_ws
 from ._events import CallArgs, CallEnd, CallStart, Content, ToolEvent, new_call_id
 from ._format import ToolFormat
 
@@ -35,16 +34,6 @@ def _is_string(schema: Any) -> bool:
     if isinstance(enum, list) and enum:
         return all(isinstance(v, str) for v in enum)
     return schema.get("type") == "string"
-
-
-# Each body syntax: the characters a call can begin with, and its body.
-_SYNTAX: dict[str, tuple[frozenset[str], Callable[[Owner, ToolFormat], Body]]] = {
-    "json": (_hermes.FIRST_CHARS, _hermes.open_body),
-    "xml": (_qwen_xml.FIRST_CHARS, _qwen_xml.open_body),
-    "name_args": (_mistral.FIRST_CHARS, _mistral.open_body),
-    "gemma": (_gemma.FIRST_CHARS, _gemma.open_body),
-    "glm": (_glm.FIRST_CHARS, _glm.open_body),
-}
 
 
 class _Trailer:
@@ -109,7 +98,8 @@ class ToolCallSplitter:
         self._new_id = id_factory
         self._opener = MarkerSeeker(fmt.start)
         self._start0 = fmt.start[0]
-        self._first, self._open_body = _SYNTAX[fmt.body]
+        self._first = fmt.body.first_chars
+        self._open_body = fmt.body.open
         self._events: list[ToolEvent] = []
         self._run: list[str] = []  # text of the Content or CallArgs being built
         self._run_kind: int | None = None  # -1: Content; otherwise a call index

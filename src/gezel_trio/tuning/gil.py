@@ -3,7 +3,7 @@
 Some models' prefill is a Python loop on the CPU: Qwen 3.5's linear-attention
 layers ran mlx-lm's ``gated_delta_ops``, one compiled call per token of the
 chunk, with the GIL held between them (``--gated-delta-prefill sequential``
-still does; ``mlx.gated_delta`` now builds a chunk's graph in a tenth of
+still does; ``tuning.gated_delta`` now builds a chunk's graph in a tenth of
 the time). A thread that wants the GIL waits a
 whole switch interval (Python's 5 ms) each time it asks, and the Trio thread
 asks several times to answer one request (after each wait on its sockets).

@@ -21,11 +21,15 @@ to OpenBLAS's ``NEEDED`` entry; a copy with the soname restored is loaded
 from an anonymous memory file (``memfd_create``), so nothing is written to
 disk.
 
-``preload()`` runs once, when ``gezel_trio`` is imported (its ``__init__``
-calls it before importing anything else). It does nothing:
+``preload()`` decides once per process, just before the first import of
+``mlx``: importing ``gezel_trio`` sets that up (``preload_before_mlx``), so
+a program that imports ``gezel_trio`` and then ``mlx`` gets OpenBLAS, and
+the CLI, which decides first with ``preload(tuned=...)`` from
+``--platform-tuning``, is still in time. It does nothing:
 
 * off Linux (macOS MLX uses Accelerate and Metal);
-* when ``GEZEL_TRIO_PRELOAD_BLAS=0`` (the switch to turn it off);
+* with ``tuned=False`` (``--platform-tuning off``);
+* when ``GEZEL_TRIO_PRELOAD_BLAS=0`` (the environment's switch);
 * when MLX's wheel does not ship the reference BLAS (a build against
   another BLAS needs no help);
 * when ``mlx`` is already imported: too late to change the binding, so it
@@ -38,26 +42,42 @@ which library provides ``cblas_sgemm`` to libraries loaded from then on.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import json
+import logging
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Final
 
-__all__ = ["ENV_SWITCH", "describe", "preload", "set_threads", "thread_count"]
+__all__ = [
+    "ENV_SWITCH",
+    "describe",
+    "preload",
+    "preload_before_mlx",
+    "set_threads",
+    "thread_count",
+]
 
 ENV_SWITCH: Final = "GEZEL_TRIO_PRELOAD_BLAS"
 _OPENBLAS_DIST: Final = "ngsolve-openblas"
 _GFORTRAN_SONAME: Final = "libgfortran.so.5"
+_OFF: Final = "MLX's own (platform tuning off)"
+
+log = logging.getLogger("gezel_trio.tuning")
 
 # What preload() did, for describe(); set once, at import time.
 _outcome: list[str] = []
 # The OpenBLAS preload() bound and the thread count it chose, when this
-# process may change that count (``mlx.step_threads``): not when
+# process may change that count (``tuning.step_threads``): not when
 # ``OPENBLAS_NUM_THREADS`` chose it.
 _control: list[tuple[ctypes.CDLL, int]] = []
 
@@ -76,19 +96,47 @@ def _wheel_file(dist: str, parent: str, prefix: str) -> Path | None:
     return None
 
 
-def preload() -> str:
-    """Bind MLX to OpenBLAS when that helps and is still possible; says what was done.
-
-    Idempotent; ``gezel_trio/__init__.py`` calls it first thing.
-    """
+def preload(tuned: bool = True) -> str:
+    """Bind MLX to OpenBLAS when that helps, is still possible and
+    ``tuned``; says what was done. The first call decides for the process
+    (a library once loaded stays): a later one that asks for the plain
+    path gets a warning in the log when OpenBLAS is bound already."""
     if not _outcome:
-        _outcome.append(_decide())
+        _outcome.append(_decide(tuned))
+    elif not tuned and _outcome[0].startswith("OpenBLAS"):
+        log.warning("platform tuning off, but MLX was bound to OpenBLAS when it first loaded")
     return _outcome[0]
 
 
-def _decide() -> str:
+class _BeforeMlx(importlib.abc.MetaPathFinder):
+    """Runs ``preload()`` when ``mlx`` is about to be imported, then leaves
+    ``sys.meta_path``; it finds nothing itself."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "mlx" or fullname.startswith("mlx."):
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self)
+            preload()
+        return None
+
+
+def preload_before_mlx() -> None:
+    """Have ``preload()`` run just before the first import of ``mlx``, by
+    whoever imports it; now, when ``mlx`` is imported already (too late:
+    it warns). ``gezel_trio/__init__.py`` calls it first thing."""
+    if "mlx.core" in sys.modules:
+        preload()
+    elif not _outcome:
+        sys.meta_path.insert(0, _BeforeMlx())
+
+
+def _decide(tuned: bool) -> str:
     if not sys.platform.startswith("linux"):
         return "MLX's own (not Linux)"
+    if not tuned:
+        return _OFF
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return f"MLX's reference BLAS (preload off: {ENV_SWITCH}=0)"
     if _wheel_file("mlx-cpu", "mlx_cpu.libs", "libblas") is None:
@@ -98,7 +146,7 @@ def _decide() -> str:
             "mlx was imported before gezel_trio, so MLX stays bound to the reference "
             "BLAS its wheel ships (about 30x slower matmuls on CPU); import gezel_trio first",
             RuntimeWarning,
-            stacklevel=4,  # _decide, preload, the package __init__, the importer
+            stacklevel=5,  # _decide, preload, preload_before_mlx, the package, its importer
         )
         return "MLX's reference BLAS (mlx was imported before gezel_trio)"
     library = _wheel_file(_OPENBLAS_DIST, "ngsolve_openblas", "libopenblas")

@@ -6,7 +6,7 @@ in the patch, a tool's output is quoted, the previous answer is restated.
 When the last ``n`` tokens of a sequence (its prompt and its output) occurred
 before, the tokens that followed them then are a cheap guess at what comes
 now, and the target model verifies the guess in one forward pass
-(``mlx.speculative``). No second model, no training: a table from each
+(``mlx.speculation``). No second model, no training: a table from each
 n-gram to where it last ended.
 
 ``NgramLookup`` indexes one sequence incrementally (O(``max_n``) per token)

@@ -27,7 +27,7 @@ threads pay), runs on all of them. A speculative verify counts its rows:
 one sequence verifying 3 proposals is 4 rows.
 
 The count is OpenBLAS's, the process's: ``StepThreads`` sets it on the host
-thread before each step (``mlx.blas.set_threads``), only when it changes,
+thread before each step (``tuning.blas.set_threads``), only when it changes,
 and sets all of them back when the backend closes. It does nothing where
 the process may not change it: ``OPENBLAS_NUM_THREADS`` set (that count is
 kept for every step), no OpenBLAS preloaded, or one thread in all.

@@ -52,7 +52,7 @@ Sizes: ``tiny`` (hidden 64, 4 layers, float32, about 2 MB) for tests and
 decode cost something measurable.
 
 All kinds share one tokenizer: a byte-level BPE trained at build time,
-deterministically, on the English text in ``demo_data/corpus.txt``, with the
+deterministically, on the English text in ``data/corpus.txt``, with the
 same normalizer, pre-tokenizer and decoder as Qwen's (transformers rebuilds
 qwen3_5 tokenizers that way whatever tokenizer.json says, so only that
 pipeline behaves the same for both kinds). Its alphabet is the byte symbols
@@ -95,7 +95,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, cast, get_args
 
-from .model_source import cache_root, materialize
+from ...mlx.model_source import cache_root, materialize
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -145,7 +145,7 @@ _QWEN_SPLIT: Final = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
     r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_DATA_DIR: Final = Path(__file__).resolve().parent / "demo_data"
+_DATA_DIR: Final = Path(__file__).resolve().parent / "data"
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,7 @@ def ensure_demo_model(
 ) -> Path:
     """Build the demo model if it is missing and return its directory.
 
-    Idempotent and safe against concurrent builders (``model_source.materialize``).
+    Idempotent and safe against concurrent builders (``mlx.model_source.materialize``).
     """
     target = demo_model_path(kind, size, root)
     return materialize(

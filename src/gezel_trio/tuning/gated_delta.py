@@ -43,21 +43,22 @@ mlx-lm's loop, to compare with mlx-lm to the bit.
 Calls shorter than ``MIN_TOKENS`` (a decode step, a speculative verify of a
 few tokens), calls with a gate per key dimension (``g`` of 4 dimensions),
 and calls while the default device is a GPU go to mlx-lm's own function.
-``install`` puts ``dispatch`` in mlx-lm's module in place of
-``gated_delta_ops``: mlx-lm looks that name up at each call, and it is the
-process's, so the last backend loaded decides for the process.
+``routed`` makes the function that decides; the backend has mlx-lm call it
+in place of ``gated_delta_ops`` only while its step runs
+(``mlx.mlx_lm_surface.gated_delta_kernel_as``), and mlx-lm's own is back
+after each step, so two backends in one process each run their own mode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final
 
 import mlx.core as mx
-from mlx_lm.models import gated_delta as _mlx_gated_delta
 
 from ..core.config import GATED_DELTA_PREFILLS
 
-__all__ = ["CHUNK", "MIN_TOKENS", "chunked", "install", "installed_mode"]
+__all__ = ["CHUNK", "MIN_TOKENS", "Routed", "chunked", "routed"]
 
 # Tokens per chunk: 32 ran a 512-token prompt in 7.5 ms, 64 in 10.9 (the
 # hybrid bench model's shapes); a shorter call is one chunk.
@@ -68,8 +69,6 @@ CHUNK: Final = 32
 MIN_TOKENS: Final = 16
 
 _TINY: Final = 1.1754944e-38  # the smallest normal float32
-_SEQUENTIAL: Final = _mlx_gated_delta.gated_delta_ops
-_mode: list[str] = ["sequential"]
 
 
 def chunked(
@@ -142,37 +141,34 @@ def chunked(
     return mx.moveaxis(y, 1, 2).astype(q.dtype), s
 
 
-def dispatch(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    g: mx.array,
-    beta: mx.array,
-    state: mx.array | None = None,
-    mask: mx.array | None = None,
-) -> tuple[mx.array, mx.array]:
-    """What mlx-lm calls in place of ``gated_delta_ops`` once installed."""
-    if (
-        _mode[0] == "chunked"
-        and q.shape[1] >= MIN_TOKENS
-        and g.ndim == 3
-        and mx.default_device() == mx.cpu
-    ):
-        return chunked(q, k, v, g, beta, state, mask)
-    out: tuple[mx.array, mx.array] = _SEQUENTIAL(q, k, v, g, beta, state, mask)
-    return out
+class Routed:
+    """What mlx-lm calls in place of ``gated_delta_ops`` while a backend's
+    step runs: ``chunked`` for a prompt on the CPU, mlx-lm's own function
+    (``sequential``) for everything else (the module docstring)."""
+
+    def __init__(self, sequential: Callable[..., Any]) -> None:
+        self.sequential = sequential
+
+    def __call__(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        g: mx.array,
+        beta: mx.array,
+        state: mx.array | None = None,
+        mask: mx.array | None = None,
+    ) -> tuple[mx.array, mx.array]:
+        if q.shape[1] >= MIN_TOKENS and g.ndim == 3 and mx.default_device() == mx.cpu:
+            return chunked(q, k, v, g, beta, state, mask)
+        out: tuple[mx.array, mx.array] = self.sequential(q, k, v, g, beta, state, mask)
+        return out
 
 
-def install(mode: str) -> None:
-    """Route mlx-lm's CPU prefill of the gated delta rule: ``chunked`` or
-    ``sequential`` (mlx-lm's token loop), for the whole process."""
+def routed(mode: str, sequential: Callable[..., Any]) -> Routed | None:
+    """The function mlx-lm should call for ``mode`` (``--gated-delta-prefill``)
+    over its own ``sequential`` one: ``None`` for ``sequential``, which is
+    mlx-lm's own loop for every call."""
     if mode not in GATED_DELTA_PREFILLS:
         raise ValueError(f"unknown gated-delta prefill {mode!r}")
-    module: Any = _mlx_gated_delta
-    module.gated_delta_ops = dispatch
-    _mode[0] = mode
-
-
-def installed_mode() -> str:
-    """What the process's prefill of the gated delta rule does now."""
-    return _mode[0] if _mlx_gated_delta.gated_delta_ops is dispatch else "sequential"
+    return Routed(sequential) if mode == "chunked" else None

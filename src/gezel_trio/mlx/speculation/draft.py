@@ -1,7 +1,7 @@
 """A draft model: a second, smaller model with the target's vocabulary
 that proposes the tokens the target verifies (``--draft-model``).
 
-Where the lookup (``mlx.lookup``) proposes only what recurs, a draft model
+Where the lookup (``mlx.speculation.lookup``) proposes only what recurs, a draft model
 guesses new text too. Each speculating sequence has its own draft state
 (``DraftState``): the draft's plain KV cache and the tokens it was fed.
 Before proposing, the state catches up with the sequence: it trims what
@@ -13,7 +13,7 @@ verifies a lookup's (a point mass ``q``).
 
 The draft runs per sequence, on the host thread, between the target's
 steps: ``k`` passes of the draft per proposing sequence, and what they cost
-is part of the verify step the gate measures (``mlx.speculative``), so a
+is part of the verify step the gate measures (``mlx.speculation``), so a
 draft that does not pay is not run.
 
 A finished sequence's state is kept (``DraftPool``, per cache salt, the
@@ -32,7 +32,7 @@ import attrs
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
-from ..core.errors import ModelLoadError
+from ...core.errors import ModelLoadError
 
 __all__ = ["DraftModel", "DraftPool", "DraftState", "check_pair"]
 
