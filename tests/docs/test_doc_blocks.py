@@ -18,8 +18,9 @@ fails. The kinds:
   name attributes the classes have.
 - ``json`` request bodies: POSTed to their route (named after the language,
   ```` ```json POST /v1/messages ````, or known by their fields).
-- client configurations (``toml`` for Codex, ``json`` for opencode, a shell
-  block's ``export`` lines for Claude Code and opencode): compared with what
+- client configurations (``toml`` for Codex, ``json`` for opencode and for
+  Claude Code's ``settings.json``, a shell block's ``export`` lines for
+  Claude Code and opencode): compared with what
   ``bench/scenarios/_real_clients.py`` writes when it drives that client,
   setting by setting, every difference listed below with its reason; each
   server address in them leads to the route the recorded client requested,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import inspect
 import json
 import os
@@ -67,6 +69,7 @@ from tests.support.doc_blocks import (
     exports,
     parse_blocks,
     product_env_names,
+    program_of,
 )
 from tests.support.process import Server
 
@@ -129,21 +132,21 @@ DOC_ONLY = {
     },
 }
 # Set by the bench, not by the doc: what a measured, unattended run needs.
+_SCRATCH = {"HOME": "a scratch home", "CODEX_HOME": "a scratch home"} | {
+    f"XDG_{d}_HOME": "a scratch home" for d in ("CONFIG", "DATA", "CACHE", "STATE")
+}
 DRIVER_ONLY = {
-    "codex": {
+    "codex": _SCRATCH
+    | {
         "approval_policy": "`codex exec` runs unattended",
         "sandbox_mode": "the scratch repository is read, not written",
         "model_providers.gezel.request_max_retries": "a failed request counts, unretried",
         "model_providers.gezel.stream_max_retries": "a failed stream counts, unretried",
     },
-    "opencode": {
-        "OPENCODE_DISABLE_CLAUDE_CODE": "the prompt must not depend on the machine's ~/.claude",
-        **{f"XDG_{d}_HOME": "a scratch home" for d in ("CONFIG", "DATA", "CACHE", "STATE")},
-    },
-    "claude-code": {},
+    "opencode": _SCRATCH
+    | {"OPENCODE_DISABLE_CLAUDE_CODE": "the prompt must not depend on the machine's ~/.claude"},
+    "claude-code": _SCRATCH,
 }
-for _client in DRIVER_ONLY.values():
-    _client |= {"HOME": "a scratch home", "CODEX_HOME": "a scratch home"}
 
 # Blocks that show one variant and are compared as a subset: the README's
 # (short forms of the client pages'), and these.
@@ -236,7 +239,7 @@ def check_shell(block: Block, ctx: Ctx) -> None:
     for words in found:
         if not check_command(words, ctx.env_names):
             run_curl(words, ctx.server)
-    agents = {AGENTS[w[0]] for w in found if w[0] in AGENTS}
+    agents = {AGENTS[program_of(w[0])] for w in found if program_of(w[0]) in AGENTS}
     for client in agents:
         compare(client, exports(block), driven_env(client), block)
         for value in exports(block).values():
@@ -269,8 +272,9 @@ def check_python(block: Block, ctx: Ctx) -> None:
     ns: dict[str, Any] = {"__name__": "doc_block", **{n: values[n] for n in free & set(values)}}
 
     async def run() -> None:
-        async with open_test_engine() as t:
-            ns["engine"] = t.engine
+        async with contextlib.AsyncExitStack() as stack:
+            if "engine" in free:
+                ns["engine"] = (await stack.enter_async_context(open_test_engine())).engine
             result = eval(code, ns)
             if inspect.iscoroutine(result):
                 await result
@@ -333,6 +337,9 @@ def check_json(block: Block, ctx: Ctx) -> None:
         raise AssertionError(f"not JSON: {exc}") from None
     if isinstance(value, dict) and value.get("$schema") == "https://opencode.ai/config.json":
         check_config("opencode", value, _real_clients.opencode_config(ADDRESS, 1024), block, ctx)
+        return
+    if isinstance(value, dict) and set(value) == {"env"}:  # Claude Code's settings.json
+        check_config("claude-code", value["env"], driven_env("claude-code"), block, ctx)
         return
     route = _route(block, value)
     response = httpx.post(ctx.server.url + route, json=value, timeout=60)
@@ -458,6 +465,7 @@ WRONG = {  # a block, and what the check says of it
         'model = "other"\n[model_providers.gezel]\nname = "gezel-trio"\n',
         "model = 'other', the bench drove 'gezel'",
     ),
+    "claude setting not driven": ("json", '{"env": {"ANTHROPIC_MODEL": "x"}}', "drove 'gezel'"),
     "unlisted illustration": ("text", "a picture\n", "ILLUSTRATIONS lacks"),
     "no info string": ("", "anything\n", "no info string"),
 }
@@ -469,3 +477,37 @@ def test_a_wrong_block_fails(case: str, ctx: Ctx) -> None:
     (block,) = parse_blocks("README.md", f"```{lang}\n{text}\n```\n")
     with pytest.raises(AssertionError, match=re.escape(says)):
         check_block(block, ctx)
+
+
+RIGHT = {  # what a shell reads as it does
+    "console prompts and output": "$ gezel-trio serve --help\nusage: gezel-trio serve ...\n",
+    "continued lines, comments": "gezel-trio serve \\\n    --port 8081  # a comment\n",
+    "substitution, separators": 'M=$(gezel-trio prepare-model); gezel-trio serve --model "$M" &',
+    "a launched program": "mlx.launch --hosts 127.0.0.1 -n 2 -- .venv/bin/gezel-trio serve",
+}
+
+
+@pytest.mark.parametrize("case", RIGHT)
+def test_a_right_shell_block_passes(case: str, ctx: Ctx) -> None:
+    lang = "console" if case.startswith("console") else "sh"
+    (block,) = parse_blocks("README.md", f"```{lang}\n{RIGHT[case]}\n```\n")
+    check_block(block, ctx)
+
+
+def test_commands_are_read_as_a_shell_reads_them() -> None:
+    text = (
+        "export A=http://h/#x B='1 # 2'  # a comment\n"
+        "M=$(gezel-trio prepare-model) && X=1 gezel-trio serve \\\n"
+        '    --model "$M" & python -m bench --list; echo done | cat\n'
+    )
+    (block,) = parse_blocks("README.md", f"  ```sh\n  {text.replace(chr(10), chr(10) + '  ')}```\n")
+    assert commands(block) == [
+        ["export", "A=http://h/#x", "B=1 # 2"],
+        ["gezel-trio", "prepare-model"],
+        ["gezel-trio", "serve", "--model", "$M"],
+        ["python", "-m", "bench", "--list"],
+        ["echo", "done"],
+        ["cat"],
+    ]
+    (console,) = parse_blocks("README.md", "```console\n$ gezel-trio --help\nusage: ...\n```\n")
+    assert commands(console) == [["gezel-trio", "--help"]]

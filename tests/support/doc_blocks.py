@@ -192,8 +192,11 @@ def check_gezel_trio(args: Sequence[str]) -> None:
     from gezel_trio import cli
 
     argv, profile = cli._command_line(list(args), seed_launch=False)
+    parsed = None
     with _argparse_exit("gezel-trio"):
         parsed = cli._parser(profile).parse_args(argv)
+    if parsed is None:
+        return  # --help: printed, exit status 0
     if parsed.command == "serve":
         try:  # the values' ranges, as `serve` checks them before loading
             cli.server_config(parsed, Path(parsed.model or "MODEL"))
