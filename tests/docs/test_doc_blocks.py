@@ -8,7 +8,7 @@ fails. The kinds:
   the real argument parsers of ``gezel-trio``, ``./dev``, ``python -m
   bench``, ``mlx.launch`` and ``vllm-router``; ``pip install``'s extras;
   ``export``'s variable names; a coding agent's command line against the
-  one the bench drives; ``curl`` run against the session's dense-model
+  one the bench drives; ``curl`` run against the shared dense-model
   server, answering 2xx.
 - ``python``: run, its ``http://127.0.0.1:8080`` the dense-model server's
   address, the names its prose defines bound (``PLACEHOLDERS``), and an
