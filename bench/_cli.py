@@ -140,24 +140,19 @@ def run_one(
     print(f"[{scenario.name}: {meta['wall_s']:.0f}s; wrote {written} in {out}]", file=sys.stderr)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    registry = scenarios.load()
+def plan(
+    registry: Mapping[str, Scenario], argv: Sequence[str] | None
+) -> tuple[argparse.Namespace, dict[str, dict[str, Any]]]:
+    """What ``argv`` asks for: the parsed flags and each chosen scenario's
+    resolved options, in run order (none with ``--list``). A bad command
+    line exits as argparse does, with status 2 and the reason on stderr."""
     p = parser(registry)
     args = p.parse_args(argv)
     unknown = [s for s in args.scenarios if s not in registry]
     if unknown:
         p.error(f"unknown scenario {unknown[0]!r}; --list names them")
     if args.list:
-        if args.scenarios:
-            for name in args.scenarios:
-                s = registry[name]
-                print(f"{name}: {s.doc.strip()}\n")
-        else:
-            width = max(map(len, registry)) + 2
-            for s in registry.values():
-                extra = "" if s.in_default_run else "  (not in the default run)"
-                print(f"{s.name:<{width}}{s.summary}{extra}")
-        return 0
+        return args, {}
     chosen = args.scenarios or [n for n, s in registry.items() if s.in_default_run]
     given = {name: getattr(args, _dest(name)) for name in shared_options(registry)}
     resolved: dict[str, dict[str, Any]] = {}
@@ -173,10 +168,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if stray:
         p.error(f"--{stray[0].replace('_', '-')} applies to none of {', '.join(chosen)}")
+    return args, resolved
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    registry = scenarios.load()
+    args, resolved = plan(registry, argv)
+    if args.list:
+        if args.scenarios:
+            for name in args.scenarios:
+                s = registry[name]
+                print(f"{name}: {s.doc.strip()}\n")
+        else:
+            width = max(map(len, registry)) + 2
+            for s in registry.values():
+                extra = "" if s.in_default_run else "  (not in the default run)"
+                print(f"{s.name:<{width}}{s.summary}{extra}")
+        return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     argv_list = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", "-m", "bench", *argv_list])
-    for name in chosen:
-        run_one(registry[name], resolved[name], args, command)
+    for name, options in resolved.items():
+        run_one(registry[name], options, args, command)
     return 0
