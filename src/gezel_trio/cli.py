@@ -28,7 +28,7 @@ from .stdout_protocol import LogFormatter, StdoutSettings
 from .testing.demo_models import DemoKind
 from .tuning import blas
 
-__all__ = ["main", "seed_server_path", "server_config"]
+__all__ = ["main", "seed_server_path", "serve_parser", "server_config", "setting_groups"]
 
 _C = TypeVar("_C")
 
@@ -64,6 +64,13 @@ def _setting_groups(cls: type, title: str) -> list[tuple[type, str]]:
     for _, part, heading in sections_of(cls):
         groups += _setting_groups(part, heading)
     return groups
+
+
+def setting_groups() -> list[tuple[type, str]]:
+    """Every settings class of ``serve``'s flags with its group's title,
+    in ``serve --help``'s order (``config_reference`` heads its page's
+    sections with them)."""
+    return [group for cls, title in _SETTINGS for group in _setting_groups(cls, title)]
 
 
 def _add_setting_flags(group: argparse._ArgumentGroup, cls: type) -> None:
@@ -132,26 +139,7 @@ def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", help="run the OpenAI-compatible server", formatter_class=_HelpFormatter
     )
-    s.add_argument(
-        "--profile",
-        choices=sorted(PROFILES),
-        default=profile,
-        help="a named set of defaults: 'seed' behaves as the seed sidecar where its client "
-        "depends on it (docs/migrating-from-the-seed.md); flags given win",
-    )
-    groups = {
-        part: s.add_argument_group(heading)
-        for cls, title in _SETTINGS
-        for part, heading in _setting_groups(cls, title)
-    }
-    for cls, group in groups.items():
-        _add_setting_flags(group, cls)
-    # The process's own, which main reads: no config holds them.
-    groups[ServerConfig].add_argument("--log-level", default="INFO", help="the stderr log's level")
-    _add_seed_flags(s)
-    # After every flag exists: the profile's values become their defaults,
-    # so --help shows them and a flag given still wins.
-    s.set_defaults(**PROFILES[profile])
+    _add_serve_flags(s, profile)
 
     m = sub.add_parser(
         "prepare-model",
@@ -175,6 +163,39 @@ def _parser(profile: str = STANDARD) -> argparse.ArgumentParser:
         "launch form (docs/migrating-from-the-seed.md)",
     )
     return p
+
+
+def serve_parser(profile: str = STANDARD) -> argparse.ArgumentParser:
+    """``serve``'s flags on a parser of their own, grouped and with the
+    defaults of ``profile`` as ``gezel-trio serve --help`` shows them."""
+    s = argparse.ArgumentParser(prog="gezel-trio serve", formatter_class=_HelpFormatter)
+    _add_serve_flags(s, profile)
+    return s
+
+
+def _add_serve_flags(s: argparse.ArgumentParser, profile: str) -> None:
+    """``serve``'s flags, a group per settings class (``setting_groups``)
+    then the seed's, the defaults those of ``profile``."""
+    s.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=profile,
+        help="a named set of defaults: 'seed' behaves as the seed sidecar where its client "
+        "depends on it (docs/migrating-from-the-seed.md); flags given win",
+    )
+    groups = {part: s.add_argument_group(heading) for part, heading in setting_groups()}
+    for cls, group in groups.items():
+        _add_setting_flags(group, cls)
+    # The process's own, which main reads: no config holds them.
+    groups[ServerConfig].add_argument(
+        "--log-level",
+        default="INFO",
+        help="the stderr log's level: DEBUG, INFO, WARNING, ERROR or CRITICAL",
+    )
+    _add_seed_flags(s)
+    # After every flag exists: the profile's values become their defaults,
+    # so --help shows them and a flag given still wins.
+    s.set_defaults(**PROFILES[profile])
 
 
 def seed_server_path() -> Path:

@@ -80,8 +80,11 @@ GRACE_FLUSH_S = 1.0
 
 @attrs.frozen
 class ServerConfig:
-    """The whole server's settings: the engine's, the HTTP edge's, the
-    stdout lines', and the process's own, declared like ``EngineConfig``'s
+    """The process's own settings, read by ``server`` (its port, its drain,
+    its stored Responses) and ``cli`` (the parent watch).
+
+    It holds the whole server's: the engine's, the HTTP edge's, the stdout
+    lines', and its own, declared like ``EngineConfig``'s
     (``core.settings``)."""
 
     engine: EngineConfig = attrs.field(factory=EngineConfig)
@@ -112,8 +115,8 @@ class ServerConfig:
     responses_budget_mb: float = setting(
         256.0,
         flag="--responses-budget-mb",
-        help="stored Responses (store: true) kept, least recently used dropped beyond it; "
-        "with --persist-dir also on disk",
+        help="MB of stored Responses (store: true) kept, least recently used dropped beyond "
+        "it; with --persist-dir also on disk",
         validator=attrs.validators.gt(0),
     )
 

@@ -111,7 +111,10 @@ def _interval(_: object, attr: attrs.Attribute[float], value: float) -> None:
 
 @attrs.frozen
 class StdoutSettings:
-    """``prefill_min_tokens``: a request prints markers only when it has at
+    """How often ``StdoutProtocol`` prints a request's liveness lines
+    (``stdout_protocol``).
+
+    ``prefill_min_tokens``: a request prints markers only when it has at
     least this many prompt tokens to prefill (cached ones do not count).
     ``prefill_interval``: seconds between two markers of one request.
     ``waiting_interval``: seconds between two ``waiting``/``paused`` lines

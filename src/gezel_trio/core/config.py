@@ -288,18 +288,19 @@ class CacheSettings:
     budget_mb: float = setting(
         2048.0,
         flag="--cache-budget-mb",
-        help="in-memory prompt-cache budget (LRU by real bytes)",
+        help="in-memory prompt-cache budget in MB (LRU by real bytes)",
         validator=_above(0),
     )
     persist_dir: Path | None = setting(
         None,
         flag="--persist-dir",
-        help="keep prompt-cache entries on disk across restarts",
+        help="a directory that keeps prompt-cache entries on disk across restarts; "
+        "unset: memory only",
     )
     disk_budget_mb: float = setting(
         8192.0,
         flag="--disk-cache-budget-mb",
-        help="on-disk prompt-cache budget; 0 = unbounded",
+        help="on-disk prompt-cache budget in MB (0: unbounded)",
         validator=_at_least(0),
     )
     # On: a dirty cache entry is written to disk soon after it is saved
@@ -316,7 +317,7 @@ class CacheSettings:
     shutdown_timeout: float = setting(
         30.0,
         flag="--shutdown-timeout",
-        help="bound on the shutdown flush of dirty cache entries to disk",
+        help="seconds the shutdown flush of dirty cache entries to disk may take",
         validator=_at_least(0),
     )
 
@@ -331,7 +332,8 @@ class MemorySettings:
     limit_mb: float | None = setting(
         None,
         flag="--memory-limit-mb",
-        help="above 85% of this much live MLX memory: no preemption, one request per wave",
+        help="the memory ceiling in MB: above 85% of it in live MLX memory, no preemption "
+        "and one request per wave; unset: no ceiling",
     )
     # Memory MLX may wire (pin) on Metal: the planned resident set, weights
     # plus KV, smaller than the ceiling. ``None``: MLX's own choice. The
@@ -341,7 +343,7 @@ class MemorySettings:
         flag="--wired-limit-mb",
         flag_type=int,
         zero_is_none=True,
-        help="memory MLX may wire (pin) on Metal: weights plus planned KV (0: MLX's default)",
+        help="MB that MLX may wire (pin) on Metal: weights plus planned KV (0: MLX's default)",
         validator=_optional_positive,
     )
     # How MLX's buffer cache (freed buffers kept for reuse) and wired limit
@@ -467,7 +469,7 @@ class KvEventsSettings:
     topic: str = setting(
         "",
         flag="--kv-events-topic",
-        help="the topic frame of every KV-event message (a subscriber's filter)",
+        help="the topic frame of every KV-event message (a subscriber's filter); empty by default",
     )
 
 
@@ -588,7 +590,7 @@ class ShapingSettings:
     template_render_seconds: float = setting(
         2.0,
         flag="--template-render-seconds",
-        help="time one request's chat_template_override may take to render (a 400 past it)",
+        help="seconds one request's chat_template_override may take to render (a 400 past it)",
         validator=_above(0),
     )
     template_max_chars: int = setting(
@@ -637,7 +639,8 @@ class ImageLimits:
         flag_type=float,
         per_unit=MIB,
         at_least=1,
-        help="largest image, as sent (the request body is bounded by --max-body-mb too)",
+        help="largest image as sent (base64 included), in MB; the request body is bounded "
+        "by --max-body-mb too",
         validator=_positive,
     )
     # At most Pillow's own decompression-bomb bound (89,478,485 pixels),

@@ -79,7 +79,11 @@ def _check_keys(keys: tuple[str, ...]) -> None:
 
 @attrs.frozen
 class HttpSettings:
-    """The HTTP edge's settings, declared like ``EngineConfig``'s (``core.settings``)."""
+    """The HTTP edge's settings: ``http.app`` reads them and hands each to
+    the part that applies it (``http.connections``, ``http.origins``,
+    ``http.tenancy``, the protocols' blueprints).
+
+    Declared like ``EngineConfig``'s (``core.settings``)."""
 
     host: str = setting("127.0.0.1", flag="--host", help="the address to listen on")
     # Each key is a tenant (``http.tenancy``); one given as a string is one key.
@@ -99,7 +103,11 @@ class HttpSettings:
         help="more keys, one a line (blank lines and # comments skipped), as --api-key",
     )
     max_body_bytes: int = setting(
-        8 * MIB, flag="--max-body-mb", flag_type=float, per_unit=MIB, help="largest request body"
+        8 * MIB,
+        flag="--max-body-mb",
+        flag_type=float,
+        per_unit=MIB,
+        help="largest request body, in MB",
     )
     # Each open connection holds a descriptor, each request in progress its
     # body, its parse and its stream; hypercorn bounds none of it
