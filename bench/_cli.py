@@ -84,7 +84,8 @@ def parser(registry: Mapping[str, Scenario]) -> argparse.ArgumentParser:
     return p
 
 
-def _commit() -> str:
+def _version() -> str:
+    """The code measured, as ``git describe`` names it (``-dirty`` when edited)."""
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
@@ -115,7 +116,7 @@ def run_one(
         "summary": scenario.summary,
         "command": command,
         "started": started,
-        "commit": _commit(),
+        "version": _version(),
         "cpus": os.cpu_count(),
         "wall_s": time.monotonic() - t0,
         "size": args.size,

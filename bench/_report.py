@@ -1,7 +1,7 @@
 """Writing a run down: ``<scenario>.json``, ``<scenario>.md`` and ``<scenario>.png``.
 
 The JSON file holds the run's settings (options, model size, command line,
-commit, load average, phase times) and the scenario's raw data; the markdown
+code version, load average, phase times) and the scenario's raw data; the markdown
 file its tables, notes and the scenario's documentation; the PNG its curves
 (matplotlib's Agg backend, one panel per ``Plot``). matplotlib comes with
 the ``bench`` extra; without it the PNG is skipped with a warning.
@@ -102,7 +102,7 @@ def _settings(meta: dict[str, Any]) -> list[str]:
     load = meta["loadavg"]
     opts = ", ".join(f"`{k}={v}`" for k, v in meta["options"].items())
     return [
-        f"`{meta['command']}` at {meta['started']} on commit `{meta['commit']}`, "
+        f"`{meta['command']}` at {meta['started']} on gezel-trio `{meta['version']}`, "
         f"{meta['cpus']} CPUs; wall {meta['wall_s']:.0f} s; 1-minute load average "
         f"{load['before'][0]:.2f} before, {load['after'][0]:.2f} after (a run keeps "
         "about one core busy: much more means something else shared the CPUs).",

@@ -30,12 +30,13 @@ and Anthropic's "Mid-conversation system messages" page)
     back as Claude Code received them: text (and thinking) blocks, then
     ``tool_use`` blocks, answered by a user message of ``tool_result`` blocks.
 
-Codex (read in github:openai/codex, ``codex-rs/core``: ``client_common.rs``
-``ResponsesApiRequest`` and ``tools::ToolSpec`` at commit
-001cb8e233f250c7086c791c51390286c087faea, ``client.rs``'s request builder,
-``tools/spec.rs`` ``create_exec_command_tool`` / ``create_shell_tool``, and
-the apply_patch grammar ``tools/handlers/tool_apply_patch.lark`` at commit
-71163530a46dc568775f9ee95a9b57de3385cd9a)
+Codex (read in ``codex-rs/core``: ``client_common.rs``
+``ResponsesApiRequest`` and ``tools::ToolSpec`` at
+openai/codex@001cb8e233f250c7086c791c51390286c087faea, ``client.rs``'s
+request builder, ``tools/spec.rs`` ``create_exec_command_tool`` /
+``create_shell_tool``, and the apply_patch grammar
+``tools/handlers/tool_apply_patch.lark`` at
+openai/codex@71163530a46dc568775f9ee95a9b57de3385cd9a)
     ``instructions`` (the base prompt), ``input`` the whole history re-sent
     every turn (never ``previous_response_id``): a developer message, the
     ``<environment_context>`` user message, the user's task, then every
@@ -60,6 +61,7 @@ import copy
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -466,30 +468,11 @@ def lark_compatible(grammar: str) -> str:
     return grammar.replace("/(.*)/", "/(.+)/?")
 
 
-CODEX_INSTRUCTIONS = """\
-You are Codex, based on GPT-5. You are running as a coding agent in the Codex CLI on \
-a user's computer.
-
-## General
-- The arguments to `exec_command` are run in a shell; always set `workdir`.
-- When searching for text or files, prefer `rg` or `rg --files` over `grep` and `find`.
-
-## Editing constraints
-- Default to ASCII when editing or creating files.
-- Use the `apply_patch` tool for single-file edits. Do not use it for changes that a \
-formatter or code generator makes.
-- You may be in a dirty git worktree. NEVER revert existing changes you did not make.
-- Never use destructive commands like `git reset --hard` unless the user asks for them.
-
-## Plan tool
-Use `update_plan` for non-trivial work: a short list of 1-sentence steps, one step \
-in_progress at a time. Do not make single-step plans.
-
-## Presenting your work
-- Be very concise and friendly, like a teammate handing off work.
-- Reference files as clickable paths: `src/app.ts:42`. Do not paste whole files.
-- Do not tell the user to "save" or "copy" a file: you share their machine.
-"""
+# Codex's base prompt in its own words (shortened), kept as data beside
+# this module.
+CODEX_INSTRUCTIONS = (Path(__file__).parent / "recorded" / "codex-instructions.txt").read_text(
+    "utf-8"
+)
 
 _APPLY_PATCH_DESCRIPTION = (
     "Use the `apply_patch` tool to edit files. This is a FREEFORM tool, so do not wrap "

@@ -1,4 +1,4 @@
-"""Fuzz every route of a real gezel-trio server (issue 9), at length.
+"""Fuzz every route of a real gezel-trio server, at length.
 
 Usage (from the repository root)::
 

@@ -1,4 +1,4 @@
-"""Soak: concurrent clients misbehaving on every protocol for a long time (issues 9, 20).
+"""Soak: concurrent clients misbehaving on every protocol for a long time.
 
 Usage (from the repository root)::
 
@@ -22,8 +22,9 @@ Each client loops over a random mix of:
   ``stall`` (a stream whose client stops reading, withdrawn by the server
   after ``--stall-timeout``);
 * bad requests, each of which must get a 4xx with an error body: ``bad``
-  (issue 9's table and other malformed bodies), ``template_bomb`` (a
-  ``chat_template_override`` that builds too much or loops for ever),
+  (``BAD_BODIES``: out-of-range numbers, lone surrogates, wrong types, an
+  unknown field), ``template_bomb`` (a ``chat_template_override`` that
+  builds too much or loops for ever),
   ``big_body`` (a ``/v1/completions`` body of about 8 MB of token ids),
   ``huge_images`` (eight 4000x4000 PNGs in one request).
 

@@ -44,8 +44,8 @@ TOOLS: list[dict[str, Any]] = [
             "description": "The time in a city",
             "parameters": {
                 "type": "object",
-                # An enum keeps the random-weight model's string short: a forced
-                # call that must complete within its budget is issue 12's work.
+                # An enum keeps the random-weight model's string short; closing a
+                # forced call within its budget is mlx/constraints.py's steer.
                 "properties": {"city": {"type": "string", "enum": ["Oslo", "Bergen"]}},
                 "required": ["city"],
                 "additionalProperties": False,

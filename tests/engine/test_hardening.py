@@ -1,4 +1,4 @@
-"""No request can hurt another (issue 9), on the scripted backend.
+"""No request can hurt another, on the scripted backend.
 
 Each scenario is a whole engine in one Trio run under ``MockClock`` (see
 ``tests/engine/test_scenarios.py``): a request's own failure fails it alone, a

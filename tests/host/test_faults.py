@@ -1,4 +1,4 @@
-"""Persistence under faults (issue 9): killed writers, a full disk, a
+"""Persistence under faults: killed writers, a full disk, a
 read-only disk, a directory removed while serving.
 
 * SIGKILL during a write, 200 trials: a writer process saves entries (1 MiB

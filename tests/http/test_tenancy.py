@@ -3,8 +3,8 @@
 In-process over the scripted backend (a token is a character, so a prompt's
 ``cached_tokens`` is exact and readable): two keys, ``alice`` and ``bob``,
 against one app, each request sent with its own ``Authorization`` header.
-The three leaks the review found, each of which these tests saw on the
-server before tenancy: ``/v1/cache/stats`` listed every tenant's ids, those
+The three leaks tenancy closes, each of which these tests saw on a server
+without it: ``/v1/cache/stats`` listed every tenant's ids, those
 ids then fetched (or deleted, or cancelled) another tenant's stored
 responses, and ``cached_tokens`` answered, character by character, how much
 of a guessed prompt another tenant had sent.
@@ -237,9 +237,9 @@ async def test_cached_tokens_says_nothing_of_another_tenants_prompt() -> None:
                 assert await alice.cached(SECRET + "Hello.") == len(SECRET + "Hello.") - 1
             return answers
 
-    # Guessing the code digit by digit: each right digit was one more cached
-    # token (17, 18, 19 ... in the review's run). Bob's answers are now what
-    # they are on a server Alice never spoke to: his own earlier guesses only.
+    # Guessing the code digit by digit: without tenancy each right digit was
+    # one more cached token (17, 18, 19 ...). Bob's answers are what they are
+    # on a server Alice never spoke to: his own earlier guesses only.
     assert await bob_guesses(alice_spoke=True) == await bob_guesses(alice_spoke=False)
 
 

@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 ROUTER = Path(sys.executable).parent / "vllm-router"
 HANG = 60
 # Conversations spread by consistent hashing over two replicas whose ports
-# are random: with 6, all of them landed on one replica in one of stop 42's
-# six runs (1 in 32 if the hash spreads them evenly); with 12, 1 in 2048.
+# are random: with 6, all of them landed on one replica in one of six runs
+# (1 in 32 if the hash spreads them evenly); with 12, 1 in 2048.
 CONVERSATIONS = 12
 
 

@@ -1,13 +1,13 @@
 """Request shapes as Codex (openai/codex, the Rust CLI) sends them.
 
 Recorded from openai/codex: the apply_patch Lark grammar is
-``codex-rs/core/src/tools/handlers/tool_apply_patch.lark`` at commit
-71163530a46dc568775f9ee95a9b57de3385cd9a (comment line included, as sent);
-the freeform tool's name and description from
+``codex-rs/core/src/tools/handlers/tool_apply_patch.lark`` at
+openai/codex@71163530a46dc568775f9ee95a9b57de3385cd9a (comment line
+included, as sent); the freeform tool's name and description from
 ``create_apply_patch_freeform_tool`` (``codex-rs/tools/src/apply_patch_tool.rs``),
 ``exec_command`` / ``write_stdin`` from ``codex-rs/tools/src/local_tool.rs`` at
-commit 13bdd524f296e2c7917bef959ad0a8f97bd16ed1 (the approval parameters
-left out), ``web_search`` as the hosted tool Codex adds when web search is on.
+openai/codex@13bdd524f296e2c7917bef959ad0a8f97bd16ed1 (the approval
+parameters left out), ``web_search`` as the hosted tool Codex adds when web search is on.
 The request fields are those ``codex-rs/core/src/client.rs`` sets on every
 Responses call: ``store: false``, ``include: ["reasoning.encrypted_content"]``,
 ``parallel_tool_calls``, ``tool_choice: "auto"``, ``reasoning``,

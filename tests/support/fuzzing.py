@@ -1,4 +1,4 @@
-"""Property-based fuzzing of every route (issue 9), shared by
+"""Property-based fuzzing of every route, shared by
 ``tests/http/test_fuzz.py`` (a bounded count in CI) and the ``fuzz`` bench
 scenario (``python -m bench fuzz``, ``bench/scenarios/fuzz.py``).
 
