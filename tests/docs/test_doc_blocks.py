@@ -84,20 +84,8 @@ ILLUSTRATIONS = {
     ("docs/migrating-from-the-seed.md", "Started server process [<pid>]"): (
         "the stdout lines' formats, with placeholders (tests/support/seed.py's regexes)"
     ),
-}
-
-# What the check says about blocks in files being rewritten elsewhere,
-# where this test fixes nothing: each entry goes when its block is fixed or
-# gone (a block that now passes, or an entry that names no block, fails).
-PENDING = {
-    ("docs/architecture.md", "src/gezel_trio/"): "no info string",
-    ("docs/architecture.md", "gezel-trio serve  (server.serve)"): "no info string",
-    ("docs/architecture.md", "shaping/"): "no info string",
-    ("docs/architecture.md", "HTTP handler "): "no info string",
-    ("docs/architecture.md", "root ─ [tok 0..63]"): "no info string",
-    ("docs/scale-out.md", "rank 0: gezel-trio serve "): "no info string",
-    ("docs/testing.md", "tests/"): "no info string",
-    ("docs/protocols.md", '"cache_miss": {'): "not JSON",
+    ("docs/architecture.md", "serve()  ── nursery"): "the server's task tree",
+    ("docs/protocols.md", '"cache_miss": {'): "a member of a response's usage, not a whole body",
 }
 
 # Names a python block uses that its prose defines, and what the test binds.
@@ -190,22 +178,11 @@ def ctx(dense_server: Server, dense_model: Path) -> Ctx:
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_block(block: Block, ctx: Ctx) -> None:
-    pending = listed(block, PENDING)
-    if pending is None:
-        check_block(block, ctx)
-        return
-    try:
-        check_block(block, ctx)
-    except AssertionError as exc:
-        said = str(exc)
-    else:
-        pytest.fail(f"{block.id} passes now: remove it from PENDING")
-    assert said.startswith(pending), f"PENDING says {pending!r}; the check now says {said}"
-    pytest.xfail(f"pending: {said}")
+    check_block(block, ctx)
 
 
 def test_every_listed_block_exists_once() -> None:
-    for table in (ILLUSTRATIONS, PENDING, VARIANTS):
+    for table in (ILLUSTRATIONS, VARIANTS):
         for entry in table:
             named = [b.id for b in BLOCKS if listed(b, {entry: "named"})]
             assert len(named) == 1, f"{entry} names {named or 'no block'}: one, please"
