@@ -1,7 +1,8 @@
 """Think blocks in streamed model output, split out as ``reasoning_content``.
 
-Pure string logic (stdlib and attrs only), used per sequence on the engine's
-host thread like :mod:`gezel_trio.shaping.text`: the detokenized text of each step
+Pure string logic (stdlib and attrs only), used per sequence in the
+request's task (``engine._chat``'s ``Shaper``), like
+:mod:`gezel_trio.shaping.text`: the detokenized text of each step
 goes into :meth:`ReasoningSplitter.feed`, and :class:`Reasoning` and
 :class:`Content` values come out. Markers that could still be forming at the
 end of a piece are held back until the next piece decides them, so any
