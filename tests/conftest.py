@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # The suite runs several servers at once on the same cores; OpenBLAS's
 # workers spin while they wait, so each process (and every server it
 # starts, which inherits this) computes on one BLAS thread. Set before the
@@ -23,3 +25,12 @@ pytest_plugins = [
     "tests.support.process",
     "tests.support.timeouts",
 ]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules marked ``slow`` (a server process, real MLX) run first.
+    ``./dev test``'s workers take a module each at a time in this order, so
+    the run ends on short in-process modules that fill whichever worker
+    frees first, not with one worker idle while the other runs a module of
+    a minute or more."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -266,13 +266,13 @@ def test_split_by_layers_two_ranks_answer_as_one_process_does(
 ) -> None:
     """SmolLM2's 9 heads do not divide between 2 ranks: each rank runs
     half its layers (``auto`` chooses it), and the arithmetic is one
-    process's, layer for layer."""
+    process's, layer for layer (two answers at once; the dense model's
+    tests also answer one at a time)."""
     want = [_answer(smollm2_server, p) for p in PROMPTS[:2]]
     group = _launch(smollm2_model)
     try:
         health = httpx.get(f"{group.url}/health", timeout=HANG).json()
         assert health["group"]["split"].startswith("by layers over 2 ranks"), health
-        assert [_answer(group, p) for p in PROMPTS[:2]] == want
         with ThreadPoolExecutor(2) as pool:
             assert list(pool.map(lambda p: _answer(group, p), PROMPTS[:2])) == want
     finally:
