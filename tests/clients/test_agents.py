@@ -10,24 +10,19 @@ cache serves whole."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2 as httpx
 import openai
 import pytest
-from agents import (
-    Agent,
-    ModelSettings,
-    OpenAIChatCompletionsModel,
-    RunConfig,
-    Runner,
-    function_tool,
-    set_tracing_disabled,
-)
-from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
-from agents.models.openai_provider import OpenAIProvider
 
 from tests.support.process import Server
+
+if TYPE_CHECKING:
+    from agents import Agent
+
+# The SDK is imported by the tests that drive it, not when the suite is
+# collected (a second of every worker's start).
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +30,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(smollm2_server: Server) -> Server:
     """The session's server on the default model (``tests.support.process``)."""
+    from agents import set_tracing_disabled
+
     set_tracing_disabled(True)
     return smollm2_server
 
@@ -70,6 +67,8 @@ def _run(rec: Recorded, work: Any) -> Any:
 
 
 def _agent(calls: list[str]) -> Agent[Any]:
+    from agents import Agent, ModelSettings, function_tool
+
     @function_tool
     def get_weather(city: str) -> str:
         """The current weather in a city."""
@@ -88,6 +87,8 @@ def _agent(calls: list[str]) -> Agent[Any]:
 
 
 def _check_run(result: Any, calls: list[str]) -> None:
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+
     kinds = [type(item) for item in result.new_items]
     assert kinds == [ToolCallItem, ToolCallOutputItem, MessageOutputItem]
     assert calls == ["Paris"]
@@ -98,6 +99,9 @@ def _check_run(result: Any, calls: list[str]) -> None:
 def test_agent_runs_through_responses_by_default(server: Server) -> None:
     # Streamed, so the SDK consumes our event sequence as it arrives; its
     # final result is built from the response.completed events.
+    from agents import RunConfig, Runner
+    from agents.models.openai_provider import OpenAIProvider
+
     rec = Recorded(server.url)
     calls: list[str] = []
     config = RunConfig(
@@ -123,6 +127,8 @@ def test_agent_runs_through_responses_by_default(server: Server) -> None:
 
 
 def test_agent_runs_through_chat_completions(server: Server) -> None:
+    from agents import OpenAIChatCompletionsModel, Runner
+
     rec = Recorded(server.url)
     calls: list[str] = []
     agent = _agent(calls).clone(

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import anthropic
 import lark
 import openai
 import pytest
@@ -47,6 +46,9 @@ from bench.scenarios._agent_shapes import (
     lark_compatible,
 )
 from tests.support.process import Server
+
+if TYPE_CHECKING:
+    import anthropic
 
 pytestmark = pytest.mark.slow
 
@@ -110,6 +112,8 @@ def _claude_turn(client: anthropic.Anthropic, body: dict[str, Any]) -> Claude:
 
 
 def test_claude_code_turns_keep_their_cache(server: Server) -> None:
+    import anthropic
+
     session = ClaudeCodeSession(max_tokens=8, prev_req=True, system_at=3, follow_up_at=4)
     headers: list[str] = []
     turns: list[tuple[int, int, int]] = []  # (prompt, cached, output) per turn

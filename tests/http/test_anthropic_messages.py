@@ -21,9 +21,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import httpx2 as httpx
 import jsonschema
 import pytest
@@ -37,6 +36,9 @@ from gezel_trio.http.app import HttpSettings
 from gezel_trio.shaping.shaper import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallDone
 from tests.support.process import Server, start_server, stop_server
 from tests.support.scripted import scripted_server
+
+if TYPE_CHECKING:
+    import anthropic
 
 KEY = "sekrit-key"
 
@@ -63,6 +65,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 def _client(url: str, **kw: Any) -> anthropic.Anthropic:
+    import anthropic
+
     return anthropic.Anthropic(
         base_url=url, api_key=KEY, max_retries=0, _strict_response_validation=True, **kw
     )
@@ -424,6 +428,8 @@ def test_the_stream_and_the_message_body_parse_to_the_same_message() -> None:
 
 
 def test_a_stop_sequence_is_reported_and_a_late_failure_is_an_error_event() -> None:
+    import anthropic
+
     message = {"role": "assistant", "content": "one two"}
     finished = ChatFinished("stop", USAGE, message, stop_sequence="three")
     client = _serve(_translate([TextDelta("one "), TextDelta("two"), finished]), {})
@@ -736,6 +742,8 @@ def scripted() -> Iterator[Server]:
 
 
 def test_errors_are_anthropic_errors(scripted: Server) -> None:
+    import anthropic
+
     with _client(scripted.url) as client, pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model="demo", max_tokens=0, messages=HELLO)
     assert bad.value.body["type"] == "error"  # type: ignore[index]
@@ -837,6 +845,8 @@ def test_errors_are_anthropic_errors(scripted: Server) -> None:
 @pytest.mark.slow
 def test_a_forced_tool_that_is_not_declared_is_an_anthropic_error(dense: Server) -> None:
     # The grammar compiler names it: a model that can constrain decoding.
+    import anthropic
+
     body = {"messages": HELLO, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}
     r = httpx.post(
         f"{dense.url}/v1/messages",

@@ -16,9 +16,8 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import httpx2 as httpx
 import pytest
 
@@ -31,6 +30,9 @@ from gezel_trio.http.cache_diagnostics import (
     system_block,
 )
 from tests.support.process import Server
+
+if TYPE_CHECKING:
+    import anthropic
 
 
 def _system(topic: str) -> tuple[str, str]:
@@ -169,6 +171,8 @@ def test_completions_and_responses_carry_the_miss_in_usage(dense_server: Server)
 
 @pytest.fixture(scope="module")
 def claude(dense_server: Server) -> Iterator[anthropic.Anthropic]:
+    import anthropic
+
     with anthropic.Anthropic(
         base_url=dense_server.url,
         api_key="unused",

@@ -7,13 +7,15 @@ turn reads the whole previous prompt from the cache, less at most one
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import httpx2 as httpx
 import pytest
 
 from tests.support.process import Server
+
+if TYPE_CHECKING:
+    pass
 
 BLOCK = 64
 NO_THINK = {"thinking": {"type": "disabled"}}
@@ -78,6 +80,8 @@ def _turns(
 ) -> list[tuple[int, int]]:
     """Three turns; each turn's (prompt tokens, tokens read from the cache).
     ``reminder``: a ``system``-role message before each later user turn."""
+    import anthropic
+
     client = anthropic.Anthropic(
         base_url=server.url, api_key="unused", max_retries=0, _strict_response_validation=True
     )
@@ -197,6 +201,8 @@ def _pinned_system(ttl: str | None) -> list[dict[str, Any]]:
 def test_cache_control_pins_the_system_turn_and_reports_the_write(
     which: str, request: pytest.FixtureRequest
 ) -> None:
+    import anthropic
+
     server: Server = request.getfixturevalue(f"{which}_server")
     client = anthropic.Anthropic(
         base_url=server.url, api_key="unused", max_retries=0, _strict_response_validation=True
@@ -243,6 +249,8 @@ def test_cache_control_pins_the_system_turn_and_reports_the_write(
 
 @pytest.mark.slow
 def test_more_than_four_breakpoints_is_a_400_naming_the_fifth(dense_server: Server) -> None:
+    import anthropic
+
     client = anthropic.Anthropic(base_url=dense_server.url, api_key="unused", max_retries=0)
     control = {"type": "ephemeral"}
     blocks = [{"type": "text", "text": f"part {i}", "cache_control": control} for i in range(3)]

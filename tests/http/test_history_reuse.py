@@ -17,13 +17,15 @@ reads another's cache."""
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import openai
 import pytest
 
 from tests.support.process import Server
+
+if TYPE_CHECKING:
+    pass
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +71,8 @@ def test_chat_completions_reuses_through_the_last_reply(server: Server) -> None:
 
 
 def test_messages_reuses_through_the_last_reply(server: Server) -> None:
+    import anthropic
+
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
     history: list[dict[str, Any]] = []
     turns = []

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anthropic
 import attrs
 import openai
 import pytest
@@ -28,6 +27,9 @@ from gezel_trio.http.app import HttpSettings
 from gezel_trio.server import ServerConfig, serve
 from gezel_trio.shaping.shaper import ToolCallDone
 from gezel_trio.testing import EOS, ScriptedBackend, open_test_engine
+
+if TYPE_CHECKING:
+    pass
 
 # The openai SDK's stream leaves its SSE generators to the garbage collector
 # after [DONE] (as tests/clients/test_clients.py notes).
@@ -171,6 +173,8 @@ async def test_responses_max_tool_calls(limits: dict[str, Any], expected: list[s
 
 @pytest.mark.parametrize("disable", [None, True])
 async def test_messages_disable_parallel_tool_use(disable: bool | None) -> None:
+    import anthropic
+
     choice: Any = {"type": "auto"}
     if disable is not None:
         choice["disable_parallel_tool_use"] = disable
