@@ -305,6 +305,36 @@ def test_thinking_is_free_until_the_end_tag(lm: Loaded) -> None:
     assert len(proc.mask_seconds) == len(tokens) - 5 + 1  # +1: the step run ahead
 
 
+class EosFirst:
+    """The model with its end-of-turn tokens winning every step."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __call__(self, inputs: mx.array, cache: Any = None, **kw: Any) -> mx.array:
+        logits = self._model(inputs, cache=cache, **kw)
+        boost = np.zeros(logits.shape[-1], dtype=np.float32)
+        boost[list(EOS)] = 50.0
+        return logits + mx.array(boost)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def test_the_turn_cannot_end_inside_the_think_block_before_a_forced_output(dense: Loaded) -> None:
+    """A forced output follows the think block: a model that would end its
+    turn at once thinks until the block is closed (here by force, as the
+    thinking budget closes it), then gives the output."""
+    c = constraint(response_format={"type": "json_schema", "json_schema": {"schema": PERSON}})
+    grammar = dense.processor(c, start_after_token=THINK_END)
+    procs: list[Processor] = [ForceAt(5, THINK_END), grammar]
+    [(tokens, finish)] = generate(EosFirst(dense.model), [dense.prompt], [procs], temp=1.0, seed=3)
+    assert not set(tokens[:5]) & set(EOS)
+    assert tokens[5] == THINK_END
+    assert finish == "stop"
+    jsonschema.validate(json.loads(body(dense, tokens[6:])), PERSON)
+
+
 class PaddedLogits:
     """The model with ``extra`` logits columns that would win if left unmasked."""
 
@@ -360,15 +390,22 @@ def test_mask_time_per_step(lm: Loaded) -> None:
 # --- the processor called directly ----------------------------------------
 
 
-def test_logits_untouched_until_start_token(dense: Loaded) -> None:
+def test_logits_untouched_but_for_the_end_of_turn_until_start_token(dense: Loaded) -> None:
     c = constraint(response_format={"type": "json_object"})
     proc = dense.processor(c, start_after_token=THINK_END)
     logits = mx.random.normal((1, dense.vocab))
+    others = [i for i in range(dense.vocab) if i not in EOS]
+
+    def untouched_but_eos(out: mx.array) -> bool:
+        return bool(mx.all(mx.isinf(out[:, list(EOS)]))) and bool(
+            mx.array_equal(out[:, others], logits[:, others])
+        )
+
     context = list(dense.prompt)
-    assert proc(mx.array(context), logits) is logits
+    assert untouched_but_eos(proc(mx.array(context), logits))
     for token in (500, 501, 4):
         context.append(token)
-        assert proc(mx.array(context), logits) is logits
+        assert untouched_but_eos(proc(mx.array(context), logits))
         assert not proc.active
     context.append(THINK_END)
     masked = proc(mx.array(context), logits)
